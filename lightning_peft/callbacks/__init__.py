@@ -1,0 +1,6 @@
+"""Lightning callbacks: thin glue over the pure-PyTorch techniques in :mod:`lightning_peft.peft`."""
+
+from lightning_peft.callbacks.lora import LoRA
+from lightning_peft.callbacks.merge_on_save import MergeOnSave
+
+__all__ = ["LoRA", "MergeOnSave"]

@@ -1,0 +1,34 @@
+"""Parameter-efficient fine-tuning in pure PyTorch (no Lightning import): LoRA and its PEFT-format I/O."""
+
+from lightning_peft.peft.io import load_adapter, peft_config, save_adapter
+from lightning_peft.peft.layers import LoRAConv2d, LoRAEmbedding, LoRALayer, LoRALinear
+from lightning_peft.peft.lora import (
+    LoRAConfig,
+    ParameterReport,
+    adapter_state_dict,
+    inject_lora,
+    lora_layers,
+    merge_lora,
+    merged_state_dict,
+    trainable_parameters,
+    unmerge_lora,
+)
+
+__all__ = [
+    "LoRAConfig",
+    "LoRAConv2d",
+    "LoRAEmbedding",
+    "LoRALayer",
+    "LoRALinear",
+    "ParameterReport",
+    "adapter_state_dict",
+    "inject_lora",
+    "load_adapter",
+    "lora_layers",
+    "merge_lora",
+    "merged_state_dict",
+    "peft_config",
+    "save_adapter",
+    "trainable_parameters",
+    "unmerge_lora",
+]

@@ -1,0 +1,169 @@
+"""The LoRA callback under a real Trainer: same result as the pure function, resume, adapter-only checkpoints."""
+
+from __future__ import annotations
+
+import logging
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_peft.callbacks import LoRA
+from lightning_peft.peft import LoRAConfig, adapter_state_dict, inject_lora, lora_layers
+
+LORA_ARGS = {"rank": 4, "alpha": 8.0, "target_modules": ["query", "value"], "modules_to_save": ["classifier"]}
+
+
+class Classifier(pl.LightningModule):
+    """A tiny BERT classifier: the Hugging Face model sits at ``self.model``, as in user code."""
+
+    def __init__(self, config, lr: float = 0.05) -> None:
+        super().__init__()
+        from transformers import BertForSequenceClassification
+
+        self.model = BertForSequenceClassification(config)
+        self.lr = lr
+        self.trainable_at_configure: int | None = None
+
+    def training_step(self, batch, batch_idx):
+        ids, labels = batch
+        return self.model(input_ids=ids, labels=labels).loss
+
+    def test_step(self, batch, batch_idx):
+        ids, labels = batch
+        self.log("test_loss", self.model(input_ids=ids, labels=labels).loss)
+
+    def configure_optimizers(self):
+        self.trainable_at_configure = sum(p.numel() for p in self.parameters() if p.requires_grad)
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+
+def loader() -> DataLoader:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (16, 8), generator=generator)
+    labels = torch.randint(0, 3, (16,), generator=generator)
+    return DataLoader(TensorDataset(ids, labels), batch_size=4, shuffle=False)
+
+
+def trainer(tmp_path, **kwargs) -> pl.Trainer:
+    defaults = {
+        "accelerator": "cpu", "devices": 1, "logger": False, "enable_progress_bar": False,
+        "enable_model_summary": False, "enable_checkpointing": False, "default_root_dir": tmp_path,
+    }
+    return pl.Trainer(**{**defaults, **kwargs})
+
+
+class RecordInitialAdapter(Callback):
+    def on_fit_start(self, trainer, pl_module):
+        self.state = {k: v.clone() for k, v in adapter_state_dict(pl_module.model).items()}
+
+
+def test_callback_under_trainer_equals_pure_function_in_plain_loop(tiny_bert_config, tmp_path):
+    module = Classifier(tiny_bert_config)
+    base_state = {k: v.clone() for k, v in module.model.state_dict().items()}
+    record = RecordInitialAdapter()
+    trainer(tmp_path, max_steps=6, callbacks=[LoRA(**LORA_ARGS), record]).fit(module, loader())
+
+    from transformers import BertForSequenceClassification
+
+    model = BertForSequenceClassification(tiny_bert_config)
+    model.load_state_dict(base_state)
+    inject_lora(model, LoRAConfig(**LORA_ARGS))
+    model.load_state_dict(record.state, strict=False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    model.train()
+    batches = list(loader())
+    for step in range(6):
+        ids, labels = batches[step % len(batches)]
+        optimizer.zero_grad()
+        model(input_ids=ids, labels=labels).loss.backward()
+        optimizer.step()
+
+    ours, plain = adapter_state_dict(module.model), adapter_state_dict(model)
+    assert ours.keys() == plain.keys()
+    for key in ours:
+        torch.testing.assert_close(ours[key], plain[key], rtol=1e-6, atol=1e-7)
+    assert not torch.equal(ours["classifier.weight"], record.state["classifier.weight"])  # it trained
+
+
+def test_injects_before_configure_optimizers_and_logs_the_report(tiny_bert_config, tmp_path, caplog):
+    module = Classifier(tiny_bert_config)
+    with caplog.at_level(logging.INFO):
+        trainer(tmp_path, max_steps=1, callbacks=[LoRA(**LORA_ARGS)]).fit(module, loader())
+    expected = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    assert module.trainable_at_configure == expected
+    assert expected == 2 * 2 * (4 * 16 + 16 * 4) + (3 * 16 + 3)
+    assert "LoRA: adapted 4 modules of BertForSequenceClassification (rank 4, alpha 8.0); trainable params: 563" in caplog.text
+
+
+def test_later_stages_reuse_the_adapter(tiny_bert_config, tmp_path):
+    module = Classifier(tiny_bert_config)
+    run = trainer(tmp_path, max_steps=2, callbacks=[LoRA(**LORA_ARGS)])
+    run.fit(module, loader())
+    layers = lora_layers(module.model)
+    run.test(module, loader())
+    assert lora_layers(module.model) == layers
+    assert run.callback_metrics["test_loss"].isfinite()
+
+
+def fit_epochs(config, tmp_path, epochs: int, adapter_only: bool, ckpt_path=None) -> Classifier:
+    torch.manual_seed(0)
+    module = Classifier(config)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1)
+    callbacks = [LoRA(**LORA_ARGS, adapter_only_checkpoint=adapter_only), checkpoint]
+    trainer(tmp_path, max_epochs=epochs, callbacks=callbacks, enable_checkpointing=True).fit(
+        module, loader(), ckpt_path=ckpt_path
+    )
+    return module
+
+
+@pytest.mark.parametrize("adapter_only", [False, True])
+def test_resumed_run_equals_straight_run(tiny_bert_config, tmp_path, adapter_only):
+    straight = fit_epochs(tiny_bert_config, tmp_path / "straight", 3, adapter_only)
+    fit_epochs(tiny_bert_config, tmp_path / "first", 1, adapter_only)
+    ckpt = tmp_path / "first" / "epoch=0.ckpt"
+    saved = torch.load(ckpt, weights_only=False)["state_dict"]
+    adapter_keys = {f"model.{k}" for k in adapter_state_dict(straight.model)}
+    if adapter_only:
+        assert set(saved) == adapter_keys  # nothing but the adapter and the classifier head
+    else:
+        assert adapter_keys < set(saved) and "model.bert.embeddings.word_embeddings.weight" in saved
+    resumed = fit_epochs(tiny_bert_config, tmp_path / "resumed", 3, adapter_only, ckpt_path=ckpt)
+    ours, reference = adapter_state_dict(resumed.model), adapter_state_dict(straight.model)
+    for key in reference:
+        assert torch.equal(ours[key], reference[key]), key
+    for key, value in straight.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[key], value), key
+
+
+def test_adapter_only_loading_still_rejects_a_full_state_dict_with_a_missing_key(tiny_bert_config, tmp_path):
+    module = Classifier(tiny_bert_config)
+    trainer(tmp_path, max_steps=1, callbacks=[LoRA(**LORA_ARGS, adapter_only_checkpoint=True)]).fit(module, loader())
+    state = module.state_dict()
+    del state["model.bert.embeddings.word_embeddings.weight"]
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"model.bert.embeddings.word_embeddings"):
+        module.load_state_dict(state)
+    adapter_only = {k: v for k, v in state.items() if k in {f"model.{a}" for a in adapter_state_dict(module.model)}}
+    module.load_state_dict(adapter_only)  # strict, and the base comes from the model itself
+
+
+def test_a_second_lora_config_on_an_adapted_model_is_refused(tiny_bert_config, tmp_path):
+    module = Classifier(tiny_bert_config)
+    trainer(tmp_path, max_steps=1, callbacks=[LoRA(**LORA_ARGS)]).fit(module, loader())
+    with pytest.raises(RuntimeError, match=r"LoRA: BertForSequenceClassification already has a LoRA adapter with "
+                                           r"another config"):
+        trainer(tmp_path, max_steps=1, callbacks=[LoRA(rank=2, target_modules=["key"])]).fit(module, loader())
+
+
+def test_unknown_model_attribute_is_refused(tiny_bert_config, tmp_path):
+    module = Classifier(tiny_bert_config)
+    with pytest.raises(ValueError, match=r"LoRA\(model_attribute='backbone'\): Classifier has no such submodule\. "
+                                         r"Its children: model"):
+        trainer(tmp_path, max_steps=1, callbacks=[LoRA(model_attribute="backbone", **LORA_ARGS)]).fit(module, loader())
+
+
+def test_static_arguments_are_checked_in_init():
+    with pytest.raises(ValueError, match=r"LoRA\(rank=-1\): rank must be a positive integer"):
+        LoRA(rank=-1)

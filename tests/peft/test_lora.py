@@ -1,0 +1,391 @@
+"""LoRA layers and model surgery against a float64 reference written here, plus exact properties and errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.testing import assert_close
+
+from lightning_peft.peft import (
+    LoRAConfig,
+    LoRAConv2d,
+    LoRAEmbedding,
+    LoRALinear,
+    adapter_state_dict,
+    inject_lora,
+    lora_layers,
+    merge_lora,
+    merged_state_dict,
+    trainable_parameters,
+    unmerge_lora,
+)
+
+
+def randomise(layers) -> None:
+    """Give every adapter non-zero values, so that no check passes because B starts at zero."""
+    with torch.no_grad():
+        for layer in layers.values() if isinstance(layers, dict) else layers:
+            for param in layer.adapter_parameters().values():
+                param.normal_(0.0, 0.5)
+
+
+def conv1d(n_in: int, n_out: int) -> nn.Module:
+    from transformers.pytorch_utils import Conv1D
+
+    layer = Conv1D(n_out, n_in)
+    nn.init.normal_(layer.weight)
+    nn.init.normal_(layer.bias)
+    return layer
+
+
+class Tiny(nn.Module):
+    """Two blocks of linear layers plus a head; names like a transformer's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 6)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"query": nn.Linear(6, 6), "value": nn.Linear(6, 6), "norm": nn.LayerNorm(6)}) for _ in range(2)
+        )
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)  # (B, T, 6)
+        for block in self.blocks:
+            h = block["norm"](h + block["query"](h).tanh() * block["value"](h))
+        return self.head(h.mean(1))  # (B, 3)
+
+
+# ----------------------------------------------------------------------------- layers against a reference
+
+
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_linear_matches_reference_float64(use_rslora):
+    base = nn.Linear(5, 7).double()
+    layer = LoRALinear(base, rank=3, alpha=6.0, use_rslora=use_rslora)
+    randomise([layer])
+    x = torch.randn(2, 4, 5, dtype=torch.float64, requires_grad=True)
+    a = layer.lora_A.weight.detach().clone().requires_grad_(True)  # (r, in)
+    b = layer.lora_B.weight.detach().clone().requires_grad_(True)  # (out, r)
+    s = 6.0 / (math.sqrt(3) if use_rslora else 3)
+    x_ref = x.detach().clone().requires_grad_(True)
+    ref = x_ref @ base.weight.T + base.bias + s * (x_ref @ a.T) @ b.T  # (2, 4, 7)
+    out = layer(x)
+    assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad)
+    assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
+    assert_close(layer.lora_A.weight.grad, a.grad, rtol=1e-12, atol=1e-12)
+    assert_close(layer.lora_B.weight.grad, b.grad, rtol=1e-12, atol=1e-12)
+    assert layer.scaling == pytest.approx(s)
+
+
+def test_conv1d_matches_reference_float64():
+    base = conv1d(5, 7).double()  # weight (in, out)
+    layer = LoRALinear(base, rank=2, alpha=4.0)
+    randomise([layer])
+    x = torch.randn(3, 5, dtype=torch.float64)
+    a, b = layer.lora_A.weight, layer.lora_B.weight
+    ref = x @ base.weight + base.bias + 2.0 * (x @ a.T) @ b.T
+    assert_close(layer(x), ref, rtol=1e-12, atol=1e-12)
+    assert layer.fan_in_fan_out
+    assert layer.delta_weight().shape == base.weight.shape
+
+
+def test_embedding_matches_reference_float64():
+    base = nn.Embedding(11, 4, padding_idx=0).double()
+    layer = LoRAEmbedding(base, rank=3, alpha=3.0)
+    randomise([layer])
+    ids = torch.tensor([[0, 3, 10], [5, 5, 1]])
+    a, b = layer.lora_embedding_A, layer.lora_embedding_B  # (r, V), (d, r)
+    ref = base.weight[ids] + (a.T[ids] @ b.T)
+    assert_close(layer(ids), ref, rtol=1e-12, atol=1e-12)
+    layer(ids).sum().backward()
+    assert torch.all(layer.lora_embedding_A.grad[:, 0] == 0)  # padding row gets no gradient, as in the base
+
+
+def test_conv2d_matches_reference_float64():
+    base = nn.Conv2d(3, 4, kernel_size=3, stride=2, padding=1).double()
+    layer = LoRAConv2d(base, rank=2, alpha=2.0)
+    randomise([layer])
+    x = torch.randn(2, 3, 9, 9, dtype=torch.float64)
+    a, b = layer.lora_A.weight, layer.lora_B.weight  # (r, in, 3, 3), (out, r, 1, 1)
+    ref = base(x) + F.conv2d(F.conv2d(x, a, stride=2, padding=1), b)
+    assert_close(layer(x), ref, rtol=1e-12, atol=1e-12)
+    merge_weight = base.weight + layer.delta_weight()
+    assert_close(F.conv2d(x, merge_weight, base.bias, stride=2, padding=1), ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("factory", [lambda: nn.Linear(5, 7), lambda: conv1d(5, 7), lambda: nn.Embedding(9, 5)])
+def test_dropout_only_touches_the_adapter_path(factory):
+    base = factory().double()
+    layer = (LoRAEmbedding if isinstance(base, nn.Embedding) else LoRALinear)(base, rank=2, alpha=2.0, dropout=0.5)
+    layer.train()
+    x = torch.randint(0, 9, (4, 3)) if isinstance(base, nn.Embedding) else torch.randn(4, 5, dtype=torch.float64)
+    assert torch.equal(layer(x), base(x))  # B = 0: dropout must not change the base output
+
+
+# ----------------------------------------------------------------------------- exact properties
+
+
+def test_zero_initialised_adapter_reproduces_base_exactly():
+    model = Tiny().double()
+    ids = torch.randint(0, 10, (3, 5))
+    expected = model(ids)
+    inject_lora(model, rank=2, target_modules=["query", "value", "embed"])
+    assert torch.equal(model(ids), expected)
+
+
+def test_zero_initialised_adapter_reproduces_hf_bert_exactly(tiny_bert_config):
+    from transformers import BertForSequenceClassification
+
+    model = BertForSequenceClassification(tiny_bert_config).eval()
+    ids = torch.randint(0, 64, (2, 9))
+    expected = model(input_ids=ids).logits
+    inject_lora(model, rank=4, target_modules="all-linear", init="gaussian")
+    assert torch.equal(model(input_ids=ids).logits, expected)
+
+
+def test_merge_equals_unmerged_and_is_idempotent_and_reversible():
+    model = Tiny().double()
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    randomise(inject_lora(model, rank=3, alpha=5, target_modules=["query", "value", "embed"]))
+    ids = torch.randint(0, 10, (4, 6))
+    unmerged = model(ids)
+    assert sorted(merge_lora(model)) == ["blocks.0.query", "blocks.0.value", "blocks.1.query", "blocks.1.value", "embed"]
+    assert_close(model(ids), unmerged, rtol=1e-12, atol=1e-12)
+    once = {k: v.clone() for k, v in model.state_dict().items()}
+    assert merge_lora(model) == []
+    assert all(torch.equal(once[k], v) for k, v in model.state_dict().items())  # merge twice == merge once
+    unmerge_lora(model)
+    restored = {k.replace("base_layer.", ""): v for k, v in model.state_dict().items()}
+    for key, value in original.items():
+        assert_close(restored[key], value, rtol=1e-13, atol=1e-13)
+    assert_close(model(ids), unmerged, rtol=1e-12, atol=1e-12)
+
+
+def test_merge_in_float32_restores_within_one_rounding():
+    model = Tiny()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    randomise(inject_lora(model, rank=2, target_modules=["query"]))
+    merge_lora(model)
+    unmerge_lora(model)
+    assert_close(model.blocks[0]["query"].base_layer.weight, weights["blocks.0.query.weight"], rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_merge_is_computed_in_float32(dtype):
+    base = nn.Linear(16, 8).to(dtype)
+    layer = LoRALinear(base, rank=4, alpha=8.0)
+    assert layer.lora_A.weight.dtype == torch.float32  # half-precision bases get float32 adapters
+    randomise([layer])
+    expected = (base.weight.float() + 2.0 * layer.lora_B.weight @ layer.lora_A.weight).to(dtype)
+    layer.merge()
+    assert torch.equal(base.weight, expected)
+    x = torch.randn(3, 16).to(dtype)
+    assert layer(x).dtype == dtype
+
+
+def test_non_finite_merge_is_refused_and_rolled_back():
+    model = Tiny()
+    layers = inject_lora(model, rank=2, target_modules=["query"])
+    randomise(layers)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        layers["blocks.1.query"].lora_B.weight.fill_(float("inf"))
+    with pytest.raises(RuntimeError, match=r"merge_lora: layer 'blocks.1.query'.*would write inf or NaN"):
+        merge_lora(model)
+    assert not any(layer.merged for layer in layers.values())  # blocks.0 was merged, then rolled back
+    assert_close(model.blocks[0]["query"].base_layer.weight, before["blocks.0.query.base_layer.weight"])
+    assert torch.equal(model.blocks[1]["query"].base_layer.weight, before["blocks.1.query.base_layer.weight"])
+    with pytest.raises(RuntimeError, match="merged_state_dict: layer 'blocks.1.query'"):
+        merged_state_dict(model)
+
+
+def test_only_adapter_parameters_get_gradients():
+    model = Tiny()
+    randomise(inject_lora(model, rank=2, target_modules=["query", "embed"], modules_to_save=["head"]))
+    model(torch.randint(0, 10, (2, 4))).sum().backward()
+    with_grad = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert with_grad == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert with_grad == {
+        "embed.lora_embedding_A", "embed.lora_embedding_B", "head.weight", "head.bias",
+        *(f"blocks.{i}.query.lora_{m}.weight" for i in range(2) for m in "AB"),
+    }
+
+
+def test_merged_state_dict_loads_into_the_original_model_and_leaves_training_weights_alone():
+    model = Tiny().double()
+    fresh = Tiny().double()
+    fresh.load_state_dict(model.state_dict())
+    randomise(inject_lora(model, rank=2, target_modules=["query", "value", "embed"]))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fresh.load_state_dict(merged_state_dict(model))  # strict: same keys as the un-adapted model
+    ids = torch.randint(0, 10, (3, 4))
+    assert_close(fresh(ids), model(ids), rtol=1e-12, atol=1e-12)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+# ----------------------------------------------------------------------------- selection and freezing
+
+
+def test_inject_returns_the_replaced_modules_and_freezes_the_rest():
+    model = Tiny()
+    original = model.blocks[0]["query"]
+    layers = inject_lora(model, rank=2, target_modules=["query"])
+    assert list(layers) == ["blocks.0.query", "blocks.1.query"]
+    assert layers["blocks.0.query"].base_layer is original  # wrapped, not copied
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {f"blocks.{i}.query.lora_{m}.weight" for i in range(2) for m in "AB"}
+    report = trainable_parameters(model)
+    assert report.trainable == 2 * (2 * 6 + 6 * 2)
+    assert report.total == sum(p.numel() for p in model.parameters())
+    assert report.percent == pytest.approx(100 * report.trainable / report.total)
+    assert "trainable params: 48" in str(report)
+
+
+def test_target_rules_list_suffix_regex_exclude_and_all_linear():
+    names = lambda **kw: sorted(inject_lora(Tiny(), rank=1, **kw))  # noqa: E731
+    assert names(target_modules=["0.query"]) == ["blocks.0.query"]
+    assert names(target_modules=r"blocks\.\d\.(query|value)", exclude_modules=["1.value"]) == [
+        "blocks.0.query", "blocks.0.value", "blocks.1.query"
+    ]
+    # all-linear: every linear layer but the output head (here the last linear, there being no output embeddings)
+    assert names(target_modules="all-linear") == ["blocks.0.query", "blocks.0.value", "blocks.1.query", "blocks.1.value"]
+    assert names(target_modules=["query", "head"], modules_to_save=["head"]) == ["blocks.0.query", "blocks.1.query"]
+
+
+def test_all_linear_skips_the_lm_head_of_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=8, n_layer=1, n_head=2, n_positions=16))
+    chosen = inject_lora(model, rank=2, target_modules="all-linear")
+    assert "lm_head" not in chosen
+    assert sorted(chosen) == [f"transformer.h.0.{m}" for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    assert all(layer.fan_in_fan_out for layer in chosen.values())  # Conv1D
+
+
+def test_rank_and_alpha_patterns_override_per_module():
+    layers = inject_lora(Tiny(), rank=4, alpha=8, target_modules=["query", "value"],
+                         rank_pattern={r"1\.query": 2}, alpha_pattern={"value": 1.0})
+    assert layers["blocks.1.query"].rank == 2 and layers["blocks.1.query"].scaling == 4.0
+    assert layers["blocks.0.query"].rank == 4 and layers["blocks.0.query"].scaling == 2.0
+    assert layers["blocks.0.value"].rank == 4 and layers["blocks.0.value"].scaling == 0.25
+
+
+@pytest.mark.parametrize(("bias", "expected"), [
+    ("none", set()),
+    ("lora_only", {"blocks.0.query.base_layer.bias", "blocks.1.query.base_layer.bias"}),
+    ("all", {"blocks.0.query.base_layer.bias", "blocks.1.query.base_layer.bias", "blocks.0.value.bias",
+             "blocks.1.value.bias", "blocks.0.norm.bias", "blocks.1.norm.bias", "head.bias"}),
+])
+def test_bias_modes(bias, expected):
+    model = Tiny()
+    inject_lora(model, rank=1, target_modules=["query"], bias=bias)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n}
+    assert trainable == expected
+    assert expected <= set(adapter_state_dict(model))
+
+
+def test_gaussian_and_kaiming_init_start_at_zero_update():
+    for init in ("kaiming", "gaussian"):
+        layer = LoRALinear(nn.Linear(64, 64), rank=8, alpha=8.0, init=init)
+        assert torch.count_nonzero(layer.lora_B.weight) == 0
+        assert torch.count_nonzero(layer.delta_weight()) == 0
+        assert layer.lora_A.weight.std() > 0
+    gaussian = LoRALinear(nn.Linear(512, 512), rank=4, alpha=1.0, init="gaussian")
+    assert gaussian.lora_A.weight.std().item() == pytest.approx(1 / 4, rel=0.05)
+
+
+def test_inject_does_not_mutate_the_config_or_its_lists():
+    targets = ["query"]
+    config = LoRAConfig(rank=2, target_modules=targets)
+    inject_lora(Tiny(), config)
+    assert targets == ["query"] and config.target_modules == ["query"]
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"rank": 0}, ValueError, r"LoRA\(rank=0\): rank must be a positive integer"),
+    ({"rank": 2.5}, ValueError, r"LoRA\(rank=2.5\): rank must be a positive integer"),
+    ({"alpha": 0}, ValueError, r"LoRA\(alpha=0\): alpha must be a positive number"),
+    ({"alpha": -1.0}, ValueError, r"LoRA\(alpha=-1.0\): alpha must be a positive number"),
+    ({"dropout": 1.0}, ValueError, r"LoRA\(dropout=1.0\): dropout must be a probability in \[0, 1\)"),
+    ({"dropout": -0.1}, ValueError, r"LoRA\(dropout=-0.1\): dropout must be a probability"),
+    ({"target_modules": []}, TypeError, r"LoRA\(target_modules=\[\]\): give a non-empty list"),
+    ({"target_modules": "query("}, ValueError, r"is not a valid regular expression"),
+    ({"modules_to_save": "head"}, TypeError, r"LoRA\(modules_to_save='head'\): give a list"),
+    ({"rank_pattern": {"q": 0}}, ValueError, r"LoRA\(rank_pattern\['q'\]=0\): rank must be a positive integer"),
+    ({"alpha_pattern": {"q": -2}}, ValueError, r"LoRA\(alpha_pattern\['q'\]=-2\): alpha must be"),
+    ({"bias": "some"}, ValueError, r"LoRA\(bias='some'\): bias must be 'none', 'lora_only' or 'all'"),
+    ({"init": "pissa"}, ValueError, r"LoRA\(init='pissa'\): init must be 'kaiming' or 'gaussian'"),
+])
+def test_config_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        LoRAConfig(**kwargs)
+
+
+def test_targets_that_match_nothing_list_the_modules_the_model_has(tiny_bert_config):
+    from transformers import BertModel
+
+    with pytest.raises(ValueError, match=r"LoRA\(target_modules=\['q_proj'\]\) matched no module of BertModel\. "
+                       r"Modules it can adapt: word_embeddings, .*query \(x2\), key \(x2\), value \(x2\), dense \(x7\)"):
+        inject_lora(BertModel(tiny_bert_config), target_modules=["q_proj"])
+
+
+def test_unsupported_target_type_is_refused_and_nothing_changes():
+    model = Tiny()
+    before = dict(model.named_modules())
+    with pytest.raises(TypeError, match=r"matched 'blocks.0.norm' of type LayerNorm and others; LoRA supports Linear"):
+        inject_lora(model, target_modules=["norm", "query"])
+    assert dict(model.named_modules()) == before
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_grouped_conv_is_refused():
+    with pytest.raises(TypeError, match=r"'0' is a grouped Conv2d \(groups=2\); only groups=1"):
+        inject_lora(nn.Sequential(nn.Conv2d(4, 4, 3, groups=2)), target_modules=["0"])
+
+
+def test_modules_to_save_that_match_nothing():
+    with pytest.raises(ValueError, match=r"LoRA\(modules_to_save=\['classifier'\]\): \['classifier'\] matched no module"):
+        inject_lora(Tiny(), target_modules=["query"], modules_to_save=["classifier"])
+
+
+def test_injecting_twice_is_refused():
+    model = Tiny()
+    inject_lora(model, target_modules=["query"])
+    with pytest.raises(RuntimeError, match=r"already has 2 LoRA layers .*'blocks.0.query'.*injected twice"):
+        inject_lora(model, target_modules=["value"])
+
+
+def test_config_and_keywords_together_are_refused():
+    with pytest.raises(TypeError, match=r"pass either config or keyword arguments, not both \(got \['rank'\]\)"):
+        inject_lora(Tiny(), LoRAConfig(target_modules=["query"]), rank=2)
+
+
+def test_unmerge_when_not_merged_is_refused():
+    model = Tiny()
+    layers = inject_lora(model, target_modules=["query"])
+    with pytest.raises(RuntimeError, match=r"unmerge_lora: no LoRA layer of Tiny is merged; call merge_lora first"):
+        unmerge_lora(model)
+    with pytest.raises(RuntimeError, match=r"LoRALinear.unmerge\(\): the layer is not merged"):
+        layers["blocks.0.query"].unmerge()
+
+
+def test_adapter_state_dict_without_adapter_is_refused():
+    with pytest.raises(RuntimeError, match=r"adapter_state_dict: Tiny has no LoRA adapter; call inject_lora"):
+        adapter_state_dict(Tiny())
+
+
+def test_lora_layers_lists_every_layer():
+    model = Tiny()
+    inject_lora(model, target_modules=["query", "embed"])
+    assert sorted(lora_layers(model)) == ["blocks.0.query", "blocks.1.query", "embed"]

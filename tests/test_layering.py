@@ -1,0 +1,34 @@
+"""The pure-PyTorch layers never import Lightning: they must work with `lightning` not installed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+BLOCKER = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('lightning', 'pytorch_lightning', 'lightning_fabric'):
+            raise ImportError(f'blocked import of {name}')
+sys.meta_path.insert(0, Block())
+import lightning_peft.peft as p
+import torch
+model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+p.inject_lora(model, rank=2, target_modules=['0'])
+p.merge_lora(model)
+assert not any(m.split('.')[0] in ('lightning', 'pytorch_lightning') for m in sys.modules)
+print('ok')
+"""
+
+
+def test_peft_layer_imports_and_runs_with_lightning_blocked():
+    result = subprocess.run([sys.executable, "-c", BLOCKER], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_blocker_really_blocks_lightning():
+    code = BLOCKER.split("import lightning_peft.peft")[0] + "import lightning_peft.callbacks\n"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "blocked import of lightning" in result.stderr
