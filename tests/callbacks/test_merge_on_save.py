@@ -1,0 +1,117 @@
+"""MergeOnSave: a merged model that transformers loads without PEFT, a PEFT adapter, training untouched."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors.torch import load_file
+from torch import nn
+from torch.testing import assert_close
+
+from lightning_peft.callbacks import LoRA, MergeOnSave
+from lightning_peft.peft import lora_layers
+from tests.callbacks.test_lora import LORA_ARGS, Classifier, loader, trainer
+
+
+def fit_with_export(config, tmp_path, **merge_kwargs) -> tuple[Classifier, dict, MergeOnSave, pl.Trainer]:
+    module = Classifier(config)
+    base_state = {k: v.clone() for k, v in module.model.state_dict().items()}
+    export = MergeOnSave(dirpath=str(tmp_path / "out"), **merge_kwargs)
+    run = trainer(tmp_path, max_steps=4, callbacks=[LoRA(**LORA_ARGS), export])
+    run.fit(module, loader())
+    return module, base_state, export, run
+
+
+def test_merged_model_loads_with_plain_transformers_and_adapter_with_peft(tiny_bert_config, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification, BertForSequenceClassification
+
+    module, base_state, export, _ = fit_with_export(tiny_bert_config, tmp_path)
+    assert export.last_export == {"merged": tmp_path / "out" / "merged", "adapter": tmp_path / "out" / "adapter"}
+    ids = torch.randint(0, 64, (3, 8))
+    module.model.eval()
+    expected = module.model(input_ids=ids).logits
+    assert any(torch.count_nonzero(layer.lora_B.weight) for layer in lora_layers(module.model).values())
+
+    merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out" / "merged").eval()
+    assert type(merged) is BertForSequenceClassification and not lora_layers(merged)
+    assert_close(merged(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-6)
+
+    base = BertForSequenceClassification(tiny_bert_config)
+    base.load_state_dict(base_state)
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "out" / "adapter").eval()
+    assert_close(peft_model(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-6)
+    assert not list((tmp_path / "out").glob(".*"))  # no temporary directories left
+
+
+def test_export_does_not_change_the_training_weights(tiny_bert_config, tmp_path):
+    module, _, export, run = fit_with_export(tiny_bert_config, tmp_path)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    export.export(run, module, tmp_path / "again")
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    assert not any(layer.merged for layer in lora_layers(module.model).values())
+
+
+def test_every_checkpoint_exports_beside_each_checkpoint(tiny_bert_config, tmp_path):
+    module = Classifier(tiny_bert_config)
+    export = MergeOnSave(dirpath=str(tmp_path / "out"), every_checkpoint=True, save_adapter=False)
+    callbacks = [LoRA(**LORA_ARGS), export, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1)]
+    trainer(tmp_path, max_epochs=2, callbacks=callbacks, enable_checkpointing=True).fit(module, loader())
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["merged", "step=4", "step=8"]
+    assert (tmp_path / "out" / "step=4" / "merged" / "config.json").is_file()
+    assert not (tmp_path / "out" / "step=4" / "adapter").exists()
+
+
+def test_a_failed_export_keeps_the_previous_one(tiny_bert_config, tmp_path):
+    module, _, export, run = fit_with_export(tiny_bert_config, tmp_path)
+    merged_dir = tmp_path / "out" / "merged"
+    files = {p.name: p.read_bytes() for p in merged_dir.iterdir()}
+    with torch.no_grad():
+        next(iter(lora_layers(module.model).values())).lora_B.weight.fill_(float("nan"))
+    with pytest.raises(RuntimeError, match=r"merged_state_dict: layer 'bert.encoder.layer.0.attention.self.query'"):
+        export.export(run, module, tmp_path / "out")
+    assert {p.name: p.read_bytes() for p in merged_dir.iterdir()} == files
+
+
+class PlainModule(pl.LightningModule):
+    """Not a Hugging Face model: the merged export is a safetensors state dict with the original keys."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.5)
+
+
+def test_plain_torch_model_exports_a_state_dict_with_the_original_keys(tmp_path):
+    module = PlainModule()
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    export = MergeOnSave(dirpath=str(tmp_path / "out"), model_attribute="net")
+    run = trainer(tmp_path, max_steps=3, callbacks=[LoRA(rank=2, target_modules=["0"], model_attribute="net"), export])
+    run.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    state = load_file(tmp_path / "out" / "merged" / "model.safetensors")
+    fresh = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    fresh.load_state_dict(state)
+    x = torch.randn(5, 4)
+    assert_close(fresh(x), module.net(x))
+    assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_without_lora_it_says_where_the_lora_callback_goes(tiny_bert_config, tmp_path):
+    with pytest.raises(RuntimeError, match=r"MergeOnSave: BertForSequenceClassification has no LoRA adapter at setup\. "
+                                           r"Put the LoRA callback before MergeOnSave"):
+        trainer(tmp_path, max_steps=1, callbacks=[MergeOnSave(dirpath=str(tmp_path))]).fit(
+            Classifier(tiny_bert_config), loader()
+        )
+
+
+def test_empty_dirpath_is_refused():
+    with pytest.raises(ValueError, match=r"MergeOnSave\(dirpath=''\): give a directory"):
+        MergeOnSave(dirpath="")
