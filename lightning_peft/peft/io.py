@@ -13,6 +13,7 @@ adapter. Weights are read with safetensors, or from PEFT's legacy ``adapter_mode
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -30,6 +31,7 @@ from lightning_peft.peft.lora import (
     inject_lora,
     lora_layers,
     lora_spec,
+    _name_matches,
     _require_spec,
     _set_submodule,
     _SPEC_ATTRIBUTE,
@@ -49,6 +51,13 @@ _UNSUPPORTED = {
     "lora_bias": False,
     "layer_replication": None,
     "trainable_token_indices": None,
+    "alora_invocation_tokens": None,
+    "use_qalora": False,
+    "use_bdlora": None,
+    "kasa_config": None,
+    "monteclora_config": None,
+    "arrow_config": None,
+    "velora_config": None,
 }
 
 
@@ -83,15 +92,23 @@ def peft_config(model: nn.Module) -> dict:
     }
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Call ``write(tmp_path)`` then rename the temporary file to ``path``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+def _write_files(writers: dict[Path, object]) -> None:
+    """Write every file under a temporary name first, then rename them all into place.
+
+    ``writers`` maps each final path to a function that writes a given temporary path. If any write fails,
+    the temporary files are removed and the existing files are untouched.
+    """
+    temporary: dict[Path, str] = {}
     try:
-        write(tmp)
-        os.replace(tmp, path)
+        for path, write in writers.items():
+            fd, temporary[path] = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            os.close(fd)
+            write(temporary[path])
+        for path, tmp in temporary.items():
+            os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        for tmp in temporary.values():
+            Path(tmp).unlink(missing_ok=True)
         raise
 
 
@@ -110,9 +127,11 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
     tensors = {KEY_PREFIX + k: v.contiguous() for k, v in adapter_state_dict(model).items()}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    _atomic_write(directory / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     text = json.dumps(config, indent=2, sort_keys=True) + "\n"
-    _atomic_write(directory / CONFIG_NAME, lambda tmp: Path(tmp).write_text(text))
+    _write_files({
+        directory / WEIGHTS_NAME: lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}),
+        directory / CONFIG_NAME: lambda tmp: Path(tmp).write_text(text),
+    })
     return directory
 
 
@@ -163,6 +182,13 @@ def read_adapter_weights(directory: Path) -> dict[str, Tensor]:
                 f"load_adapter: {legacy} could not be read with torch.load(weights_only=True) ({err}); "
                 "it is refused because it holds more than tensors."
             ) from None
+        if not isinstance(tensors, dict) or not all(
+            isinstance(k, str) and isinstance(v, Tensor) for k, v in tensors.items()
+        ):
+            raise ValueError(
+                f"load_adapter: {legacy} holds a {type(tensors).__name__} that is not a dict of named tensors; "
+                "it is not a PEFT adapter."
+            )
     else:
         raise FileNotFoundError(f"load_adapter: {directory} holds neither {WEIGHTS_NAME} nor {LEGACY_WEIGHTS_NAME}.")
     return {k.removeprefix(KEY_PREFIX): v for k, v in tensors.items()}
@@ -216,10 +242,13 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
     merged = [name for name, layer in lora_layers(model).items() if layer.merged]
     if merged:
         raise RuntimeError(f"load_adapter: layer {merged[0]!r} is merged; call unmerge_lora(model) before loading.")
+    config = config_from_peft(json.loads(config_path.read_text()), str(config_path))
     injected = lora_spec(model) is None
     if injected:
         requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
-        replaced = inject_lora(model, config_from_peft(json.loads(config_path.read_text()), str(config_path)))
+        replaced = inject_lora(model, _existing_modules_to_save(model, config))
+    else:
+        _check_scaling(model, config, config_path)
     try:
         expected = _check_fit(model, tensors, directory)
     except Exception:
@@ -230,6 +259,28 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
         for key, value in tensors.items():
             expected[key].copy_(value)
     return model
+
+
+def _existing_modules_to_save(model: nn.Module, config: LoRAConfig) -> LoRAConfig:
+    """Drop ``modules_to_save`` entries that name no module, as PEFT does.
+
+    PEFT's ``SEQ_CLS`` task writes ``["classifier", "score"]`` whatever the model calls its head.
+    """
+    names = [n for n, _ in model.named_modules() if n]
+    present = [m for m in dict.fromkeys(config.modules_to_save or []) if any(_name_matches(n, [m]) for n in names)]
+    return dataclasses.replace(config, modules_to_save=present or None)
+
+
+def _check_scaling(model: nn.Module, config: LoRAConfig, source: Path) -> None:
+    """An adapter loaded into existing LoRA layers must be scaled as it was trained."""
+    for name, layer in lora_layers(model).items():
+        alpha = config.alpha_for(name)
+        if (layer.alpha, layer.use_rslora) != (alpha, config.use_rslora):
+            raise ValueError(
+                f"load_adapter: {source} gives {name!r} alpha={alpha}, use_rslora={config.use_rslora}, but the "
+                f"model's LoRA layer has alpha={layer.alpha}, use_rslora={layer.use_rslora}; the adapter would be "
+                "scaled differently. Load it into a model without LoRA layers."
+            )
 
 
 def _undo_injection(model: nn.Module, replaced: dict, requires_grad: dict[str, bool]) -> None:

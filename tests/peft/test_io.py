@@ -1,0 +1,677 @@
+"""PEFT-format adapter I/O (:mod:`lightning_peft.peft.io`), with Hugging Face PEFT as the oracle.
+
+Tiny random BERT / GPT-2 / Llama models are built from configs (no weights are downloaded) and run in float64.
+Every adapter tensor is set to random values before outputs are compared: with ``B = 0`` an adapter is the
+identity and every comparison would pass vacuously, so each interop test also checks that the adapted output
+differs from the base output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors_bytes
+from torch import nn
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+from peft.tuners.lora import LoraLayer  # noqa: E402
+
+from lightning_peft.peft import (  # noqa: E402
+    adapter_state_dict,
+    inject_lora,
+    load_adapter,
+    lora_layers,
+    merge_lora,
+    merged_state_dict,
+    peft_config,
+    save_adapter,
+)
+from lightning_peft.peft.lora import lora_spec  # noqa: E402
+
+# PEFT calls a transformers API that transformers deprecates; not ours to fix.
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+LEGACY = "adapter_model.bin"
+PREFIX = "base_model.model."
+VOCAB = 64
+
+
+# --------------------------------------------------------------------------------------------------- models
+
+
+def _bert(hidden: int = 16) -> nn.Module:
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return transformers.BertForSequenceClassification(config)
+
+
+def _gpt2() -> nn.Module:
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _llama() -> nn.Module:
+    # One key/value head: v_proj is (8, 16) and q_proj is (16, 16), so per-module ranks give distinct shapes.
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+BUILDERS: dict[str, Callable[[], nn.Module]] = {"bert": _bert, "gpt2": _gpt2, "llama": _llama}
+
+
+def _base(family: str, seed: int = 0) -> nn.Module:
+    """A random model of ``family`` in float64, eval mode."""
+    torch.manual_seed(seed)
+    return BUILDERS[family]().double().eval()
+
+
+def _fresh(base: nn.Module, family: str) -> nn.Module:
+    """A new, un-adapted instance with ``base``'s weights (loaded through its state dict)."""
+    torch.manual_seed(1234)  # different random init, fully overwritten by the load
+    model = BUILDERS[family]().double().eval()
+    model.load_state_dict(base.state_dict(), strict=True)
+    return model
+
+
+def _inputs() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(7)
+    return torch.randint(1, VOCAB, (2, 7), generator=generator)  # (B, T); no padding token
+
+
+def _out(model: nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=_inputs()).logits
+
+
+@torch.no_grad()
+def _randomise(tensors: list[torch.Tensor], seed: int = 1) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for tensor in tensors:
+        tensor.copy_(0.3 * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype))
+
+
+def _randomise_ours(model: nn.Module, seed: int = 1) -> None:
+    state = adapter_state_dict(model)
+    _randomise([state[k] for k in sorted(state)], seed)
+
+
+def _randomise_peft(model: nn.Module, seed: int = 1) -> None:
+    _randomise([p for _, p in sorted(model.named_parameters()) if p.requires_grad], seed)
+
+
+def _peft_lora_layers(model: nn.Module) -> dict[str, LoraLayer]:
+    return {n.removeprefix(PREFIX): m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file, read into memory (not memory-mapped: the file may be overwritten)."""
+    return load_safetensors_bytes(Path(path).read_bytes())
+
+
+def _assert_differs(adapted: torch.Tensor, base: torch.Tensor) -> None:
+    assert (adapted - base).abs().max() > 1e-2, "the adapter is a no-op: the comparison would be vacuous"
+
+
+# Adapters made with our API (ours -> PEFT).
+OURS = {
+    "bert": dict(
+        rank=4, alpha=8, target_modules=["query", "value", "word_embeddings"], modules_to_save=["classifier"],
+        bias="lora_only",
+    ),
+    "gpt2": dict(rank=4, alpha=16, target_modules=["c_attn", "c_proj"], init="gaussian"),
+    "llama": dict(
+        rank=4, alpha=8, target_modules=["q_proj", "v_proj"],
+        rank_pattern={r"layers\.1\.self_attn\.q_proj": 2}, alpha_pattern={"v_proj": 3}, use_rslora=True,
+    ),
+}
+
+# Adapters made with PEFT (PEFT -> ours).
+PEFT_CASES = {
+    "bert-suffix-list": ("bert", dict(
+        r=4, lora_alpha=8, target_modules=["query", "value", "word_embeddings"],
+        modules_to_save=["classifier"], bias="lora_only",
+    )),
+    "gpt2-regex-fan_in_fan_out": ("gpt2", dict(
+        r=4, lora_alpha=16, target_modules=r".*\.(c_attn|c_proj)", fan_in_fan_out=True, bias="all",
+    )),
+    "llama-patterns-rslora": ("llama", dict(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+        rank_pattern={r"layers\.1\.self_attn\.q_proj": 2}, alpha_pattern={"v_proj": 3}, use_rslora=True,
+        init_lora_weights="gaussian",
+    )),
+    "llama-regex-exclude": ("llama", dict(
+        r=2, lora_alpha=4, target_modules=r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj",
+        exclude_modules=["layers.0.mlp.down_proj"], task_type="CAUSAL_LM",
+    )),
+}
+
+
+def _ours_adapted(family: str) -> tuple[nn.Module, nn.Module]:
+    """(base, adapted copy of base with our API and random adapter values)."""
+    base = _base(family)
+    ours = _fresh(base, family)
+    inject_lora(ours, **OURS[family])
+    _randomise_ours(ours)
+    return base, ours
+
+
+# ----------------------------------------------------------------------------------------- ours -> PEFT
+
+
+@pytest.mark.parametrize("family", list(OURS))
+def test_peft_loads_our_adapter_with_identical_outputs(family, tmp_path):
+    base, ours = _ours_adapted(family)
+    save_adapter(ours, tmp_path)
+
+    target = _fresh(base, family)
+    base_out = _out(target)
+    peft_model = peft.PeftModel.from_pretrained(target, tmp_path).eval()
+
+    ours_out = _out(ours)
+    _assert_differs(ours_out, base_out)
+    torch.testing.assert_close(_out(peft_model), ours_out)
+    # PEFT adapted exactly our modules, with the same ranks and scales.
+    peft_layers = _peft_lora_layers(peft_model)
+    assert set(peft_layers) == set(lora_layers(ours))
+    for name, layer in lora_layers(ours).items():
+        assert peft_layers[name].r["default"] == layer.rank
+        assert peft_layers[name].scaling["default"] == pytest.approx(layer.scaling, rel=1e-15)
+
+
+@pytest.mark.parametrize("family", list(OURS))
+def test_saved_files_are_in_peft_layout(family, tmp_path):
+    base, ours = _ours_adapted(family)
+    save_adapter(ours, tmp_path)
+
+    config = json.loads((tmp_path / CONFIG).read_text())
+    assert config["peft_type"] == "LORA"
+    assert set(config) <= {f.name for f in dataclasses.fields(peft.LoraConfig)}
+    assert config == peft_config(ours)
+    assert isinstance(peft.LoraConfig.from_pretrained(tmp_path), peft.LoraConfig)
+
+    tensors = _read_weights(tmp_path / WEIGHTS)
+    assert all(k.startswith(PREFIX) for k in tensors)
+    assert set(tensors) == {PREFIX + k for k in adapter_state_dict(ours)}
+    suffixes = {k.rsplit(".", 2)[-2] + "." + k.rsplit(".", 1)[-1] for k in tensors}
+    assert {"lora_A.weight", "lora_B.weight"} <= suffixes
+    if family == "bert":
+        assert PREFIX + "bert.embeddings.word_embeddings.lora_embedding_A" in tensors
+        assert PREFIX + "bert.embeddings.word_embeddings.lora_embedding_B" in tensors
+        assert PREFIX + "bert.encoder.layer.0.attention.self.query.base_layer.bias" in tensors
+        assert PREFIX + "classifier.weight" in tensors
+
+    # PEFT writes the same keys and the same tensors when it saves the adapter it loaded from us.
+    peft_model = peft.PeftModel.from_pretrained(_fresh(base, family), tmp_path)
+    peft_model.save_pretrained(tmp_path / "resaved")
+    resaved = _read_weights(tmp_path / "resaved" / WEIGHTS)
+    assert set(resaved) == set(tensors)
+    for key, value in tensors.items():
+        assert torch.equal(resaved[key], value), key
+
+
+# ----------------------------------------------------------------------------------------- PEFT -> ours
+
+
+def _peft_adapted(case: str) -> tuple[str, nn.Module, nn.Module]:
+    family, kwargs = PEFT_CASES[case]
+    base = _base(family)
+    peft_model = peft.get_peft_model(_fresh(base, family), peft.LoraConfig(**kwargs)).eval()
+    _randomise_peft(peft_model)
+    return family, base, peft_model
+
+
+@pytest.mark.parametrize("case", list(PEFT_CASES))
+def test_we_load_peft_adapter_with_identical_outputs(case, tmp_path):
+    family, base, peft_model = _peft_adapted(case)
+    peft_model.save_pretrained(tmp_path)
+
+    ours = _fresh(base, family)
+    base_out = _out(ours)
+    assert load_adapter(ours, tmp_path) is ours
+
+    peft_out = _out(peft_model)
+    _assert_differs(peft_out, base_out)
+    torch.testing.assert_close(_out(ours), peft_out)
+    peft_layers = _peft_lora_layers(peft_model)
+    assert set(lora_layers(ours)) == set(peft_layers)
+    for name, layer in lora_layers(ours).items():
+        assert layer.rank == peft_layers[name].r["default"]
+        assert layer.scaling == pytest.approx(peft_layers[name].scaling["default"], rel=1e-15)
+
+
+def test_we_load_peft_legacy_bin_adapter(tmp_path):
+    family, base, peft_model = _peft_adapted("bert-suffix-list")
+    peft_model.save_pretrained(tmp_path, safe_serialization=False)
+    assert (tmp_path / LEGACY).is_file() and not (tmp_path / WEIGHTS).exists()
+
+    ours = load_adapter(_fresh(base, family), tmp_path)
+    torch.testing.assert_close(_out(ours), _out(peft_model))
+
+
+def test_we_load_peft_seq_cls_adapter(tmp_path):
+    """PEFT's SEQ_CLS task adds 'classifier' and 'score' to modules_to_save; a model has only one of them.
+
+    PEFT wraps the names that exist and ignores the others, so every adapter trained with the standard
+    classification recipe carries a modules_to_save entry that matches nothing.
+    """
+    base = _base("bert")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"], task_type="SEQ_CLS")
+    peft_model = peft.get_peft_model(_fresh(base, "bert"), config).eval()
+    _randomise_peft(peft_model)
+    peft_model.save_pretrained(tmp_path)
+    assert "score" in json.loads((tmp_path / CONFIG).read_text())["modules_to_save"]
+
+    ours = load_adapter(_fresh(base, "bert"), tmp_path)
+    _assert_differs(_out(peft_model), _out(base))
+    torch.testing.assert_close(_out(ours), _out(peft_model))
+
+
+# ---------------------------------------------------------------------------------------------- merging
+
+
+@pytest.mark.parametrize("family", list(OURS))
+def test_merged_state_dict_matches_peft_merge_and_unload(family, tmp_path):
+    base, ours = _ours_adapted(family)
+    save_adapter(ours, tmp_path)
+    peft_merged = peft.PeftModel.from_pretrained(_fresh(base, family), tmp_path).merge_and_unload().eval()
+    unmerged_out = _out(ours)
+
+    state = merged_state_dict(ours)
+    plain = _base(family, seed=99)  # an un-adapted model with other weights
+    plain.load_state_dict(state, strict=True)
+
+    torch.testing.assert_close(_out(plain), _out(peft_merged))
+    torch.testing.assert_close(_out(plain), unmerged_out)
+    expected = peft_merged.state_dict()
+    assert set(state) == set(expected)
+    for key, value in state.items():
+        torch.testing.assert_close(value, expected[key], msg=key)
+    # merged_state_dict does not touch the model.
+    assert not any(layer.merged for layer in lora_layers(ours).values())
+    torch.testing.assert_close(_out(ours), unmerged_out, rtol=0, atol=0)
+    # In-place merging agrees with PEFT too.
+    merge_lora(ours)
+    torch.testing.assert_close(_out(ours), _out(peft_merged))
+
+
+# ------------------------------------------------------------------------------------- our round trip
+
+
+def _assert_same_adapter(loaded: nn.Module, original: nn.Module) -> None:
+    got, want = adapter_state_dict(loaded), adapter_state_dict(original)
+    assert list(got) == list(want)
+    for key in want:
+        assert got[key].dtype == want[key].dtype, key
+        assert torch.equal(got[key], want[key]), key
+    for name, layer in lora_layers(original).items():
+        other = lora_layers(loaded)[name]
+        assert type(other) is type(layer)
+        assert (other.rank, other.alpha, other.scaling) == (layer.rank, layer.alpha, layer.scaling)
+
+
+@pytest.mark.parametrize("family", list(OURS))
+def test_save_load_round_trip(family, tmp_path):
+    base, ours = _ours_adapted(family)
+    save_adapter(ours, tmp_path / "a")
+
+    loaded = load_adapter(_fresh(base, family), tmp_path / "a")
+
+    _assert_same_adapter(loaded, ours)
+    assert {n: p.requires_grad for n, p in loaded.named_parameters()} == {
+        n: p.requires_grad for n, p in ours.named_parameters()
+    }
+    torch.testing.assert_close(_out(loaded), _out(ours), rtol=0, atol=0)
+    # Saving the loaded model writes the same adapter again.
+    save_adapter(loaded, tmp_path / "b")
+    assert (tmp_path / "b" / CONFIG).read_text() == (tmp_path / "a" / CONFIG).read_text()
+    assert (tmp_path / "b" / WEIGHTS).read_bytes() == (tmp_path / "a" / WEIGHTS).read_bytes()
+
+
+@pytest.mark.parametrize("family", list(OURS))
+def test_load_into_model_with_lora_already_injected(family, tmp_path):
+    base, ours = _ours_adapted(family)
+    save_adapter(ours, tmp_path)
+    target = _fresh(base, family)
+    layers = inject_lora(target, **OURS[family])  # fresh adapters, B = 0
+
+    load_adapter(target, tmp_path)
+
+    assert all(lora_layers(target)[name] is layer for name, layer in layers.items())  # loaded in place
+    _assert_same_adapter(target, ours)
+    torch.testing.assert_close(_out(target), _out(ours), rtol=0, atol=0)
+
+
+def test_legacy_bin_of_plain_tensors_loads(tmp_path):
+    base, ours = _ours_adapted("bert")
+    save_adapter(ours, tmp_path)
+    tensors = _read_weights(tmp_path / WEIGHTS)
+    (tmp_path / WEIGHTS).unlink()
+    torch.save(tensors, tmp_path / LEGACY)
+
+    loaded = load_adapter(_fresh(base, "bert"), tmp_path)
+
+    _assert_same_adapter(loaded, ours)
+
+
+def test_save_adapter_writes_atomically(tmp_path):
+    base, ours = _ours_adapted("bert")
+    save_adapter(ours, tmp_path)
+    _randomise_ours(ours, seed=2)
+    assert save_adapter(ours, tmp_path) == tmp_path  # overwrite in place
+
+    assert sorted(os.listdir(tmp_path)) == sorted([CONFIG, WEIGHTS])  # no temporary files left behind
+    _assert_same_adapter(load_adapter(_fresh(base, "bert"), tmp_path), ours)
+
+
+def test_failed_save_keeps_previous_adapter_and_leaves_no_temporary_file(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    inject_lora(model, rank=2, target_modules=["0"])
+    save_adapter(model, tmp_path)
+    before = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)}
+    with torch.device("meta"):  # weights without data: safetensors cannot write them
+        unmaterialised = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    inject_lora(unmaterialised, rank=2, target_modules=["0"])
+
+    with pytest.raises(NotImplementedError, match="meta tensor"):
+        save_adapter(unmaterialised, tmp_path)
+
+    assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before
+
+
+def test_save_adapter_without_lora_raises():
+    with pytest.raises(RuntimeError, match=r"save_adapter: Linear has no LoRA adapter; call inject_lora\("):
+        save_adapter(nn.Linear(2, 2), "unused")
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+
+def _write_adapter(directory: Path, **kwargs) -> Path:
+    """A valid adapter on the 16-wide BERT (random values), with ``kwargs`` overriding the injection."""
+    model = _fresh(_base("bert"), "bert")
+    inject_lora(model, **{"rank": 4, "alpha": 8, "target_modules": ["query", "value"], **kwargs})
+    _randomise_ours(model)
+    return save_adapter(model, directory)
+
+
+def _edit_config(directory: Path, **changes) -> None:
+    config = json.loads((directory / CONFIG).read_text())
+    config.update(changes)
+    (directory / CONFIG).write_text(json.dumps(config))
+
+
+def _write_marker(path: str) -> dict:
+    """The 'payload' of the hostile pickle: harmless, it only leaves a file behind if it ever runs."""
+    Path(path).write_text("unpickling ran code")
+    return {}
+
+
+class _Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return _write_marker, (str(self.marker),)
+
+
+class _Opaque:
+    """A custom class instance: not a tensor, not allow-listed for weights_only."""
+
+
+def _as_bin(directory: Path, extra: dict) -> None:
+    tensors = _read_weights(directory / WEIGHTS)
+    (directory / WEIGHTS).unlink()
+    torch.save({**tensors, **extra}, directory / LEGACY)
+
+
+def _case_other_hidden_size(d: Path) -> tuple[type, str]:
+    model = _bert(hidden=24).double()
+    inject_lora(model, rank=4, alpha=8, target_modules=["query", "value"])
+    save_adapter(model, d)
+    key = "base_model.model.bert.encoder.layer.0.attention.self.query.lora_A.weight"
+    return ValueError, rf"{re.escape(key)} has shape \(4, 24\), but the model needs \(4, 16\)"
+
+
+def _case_extra_key(d: Path) -> tuple[type, str]:
+    _write_adapter(d)
+    _edit_config(d, target_modules=["query"])  # the weights also hold the value adapters
+    key = "base_model.model.bert.encoder.layer.0.attention.self.value.lora_A.weight"
+    return ValueError, rf"has key {re.escape(key)} \(and 3 more\) that BertForSequenceClassification has no"
+
+
+def _case_missing_key(d: Path) -> tuple[type, str]:
+    _write_adapter(d)
+    _edit_config(d, target_modules=["query", "key", "value"])
+    key = "base_model.model.bert.encoder.layer.0.attention.self.key.lora_A.weight"
+    return ValueError, rf"lacks key {re.escape(key)} \(and 3 more\) that the adapter config asks for"
+
+
+def _case_targets_match_nothing(d: Path) -> tuple[type, str]:
+    _write_adapter(d)
+    _edit_config(d, target_modules=["q_proj"])
+    return ValueError, r"LoRA\(target_modules=\['q_proj'\]\) matched no module of BertForSequence"
+
+
+def _case_pickle_as_safetensors(d: Path) -> tuple[type, str]:
+    _write_adapter(d)
+    torch.save(_read_weights(d / WEIGHTS), d / WEIGHTS)
+    return ValueError, r"adapter_model\.safetensors is not a valid safetensors file .*a pickle can run code"
+
+
+def _case_hostile_bin(d: Path) -> tuple[type, str]:
+    _write_adapter(d)
+    _as_bin(d, {"payload": _Payload(d / "marker")})
+    return ValueError, r"adapter_model\.bin could not be read with torch\.load\(weights_only=True\)"
+
+
+def _case_use_dora(d: Path) -> tuple[type, str]:
+    _write_adapter(d)
+    _edit_config(d, use_dora=True)
+    return ValueError, r"sets use_dora=True, which lightning-peft does not support"
+
+
+def _case_other_peft_type(d: Path) -> tuple[type, str]:
+    _write_adapter(d)
+    _edit_config(d, peft_type="IA3")
+    return ValueError, r"has peft_type='IA3'; only 'LORA' is supported"
+
+
+def _case_missing_config(d: Path) -> tuple[type, str]:
+    _write_adapter(d)
+    (d / CONFIG).unlink()
+    return FileNotFoundError, r"adapter_config\.json does not exist; is .* an adapter directory\?"
+
+
+def _case_missing_weights(d: Path) -> tuple[type, str]:
+    _write_adapter(d)
+    (d / WEIGHTS).unlink()
+    return FileNotFoundError, r"holds neither adapter_model\.safetensors nor adapter_model\.bin"
+
+
+FAILURES = {
+    f.__name__.removeprefix("_case_"): f
+    for f in [
+        _case_other_hidden_size, _case_extra_key, _case_missing_key, _case_targets_match_nothing,
+        _case_pickle_as_safetensors, _case_hostile_bin, _case_use_dora, _case_other_peft_type,
+        _case_missing_config, _case_missing_weights,
+    ]
+}
+
+
+def _snapshot(model: nn.Module) -> dict:
+    return {
+        "modules": [(name, type(m)) for name, m in model.named_modules()],
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
+    }
+
+
+def _assert_unchanged(model: nn.Module, snapshot: dict) -> None:
+    assert lora_layers(model) == {} and lora_spec(model) is None
+    now = _snapshot(model)
+    assert now["modules"] == snapshot["modules"]
+    assert now["requires_grad"] == snapshot["requires_grad"]
+    assert list(now["state"]) == list(snapshot["state"])
+    for key, value in snapshot["state"].items():
+        assert torch.equal(now["state"][key], value), key
+
+
+@pytest.mark.parametrize("case", list(FAILURES))
+def test_failed_load_raises_and_leaves_fresh_model_unchanged(case, tmp_path):
+    exc, match = FAILURES[case](tmp_path)
+    model = _fresh(_base("bert"), "bert")
+    model.bert.embeddings.requires_grad_(False)  # a non-uniform pattern that must survive exactly
+    snapshot = _snapshot(model)
+
+    with pytest.raises(exc, match=match):
+        load_adapter(model, tmp_path)
+
+    _assert_unchanged(model, snapshot)
+
+
+@pytest.mark.parametrize("payload", ["reduce", "custom-object"])
+def test_legacy_bin_with_arbitrary_object_is_refused_without_running_it(payload, tmp_path):
+    marker = tmp_path / "marker"
+    _write_adapter(tmp_path)
+    _as_bin(tmp_path, {"payload": _Payload(marker) if payload == "reduce" else _Opaque()})
+
+    with pytest.raises(ValueError, match=r"it is refused because it holds more than tensors"):
+        load_adapter(_fresh(_base("bert"), "bert"), tmp_path)
+
+    assert not marker.exists()
+    if payload == "reduce":  # control: the payload is live, an unrestricted unpickler would have run it
+        torch.load(tmp_path / LEGACY, weights_only=False)
+        assert marker.exists()
+
+
+@pytest.mark.parametrize("content", ["list-of-tensors", "dict-of-ints"])
+def test_legacy_bin_that_is_not_a_tensor_dict_is_refused(content, tmp_path):
+    _write_adapter(tmp_path)
+    tensors = _read_weights(tmp_path / WEIGHTS)
+    (tmp_path / WEIGHTS).unlink()
+    payload = list(tensors.values()) if content == "list-of-tensors" else dict.fromkeys(tensors, 1)
+    torch.save(payload, tmp_path / LEGACY)
+    model = _fresh(_base("bert"), "bert")
+    snapshot = _snapshot(model)
+
+    with pytest.raises(ValueError, match=r"adapter_model\.bin"):
+        load_adapter(model, tmp_path)
+
+    _assert_unchanged(model, snapshot)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("use_dora", True),
+        ("layers_to_transform", [0]),
+        ("layers_pattern", "layer"),
+        ("target_parameters", ["intermediate.dense.weight"]),
+        ("lora_bias", True),
+        ("layer_replication", [[0, 1]]),
+        ("trainable_token_indices", [3]),
+    ],
+)
+def test_unsupported_peft_features_are_refused(key, value, tmp_path):
+    _write_adapter(tmp_path)
+    _edit_config(tmp_path, **{key: value})
+
+    with pytest.raises(ValueError, match=rf"sets {key}={re.escape(repr(value))}, which lightning-peft does"):
+        load_adapter(_fresh(_base("bert"), "bert"), tmp_path)
+
+
+def test_activated_lora_adapter_is_refused(tmp_path):
+    """Activated LoRA (aLoRA) stores ordinary lora_A/lora_B tensors, but PEFT applies the update only from the
+    invocation tokens on: loaded as plain LoRA it gives other outputs, so it must be refused."""
+    base = _base("llama")
+    config = peft.LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj"], alora_invocation_tokens=[5, 6], task_type="CAUSAL_LM"
+    )
+    peft_model = peft.get_peft_model(_fresh(base, "llama"), config).eval()
+    _randomise_peft(peft_model)
+    peft_model.save_pretrained(tmp_path)
+
+    with pytest.raises(ValueError, match=r"sets alora_invocation_tokens=\[5, 6\], which lightning-peft"):
+        load_adapter(_fresh(base, "llama"), tmp_path)
+
+
+def test_rank_mismatch_names_key_and_both_shapes(tmp_path):
+    target = ["bert.encoder.layer.0.attention.self.query"]
+    _write_adapter(tmp_path, rank=4, target_modules=target)
+    model = _fresh(_base("bert"), "bert")
+    inject_lora(model, rank=2, alpha=8, target_modules=target)
+    before = {k: v.clone() for k, v in adapter_state_dict(model).items()}
+    key = re.escape(f"{PREFIX}{target[0]}.lora_A.weight")
+
+    with pytest.raises(ValueError, match=rf"key {key} has shape \(4, 16\), but the model needs \(2, 16\)"):
+        load_adapter(model, tmp_path)
+
+    after = adapter_state_dict(model)  # the injected adapter is left as it was
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_adapter_for_other_targets_does_not_fit_injected_model(tmp_path):
+    _write_adapter(tmp_path, target_modules=["query", "value"])
+    model = _fresh(_base("bert"), "bert")
+    inject_lora(model, rank=4, alpha=8, target_modules=["query"])
+    key = re.escape(f"{PREFIX}bert.encoder.layer.0.attention.self.value.lora_A.weight")
+
+    with pytest.raises(ValueError, match=rf"has key {key} \(and 3 more\) that BertForSequenceClassification"):
+        load_adapter(model, tmp_path)
+
+    model = _fresh(_base("bert"), "bert")
+    inject_lora(model, rank=4, alpha=8, target_modules=["query", "key", "value"])
+    key = re.escape(f"{PREFIX}bert.encoder.layer.0.attention.self.key.lora_A.weight")
+    with pytest.raises(ValueError, match=rf"lacks key {key} \(and 3 more\)"):
+        load_adapter(model, tmp_path)
+
+
+def test_load_into_merged_model_raises(tmp_path):
+    _write_adapter(tmp_path)
+    model = _fresh(_base("bert"), "bert")
+    inject_lora(model, rank=4, alpha=8, target_modules=["query", "value"])
+    merge_lora(model)
+    name = re.escape(repr("bert.encoder.layer.0.attention.self.query"))
+
+    with pytest.raises(RuntimeError, match=rf"load_adapter: layer {name} is merged; call unmerge_lora\("):
+        load_adapter(model, tmp_path)
+
+
+def test_load_into_injected_model_with_other_alpha_is_not_silent(tmp_path):
+    """The scale is part of the adapter: loaded into layers with another alpha, its outputs change."""
+    _write_adapter(tmp_path, alpha=32)
+    model = _fresh(_base("bert"), "bert")
+    inject_lora(model, rank=4, alpha=8, target_modules=["query", "value"])
+
+    with pytest.raises(ValueError, match="alpha"):
+        load_adapter(model, tmp_path)
+
+
+def test_load_into_injected_model_checks_the_config(tmp_path):
+    _write_adapter(tmp_path)
+    _edit_config(tmp_path, peft_type="IA3")
+    model = _fresh(_base("bert"), "bert")
+    inject_lora(model, rank=4, alpha=8, target_modules=["query", "value"])
+
+    with pytest.raises(ValueError, match=r"has peft_type='IA3'; only 'LORA' is supported"):
+        load_adapter(model, tmp_path)
