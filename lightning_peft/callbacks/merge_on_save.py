@@ -19,9 +19,6 @@ YAML::
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +28,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from safetensors.torch import save_file
 from typing_extensions import override
 
+from lightning_peft._atomic import write_dir
 from lightning_peft.callbacks._target import is_hf_model, resolve_target
 from lightning_peft.peft.io import save_adapter
 from lightning_peft.peft.lora import lora_spec, merged_state_dict
@@ -87,10 +85,10 @@ class MergeOnSave(Callback):
         _, model = resolve_target(pl_module, self.model_attribute, "MergeOnSave")
         state = merged_state_dict(model)  # raises before anything is written if a merge is non-finite
         paths = {"merged": directory / "merged"}
-        _write_dir(paths["merged"], lambda tmp: _save_merged(model, state, tmp, trainer))
+        write_dir(paths["merged"], lambda tmp: _save_merged(model, state, tmp, trainer))
         if self.save_adapter:
             paths["adapter"] = directory / "adapter"
-            _write_dir(paths["adapter"], lambda tmp: save_adapter(model, tmp))
+            write_dir(paths["adapter"], lambda tmp: save_adapter(model, tmp))
         rank_zero_info("MergeOnSave: " + "; ".join(f"wrote the {k} model to {p.resolve()}" if k == "merged"
                                                    else f"wrote the PEFT adapter to {p.resolve()}"
                                                    for k, p in paths.items()))
@@ -107,20 +105,3 @@ def _save_merged(model, state: dict, directory: Path, trainer: pl.Trainer) -> No
     else:
         save_file({k: v.contiguous() for k, v in state.items()}, directory / "model.safetensors", metadata={"format": "pt"})
 
-
-def _write_dir(final: Path, write) -> None:
-    """Fill a temporary sibling directory, then swap it in for ``final``."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
-        write(tmp)
-        if final.exists():
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

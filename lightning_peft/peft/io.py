@@ -17,7 +17,6 @@ import dataclasses
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from lightning_peft._atomic import write_files
 from lightning_peft.peft.lora import (
     LoRAConfig,
     adapter_state_dict,
@@ -92,26 +92,6 @@ def peft_config(model: nn.Module) -> dict:
     }
 
 
-def _write_files(writers: dict[Path, object]) -> None:
-    """Write every file under a temporary name first, then rename them all into place.
-
-    ``writers`` maps each final path to a function that writes a given temporary path. If any write fails,
-    the temporary files are removed and the existing files are untouched.
-    """
-    temporary: dict[Path, str] = {}
-    try:
-        for path, write in writers.items():
-            fd, temporary[path] = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-            os.close(fd)
-            write(temporary[path])
-        for path, tmp in temporary.items():
-            os.replace(tmp, path)
-    except BaseException:
-        for tmp in temporary.values():
-            Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
     """Write ``model``'s adapter to ``directory`` in the Hugging Face PEFT layout.
 
@@ -128,7 +108,7 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     text = json.dumps(config, indent=2, sort_keys=True) + "\n"
-    _write_files({
+    write_files({
         directory / WEIGHTS_NAME: lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}),
         directory / CONFIG_NAME: lambda tmp: Path(tmp).write_text(text),
     })

