@@ -1,0 +1,37 @@
+"""LoRA under DDP, 2 CPU processes on gloo: the same adapter on both ranks as a single process on the full batch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+SCRIPT = Path(__file__).with_name("ddp_lora_script.py")
+
+
+def run(out: Path, devices: int, batch_size: int) -> None:
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out), str(devices), str(batch_size)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_ddp_two_processes_equal_one_process_on_the_joint_batch(tmp_path):
+    run(tmp_path / "ddp", devices=2, batch_size=4)
+    run(tmp_path / "single", devices=1, batch_size=8)
+    rank0, rank1 = (torch.load(tmp_path / "ddp" / f"rank{r}.pt") for r in (0, 1))
+    single = torch.load(tmp_path / "single" / "rank0.pt")
+    assert rank0.keys() == single.keys()
+    for key in single:
+        assert torch.equal(rank0[key], rank1[key]), key  # DDP keeps the replicas identical
+        assert_close(rank0[key], single[key], rtol=1e-5, atol=1e-6)  # and averages gradients correctly
+    # Rank 0 alone wrote the export and an adapter-only checkpoint.
+    assert (tmp_path / "ddp" / "export" / "merged" / "model.safetensors").is_file()
+    state = torch.load(tmp_path / "ddp" / "ckpt" / "last.ckpt", weights_only=False)["state_dict"]
+    assert set(state) == {f"model.{k}" for k in single}
