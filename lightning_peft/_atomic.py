@@ -15,9 +15,24 @@ from pathlib import Path
 
 
 def _umask() -> int:
-    mask = os.umask(0)
+    """The process umask, read without changing it (``os.umask`` alone would briefly set it for all threads)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return _UMASK_AT_IMPORT
+
+
+def _read_umask_at_import() -> int:
+    mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+_UMASK_AT_IMPORT = _read_umask_at_import()  # import time: before any writer thread of ours exists
 
 
 def write_files(writers: dict[Path, Callable[[str], object]]) -> None:
@@ -51,13 +66,22 @@ def write_dir(final: Path, write: Callable[[Path], object]) -> None:
         os.chmod(tmp, 0o777 & ~mask)
         for path in tmp.rglob("*"):
             os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
-        if final.exists():
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, final)
+        _swap(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _swap(new: Path, final: Path) -> None:
+    """Put directory ``new`` at ``final``; if that fails, the previous ``final`` is put back."""
+    if not final.exists():
+        os.replace(new, final)
+        return
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    os.replace(final, old)
+    try:
+        os.replace(new, final)
+    except BaseException:
+        os.replace(old, final)
+        raise
+    shutil.rmtree(old)

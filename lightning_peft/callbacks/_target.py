@@ -32,7 +32,3 @@ def resolve_target(pl_module: nn.Module, model_attribute: str | None, who: str) 
     hf = [(n, m) for n, m in pl_module.named_children() if is_hf_model(m)]
     return hf[0] if len(hf) == 1 else ("", pl_module)
 
-
-def prefixed(name: str, keys) -> set[str]:
-    """State-dict keys of a submodule called ``name``, as keys of its parent."""
-    return {f"{name}.{k}" if name else k for k in keys}

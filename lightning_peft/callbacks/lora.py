@@ -4,10 +4,11 @@ The math lives in :mod:`lightning_peft.peft`; this callback decides when to call
 
 - ``setup``: :func:`~lightning_peft.peft.inject_lora` on the model (before ``configure_optimizers``, so any
   optimizer sees only trainable parameters) and a log line with the trainable-parameter report;
-- ``on_save_checkpoint``: with ``adapter_only_checkpoint=True`` the checkpoint keeps only the adapter,
-  trained biases and ``modules_to_save`` (plus any other trainable parameter);
+- ``on_save_checkpoint``: with ``adapter_only_checkpoint=True`` the checkpoint drops the frozen parameters and
+  keeps everything else: the adapter, trained biases, ``modules_to_save``, any other trainable parameter, and
+  the buffers (cheap, and e.g. BatchNorm statistics keep changing while the base is frozen);
 - loading such a checkpoint (``Trainer.fit(ckpt_path=...)``, ``trainer.test(ckpt_path=...)``) takes the frozen
-  base weights from the model as built, i.e. from its original source.
+  parameters from the model as built, i.e. from its original source; any other missing key is still an error.
 
 YAML (LightningCLI)::
 
@@ -26,8 +27,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_peft.callbacks._target import prefixed, resolve_target
-from lightning_peft.peft.lora import LoRAConfig, adapter_state_dict, inject_lora, lora_spec, trainable_parameters
+from lightning_peft.callbacks._target import resolve_target
+from lightning_peft.peft.lora import LoRAConfig, inject_lora, lora_spec, trainable_parameters
 
 
 class LoRA(Callback):
@@ -86,7 +87,7 @@ class LoRA(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        name, model = resolve_target(pl_module, self.model_attribute, "LoRA")
+        _, model = resolve_target(pl_module, self.model_attribute, "LoRA")
         spec = lora_spec(model)
         if spec is not None:
             if spec.config != self.config:
@@ -103,29 +104,28 @@ class LoRA(Callback):
         if self.adapter_only_checkpoint and self._hook is None:
             self._hook = pl_module.register_load_state_dict_pre_hook(_fill_frozen_from_model)
 
-    def _kept_keys(self, pl_module: pl.LightningModule) -> set[str]:
-        name, model = resolve_target(pl_module, self.model_attribute, "LoRA")
-        kept = prefixed(name, adapter_state_dict(model))
-        return kept | {k for k, p in pl_module.named_parameters() if p.requires_grad}
-
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         if not self.adapter_only_checkpoint:
             return
-        kept = self._kept_keys(pl_module)
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in kept}
+        frozen = _frozen_parameters(pl_module)
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
+
+
+def _frozen_parameters(module) -> dict[str, Any]:
+    return {k: p for k, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
 
 def _fill_frozen_from_model(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
-    """Load-state-dict pre-hook: an adapter-only state dict gets the frozen weights from the model itself.
+    """Load-state-dict pre-hook: an adapter-only state dict gets the frozen parameters from the model itself.
 
     Only a state dict that holds none of the frozen parameters is treated as adapter-only, so a full
-    checkpoint with a missing key still fails strict loading.
+    checkpoint with a missing key still fails strict loading; and only frozen parameters are filled, so
+    a missing adapter key, trainable parameter or buffer fails too.
     """
     if prefix:
         return
-    current = module.state_dict()
-    frozen = {k for k, p in module.named_parameters() if not p.requires_grad}
-    if frozen and not frozen & state_dict.keys():
-        for key, value in current.items():
-            state_dict.setdefault(key, value)
+    frozen = _frozen_parameters(module)
+    if frozen and not frozen.keys() & state_dict.keys():
+        for key, param in frozen.items():
+            state_dict[key] = param.detach()

@@ -30,7 +30,7 @@ from typing_extensions import override
 
 from lightning_peft._atomic import write_dir
 from lightning_peft.callbacks._target import is_hf_model, resolve_target
-from lightning_peft.peft.io import save_adapter
+from lightning_peft.peft.io import save_adapter as write_adapter
 from lightning_peft.peft.lora import lora_spec, merged_state_dict
 
 
@@ -88,7 +88,7 @@ class MergeOnSave(Callback):
         write_dir(paths["merged"], lambda tmp: _save_merged(model, state, tmp, trainer))
         if self.save_adapter:
             paths["adapter"] = directory / "adapter"
-            write_dir(paths["adapter"], lambda tmp: save_adapter(model, tmp))
+            write_dir(paths["adapter"], lambda tmp: write_adapter(model, tmp))
         rank_zero_info("MergeOnSave: " + "; ".join(f"wrote the {k} model to {p.resolve()}" if k == "merged"
                                                    else f"wrote the PEFT adapter to {p.resolve()}"
                                                    for k, p in paths.items()))
@@ -103,5 +103,16 @@ def _save_merged(model, state: dict, directory: Path, trainer: pl.Trainer) -> No
         if callable(getattr(tokenizer, "save_pretrained", None)):
             tokenizer.save_pretrained(directory)
     else:
-        save_file({k: v.contiguous() for k, v in state.items()}, directory / "model.safetensors", metadata={"format": "pt"})
+        save_file(_unshared(state), directory / "model.safetensors", metadata={"format": "pt"})
+
+
+def _unshared(state: dict) -> dict:
+    """safetensors refuses tensors that share memory (tied weights): give each key its own copy."""
+    seen: set[int] = set()
+    out = {}
+    for key, value in state.items():
+        pointer = value.untyped_storage().data_ptr()
+        out[key] = value.clone() if pointer in seen else value.contiguous()
+        seen.add(pointer)
+    return out
 

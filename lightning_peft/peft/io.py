@@ -31,16 +31,19 @@ from lightning_peft.peft.lora import (
     inject_lora,
     lora_layers,
     lora_spec,
-    _name_matches,
-    _require_spec,
-    _set_submodule,
-    _SPEC_ATTRIBUTE,
+    name_matches,
+    require_spec,
+    set_submodule,
+    SPEC_ATTRIBUTE,
 )
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 LEGACY_WEIGHTS_NAME = "adapter_model.bin"
 KEY_PREFIX = "base_model.model."
+
+# PEFT initialisations that rewrite the base weights as well (PEFT re-runs them when it loads the adapter).
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
 
 # PEFT features this library does not implement: loading such an adapter would silently change its meaning.
 _UNSUPPORTED = {
@@ -67,7 +70,7 @@ def peft_config(model: nn.Module) -> dict:
     Targets are written as the exact module names adapted (so PEFT adapts exactly the same modules), and
     per-module ranks/alphas that differ from the defaults as escaped exact-name patterns.
     """
-    spec = _require_spec(model, "save_adapter")
+    spec = require_spec(model, "save_adapter")
     config = spec.config
     layers = lora_layers(model)
     name_or_path = getattr(getattr(model, "config", None), "_name_or_path", None)
@@ -127,6 +130,15 @@ def config_from_peft(config: dict, source: str = "adapter_config.json") -> LoRAC
                 "load this adapter with Hugging Face PEFT instead."
             )
     init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        raise ValueError(
+            f"load_adapter: {source} sets init_lora_weights={init!r}, an initialisation that also rewrites the base "
+            "weights; lightning-peft does not implement it, so the adapter would mean something else here. "
+            "Load it with Hugging Face PEFT instead."
+        )
+    absent = [key for key in ("r", "target_modules") if config.get(key) is None]
+    if absent:
+        raise ValueError(f"load_adapter: {source} has no {absent[0]!r}; it is not a complete LoRA adapter config.")
     return LoRAConfig(
         rank=config["r"],
         alpha=config.get("lora_alpha", 8),
@@ -166,7 +178,7 @@ def read_adapter_weights(directory: Path) -> dict[str, Tensor]:
             isinstance(k, str) and isinstance(v, Tensor) for k, v in tensors.items()
         ):
             raise ValueError(
-                f"load_adapter: {legacy} holds a {type(tensors).__name__} that is not a dict of named tensors; "
+                f"load_adapter: {legacy} holds a {type(tensors).__name__}, not a dict of tensor names to tensors; "
                 "it is not a PEFT adapter."
             )
     else:
@@ -174,19 +186,29 @@ def read_adapter_weights(directory: Path) -> dict[str, Tensor]:
     return {k.removeprefix(KEY_PREFIX): v for k, v in tensors.items()}
 
 
+def _and_more(keys: list[str]) -> str:
+    return f"{KEY_PREFIX}{keys[0]}" + (f" (and {len(keys) - 1} more)" if len(keys) > 1 else "")
+
+
 def _check_fit(model: nn.Module, tensors: dict[str, Tensor], source: Path) -> dict[str, Tensor]:
+    """The model tensors that ``tensors`` will be copied into; raises, naming the key, if they do not fit."""
     expected = adapter_state_dict(model)
+    # PEFT's save_embedding_layers also writes the base weight of adapted embeddings; PEFT loads it, so do we.
+    for name, layer in lora_layers(model).items():
+        key = f"{name}.base_layer.weight"
+        if key in tensors:
+            expected[key] = layer.base_layer.weight.detach()
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         raise ValueError(
-            f"load_adapter: {source} has key {KEY_PREFIX}{unexpected[0]} (and {len(unexpected) - 1} more) that "
-            f"{type(model).__name__} has no place for. Was the adapter trained on another model?"
+            f"load_adapter: {source} has key {_and_more(unexpected)} that {type(model).__name__} has no place for. "
+            "Was the adapter trained on another model?"
         )
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise ValueError(
-            f"load_adapter: {source} lacks key {KEY_PREFIX}{missing[0]} (and {len(missing) - 1} more) that the "
-            f"adapter config asks for on {type(model).__name__}."
+            f"load_adapter: {source} lacks key {_and_more(missing)} that the adapter config asks for on "
+            f"{type(model).__name__}."
         )
     for key, value in tensors.items():
         if value.shape != expected[key].shape:
@@ -247,7 +269,7 @@ def _existing_modules_to_save(model: nn.Module, config: LoRAConfig) -> LoRAConfi
     PEFT's ``SEQ_CLS`` task writes ``["classifier", "score"]`` whatever the model calls its head.
     """
     names = [n for n, _ in model.named_modules() if n]
-    present = [m for m in dict.fromkeys(config.modules_to_save or []) if any(_name_matches(n, [m]) for n in names)]
+    present = [m for m in dict.fromkeys(config.modules_to_save or []) if any(name_matches(n, [m]) for n in names)]
     return dataclasses.replace(config, modules_to_save=present or None)
 
 
@@ -265,7 +287,7 @@ def _check_scaling(model: nn.Module, config: LoRAConfig, source: Path) -> None:
 
 def _undo_injection(model: nn.Module, replaced: dict, requires_grad: dict[str, bool]) -> None:
     for name, layer in replaced.items():
-        _set_submodule(model, name, layer.base_layer)
+        set_submodule(model, name, layer.base_layer)
     for name, param in model.named_parameters():
         param.requires_grad_(requires_grad[name])
-    delattr(model, _SPEC_ATTRIBUTE)
+    delattr(model, SPEC_ATTRIBUTE)

@@ -81,6 +81,15 @@ class LoRALayer(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.merged = False
 
+    @property
+    def weight(self) -> Tensor:
+        """The base layer's weight: code that reads ``module.weight`` (dtype checks, T5) keeps working."""
+        return self.base_layer.weight
+
+    @property
+    def bias(self) -> Tensor | None:
+        return getattr(self.base_layer, "bias", None)
+
     def adapter_parameters(self) -> dict[str, nn.Parameter]:
         """The trainable adapter parameters, by their name relative to this layer."""
         raise NotImplementedError(f"{type(self).__name__} must define adapter_parameters()")
@@ -148,7 +157,25 @@ class LoRALayer(nn.Module):
         return f"rank={self.rank}, alpha={self.alpha}, scaling={self.scaling:.4g}, merged={self.merged}"
 
 
-class LoRALinear(LoRALayer):
+class _ABLayer(LoRALayer):
+    """A layer whose adapter is two modules, ``lora_A`` (input side) and ``lora_B`` (output side)."""
+
+    lora_A: nn.Module
+    lora_B: nn.Module
+
+    def adapter_parameters(self) -> dict[str, nn.Parameter]:
+        return {"lora_A.weight": self.lora_A.weight, "lora_B.weight": self.lora_B.weight}
+
+    @torch.no_grad()
+    def reset_parameters(self, init: Init = "kaiming") -> None:
+        if init == "gaussian":
+            nn.init.normal_(self.lora_A.weight, std=1 / self.rank)
+        else:
+            nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+
+
+class LoRALinear(_ABLayer):
     """LoRA for ``nn.Linear`` and for ``transformers``' ``Conv1D`` (``fan_in_fan_out=True``: weight is (in, out))."""
 
     def __init__(
@@ -168,17 +195,6 @@ class LoRALinear(LoRALayer):
         self.lora_A = nn.Linear(in_features, rank, bias=False, **kwargs)
         self.lora_B = nn.Linear(rank, out_features, bias=False, **kwargs)
         self.reset_parameters(init)
-
-    def adapter_parameters(self) -> dict[str, nn.Parameter]:
-        return {"lora_A.weight": self.lora_A.weight, "lora_B.weight": self.lora_B.weight}
-
-    @torch.no_grad()
-    def reset_parameters(self, init: Init = "kaiming") -> None:
-        if init == "gaussian":
-            nn.init.normal_(self.lora_A.weight, std=1 / self.rank)
-        else:
-            nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_B.weight)
 
     def delta_weight(self) -> Tensor:
         dtype = _compute_dtype(self.lora_A.weight.dtype)
@@ -236,7 +252,7 @@ class LoRAEmbedding(LoRALayer):
         return self._add_update(result, hidden, self.lora_embedding_B)
 
 
-class LoRAConv2d(LoRALayer):
+class LoRAConv2d(_ABLayer):
     """LoRA for ``nn.Conv2d`` (groups=1): ``A`` has the base kernel, stride and padding; ``B`` is 1x1."""
 
     def __init__(
@@ -256,17 +272,6 @@ class LoRAConv2d(LoRALayer):
         )
         self.lora_B = nn.Conv2d(rank, base_layer.out_channels, 1, bias=False, **kwargs)
         self.reset_parameters(init)
-
-    def adapter_parameters(self) -> dict[str, nn.Parameter]:
-        return {"lora_A.weight": self.lora_A.weight, "lora_B.weight": self.lora_B.weight}
-
-    @torch.no_grad()
-    def reset_parameters(self, init: Init = "kaiming") -> None:
-        if init == "gaussian":
-            nn.init.normal_(self.lora_A.weight, std=1 / self.rank)
-        else:
-            nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_B.weight)
 
     def delta_weight(self) -> Tensor:
         dtype = _compute_dtype(self.lora_A.weight.dtype)

@@ -8,7 +8,12 @@ Target selection follows Hugging Face PEFT so that configs mean the same thing i
 - ``target_modules`` as a list: a module matches if its full name equals an entry or ends with ``"." + entry``;
 - as a string: a regular expression that must match the full module name (``re.fullmatch``);
 - ``"all-linear"``: every ``nn.Linear`` / ``Conv1D`` except the output head (the model's output embeddings when
-  it has them, else its last linear layer) and ``modules_to_save``;
+  it has them, else its last linear layer) and ``modules_to_save``. This differs from PEFT, which keeps a
+  classifier head or a pooler in when no ``task_type`` is given; adapters are saved with the exact module
+  names, so PEFT still adapts the same modules when it loads them;
+- the children of ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` are never adapted: those
+  modules read their children's weights directly (the fused inference fast path), so an adapter there would
+  be silently ignored;
 - ``exclude_modules`` uses the same rules and wins over ``target_modules``;
 - ``rank_pattern`` / ``alpha_pattern`` keys are regular expressions matched against the end of the name
   (``(.*\\.)?(key)$``); the first key that matches wins.
@@ -27,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
@@ -42,7 +48,9 @@ log = logging.getLogger(__name__)
 Bias = Literal["none", "lora_only", "all"]
 Targets = list[str] | str
 
-_SPEC_ATTRIBUTE = "_lightning_peft_lora"
+SPEC_ATTRIBUTE = "_lightning_peft_lora"
+# Modules whose forward reads their children's weights directly instead of calling the children.
+_READS_CHILD_WEIGHTS = (nn.MultiheadAttention, nn.TransformerEncoderLayer)
 
 
 @dataclass(frozen=True)
@@ -90,8 +98,10 @@ class LoRAConfig:
                 f"LoRA(modules_to_save={self.modules_to_save!r}): give a list of module names, e.g. ['classifier']."
             )
         for key, value in self.rank_pattern.items():
+            _check_pattern(key, "rank_pattern")
             _check_rank(value, f"rank_pattern[{key!r}]")
         for key, value in self.alpha_pattern.items():
+            _check_pattern(key, "alpha_pattern")
             _check_alpha(value, f"alpha_pattern[{key!r}]")
         if self.bias not in ("none", "lora_only", "all"):
             raise ValueError(f"LoRA(bias={self.bias!r}): bias must be 'none', 'lora_only' or 'all'.")
@@ -138,8 +148,17 @@ def _check_rank(value: object, what: str) -> None:
 
 
 def _check_alpha(value: object, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"LoRA({what}={value!r}): alpha must be a positive number.")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"LoRA({what}={value!r}): alpha must be a positive, finite number.")
+
+
+def _check_pattern(key: object, what: str) -> None:
+    if not isinstance(key, str):
+        raise TypeError(f"LoRA({what}={{{key!r}: ...}}): keys must be strings (regular expressions).")
+    try:
+        re.compile(key)
+    except re.error as err:
+        raise ValueError(f"LoRA({what}={{{key!r}: ...}}): the key is not a valid regular expression: {err}.") from None
 
 
 def _check_targets(value: object, what: str) -> None:
@@ -163,7 +182,7 @@ def _pattern_value(patterns: dict, name: str, default):
     return default
 
 
-def _name_matches(name: str, targets: Targets) -> bool:
+def name_matches(name: str, targets: Targets) -> bool:
     if isinstance(targets, str):
         return re.fullmatch(targets, name) is not None
     return any(name == t or name.endswith(f".{t}") for t in targets)
@@ -204,8 +223,8 @@ def _describe_modules(model: nn.Module) -> str:
 
 def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]:
     """(targets, modules_to_save) full names; raises before anything is changed."""
-    names = [n for n, _ in model.named_modules() if n]
-    to_save = [n for n in names if config.modules_to_save and _name_matches(n, config.modules_to_save)]
+    names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
+    to_save = [n for n in names if config.modules_to_save and name_matches(n, config.modules_to_save)]
     if config.modules_to_save:
         missing = [m for m in config.modules_to_save if not any(n == m or n.endswith(f".{m}") for n in to_save)]
         if missing:
@@ -217,15 +236,18 @@ def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]
     def saved(name: str) -> bool:
         return any(name == s or name.startswith(f"{s}.") for s in to_save)
 
-    modules = dict(model.named_modules())
+    modules = dict(model.named_modules(remove_duplicate=False))
+    inside_fused = {f"{n}.{c}" if n else c: type(m).__name__ for n, m in modules.items()
+                    if isinstance(m, _READS_CHILD_WEIGHTS) for c, _ in m.named_children()}
     if config.target_modules == "all-linear":
         head = _output_head(model)
-        chosen = [n for n in names if isinstance(modules[n], _linear_types()) and n != head]
+        linear = _linear_types()
+        chosen = [n for n in names if isinstance(modules[n], linear) and n != head and n not in inside_fused]
     else:
-        chosen = [n for n in names if _name_matches(n, config.target_modules)]
+        chosen = [n for n in names if name_matches(n, config.target_modules)]
     chosen = [n for n in chosen if not saved(n)]
     if config.exclude_modules is not None:
-        chosen = [n for n in chosen if not _name_matches(n, config.exclude_modules)]
+        chosen = [n for n in chosen if not name_matches(n, config.exclude_modules)]
     if not chosen:
         raise ValueError(
             f"LoRA(target_modules={config.target_modules!r}) matched no module of {type(model).__name__}. "
@@ -240,11 +262,32 @@ def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]
             f"{', '.join(t.__name__ for t in supported_types())}. Name the linear layers inside it instead "
             f"(it can adapt: {_describe_modules(model)})."
         )
+    _check_aliases(chosen, names, modules)
     for name in chosen:
         module = modules[name]
+        if name in inside_fused:
+            raise TypeError(
+                f"LoRA: {name!r} belongs to an nn.{inside_fused[name]}, which reads its children's weights directly "
+                "(fused fast path), so an adapter there would be silently ignored. Exclude it (exclude_modules), "
+                "or build the block from separate Linear layers."
+            )
         if isinstance(module, nn.Conv2d) and module.groups != 1:
             raise TypeError(f"LoRA: {name!r} is a grouped Conv2d (groups={module.groups}); only groups=1 is supported.")
     return chosen, to_save
+
+
+def _check_aliases(chosen: list[str], names: list[str], modules: dict[str, nn.Module]) -> None:
+    """A module registered under two names would be adapted under one and called bare under the other."""
+    paths: dict[int, list[str]] = {}
+    for name in names:
+        paths.setdefault(id(modules[name]), []).append(name)
+    for name in chosen:
+        aliases = paths[id(modules[name])]
+        if len(aliases) > 1:
+            raise ValueError(
+                f"LoRA: the module at {name!r} is also registered as {[a for a in aliases if a != name]}; "
+                "an adapter would apply under one name only. Register the module once, or untie it first."
+            )
 
 
 def _make_layer(module: nn.Module, name: str, config: LoRAConfig) -> LoRALayer:
@@ -262,7 +305,7 @@ def _make_layer(module: nn.Module, name: str, config: LoRAConfig) -> LoRALayer:
     return LoRALinear(module, **kwargs)
 
 
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent_name), attr, module)
 
@@ -274,7 +317,7 @@ def lora_layers(model: nn.Module) -> dict[str, LoRALayer]:
 
 def lora_spec(model: nn.Module) -> LoRASpec | None:
     """The :class:`LoRASpec` :func:`inject_lora` left on ``model``, or None."""
-    return getattr(model, _SPEC_ATTRIBUTE, None)
+    return getattr(model, SPEC_ATTRIBUTE, None)
 
 
 def inject_lora(model: nn.Module, config: LoRAConfig | None = None, **kwargs) -> dict[str, LoRALayer]:
@@ -309,12 +352,13 @@ def inject_lora(model: nn.Module, config: LoRAConfig | None = None, **kwargs) ->
     model.requires_grad_(False)
     replaced = {}
     for name in targets:
-        layer = _make_layer(model.get_submodule(name), name, config)
-        _set_submodule(model, name, layer)
+        base = model.get_submodule(name)
+        layer = _make_layer(base, name, config).train(base.training)  # an eval model gets eval adapters
+        set_submodule(model, name, layer)
         replaced[name] = layer
     for param in trainable_state(model, config.bias, to_save, replaced).values():
         param.requires_grad_(True)
-    setattr(model, _SPEC_ATTRIBUTE, LoRASpec(config, tuple(targets), tuple(to_save)))
+    setattr(model, SPEC_ATTRIBUTE, LoRASpec(config, tuple(targets), tuple(to_save)))
     log.info("LoRA: adapted %d modules of %s; %s", len(replaced), type(model).__name__, trainable_parameters(model))
     return replaced
 
@@ -345,12 +389,12 @@ def adapter_state_dict(model: nn.Module) -> dict[str, Tensor]:
     Raises:
         RuntimeError: If ``model`` has no LoRA adapter.
     """
-    spec = _require_spec(model, "adapter_state_dict")
+    spec = require_spec(model, "adapter_state_dict")
     state = trainable_state(model, spec.config.bias, spec.modules_to_save, lora_layers(model))
     return {k: v.detach() for k, v in state.items()}
 
 
-def _require_spec(model: nn.Module, who: str) -> LoRASpec:
+def require_spec(model: nn.Module, who: str) -> LoRASpec:
     spec = lora_spec(model)
     if spec is None:
         raise RuntimeError(f"{who}: {type(model).__name__} has no LoRA adapter; call inject_lora(model, ...) first.")
@@ -362,13 +406,16 @@ def merge_lora(model: nn.Module) -> list[str]:
 
     Idempotent: layers already merged are left alone. Each merge is computed in float32 (or wider) and
     cast back to the weight's dtype. If a merged weight would be non-finite, the layers merged by this
-    call are unmerged again and a ``RuntimeError`` names the layer.
+    call are unmerged again and a ``RuntimeError`` names the layer. A weight tied to another module
+    (e.g. input and output embeddings) is refused before anything changes.
 
     Returns:
         Names of the layers this call merged.
     """
+    layers = lora_layers(model)
+    _refuse_tied(model, layers)
     done: list[str] = []
-    for name, layer in lora_layers(model).items():
+    for name, layer in layers.items():
         if layer.merged:
             continue
         try:
@@ -379,6 +426,22 @@ def merge_lora(model: nn.Module) -> list[str]:
             raise RuntimeError(f"merge_lora: layer {name!r}: {err}") from None
         done.append(name)
     return done
+
+
+def _refuse_tied(model: nn.Module, layers: dict[str, LoRALayer]) -> None:
+    """Merging in place into a weight shared with another module would change that module too."""
+    owners: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name)
+    for name, layer in layers.items():
+        if layer.merged:
+            continue
+        others = [o for o in owners.get(id(layer.base_layer.weight), []) if not o.startswith(f"{name}.")]
+        if others:
+            raise RuntimeError(
+                f"merge_lora: the weight of {name!r} is tied to {others[0]!r}; merging in place would change both. "
+                "Use merged_state_dict(model) for an export (it keeps them apart), or untie the weights first."
+            )
 
 
 def unmerge_lora(model: nn.Module) -> list[str]:
@@ -402,7 +465,8 @@ def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """The state dict of the base model with every adapter merged in, under the base model's own key names.
 
     Does not change ``model``: the merged weights are new tensors. Loading the result into a fresh copy of
-    the original (un-adapted) model gives the merged model.
+    the original (un-adapted) model gives the merged model. A weight tied to another module gets the merged
+    value under the adapted module's key only, as the adapted model computes.
 
     Raises:
         RuntimeError: If a merged weight would be non-finite.

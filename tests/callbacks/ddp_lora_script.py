@@ -50,12 +50,13 @@ def main(out: Path, devices: int, batch_size: int) -> None:
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out, use_distributed_sampler=False,
         callbacks=[
             LoRA(**LORA_ARGS, adapter_only_checkpoint=True),
-            MergeOnSave(dirpath=str(out / "export")),
+            export := MergeOnSave(dirpath=str(out / "export")),
             ModelCheckpoint(dirpath=out / "ckpt", save_last=True),
         ],
     )
     trainer.fit(module, datamodule=RoundRobinData(data, batch_size))
     torch.save(adapter_state_dict(module.model), out / f"rank{trainer.global_rank}.pt")
+    (out / f"export-rank{trainer.global_rank}.txt").write_text(repr(sorted(export.last_export)))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_peft.callbacks import LoRA
@@ -147,6 +148,40 @@ def test_adapter_only_loading_still_rejects_a_full_state_dict_with_a_missing_key
         module.load_state_dict(state)
     adapter_only = {k: v for k, v in state.items() if k in {f"model.{a}" for a in adapter_state_dict(module.model)}}
     module.load_state_dict(adapter_only)  # strict, and the base comes from the model itself
+    del adapter_only["model.bert.encoder.layer.1.attention.self.value.lora_B.weight"]
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"model.bert.encoder.layer.1.attention.self"
+                                           r".value.lora_B.weight\""):
+        module.load_state_dict(adapter_only)  # only frozen parameters are filled in, never adapter weights
+
+
+class ConvNet(pl.LightningModule):
+    """BatchNorm statistics keep moving while the base is frozen: adapter-only checkpoints must keep them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(64, 2))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+
+def test_adapter_only_checkpoint_keeps_buffers_and_drops_only_frozen_parameters(tmp_path):
+    torch.manual_seed(0)
+    module = ConvNet()
+    data = DataLoader(TensorDataset(torch.randn(8, 2, 4, 4), torch.randint(0, 2, (8,))), batch_size=4)
+    callbacks = [LoRA(rank=2, target_modules=["0"], model_attribute="net", adapter_only_checkpoint=True),
+                 ModelCheckpoint(dirpath=tmp_path, filename="last")]
+    trainer(tmp_path, max_steps=2, callbacks=callbacks, enable_checkpointing=True).fit(module, data)
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]
+    assert set(saved) == {
+        "net.0.lora_A.weight", "net.0.lora_B.weight",
+        "net.1.running_mean", "net.1.running_var", "net.1.num_batches_tracked",
+    }
+    assert saved["net.1.num_batches_tracked"] == 2
 
 
 def test_a_second_lora_config_on_an_adapted_model_is_refused(tiny_bert_config, tmp_path):

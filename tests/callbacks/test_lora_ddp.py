@@ -32,6 +32,8 @@ def test_ddp_two_processes_equal_one_process_on_the_joint_batch(tmp_path):
         assert torch.equal(rank0[key], rank1[key]), key  # DDP keeps the replicas identical
         assert_close(rank0[key], single[key], rtol=1e-5, atol=1e-6)  # and averages gradients correctly
     # Rank 0 alone wrote the export and an adapter-only checkpoint.
+    assert (tmp_path / "ddp" / "export-rank0.txt").read_text() == "['adapter', 'merged']"
+    assert (tmp_path / "ddp" / "export-rank1.txt").read_text() == "[]"
     assert (tmp_path / "ddp" / "export" / "merged" / "model.safetensors").is_file()
     state = torch.load(tmp_path / "ddp" / "ckpt" / "last.ckpt", weights_only=False)["state_dict"]
     assert set(state) == {f"model.{k}" for k in single}

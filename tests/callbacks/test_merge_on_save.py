@@ -104,6 +104,29 @@ def test_plain_torch_model_exports_a_state_dict_with_the_original_keys(tmp_path)
     assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
 
 
+class TiedModule(PlainModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Embedding(6, 4), nn.Linear(4, 6))
+        self.net[1].weight = self.net[0].weight  # tied input and output embeddings
+
+    def training_step(self, batch, batch_idx):
+        ids, y = batch
+        return nn.functional.cross_entropy(self.net(ids).mean(1), y)
+
+
+def test_plain_model_with_tied_weights_exports(tmp_path):
+    module = TiedModule()
+    data = torch.utils.data.TensorDataset(torch.randint(0, 6, (8, 3)), torch.randint(0, 6, (8,)))
+    export = MergeOnSave(dirpath=str(tmp_path / "out"), model_attribute="net")
+    run = trainer(tmp_path, max_steps=2, callbacks=[LoRA(rank=2, target_modules=["0"], model_attribute="net"), export])
+    run.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    state = load_file(tmp_path / "out" / "merged" / "model.safetensors")
+    layer = module.net[0]
+    assert_close(state["0.weight"], layer.base_layer.weight + layer.delta_weight())
+    assert torch.equal(state["1.weight"], module.net[1].weight)  # the head kept the unadapted tied weight
+
+
 def test_without_lora_it_says_where_the_lora_callback_goes(tiny_bert_config, tmp_path):
     with pytest.raises(RuntimeError, match=r"MergeOnSave: BertForSequenceClassification has no LoRA adapter at setup\. "
                                            r"Put the LoRA callback before MergeOnSave"):

@@ -23,6 +23,7 @@ from torch import nn
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from peft.tuners.lora import LoraLayer  # noqa: E402
 
 from lightning_peft.peft import (  # noqa: E402
@@ -574,7 +575,9 @@ def test_legacy_bin_that_is_not_a_tensor_dict_is_refused(content, tmp_path):
     model = _fresh(_base("bert"), "bert")
     snapshot = _snapshot(model)
 
-    with pytest.raises(ValueError, match=r"adapter_model\.bin"):
+    kind = "list" if content == "list-of-tensors" else "dict"
+    with pytest.raises(ValueError, match=rf"adapter_model\.bin holds a {kind}, not a dict of tensor names to tensors; "
+                                         r"it is not a PEFT adapter"):
         load_adapter(model, tmp_path)
 
     _assert_unchanged(model, snapshot)
@@ -663,7 +666,9 @@ def test_load_into_injected_model_with_other_alpha_is_not_silent(tmp_path):
     model = _fresh(_base("bert"), "bert")
     inject_lora(model, rank=4, alpha=8, target_modules=["query", "value"])
 
-    with pytest.raises(ValueError, match="alpha"):
+    with pytest.raises(ValueError, match=r"gives 'bert.encoder.layer.0.attention.self.query' alpha=32, use_rslora=False, "
+                                         r"but the model's LoRA layer has alpha=8, use_rslora=False; the adapter would "
+                                         r"be scaled differently\. Load it into a model without LoRA layers"):
         load_adapter(model, tmp_path)
 
 
@@ -675,3 +680,43 @@ def test_load_into_injected_model_checks_the_config(tmp_path):
 
     with pytest.raises(ValueError, match=r"has peft_type='IA3'; only 'LORA' is supported"):
         load_adapter(model, tmp_path)
+
+
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora", "corda", "loftq"])
+def test_initialisations_that_rewrite_the_base_are_refused(init, tmp_path):
+    _write_adapter(tmp_path)
+    _edit_config(tmp_path, init_lora_weights=init)
+    with pytest.raises(ValueError, match=rf"sets init_lora_weights='{init}', an initialisation that also rewrites"):
+        load_adapter(_fresh(_base("bert"), "bert"), tmp_path)
+
+
+@pytest.mark.parametrize("field", ["r", "target_modules"])
+def test_incomplete_config_is_refused(field, tmp_path):
+    _write_adapter(tmp_path)
+    _edit_config(tmp_path, **{field: None})
+    with pytest.raises(ValueError, match=rf"adapter_config.json has no '{field}'; it is not a complete LoRA adapter"):
+        load_adapter(_fresh(_base("bert"), "bert"), tmp_path)
+
+
+def test_peft_adapter_with_saved_embedding_layers_loads(tmp_path):
+    """PEFT also saves the base weight of an adapted embedding (save_embedding_layers); we load it as PEFT does."""
+    base = _base("llama")
+    peft_model = get_peft_model(_fresh(base, "llama"), LoraConfig(r=2, target_modules=["q_proj", "embed_tokens"]))
+    _randomise_peft(peft_model)
+    with torch.no_grad():
+        peft_model.base_model.model.model.embed_tokens.base_layer.weight.mul_(1.5)  # e.g. resized/retrained rows
+    peft_model.save_pretrained(tmp_path, save_embedding_layers=True)
+    assert "base_model.model.model.embed_tokens.base_layer.weight" in _read_weights(tmp_path / WEIGHTS)
+    ours = load_adapter(_fresh(base, "llama"), tmp_path)
+    torch.testing.assert_close(_out(ours), _out(peft_model.eval()))
+
+
+def test_dropout_adapter_loaded_into_an_eval_model_is_deterministic_and_matches_peft(tmp_path):
+    base = _base("bert")  # eval mode
+    peft_model = get_peft_model(_fresh(base, "bert"), LoraConfig(r=2, lora_dropout=0.5, target_modules=["query"]))
+    _randomise_peft(peft_model)
+    peft_model.save_pretrained(tmp_path)
+    ours = load_adapter(_fresh(base, "bert"), tmp_path)
+    assert not any(layer.training for layer in lora_layers(ours).values())
+    torch.testing.assert_close(_out(ours), _out(ours), rtol=0, atol=0)
+    torch.testing.assert_close(_out(ours), _out(PeftModel.from_pretrained(_fresh(base, "bert"), tmp_path)))

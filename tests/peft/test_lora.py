@@ -315,8 +315,8 @@ def test_inject_does_not_mutate_the_config_or_its_lists():
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
     ({"rank": 0}, ValueError, r"LoRA\(rank=0\): rank must be a positive integer"),
     ({"rank": 2.5}, ValueError, r"LoRA\(rank=2.5\): rank must be a positive integer"),
-    ({"alpha": 0}, ValueError, r"LoRA\(alpha=0\): alpha must be a positive number"),
-    ({"alpha": -1.0}, ValueError, r"LoRA\(alpha=-1.0\): alpha must be a positive number"),
+    ({"alpha": 0}, ValueError, r"LoRA\(alpha=0\): alpha must be a positive, finite number"),
+    ({"alpha": -1.0}, ValueError, r"LoRA\(alpha=-1.0\): alpha must be a positive, finite number"),
     ({"dropout": 1.0}, ValueError, r"LoRA\(dropout=1.0\): dropout must be a probability in \[0, 1\)"),
     ({"dropout": -0.1}, ValueError, r"LoRA\(dropout=-0.1\): dropout must be a probability"),
     ({"target_modules": []}, TypeError, r"LoRA\(target_modules=\[\]\): give a non-empty list"),
@@ -389,3 +389,95 @@ def test_lora_layers_lists_every_layer():
     model = Tiny()
     inject_lora(model, target_modules=["query", "embed"])
     assert sorted(lora_layers(model)) == ["blocks.0.query", "blocks.1.query", "embed"]
+
+
+# ----------------------------------------------------------------------------- models that need care
+
+
+def test_adapters_injected_into_an_eval_model_are_in_eval_mode():
+    model = Tiny().eval()
+    layers = inject_lora(model, rank=2, target_modules=["query"], dropout=0.5)
+    randomise(layers)
+    assert not any(layer.training for layer in layers.values())
+    ids = torch.randint(0, 10, (2, 5))
+    assert torch.equal(model(ids), model(ids))  # no dropout at inference
+
+
+def test_half_precision_merged_forward_matches_unmerged():
+    torch.manual_seed(0)
+    model = Tiny().to(torch.bfloat16)
+    randomise(inject_lora(model, rank=2, target_modules=["query", "value"]))
+    ids = torch.randint(0, 10, (3, 5))
+    unmerged = model(ids)
+    merge_lora(model)
+    assert_close(model(ids), unmerged, rtol=2e-2, atol=2e-2)
+    unmerge_lora(model)
+    assert_close(model(ids), unmerged, rtol=2e-2, atol=2e-2)
+
+
+def test_a_module_registered_under_two_names_is_refused():
+    model = Tiny()
+    model.alias = model.blocks[0]["query"]
+    for targets in (["query"], ["alias"]):
+        with pytest.raises(ValueError, match=r"the module at '(blocks.0.query|alias)' is also registered as "
+                                             r"\['(alias|blocks.0.query)'\]; an adapter would apply under one name only"):
+            inject_lora(model, target_modules=targets)
+
+
+def gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=8, n_layer=1, n_head=2, n_positions=16)).eval()
+
+
+@pytest.mark.parametrize(("target", "tied_to"), [("lm_head", "transformer.wte.weight"), ("wte", "lm_head.weight")])
+def test_merging_into_a_tied_weight_is_refused_before_anything_changes(target, tied_to):
+    model = gpt2()
+    randomise(inject_lora(model, rank=2, target_modules=[target, "c_attn"]))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match=rf"merge_lora: the weight of '.*{target}' is tied to '{tied_to}'"):
+        merge_lora(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_merged_state_dict_keeps_tied_weights_apart():
+    model = gpt2()
+    layers = inject_lora(model, rank=2, target_modules=["wte"])
+    randomise(layers)
+    state = merged_state_dict(model)
+    assert_close(state["transformer.wte.weight"], model.transformer.wte.base_layer.weight + layers["transformer.wte"].delta_weight())
+    assert torch.equal(state["lm_head.weight"], model.lm_head.weight)  # the output head never saw the adapter
+
+
+def test_layers_pass_weight_and_bias_through_for_code_that_reads_them():
+    from transformers import T5Config, T5EncoderModel
+
+    model = T5EncoderModel(T5Config(vocab_size=32, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2)).eval()
+    ids = torch.randint(0, 32, (2, 5))
+    with torch.no_grad():  # (freezing alone may switch attention kernels; no_grad keeps both runs on one)
+        expected = model(input_ids=ids).last_hidden_state
+        layers = inject_lora(model, rank=2, target_modules=["wo"])  # T5 reads self.wo.weight.dtype in forward
+        assert torch.equal(model(input_ids=ids).last_hidden_state, expected)
+    layer = next(iter(layers.values()))
+    assert layer.weight is layer.base_layer.weight and layer.bias is None
+
+
+def test_modules_that_read_their_childrens_weights_are_not_adapted():
+    # nn.TransformerEncoderLayer's fused fast path and nn.MultiheadAttention read child weights directly:
+    # an adapter there would be silently skipped, so all-linear leaves them out and naming them is refused.
+    model = nn.Sequential(nn.TransformerEncoderLayer(d_model=8, nhead=2, batch_first=True), nn.Linear(8, 8), nn.Linear(8, 2))
+    assert sorted(inject_lora(model, rank=2, target_modules="all-linear")) == ["1"]
+    for target, owner in (["out_proj", "MultiheadAttention"], ["linear1", "TransformerEncoderLayer"]):
+        with pytest.raises(TypeError, match=rf"'0.*{target}' belongs to an nn.{owner}, which reads its children's "
+                                            r"weights directly \(fused fast path\), so an adapter there would be silently"):
+            inject_lora(nn.Sequential(nn.TransformerEncoderLayer(d_model=8, nhead=2, batch_first=True)), target_modules=[target])
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"rank_pattern": {"q(": 2}}, ValueError, r"LoRA\(rank_pattern=\{'q\(': \.\.\.\}\): the key is not a valid regular"),
+    ({"alpha_pattern": {3: 2.0}}, TypeError, r"LoRA\(alpha_pattern=\{3: \.\.\.\}\): keys must be strings"),
+    ({"alpha": float("inf")}, ValueError, r"LoRA\(alpha=inf\): alpha must be a positive, finite number"),
+])
+def test_pattern_and_alpha_validation(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        LoRAConfig(**kwargs)

@@ -1,0 +1,17 @@
+"""The examples in docstrings run (the cheap ones: those not marked ``doctest: +SKIP``)."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = ["lightning_peft.peft.lora", "lightning_peft.modules.hf", "lightning_peft.data.bbc_news"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0
+    assert result.attempted > 0
