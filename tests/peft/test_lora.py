@@ -481,3 +481,19 @@ def test_modules_that_read_their_childrens_weights_are_not_adapted():
 def test_pattern_and_alpha_validation(kwargs, error, match):
     with pytest.raises(error, match=match):
         LoRAConfig(**kwargs)
+
+
+@pytest.mark.parametrize("target", ["wte", "lm_head"])
+def test_merged_export_of_a_tied_gpt2_loads_untied_with_the_adapted_outputs(target, tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    model = gpt2()
+    randomise(inject_lora(model, rank=2, target_modules=[target]))
+    ids = torch.randint(0, 32, (2, 6))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    model.save_pretrained(tmp_path, state_dict=merged_state_dict(model))
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    assert loaded.lm_head.weight is not loaded.transformer.wte.weight
+    with torch.no_grad():
+        assert_close(loaded(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
