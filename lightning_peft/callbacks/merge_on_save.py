@@ -60,14 +60,14 @@ class MergeOnSave(Callback):
         self.last_export: dict[str, Path] = {}
 
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            _, model = resolve_target(pl_module, self.model_attribute, "MergeOnSave")
-            if lora_spec(model) is None:
-                raise RuntimeError(
-                    f"MergeOnSave: {type(model).__name__} has no LoRA adapter at setup. Put the LoRA callback before "
-                    "MergeOnSave in Trainer(callbacks=[...]), with the same model_attribute."
-                )
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Checked here, not in setup: a model built (and adapted) in configure_model exists only now.
+        _, model = resolve_target(pl_module, self.model_attribute, "MergeOnSave")
+        if lora_spec(model) is None:
+            raise RuntimeError(
+                f"MergeOnSave: {type(model).__name__} has no LoRA adapter when fit starts. Add the LoRA callback to "
+                "Trainer(callbacks=[...]) with the same model_attribute, or call inject_lora in configure_model."
+            )
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:

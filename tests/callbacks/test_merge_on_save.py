@@ -11,7 +11,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from lightning_peft.callbacks import LoRA, MergeOnSave
-from lightning_peft.peft import lora_layers
+from lightning_peft.peft import inject_lora, lora_layers
 from tests.callbacks.test_lora import LORA_ARGS, Classifier, loader, trainer
 
 
@@ -128,11 +128,32 @@ def test_plain_model_with_tied_weights_exports(tmp_path):
 
 
 def test_without_lora_it_says_where_the_lora_callback_goes(tiny_bert_config, tmp_path):
-    with pytest.raises(RuntimeError, match=r"MergeOnSave: BertForSequenceClassification has no LoRA adapter at setup\. "
-                                           r"Put the LoRA callback before MergeOnSave"):
+    with pytest.raises(RuntimeError, match=r"MergeOnSave: BertForSequenceClassification has no LoRA adapter when fit "
+                                           r"starts\. Add the LoRA callback"):
         trainer(tmp_path, max_steps=1, callbacks=[MergeOnSave(dirpath=str(tmp_path))]).fit(
             Classifier(tiny_bert_config), loader()
         )
+
+
+class BuiltInConfigureModel(PlainModule):
+    """The model only exists after configure_model, and is adapted there with the pure function."""
+
+    def __init__(self) -> None:
+        pl.LightningModule.__init__(self)
+        self.net = None
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+            inject_lora(self.net, rank=2, target_modules=["0"])
+
+
+def test_a_model_adapted_in_configure_model_is_exported(tmp_path):
+    module = BuiltInConfigureModel()
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    export = MergeOnSave(dirpath=str(tmp_path / "out"), model_attribute="net")
+    trainer(tmp_path, max_steps=2, callbacks=[export]).fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    assert set(load_file(tmp_path / "out" / "merged" / "model.safetensors")) == {"0.weight", "0.bias", "2.weight", "2.bias"}
 
 
 def test_empty_dirpath_is_refused():
