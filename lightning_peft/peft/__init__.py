@@ -1,8 +1,8 @@
 """Parameter-efficient fine-tuning in pure PyTorch (no Lightning import): LoRA and its PEFT-format I/O."""
 
-from lightning_peft.peft.io import load_adapter, peft_config, save_adapter
-from lightning_peft.peft.layers import LoRAConv2d, LoRAEmbedding, LoRALayer, LoRALinear
-from lightning_peft.peft.lora import (
+from .io import load_adapter, peft_config, save_adapter
+from .layers import LoRAConv2d, LoRAEmbedding, LoRALayer, LoRALinear
+from .lora import (
     LoRAConfig,
     ParameterReport,
     adapter_state_dict,

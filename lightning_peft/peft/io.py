@@ -24,8 +24,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from lightning_peft._atomic import write_files
-from lightning_peft.peft.lora import (
+from .._atomic import write_files
+from .lora import (
     LoRAConfig,
     adapter_state_dict,
     inject_lora,

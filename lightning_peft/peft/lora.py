@@ -41,7 +41,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_peft.peft.layers import Init, LoRAConv2d, LoRAEmbedding, LoRALayer, LoRALinear, conv1d_type
+from .layers import Init, LoRAConv2d, LoRAEmbedding, LoRALayer, LoRALinear, conv1d_type
 
 log = logging.getLogger(__name__)
 
