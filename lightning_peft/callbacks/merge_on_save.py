@@ -86,12 +86,12 @@ class MergeOnSave(Callback):
         state = merged_state_dict(model)  # raises before anything is written if a merge is non-finite
         paths = {"merged": directory / "merged"}
         write_dir(paths["merged"], lambda tmp: _save_merged(model, state, tmp, trainer))
+        message = f"MergeOnSave: wrote the merged model to {paths['merged'].resolve()}"
         if self.save_adapter:
             paths["adapter"] = directory / "adapter"
             write_dir(paths["adapter"], lambda tmp: write_adapter(model, tmp))
-        rank_zero_info("MergeOnSave: " + "; ".join(f"wrote the {k} model to {p.resolve()}" if k == "merged"
-                                                   else f"wrote the PEFT adapter to {p.resolve()}"
-                                                   for k, p in paths.items()))
+            message += f"; wrote the PEFT adapter to {paths['adapter'].resolve()}"
+        rank_zero_info(message)
         self.last_export = paths
         return paths
 

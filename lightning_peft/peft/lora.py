@@ -35,7 +35,7 @@ import logging
 import math
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -223,10 +223,11 @@ def _describe_modules(model: nn.Module) -> str:
 
 def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]:
     """(targets, modules_to_save) full names; raises before anything is changed."""
-    names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
+    modules = dict(model.named_modules(remove_duplicate=False))
+    names = [n for n in modules if n]
     to_save = [n for n in names if config.modules_to_save and name_matches(n, config.modules_to_save)]
     if config.modules_to_save:
-        missing = [m for m in config.modules_to_save if not any(n == m or n.endswith(f".{m}") for n in to_save)]
+        missing = [m for m in config.modules_to_save if not any(name_matches(n, [m]) for n in to_save)]
         if missing:
             raise ValueError(
                 f"LoRA(modules_to_save={config.modules_to_save!r}): {missing} matched no module of "
@@ -236,7 +237,6 @@ def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]
     def saved(name: str) -> bool:
         return any(name == s or name.startswith(f"{s}.") for s in to_save)
 
-    modules = dict(model.named_modules(remove_duplicate=False))
     inside_fused = {f"{n}.{c}" if n else c: type(m).__name__ for n, m in modules.items()
                     if isinstance(m, _READS_CHILD_WEIGHTS) for c, _ in m.named_children()}
     if config.target_modules == "all-linear":
@@ -491,8 +491,3 @@ def trainable_parameters(model: nn.Module) -> ParameterReport:
     total = sum(p.numel() for p in seen.values())
     trainable = sum(p.numel() for p in seen.values() if p.requires_grad)
     return ParameterReport(trainable=trainable, total=total)
-
-
-def config_fields() -> list[str]:
-    """Names of the :class:`LoRAConfig` fields (the keyword arguments of ``inject_lora`` and the callback)."""
-    return [f.name for f in fields(LoRAConfig)]
