@@ -2,6 +2,8 @@
 
 A `LightningCLI` in subclass mode: the YAML names any LightningModule and LightningDataModule with
 ``class_path``/``init_args``, and any callback or strategy of this package (or another) under ``trainer``.
+Classes of this package may also be named without their module, as Lightning's own are:
+``--trainer.callbacks+=LoRA --trainer.callbacks.rank=4``, ``--model HFSequenceClassifier``.
 One extra top-level option, ``test_after_fit`` (``--test_after_fit true``), makes ``fit`` finish with
 ``trainer.test`` on the final weights (the ones ``MergeOnSave`` exports, so the printed metrics describe the
 model on disk) and print the test metrics. Other subcommands accept and ignore it, so one YAML serves them all.
@@ -13,6 +15,12 @@ Example:
 from __future__ import annotations
 
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+
+# Imported for their classes: jsonargparse resolves a bare class name (``--trainer.callbacks+=LoRA``,
+# ``--model HFSequenceClassifier``) only among the subclasses already imported.
+import lightning_peft.callbacks  # noqa: F401
+import lightning_peft.data  # noqa: F401
+import lightning_peft.modules  # noqa: F401
 
 __all__ = ["PeftCLI", "main"]
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -111,3 +113,44 @@ def test_example_config_parses(capsys: pytest.CaptureFixture[str]) -> None:
     assert {"lightning_peft.callbacks.LoRA", "lightning_peft.callbacks.MergeOnSave"} <= set(class_paths)
     assert config["model"]["class_path"] == "lightning_peft.modules.HFSequenceClassifier"
     assert config["data"]["class_path"] == "lightning_peft.data.BBCNewsDataModule"
+
+
+BORING = ["--model", "lightning.pytorch.demos.boring_classes.BoringModel",
+          "--data", "lightning.pytorch.demos.boring_classes.BoringDataModule"]
+
+
+def test_short_class_names_resolve_in_a_fresh_process() -> None:
+    """``--trainer.callbacks+=LoRA`` works without a class path, as Lightning's own callbacks do.
+
+    A fresh interpreter: in this one other tests may already have imported the callbacks, which is what
+    jsonargparse's name lookup needs.
+    """
+    args = [
+        "fit", "--trainer.callbacks+=LoRA", "--trainer.callbacks.rank=4", "--trainer.callbacks+=MergeOnSave",
+        "--model", "HFSequenceClassifier", "--model.model_name_or_path=unused", "--model.num_labels=3",
+        "--data", "BBCNewsDataModule", "--data.tokenizer=unused", "--print_config",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_peft.cli", *args], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    config = yaml.safe_load(result.stdout)
+    lora, merge = config["trainer"]["callbacks"]
+    assert lora["class_path"] == "lightning_peft.callbacks.LoRA" and lora["init_args"]["rank"] == 4
+    assert merge["class_path"] == "lightning_peft.callbacks.MergeOnSave"
+    assert config["model"]["class_path"] == "lightning_peft.modules.HFSequenceClassifier"
+    assert config["data"]["class_path"] == "lightning_peft.data.BBCNewsDataModule"
+
+
+def test_yaml_typo_in_a_callback_argument_names_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "typo.yaml"
+    callback = {"class_path": "LoRA", "init_args": {"rnak": 8}}
+    path.write_text(yaml.safe_dump({"trainer": {"callbacks": [callback]}}))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", *BORING, "--config", str(path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    match = r"class_path 'lightning_peft\.callbacks\.LoRA':\s+Option 'rnak' is not accepted"
+    assert re.search(match, err), err

@@ -342,8 +342,13 @@ class PaddingCollator:
 
     Args:
         pad_token_id: Value padding ``input_ids``; ``attention_mask`` and ``token_type_ids`` are padded
-            with 0.
+            with 0. A tokenizer without a pad token (GPT-2's) has ``pad_token_id=None``: pass its
+            ``eos_token_id`` instead; the attention mask hides the padding either way.
         padding_side: ``"right"`` or ``"left"``, as the tokenizer wants.
+
+    Raises:
+        TypeError: If ``pad_token_id`` is not an int.
+        ValueError: If ``padding_side`` is neither ``"right"`` nor ``"left"``.
 
     Example:
         >>> batch = PaddingCollator(pad_token_id=0)([
@@ -355,6 +360,19 @@ class PaddingCollator:
 
     pad_token_id: int
     padding_side: str = "right"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pad_token_id, bool) or not isinstance(self.pad_token_id, int):
+            raise TypeError(
+                f"PaddingCollator(pad_token_id={self.pad_token_id!r}): pad_token_id must be an int, got "
+                f"{type(self.pad_token_id).__name__}; a tokenizer without a pad token, like GPT-2's, should "
+                "pass its eos_token_id (PaddingCollator(pad_token_id=tokenizer.eos_token_id))."
+            )
+        if self.padding_side not in ("right", "left"):
+            raise ValueError(
+                f"PaddingCollator(padding_side={self.padding_side!r}): padding_side must be 'right' or "
+                "'left'."
+            )
 
     def __call__(self, items: list[dict[str, Any]]) -> dict[str, Tensor]:
         longest = max(len(item["input_ids"]) for item in items)
@@ -452,10 +470,18 @@ class BBCNewsDataModule(LightningDataModule):
         return len(self.class_names)
 
     def setup(self, stage: str | None = None) -> None:
-        """Loads, splits and tokenises the corpus (once, whatever the stage)."""
+        """Loads, splits and tokenises the corpus (once, whatever the stage).
+
+        A tokenizer without a pad token (GPT-2's) pads with its eos token, which is logged at INFO level.
+
+        Raises:
+            ValueError: If ``max_length`` exceeds what the tokenizer allows, or the tokenizer has neither a
+                pad nor an eos token.
+        """
         if self._datasets:
             return
         self.tokenizer = tokenizer = self._load_tokenizer()  # first: it fails faster than the corpus loads
+        pad_token_id = self._pad_token_id(tokenizer)
         texts, labels, self._class_names = load_bbc_news()
         texts, labels = self._limit(texts, labels)
         features = dict(tokenizer(texts, truncation=True, max_length=self.max_length))
@@ -463,7 +489,7 @@ class BBCNewsDataModule(LightningDataModule):
         for name, indices in zip(("train", "val", "test"), splits):
             subset = {key: [values[i] for i in indices] for key, values in features.items()}
             self._datasets[name] = _TokenizedDataset(subset, [labels[i] for i in indices])
-        self._collator = PaddingCollator(tokenizer.pad_token_id, tokenizer.padding_side)
+        self._collator = PaddingCollator(pad_token_id, tokenizer.padding_side)
 
     def _limit(self, texts: list[str], labels: list[int]) -> tuple[list[str], list[int]]:
         """Keeps the first ``limit_per_class`` articles of each class, if a limit is set."""
@@ -494,6 +520,24 @@ class BBCNewsDataModule(LightningDataModule):
                 f"{tokenizer.model_max_length} or less."
             )
         return tokenizer
+
+    def _pad_token_id(self, tokenizer: Any) -> int:
+        """The tokenizer's pad token id, or its eos token id if it has no pad token (GPT-2's has none)."""
+        if tokenizer.pad_token_id is not None:
+            return tokenizer.pad_token_id
+        if tokenizer.eos_token_id is None:
+            raise ValueError(
+                f"BBCNewsDataModule(tokenizer={self.tokenizer_name!r}): the tokenizer has neither a pad "
+                "token nor an eos token, so batches cannot be padded; use a tokenizer that has one of them, "
+                "or save this one with a pad token set (tokenizer.pad_token = ...; "
+                "tokenizer.save_pretrained(...))."
+            )
+        log.info(
+            "BBCNewsDataModule: the tokenizer %r has no pad token; padding input_ids with its eos token "
+            "%r (id %d) instead (the attention mask hides the padding).",
+            self.tokenizer_name, tokenizer.eos_token, tokenizer.eos_token_id,
+        )
+        return tokenizer.eos_token_id
 
     def _loader(self, who: str, split: str, batch_size: int, shuffle: bool) -> DataLoader:
         if not self._datasets:

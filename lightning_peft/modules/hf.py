@@ -128,6 +128,16 @@ class HFSequenceClassifier(LightningModule):
         self.test_acc = MulticlassAccuracy(num_classes=num_labels, average="micro")
         self.test_f1 = MulticlassF1Score(num_classes=num_labels, average="macro")
 
+    def setup(self, stage: str) -> None:
+        """Checks that ``num_labels`` matches the datamodule's number of classes, before any step runs.
+
+        Only a datamodule with a ``num_classes`` attribute (such as `BBCNewsDataModule`) is checked.
+
+        Raises:
+            ValueError: If ``num_labels`` differs from the datamodule's ``num_classes``.
+        """
+        _check_num_labels(self.hparams.num_labels, self.trainer.datamodule)
+
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
     ) -> Tensor:
@@ -217,6 +227,20 @@ def _param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+
+
+def _check_num_labels(num_labels: int, datamodule: object) -> None:
+    """Raises a ValueError if ``datamodule`` has a ``num_classes`` other than ``num_labels``."""
+    num_classes = getattr(datamodule, "num_classes", None)
+    if num_classes is None or num_classes == num_labels:
+        return
+    names = getattr(datamodule, "class_names", None)
+    listed = f" ({', '.join(map(str, names))})" if names else ""
+    raise ValueError(
+        f"HFSequenceClassifier(num_labels={num_labels}) does not match {type(datamodule).__name__}, which "
+        f"has {num_classes} classes{listed}. Set model.init_args.num_labels to {num_classes} "
+        f"(HFSequenceClassifier(num_labels={num_classes}) in Python)."
+    )
 
 
 def _check_args(num_labels: int, learning_rate: float, weight_decay: float, warmup_ratio: float) -> None:

@@ -381,6 +381,70 @@ def test_padding_collator_left_side() -> None:
 
 
 @pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"pad_token_id": None},
+            TypeError,
+            r"^PaddingCollator\(pad_token_id=None\): pad_token_id must be an int, got NoneType; a tokenizer "
+            r"without a pad token, like GPT-2's, should pass its eos_token_id",
+        ),
+        ({"pad_token_id": 0.0}, TypeError, r"^PaddingCollator\(pad_token_id=0.0\): .* got float"),
+        ({"pad_token_id": True}, TypeError, r"^PaddingCollator\(pad_token_id=True\): .* got bool"),
+        (
+            {"pad_token_id": 0, "padding_side": "lft"},
+            ValueError,
+            r"^PaddingCollator\(padding_side='lft'\): padding_side must be 'right' or 'left'\.$",
+        ),
+    ],
+)
+def test_padding_collator_rejects_bad_arguments(kwargs: dict[str, object], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        bbc_news.PaddingCollator(**kwargs)  # type: ignore[arg-type]
+
+
+def _save_tokenizer(path: Path, eos_token: str | None) -> str:
+    """Saves the MiniLM tokenizer without a pad token (as GPT-2's), with ``eos_token`` if given."""
+    transformers = pytest.importorskip("transformers")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(bbc_news.resolve_pretrained(TOKENIZER))
+    tokenizer.pad_token = None
+    tokenizer.eos_token = eos_token
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_datamodule_pads_with_eos_when_the_tokenizer_has_no_pad_token(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tokenizer = _save_tokenizer(tmp_path, eos_token="[SEP]")
+    module = BBCNewsDataModule(tokenizer, max_length=512, batch_size=4, limit_per_class=2)
+    with caplog.at_level(logging.INFO, logger=bbc_news.__name__):
+        module.setup("fit")
+    assert module.tokenizer.pad_token_id is None
+    eos = module.tokenizer.eos_token_id
+    assert eos == 102  # [SEP] of the MiniLM vocabulary
+    logged = (
+        f"the tokenizer {tokenizer!r} has no pad token; padding input_ids with its eos token '[SEP]' (id 102) "
+        "instead"
+    )
+    assert logged in caplog.text
+    padded = 0
+    for batch in module.train_dataloader():  # 10 articles of unequal lengths
+        pad = batch["attention_mask"] == 0
+        assert bool((batch["input_ids"][pad] == eos).all())
+        padded += int(pad.sum())
+    assert padded > 0
+
+
+def test_datamodule_rejects_a_tokenizer_without_pad_and_eos_tokens(tmp_path: Path) -> None:
+    tokenizer = _save_tokenizer(tmp_path, eos_token=None)
+    module = BBCNewsDataModule(tokenizer, max_length=32, limit_per_class=1)
+    match = r"^BBCNewsDataModule\(tokenizer='.*'\): the tokenizer has neither a pad token nor an eos token"
+    with pytest.raises(ValueError, match=match):
+        module.setup("fit")
+
+
+@pytest.mark.parametrize(
     ("kwargs", "match"),
     [
         ({"val_fraction": 1.0}, r"BBCNewsDataModule\(val_fraction=1.0\): val_fraction must be in \[0, 1\)"),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, LightningDataModule, Trainer
 from torch.utils.data import DataLoader
 
 import lightning_peft.modules.hf as hf
@@ -126,9 +126,59 @@ def test_fit_then_test_logs_the_metrics(tiny_bert: str) -> None:
     assert {"train_loss", "val_loss", "val_acc", "val_f1"} <= set(trainer.logged_metrics)
     (results,) = trainer.test(module, dataloaders=loader, verbose=False)
     assert set(results) == {"test_loss", "test_acc", "test_f1"}
-    assert 0.0 <= results["test_acc"] <= 1.0
+    module.eval()  # as the test loop runs it: dropout off
+    with torch.no_grad():
+        logits = torch.cat([module(batch["input_ids"], batch["attention_mask"]) for batch in loader])  # (8,3)
+    labels = torch.cat([batch["labels"] for batch in loader])  # (8,)
+    correct = int((logits.argmax(dim=-1) == labels).sum())
+    assert results["test_acc"] == correct / 8  # micro accuracy over both batches; k/8 is exact in float32
+    torch.testing.assert_close(results["test_loss"], torch.nn.functional.cross_entropy(logits, labels).item())
     predictions = trainer.predict(module, dataloaders=loader)
     assert predictions[0]["preds"].shape == (4,) and predictions[0]["probs"].shape == (4, 3)
+
+
+class _DataWithClasses(LightningDataModule):
+    """Four batches of `_batch` and a ``num_classes``, as BBCNewsDataModule has."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.num_classes = num_classes
+        self.class_names = ["business", "entertainment", "politics", "sports", "tech"][:num_classes]
+
+    def train_dataloader(self) -> DataLoader:
+        data = [{key: value[i] for key, value in _batch(size=8).items()} for i in range(8)]
+        return DataLoader(data, batch_size=4)
+
+
+class _StepCounter(Callback):
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_train_batch_start(self, *args: object) -> None:
+        self.steps += 1
+
+
+@pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
+def test_setup_rejects_num_labels_other_than_the_datamodule_classes(tiny_bert: str) -> None:
+    module = HFSequenceClassifier(tiny_bert, num_labels=4)
+    counter = _StepCounter()
+    trainer = _trainer(max_steps=1, callbacks=[counter])
+    match = (
+        r"^HFSequenceClassifier\(num_labels=4\) does not match _DataWithClasses, which has 5 classes "
+        r"\(business, entertainment, politics, sports, tech\)\. Set model\.init_args\.num_labels to 5 "
+    )
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(module, datamodule=_DataWithClasses(5))
+    assert counter.steps == 0  # before any training step
+
+
+@pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
+def test_setup_accepts_num_labels_equal_to_the_datamodule_classes(tiny_bert: str) -> None:
+    module = HFSequenceClassifier(tiny_bert, num_labels=3)
+    counter = _StepCounter()
+    trainer = _trainer(max_steps=1, limit_val_batches=0, callbacks=[counter])
+    trainer.fit(module, datamodule=_DataWithClasses(3))
+    assert counter.steps == 1
 
 
 @pytest.mark.parametrize(
