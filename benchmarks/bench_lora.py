@@ -30,17 +30,49 @@ each repeat times ``--steps`` consecutive calls with ``time.perf_counter`` after
   ``MALLOC_MMAP_THRESHOLD_=131072`` so that every block of 128 KiB or more is its own mapping, returned
   on free, and RSS follows the live tensors (no heap fragmentation).
 
+Precision and floor (``precision`` in the JSON; ``--skip-precision`` leaves it out), at the main shape, five
+contenders alternating in one loop: our training step in fp32; ours and PEFT's under
+``torch.autocast("cpu", dtype=torch.bfloat16)``; the floor (below) in fp32 and under the same autocast.
+Autocast wraps the forward only, as Lightning's ``precision="bf16-mixed"`` wraps ``training_step``: weights,
+gradients and AdamW state stay fp32; ``backward``, ``AdamW.step`` and ``zero_grad`` run outside it. Our bf16
+step has its own copy of the model (its own weights and optimizer state). Before timing, the run aborts
+unless autocast reaches every model (bf16 logits) and the floor leaves every parameter without a gradient.
+
+- bf16 / fp32, ours: what autocast buys a LoRA step on this CPU (``bf16-mixed`` against ``32-true``);
+- bf16, ours / PEFT: the training-step comparison above, both under the same autocast;
+- ours / floor, fp32 and bf16: how far our step is above the least work any LoRA step must do;
+- floor bf16 / floor fp32 (reference): what autocast buys that least work, with no LoRA involved.
+
+The floor is the frozen base model (a copy of the plain model, no LoRA; ``requires_grad=False`` on every
+parameter) doing the forward with labels and ``loss.backward()``, where forward hooks make the output of
+each Linear that our LoRA adapts require grad (``output.requires_grad_()``). So the backward computes the
+gradient of the loss with respect to every activation between the loss and the adapted layers' outputs,
+through every frozen weight on the way (the input-gradient products), and nothing else: no weight gradient,
+no adapter, no optimizer. Every LoRA step must do at least this. It must run the same forward to get the
+loss, and the gradients of a layer's ``A`` and ``B`` need the gradient at that layer's output, which reaches
+the layer only through the frozen layers after it. What LoRA saves against full fine-tuning is the weight
+gradients of the base; what it adds is adapter work: two thin products per adapted layer and their
+gradients, the classifier's weight gradient, AdamW on the adapters, ``zero_grad``, Python overhead. So
+ours / floor >= 1 up to noise, and ours / floor - 1 is everything our LoRA costs. A goal below the floor
+is impossible while the base model runs on the same PyTorch kernels: a step time under the floor's, or a
+goal "ours / PEFT <= x" with x below floor / PEFT, would need a LoRA step that skips part of that forward
+or that backward. The gradient starts at the adapted layers' outputs, not at the embeddings' output: a
+LoRA step needs no gradient for the input of the first layer (``A``'s gradient needs that input, not its
+gradient), so starting at the embeddings would add the input-gradient products of layer 0's query, key
+and value and the embedding LayerNorm's backward, work no LoRA step does, and overstate the floor.
+
 The timings are repeated at a small shape (``--small-batch-size`` x ``--small-seq-len``) where the
 per-layer Python overhead weighs more against the matrix products.
 
 Usage:
     HF_HUB_OFFLINE=1 python benchmarks/bench_lora.py [--batch-size 16 --seq-len 128 --repeats 7
-        --steps 5 --rank 8 --threads 2 --json out.json]
+        --steps 5 --rank 8 --threads 2 --skip-precision --json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
@@ -51,7 +83,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -146,7 +178,9 @@ def peft_key(ours_key: str) -> str:
     key = key.replace(".lora_B.weight", ".lora_B.default.weight")
     for saved in MODULES_TO_SAVE:
         if key.startswith(f"{saved}."):
-            key = f"{saved}.modules_to_save.default.{key[len(saved) + 1:]}"
+            # Ours: `<saved>.<param>`, or `<saved>.trained_module.<param>` where a wrapper keeps the original.
+            param = key[len(saved) + 1:].removeprefix("trained_module.")
+            key = f"{saved}.modules_to_save.default.{param}"
     return f"base_model.model.{key}"
 
 
@@ -234,14 +268,45 @@ def check_equivalence(models: dict[str, nn.Module], batch: Batch) -> dict[str, f
 # ----------------------------------------------------------------------------------------------- timing
 
 
-def train_step_fn(model: nn.Module, batch: Batch) -> Callable[[], None]:
+def autocast(dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """CPU autocast to ``dtype``, or nothing for None (the fp32 rows run exactly as they always did)."""
+    return contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
+
+
+def train_step_fn(model: nn.Module, batch: Batch, dtype: torch.dtype | None = None) -> Callable[[], None]:
+    """One training step; with ``dtype`` the forward runs under autocast (Lightning's ``bf16-mixed``)."""
     optimizer = torch.optim.AdamW(list(trainable(model).values()), lr=LR)
 
     def step() -> None:
-        loss = model(**batch).loss
+        with autocast(dtype):
+            loss = model(**batch).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _output_requires_grad(module: nn.Module, inputs: tuple, output: Tensor) -> Tensor:
+    return output.requires_grad_()  # a leaf in the first adapted layers (frozen weight, input without grad)
+
+
+def floor_model(base: nn.Module, adapted: Iterable[str]) -> nn.Module:
+    """A frozen copy of ``base`` whose ``adapted`` modules' outputs require grad (module docstring)."""
+    model = copy.deepcopy(base)
+    model.requires_grad_(False)
+    for name in adapted:
+        model.get_submodule(name).register_forward_hook(_output_requires_grad)
+    return model
+
+
+def floor_step_fn(model: nn.Module, batch: Batch, dtype: torch.dtype | None = None) -> Callable[[], None]:
+    """Forward with labels + the backward of input gradients only: the least work of any LoRA step."""
+
+    def step() -> None:
+        with autocast(dtype):
+            loss = model(**batch).loss
+        loss.backward()
 
     return step
 
@@ -316,6 +381,81 @@ def time_section(models: dict[str, nn.Module], batch: Batch, args: argparse.Name
         ),
     ]
     return {"rows": rows, "raw_ms": {"train": train, "unmerged_forward": unmerged, "merged_forward": merged}}
+
+
+def _keeper(outputs: dict[str, Tensor], name: str) -> Callable:
+    """A forward hook that keeps the module's output, and its gradient, in ``outputs[name]``."""
+
+    def hook(module: nn.Module, inputs: tuple, output: Tensor) -> None:
+        output.retain_grad()
+        outputs[name] = output
+
+    return hook
+
+
+def check_precision(
+    models: dict[str, nn.Module], floor: nn.Module, adapted: list[str], batch: Batch
+) -> dict[str, float]:
+    """Abort unless autocast reaches every model and the floor's backward does just what it should.
+
+    The floor's backward must reach every adapted layer's output and give no parameter a gradient.
+    """
+    dtype = torch.bfloat16
+    inputs = without_labels(batch)
+    out: dict[str, Tensor] = {}
+    for name, model in (("ours", models["ours"]), ("peft", models["peft"]), ("floor", floor)):
+        model.eval()
+        with torch.inference_mode(), autocast(dtype):
+            out[name] = model(**inputs).logits  # (B, labels)
+    wrong = {k: str(v.dtype) for k, v in out.items() if v.dtype != dtype}
+    if wrong:
+        sys.exit(f"bench_lora: bf16 autocast did not reach the model, logits dtype {wrong}.")
+    for precision in (None, dtype):
+        outputs: dict[str, Tensor] = {}
+        handles = [floor.get_submodule(n).register_forward_hook(_keeper(outputs, n)) for n in adapted]
+        floor.train()
+        floor_step_fn(floor, batch, precision)()
+        for handle in handles:
+            handle.remove()
+        missed = [name for name in adapted if name not in outputs or outputs[name].grad is None]
+        if missed:
+            sys.exit(f"bench_lora: the floor's backward missed {len(missed)} adapted layers: {missed[:3]}.")
+        with_grad = [name for name, p in floor.named_parameters() if p.grad is not None or p.requires_grad]
+        if with_grad:
+            sys.exit(f"bench_lora: the floor gave parameters gradients: {with_grad[:3]}.")
+    # Not checks: how far bf16 moves the logits (autocast rounds the inputs of every product to bf16).
+    return {
+        "bf16 logits ours vs PEFT": max_diff(out["ours"], out["peft"]),
+        "bf16 logits ours vs fp32 logits ours": max_diff(out["ours"], logits(models["ours"], batch)),
+    }
+
+
+def time_precision(models: dict[str, nn.Module], batch: Batch, args: argparse.Namespace) -> dict:
+    """Ours fp32 and bf16, PEFT bf16 and the floor in fp32 and bf16, alternating in one loop."""
+    bf16 = torch.bfloat16
+    ours_bf16 = copy.deepcopy(models["ours"])  # its own weights and AdamW state
+    adapted = list(lora_layers(models["ours"]))
+    floor = floor_model(models["plain"], adapted)
+    agreement = check_precision(models, floor, adapted, batch)
+    for model in (models["ours"], ours_bf16, models["peft"], floor):
+        model.train()
+    contenders = {
+        "ours_fp32": train_step_fn(models["ours"], batch),
+        "ours_bf16": train_step_fn(ours_bf16, batch, bf16),
+        "peft_bf16": train_step_fn(models["peft"], batch, bf16),
+        "floor_fp32": floor_step_fn(floor, batch),
+        "floor_bf16": floor_step_fn(floor, batch, bf16),
+    }
+    t = alternate(contenders, repeats=args.repeats, steps=args.steps, warmup=args.warmup)
+    rows = [
+        row("LoRA training step, ours: bf16 autocast / fp32", t["ours_bf16"], t["ours_fp32"], None),
+        row("LoRA training step under bf16 autocast: ours / PEFT", t["ours_bf16"], t["peft_bf16"], None),
+        row("fp32: ours LoRA step / floor (frozen fwd + input-grad bwd)", t["ours_fp32"], t["floor_fp32"],
+            None),
+        row("bf16 autocast: ours LoRA step / floor", t["ours_bf16"], t["floor_bf16"], None),
+        row("floor: bf16 autocast / fp32 (reference) *", t["floor_bf16"], t["floor_fp32"], None),
+    ]
+    return {"rows": rows, "raw_ms": t, "agreement": agreement, "floor_hooked_layers": len(adapted)}
 
 
 # ----------------------------------------------------------------------------------------------- memory
@@ -429,14 +569,18 @@ def print_table(
         print(f"| {r['measurement']} | {numbers} | {goal} | {met} |")
 
 
-def print_spread(rows: list[dict]) -> None:
-    print("\n\\* reference row: the 'ours' column holds PEFT's merged time.\n")
+def print_spread(
+    rows: list[dict],
+    note: str = "the 'ours' column holds PEFT's merged time.",
+    names: tuple[str, str] = ("ours", "baseline"),
+) -> None:
+    print(f"\n\\* reference row: {note}\n")
     for r in rows:
         lo, hi = r["ours_range"]
         blo, bhi = r["baseline_range"]
         print(
             f"  {r['measurement']}: median of paired ratios {r['paired_ratio']:.3f}; "
-            f"range ours {lo:.2f}..{hi:.2f} ms, baseline {blo:.2f}..{bhi:.2f} ms"
+            f"range {names[0]} {lo:.2f}..{hi:.2f} ms, {names[1]} {blo:.2f}..{bhi:.2f} ms"
         )
 
 
@@ -457,6 +601,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--small-steps", type=int, default=20, help="consecutive calls timed per repeat, small shape")
     add("--memory-steps", type=int, default=3, help="training steps in each memory subprocess (>= 2)")
     add("--skip-memory", action="store_true", help="do not run the memory subprocesses")
+    add("--skip-precision", action="store_true", help="do not time the bf16-autocast and floor rows")
     add("--json", type=Path, default=None, help="also write every number to this JSON file")
     add("--memory-child", choices=sorted(BUILDERS), default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -507,6 +652,9 @@ def main(argv: list[str] | None = None) -> None:
         "threads": args.threads,
         "small": None if args.small_batch_size <= 0 else [args.small_batch_size, args.small_seq_len],
         "small_steps": args.small_steps,
+        "precision": None if args.skip_precision else (
+            "bf16: torch.autocast('cpu', torch.bfloat16) around the forward; weights, grads, AdamW state fp32"
+        ),
     }
     print("config (both sides): " + ", ".join(f"{k}={v}" for k, v in config.items()))
     print(
@@ -533,6 +681,22 @@ def main(argv: list[str] | None = None) -> None:
         results["main"]["rows"],
     )
     print_spread(results["main"]["rows"])
+
+    if not args.skip_precision:
+        results["precision"] = time_precision(models, batch, args)
+        print_table(
+            f"Precision and floor, batch {args.batch_size} x seq {args.seq_len} (median of {args.repeats} "
+            f"repeats x {args.steps} steps; floor = frozen forward + backward of input gradients only)",
+            results["precision"]["rows"],
+            columns=("numerator (ms)", "denominator (ms)"),
+        )
+        print_spread(
+            results["precision"]["rows"],
+            note="autocast's gain on the least work, no LoRA at all.",
+            names=("numerator", "denominator"),
+        )
+        agreement = results["precision"]["agreement"]
+        print("  bf16, max abs diff: " + "; ".join(f"{k} {v:.2e}" for k, v in agreement.items()))
 
     if args.small_batch_size > 0:
         small_batch = make_batch(args.small_batch_size, args.small_seq_len, vocab, args.seed + 2)
