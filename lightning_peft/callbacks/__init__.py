@@ -1,6 +1,7 @@
 """Lightning callbacks: thin glue over the pure-PyTorch techniques in :mod:`lightning_peft.peft`."""
 
+from lightning_peft.callbacks._checkpoint import load_from_checkpoint, restore_adapters
 from lightning_peft.callbacks.lora import LoRA
 from lightning_peft.callbacks.merge_on_save import MergeOnSave
 
-__all__ = ["LoRA", "MergeOnSave"]
+__all__ = ["LoRA", "MergeOnSave", "load_from_checkpoint", "restore_adapters"]

@@ -3,12 +3,17 @@
 The math lives in :mod:`lightning_peft.peft`; this callback decides when to call it:
 
 - ``setup``: :func:`~lightning_peft.peft.inject_lora` on the model (before ``configure_optimizers``, so any
-  optimizer sees only trainable parameters) and a log line with the trainable-parameter report;
-- ``on_save_checkpoint``: with ``adapter_only_checkpoint=True`` the checkpoint drops the frozen parameters and
-  keeps everything else: the adapter, trained biases, ``modules_to_save``, any other trainable parameter, and
-  the buffers (cheap, and e.g. BatchNorm statistics keep changing while the base is frozen);
-- loading such a checkpoint (``Trainer.fit(ckpt_path=...)``, ``trainer.test(ckpt_path=...)``) takes the frozen
-  parameters from the model as built, i.e. from its original source; any other missing key is still an error.
+  optimizer sees only trainable parameters) and a log line with the trainable-parameter report. A model that
+  already has this adapter (a later ``validate``/``test``, or ``inject_lora`` in the module's ``__init__``) is
+  used as it is, if the config agrees;
+- ``on_save_checkpoint``: every checkpoint records the adapters (``checkpoint["lightning_peft"]``, see
+  :mod:`lightning_peft.callbacks._checkpoint`), so ``load_from_checkpoint`` can rebuild them; with
+  ``adapter_only_checkpoint=True`` it drops the frozen base parameters (those no adapter owns) and keeps
+  everything else: the adapters, trained biases, ``modules_to_save``, any other trainable parameter, and the
+  buffers (cheap, and e.g. BatchNorm statistics keep changing while the base is frozen);
+- loading (``Trainer.fit(ckpt_path=...)``, ``trainer.test(ckpt_path=...)``): before any weight is copied, the
+  checkpoint's adapter config is compared with this run's (a different rank, alpha or target set is refused,
+  naming both values); an adapter-only checkpoint takes the frozen parameters from the model as built.
 
 YAML (LightningCLI)::
 
@@ -27,8 +32,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_peft.callbacks._checkpoint import KEY, check_same_adapters, checkpoint_entry, fill_frozen, frozen_base
 from lightning_peft.callbacks._target import resolve_target
-from lightning_peft.peft.lora import LoRAConfig, inject_lora, lora_spec, trainable_parameters
+from lightning_peft.peft.lora import as_config, inject_lora, lora_spec, trainable_parameters
+
+_HOOKED = "_lightning_peft_load_hook"
 
 
 class LoRA(Callback):
@@ -40,16 +48,19 @@ class LoRA(Callback):
         dropout: Dropout on the adapter input, in [0, 1).
         target_modules: Names or dotted suffixes (list), a regular expression (string), or ``"all-linear"``.
         exclude_modules: Modules never adapted (same rules).
-        modules_to_save: Modules trained and saved in full, e.g. ``["classifier"]``.
+        modules_to_save: Modules trained and saved in full, e.g. ``["classifier"]``. None: the task head of a
+            Hugging Face task model (``*ForSequenceClassification``, ...); ``[]``: none.
         rank_pattern: Per-module rank overrides ``{regex: rank}``.
         alpha_pattern: Per-module alpha overrides ``{regex: alpha}``.
         bias: ``"none"``, ``"lora_only"`` or ``"all"``: which biases train.
         init: ``"kaiming"`` or ``"gaussian"`` initialisation of ``A`` (``B`` starts at zero).
         use_rslora: Rank-stabilised scaling.
-        adapter_only_checkpoint: Checkpoints hold only trainable weights; resuming takes the base from the
-            model as constructed.
-        model_attribute: Dotted path of the model inside the LightningModule (default: its one Hugging Face
-            model child, else the LightningModule itself). Adapter key paths are relative to this model.
+        adapter_only_checkpoint: Checkpoints hold only what trains (and buffers); loading takes the frozen base
+            from the model as constructed.
+        model_attribute: Dotted path of the model inside the LightningModule; ``""`` for the LightningModule
+            itself (then a head outside the Hugging Face model can be in ``modules_to_save``). Default: the one
+            Hugging Face model inside the LightningModule, else the LightningModule itself. Adapter key paths
+            are relative to this model.
     """
 
     def __init__(
@@ -67,65 +78,83 @@ class LoRA(Callback):
         use_rslora: bool = False,
         adapter_only_checkpoint: bool = False,
         model_attribute: str | None = None,
+        **peft_names: Any,
     ) -> None:
-        self.config = LoRAConfig(
-            rank=rank,
-            alpha=alpha,
-            dropout=dropout,
-            target_modules=target_modules,
-            exclude_modules=exclude_modules,
-            modules_to_save=modules_to_save,
-            rank_pattern=dict(rank_pattern or {}),
-            alpha_pattern=dict(alpha_pattern or {}),
-            bias=bias,
-            init=init,
-            use_rslora=use_rslora,
-        )
+        fields = {
+            "rank": rank, "alpha": alpha, "dropout": dropout, "target_modules": target_modules,
+            "exclude_modules": exclude_modules, "modules_to_save": modules_to_save,
+            "rank_pattern": dict(rank_pattern or {}), "alpha_pattern": dict(alpha_pattern or {}),
+            "bias": bias, "init": init, "use_rslora": use_rslora,
+        }
+        self.config = as_config(None, {**fields, **peft_names}, "LoRA")
         self.adapter_only_checkpoint = adapter_only_checkpoint
         self.model_attribute = model_attribute
-        self._hook = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         _, model = resolve_target(pl_module, self.model_attribute, "LoRA")
         spec = lora_spec(model)
-        if spec is not None:
-            if spec.config != self.config:
-                raise RuntimeError(
-                    f"LoRA: {type(model).__name__} already has a LoRA adapter with another config ({spec.config}); "
-                    "use one LoRA callback per model."
-                )
-            return  # a later stage (validate/test after fit) on the same, already adapted model
-        layers = inject_lora(model, self.config)
-        rank_zero_info(
-            f"LoRA: adapted {len(layers)} modules of {type(model).__name__} "
-            f"(rank {self.config.rank}, alpha {self.config.alpha}); {trainable_parameters(pl_module)}"
-        )
-        if self.adapter_only_checkpoint and self._hook is None:
-            self._hook = pl_module.register_load_state_dict_pre_hook(_fill_frozen_from_model)
+        if spec is None:
+            layers = inject_lora(model, self.config)
+            rank_zero_info(
+                f"LoRA: adapted {len(layers)} modules of {type(model).__name__} "
+                f"(rank {self.config.rank}, alpha {self.config.alpha}"
+                f"{', saving ' + ', '.join(lora_spec(model).modules_to_save) + ' in full' if lora_spec(model).modules_to_save else ''}"
+                f"); {trainable_parameters(pl_module)}"
+            )
+        elif spec.config != self.config:
+            raise RuntimeError(
+                f"LoRA: {type(model).__name__} already has a LoRA adapter with another config ({spec.config}); "
+                "use one LoRA callback per model, with the config the model was adapted with."
+            )
+        if not getattr(pl_module, _HOOKED, False):
+            pl_module.register_load_state_dict_pre_hook(_LoadHook(trainer))
+            setattr(pl_module, _HOOKED, True)
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
-        if not self.adapter_only_checkpoint:
-            return
-        frozen = _frozen_parameters(pl_module)
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
+        checkpoint[KEY] = checkpoint_entry(pl_module, self.adapter_only_checkpoint)
+        if self.adapter_only_checkpoint:
+            frozen = frozen_base(pl_module)
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"config": self.config.to_dict()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("config")
+        if saved is not None and saved != self.config.to_dict():
+            differing = [k for k in saved if saved[k] != self.config.to_dict().get(k)]
+            raise ValueError(
+                "LoRA: the checkpoint was trained with "
+                + ", ".join(f"{k}={saved[k]!r}" for k in differing)
+                + "; this run has " + ", ".join(f"{k}={self.config.to_dict()[k]!r}" for k in differing)
+                + ". Resume with the checkpoint's settings, or start a new run without ckpt_path."
+            )
 
 
-def _frozen_parameters(module) -> dict[str, Any]:
-    return {k: p for k, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+class _LoadHook:
+    """Load-state-dict pre-hook on the LightningModule, run before Lightning copies a checkpoint's weights.
 
-
-def _fill_frozen_from_model(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
-    """Load-state-dict pre-hook: an adapter-only state dict gets the frozen parameters from the model itself.
-
-    Only a state dict that holds none of the frozen parameters is treated as adapter-only, so a full
-    checkpoint with a missing key still fails strict loading; and only frozen parameters are filled, so
-    a missing adapter key, trainable parameter or buffer fails too.
+    It refuses a checkpoint whose adapters differ from this run's (naming both values, instead of torch's
+    size-mismatch dump), and completes an adapter-only state dict with the frozen parameters of the model
+    as built. Only a state dict holding none of the frozen parameters counts as adapter-only, so a full one
+    with a missing key still fails strict loading, as does a missing adapter weight.
     """
-    if prefix:
-        return
-    frozen = _frozen_parameters(module)
-    if frozen and not frozen.keys() & state_dict.keys():
-        for key, param in frozen.items():
-            state_dict[key] = param.detach()
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+
+    def __call__(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
+        if prefix:
+            return
+        # Lightning keeps the checkpoint it is restoring here; without it (a manual load) only the fill applies.
+        connector = getattr(self.trainer, "_checkpoint_connector", None)
+        checkpoint = getattr(connector, "_loaded_checkpoint", None) or {}
+        if KEY in checkpoint:
+            check_same_adapters(checkpoint[KEY], module, "LoRA")
+        frozen = frozen_base(module)
+        if frozen and not frozen.keys() & state_dict.keys():
+            fill_frozen(module, state_dict)

@@ -24,6 +24,8 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
+from lightning_peft.callbacks._checkpoint import restore_adapters
+
 __all__ = ["HFSequenceClassifier", "linear_warmup_decay", "resolve_pretrained"]
 
 
@@ -137,6 +139,14 @@ class HFSequenceClassifier(LightningModule):
             ValueError: If ``num_labels`` differs from the datamodule's ``num_classes``.
         """
         _check_num_labels(self.hparams.num_labels, self.trainer.datamodule)
+        _set_pad_token(self.model, getattr(self.trainer.datamodule, "tokenizer", None))
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Re-applies the adapters a PEFT callback recorded in ``checkpoint`` (see `restore_adapters`).
+
+        So ``HFSequenceClassifier.load_from_checkpoint(path)`` loads LoRA checkpoints, full or adapter-only.
+        """
+        restore_adapters(self, checkpoint)
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
@@ -241,6 +251,16 @@ def _check_num_labels(num_labels: int, datamodule: object) -> None:
         f"has {num_classes} classes{listed}. Set model.init_args.num_labels to {num_classes} "
         f"(HFSequenceClassifier(num_labels={num_classes}) in Python)."
     )
+
+
+def _set_pad_token(model: nn.Module, tokenizer: Any) -> None:
+    """Models that pool the last non-padding token (GPT-2, Llama) need ``config.pad_token_id``; the tokenizer has it."""
+    config = getattr(model, "config", None)
+    if config is None or tokenizer is None or getattr(config, "pad_token_id", 0) is not None:
+        return
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is not None:
+        config.pad_token_id = pad
 
 
 def _check_args(num_labels: int, learning_rate: float, weight_decay: float, warmup_ratio: float) -> None:

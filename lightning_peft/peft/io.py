@@ -1,23 +1,24 @@
-"""Save and load LoRA adapters in the Hugging Face PEFT layout.
+"""Save and load adapters in the Hugging Face PEFT layout, for every technique through the adapter protocol.
 
 A directory holds ``adapter_config.json`` (only fields PEFT knows) and ``adapter_model.safetensors`` with keys
-``base_model.model.<module path>.lora_A.weight`` / ``lora_B.weight`` (``lora_embedding_A`` / ``lora_embedding_B``
-for embeddings, ``<path>.base_layer.bias`` for trained biases of adapted layers, ``<path>.<param>`` for
-``modules_to_save``). ``peft.PeftModel.from_pretrained`` loads what :func:`save_adapter` writes, and
-:func:`load_adapter` loads what PEFT writes.
+``base_model.model.<module path>.<tensor>``; for LoRA: ``lora_A.weight`` / ``lora_B.weight``
+(``lora_embedding_A`` / ``lora_embedding_B`` for embeddings), ``<path>.base_layer.bias`` for trained biases of
+adapted layers, ``<path>.<param>`` for ``modules_to_save``. ``peft.PeftModel.from_pretrained`` loads what
+:func:`save_adapter` writes, and :func:`load_adapter` loads what PEFT writes. A model with adapters of several
+techniques is saved one directory per technique, ``<directory>/<kind>/``.
 
 Files are written under a temporary name and renamed into place, so a failure never leaves a half-written
-adapter. Weights are read with safetensors, or from PEFT's legacy ``adapter_model.bin`` with
-``torch.load(weights_only=True)``: an adapter file from a stranger cannot run code.
+adapter; non-finite weights are refused before anything is written. Weights are read with safetensors, or from
+PEFT's legacy ``adapter_model.bin`` with ``torch.load(weights_only=True)``: an adapter file from a stranger
+cannot run code.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -25,133 +26,104 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from .._atomic import write_files
-from .lora import (
-    LoRAConfig,
-    adapter_state_dict,
-    inject_lora,
-    lora_layers,
-    lora_spec,
-    name_matches,
-    require_spec,
-    set_submodule,
-    SPEC_ATTRIBUTE,
-)
+from .adapter import Adapter, attached, require_adapters, technique_for_peft_type, unwrap
+from .lora import lora_layers
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 LEGACY_WEIGHTS_NAME = "adapter_model.bin"
 KEY_PREFIX = "base_model.model."
 
-# PEFT initialisations that rewrite the base weights as well (PEFT re-runs them when it loads the adapter).
-_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
-
-# PEFT features this library does not implement: loading such an adapter would silently change its meaning.
-_UNSUPPORTED = {
-    "use_dora": False,
-    "layers_to_transform": None,
-    "layers_pattern": None,
-    "target_parameters": None,
-    "lora_bias": False,
-    "layer_replication": None,
-    "trainable_token_indices": None,
-    "alora_invocation_tokens": None,
-    "use_qalora": False,
-    "use_bdlora": None,
-    "kasa_config": None,
-    "monteclora_config": None,
-    "arrow_config": None,
-    "velora_config": None,
-}
-
 
 def peft_config(model: nn.Module) -> dict:
-    """The ``adapter_config.json`` content for ``model``'s adapter, in PEFT's vocabulary.
-
-    Targets are written as the exact module names adapted (so PEFT adapts exactly the same modules), and
-    per-module ranks/alphas that differ from the defaults as escaped exact-name patterns.
-    """
-    spec = require_spec(model, "save_adapter")
-    config = spec.config
-    layers = lora_layers(model)
-    name_or_path = getattr(getattr(model, "config", None), "_name_or_path", None)
-    return {
-        "peft_type": "LORA",
-        "task_type": None,
-        "base_model_name_or_path": name_or_path or None,
-        "inference_mode": True,
-        "r": config.rank,
-        "lora_alpha": config.alpha,
-        "lora_dropout": config.dropout,
-        "target_modules": list(spec.targets),
-        "exclude_modules": None,
-        "modules_to_save": list(spec.modules_to_save) or None,
-        "rank_pattern": {re.escape(n): m.rank for n, m in layers.items() if m.rank != config.rank},
-        "alpha_pattern": {re.escape(n): m.alpha for n, m in layers.items() if m.alpha != config.alpha},
-        "bias": config.bias,
-        "fan_in_fan_out": any(getattr(m, "fan_in_fan_out", False) for m in layers.values()),
-        "init_lora_weights": "gaussian" if config.init == "gaussian" else True,
-        "use_rslora": config.use_rslora,
-        "use_dora": False,
-    }
+    """The ``adapter_config.json`` content for ``model``'s (single) adapter, in PEFT's vocabulary."""
+    adapters = require_adapters(model, "peft_config")
+    return next(iter(adapters.values())).peft_config(model)
 
 
 def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
     """Write ``model``'s adapter to ``directory`` in the Hugging Face PEFT layout.
 
     Args:
-        model: A model adapted with :func:`~lightning_peft.peft.inject_lora` (for a Hugging Face model, the
-            ``PreTrainedModel`` itself, so that the key paths are the ones PEFT expects).
-        directory: Created if missing; existing adapter files in it are replaced.
+        model: A model adapted with :func:`~lightning_peft.peft.inject_lora` (or another technique). For a
+            Hugging Face model, the ``PreTrainedModel`` itself, so that the key paths are the ones PEFT expects.
+        directory: Created if missing; existing adapter files in it are replaced. With adapters of several
+            techniques, each goes to ``directory/<kind>/``.
 
     Returns:
         The directory.
+
+    Raises:
+        RuntimeError: If ``model`` has no adapter.
+        ValueError: If an adapter holds non-finite values, or PEFT would run it differently (e.g. a dilated
+            Conv2d, which PEFT's LoRA layer builds without the dilation).
     """
-    config = peft_config(model)
-    tensors = {KEY_PREFIX + k: v.contiguous() for k, v in adapter_state_dict(model).items()}
+    adapters = require_adapters(model, "save_adapter")
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
-    write_files({
-        directory / WEIGHTS_NAME: lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}),
-        directory / CONFIG_NAME: lambda tmp: Path(tmp).write_text(text),
-    })
+    files = {}
+    for kind, adapter in adapters.items():
+        where = directory if len(adapters) == 1 else directory / kind
+        files.update(_adapter_files(model, adapter, where))
+    for path in {p.parent for p in files}:
+        path.mkdir(parents=True, exist_ok=True)
+    write_files(files)
     return directory
 
 
-def config_from_peft(config: dict, source: str = "adapter_config.json") -> LoRAConfig:
-    """Translate a PEFT ``LoraConfig`` dict to :class:`LoRAConfig`; refuses features this library lacks."""
-    if config.get("peft_type") != "LORA":
-        raise ValueError(f"load_adapter: {source} has peft_type={config.get('peft_type')!r}; only 'LORA' is supported.")
-    for key, neutral in _UNSUPPORTED.items():
-        value = config.get(key, neutral)
-        if value not in (neutral, [], {}):
-            raise ValueError(
-                f"load_adapter: {source} sets {key}={value!r}, which lightning-peft does not support; "
-                "load this adapter with Hugging Face PEFT instead."
-            )
-    init = config.get("init_lora_weights", True)
-    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+def check_saveable(model: nn.Module) -> None:
+    """Raise what :func:`save_adapter` would raise (no adapter, non-finite values, a layout PEFT runs differently)."""
+    for adapter in require_adapters(model, "save_adapter").values():
+        _adapter_files(model, adapter, Path("."))
+
+
+def _adapter_files(model: nn.Module, adapter: Adapter, directory: Path) -> dict[Path, Any]:
+    problems = adapter.peft_problems(model)
+    if problems:
         raise ValueError(
-            f"load_adapter: {source} sets init_lora_weights={init!r}, an initialisation that also rewrites the base "
-            "weights; lightning-peft does not implement it, so the adapter would mean something else here. "
-            "Load it with Hugging Face PEFT instead."
+            f"save_adapter: Hugging Face PEFT would run this {adapter.kind} adapter differently: "
+            f"{'; '.join(problems)}. Export the merged model instead (merged_state_dict / MergeOnSave with "
+            "save_adapter=False), or adapt other layers."
         )
-    absent = [key for key in ("r", "target_modules") if config.get(key) is None]
-    if absent:
-        raise ValueError(f"load_adapter: {source} has no {absent[0]!r}; it is not a complete LoRA adapter config.")
-    return LoRAConfig(
-        rank=config["r"],
-        alpha=config.get("lora_alpha", 8),
-        dropout=config.get("lora_dropout", 0.0),
-        target_modules=config["target_modules"],
-        exclude_modules=config.get("exclude_modules"),
-        modules_to_save=config.get("modules_to_save"),
-        rank_pattern=config.get("rank_pattern") or {},
-        alpha_pattern=config.get("alpha_pattern") or {},
-        bias=config.get("bias", "none"),
-        init="gaussian" if init == "gaussian" else "kaiming",
-        use_rslora=config.get("use_rslora", False),
-    )
+    text = json.dumps(adapter.peft_config(model), indent=2, sort_keys=True) + "\n"
+    tensors = _writable(adapter.peft_state(model))
+    return {
+        directory / WEIGHTS_NAME: lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}),
+        directory / CONFIG_NAME: lambda tmp: Path(tmp).write_text(text),
+    }
+
+
+def _writable(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Prefixed, detached, contiguous tensors; a tensor shared by two keys (tied copies) is written under both."""
+    out: dict[str, Tensor] = {}
+    seen: set[int] = set()
+    for key, value in state.items():
+        value = value.detach()
+        if not value.is_meta and not torch.isfinite(value).all():
+            raise ValueError(
+                f"save_adapter: {key} holds inf or NaN; an adapter with non-finite weights would break every model "
+                "that loads it. Nothing was written. Check the training for divergence (loss, learning rate)."
+            )
+        pointer = value.untyped_storage().data_ptr()
+        out[KEY_PREFIX + key] = value.clone() if pointer in seen else value.contiguous()
+        seen.add(pointer)
+    return out
+
+
+def read_adapter_config(directory: Path) -> dict:
+    """The parsed ``adapter_config.json`` of ``directory``; a clear error if it is missing or malformed."""
+    path = directory / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"load_adapter: {path} does not exist; is {directory} an adapter directory?")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"load_adapter: {path} is not valid JSON ({err}); it is not a PEFT adapter config.") from None
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"load_adapter: {path} holds a JSON {type(config).__name__}, not an object; it is not a PEFT adapter "
+            "config."
+        )
+    return config
 
 
 def read_adapter_weights(directory: Path) -> dict[str, Tensor]:
@@ -190,25 +162,26 @@ def _and_more(keys: list[str]) -> str:
     return f"{KEY_PREFIX}{keys[0]}" + (f" (and {len(keys) - 1} more)" if len(keys) > 1 else "")
 
 
-def _check_fit(model: nn.Module, tensors: dict[str, Tensor], source: Path) -> dict[str, Tensor]:
+def _check_fit(
+    model: nn.Module, adapter: Adapter, tensors: dict[str, Tensor], source: Path, asker: str
+) -> dict[str, Tensor]:
     """The model tensors that ``tensors`` will be copied into; raises, naming the key, if they do not fit."""
-    expected = adapter_state_dict(model)
+    expected = dict(adapter.peft_state(model))
     # PEFT's save_embedding_layers also writes the base weight of adapted embeddings; PEFT loads it, so do we.
     for name, layer in lora_layers(model).items():
         key = f"{name}.base_layer.weight"
         if key in tensors:
-            expected[key] = layer.base_layer.weight.detach()
+            expected[key] = layer.base_layer.weight
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         raise ValueError(
-            f"load_adapter: {source} has key {_and_more(unexpected)} that {type(model).__name__} has no place for. "
-            "Was the adapter trained on another model?"
+            f"load_adapter: {source} has key {_and_more(unexpected)} that {type(unwrap(model)).__name__} has no "
+            "place for. Was the adapter trained on another model?"
         )
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise ValueError(
-            f"load_adapter: {source} lacks key {_and_more(missing)} that the adapter config asks for on "
-            f"{type(model).__name__}."
+            f"load_adapter: {source} lacks key {_and_more(missing)} that {asker} on {type(unwrap(model)).__name__}."
         )
     for key, value in tensors.items():
         if value.shape != expected[key].shape:
@@ -220,11 +193,12 @@ def _check_fit(model: nn.Module, tensors: dict[str, Tensor], source: Path) -> di
 
 
 def load_adapter(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
-    """Load a PEFT-format LoRA adapter into ``model``, in place.
+    """Load a PEFT-format adapter into ``model``, in place.
 
-    If ``model`` has no LoRA layers they are injected from the adapter's config first; if it has them
-    (e.g. from the ``LoRA`` callback) the weights are loaded into them. On any error the model is left
-    as it was.
+    If ``model`` has no adapter of that technique, it is injected from the adapter's config first; if it has
+    one (e.g. from the ``LoRA`` callback) the weights are loaded into it. On any error the model is left as it
+    was. A directory without ``adapter_config.json`` but with ``<kind>/`` subdirectories (what
+    :func:`save_adapter` writes for several techniques) loads each of them.
 
     Args:
         model: The base model (for a Hugging Face model, the ``PreTrainedModel``).
@@ -234,60 +208,44 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
         ``model``.
 
     Raises:
-        ValueError: If the files are not a LoRA adapter that fits ``model`` (the message names the key).
+        ValueError: If the files are not an adapter that fits ``model`` (the message names the key).
     """
     directory = Path(directory)
-    config_path = directory / CONFIG_NAME
-    if not config_path.is_file():
-        raise FileNotFoundError(f"load_adapter: {config_path} does not exist; is {directory} an adapter directory?")
+    if not (directory / CONFIG_NAME).is_file():
+        parts = sorted(p for p in directory.glob(f"*/{CONFIG_NAME}")) if directory.is_dir() else []
+        if not parts:
+            raise FileNotFoundError(
+                f"load_adapter: {directory / CONFIG_NAME} does not exist; is {directory} an adapter directory?"
+            )
+        for config_path in parts:
+            _load_one(model, config_path.parent)
+        return model
+    _load_one(model, directory)
+    return model
+
+
+def _load_one(model: nn.Module, directory: Path) -> None:
+    config = read_adapter_config(directory)
+    source = str(directory / CONFIG_NAME)
+    cls = technique_for_peft_type(config.get("peft_type"), source)
     tensors = read_adapter_weights(directory)
-    merged = [name for name, layer in lora_layers(model).items() if layer.merged]
-    if merged:
-        raise RuntimeError(f"load_adapter: layer {merged[0]!r} is merged; call unmerge_lora(model) before loading.")
-    config = config_from_peft(json.loads(config_path.read_text()), str(config_path))
-    injected = lora_spec(model) is None
+    adapter = attached(model).get(cls.kind)
+    injected = adapter is None
     if injected:
-        requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
-        replaced = inject_lora(model, _existing_modules_to_save(model, config))
+        requires_grad = {name: p.requires_grad for name, p in unwrap(model).named_parameters()}
+        adapter = cls.from_peft(model, config, source)
+        asker = "its adapter config asks for"
     else:
-        _check_scaling(model, config, config_path)
+        adapter.check_peft_config(model, config, source)
+        asker = f"the model's existing {cls.kind} adapter has (it was injected before loading)"
     try:
-        expected = _check_fit(model, tensors, directory)
+        expected = _check_fit(model, adapter, tensors, directory, asker)
     except Exception:
         if injected:
-            _undo_injection(model, replaced, requires_grad)
+            adapter.unload(model, merge=False)
+            for name, param in unwrap(model).named_parameters():
+                param.requires_grad_(requires_grad[name])
         raise
     with torch.no_grad():
         for key, value in tensors.items():
             expected[key].copy_(value)
-    return model
-
-
-def _existing_modules_to_save(model: nn.Module, config: LoRAConfig) -> LoRAConfig:
-    """Drop ``modules_to_save`` entries that name no module, as PEFT does.
-
-    PEFT's ``SEQ_CLS`` task writes ``["classifier", "score"]`` whatever the model calls its head.
-    """
-    names = [n for n, _ in model.named_modules() if n]
-    present = [m for m in dict.fromkeys(config.modules_to_save or []) if any(name_matches(n, [m]) for n in names)]
-    return dataclasses.replace(config, modules_to_save=present or None)
-
-
-def _check_scaling(model: nn.Module, config: LoRAConfig, source: Path) -> None:
-    """An adapter loaded into existing LoRA layers must be scaled as it was trained."""
-    for name, layer in lora_layers(model).items():
-        alpha = config.alpha_for(name)
-        if (layer.alpha, layer.use_rslora) != (alpha, config.use_rslora):
-            raise ValueError(
-                f"load_adapter: {source} gives {name!r} alpha={alpha}, use_rslora={config.use_rslora}, but the "
-                f"model's LoRA layer has alpha={layer.alpha}, use_rslora={layer.use_rslora}; the adapter would be "
-                "scaled differently. Load it into a model without LoRA layers."
-            )
-
-
-def _undo_injection(model: nn.Module, replaced: dict, requires_grad: dict[str, bool]) -> None:
-    for name, layer in replaced.items():
-        set_submodule(model, name, layer.base_layer)
-    for name, param in model.named_parameters():
-        param.requires_grad_(requires_grad[name])
-    delattr(model, SPEC_ATTRIBUTE)

@@ -22,14 +22,25 @@ base layer               base weight             adapter parameters
 ``nn.Conv2d(in, out, k)`` (out, in, kh, kw)      ``lora_A``: Conv2d(in, r, k), ``lora_B``: Conv2d(r, out, 1)
 =======================  ======================  ====================================================
 
-Each layer wraps its base module (``self.base_layer``); nothing is copied. Merging is explicit
-(:meth:`LoRALayer.merge` / :meth:`LoRALayer.unmerge`), never a side effect of ``train()``/``eval()``.
+Each layer wraps its base module (``self.base_layer``); nothing is copied, and attributes the layer does not
+define (``in_features``, ``padding_idx``, ``kernel_size``, ...) are read from the base. Merging is explicit
+(:meth:`LoRALayer.merge` / :meth:`LoRALayer.unmerge`), never a side effect of ``train()``/``eval()``; a state
+dict is always taken unmerged (so a merged model's state dict loads anywhere), and loading into a merged
+layer re-merges the loaded adapter.
+
+Precision. Adapters of a float16/bfloat16 base are float32, and stay float32 when the module is cast to half
+precision afterwards (``model.half()``, ``Trainer(precision="bf16-true")``): only the base changes dtype. Under
+``torch.autocast`` the update is computed in the autocast dtype and added to the base output in the base
+output's own dtype, so a zero update leaves the base output bit-for-bit unchanged. Merging is computed in
+float32; ``unmerge(merge(W))`` restores ``W`` up to one rounding of the weight's dtype (exact only when the
+sum is representable, i.e. not in general for bfloat16).
 """
 
 from __future__ import annotations
 
 import math
 import sys
+import warnings
 from typing import Literal
 
 import torch
@@ -58,6 +69,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 class LoRALayer(nn.Module):
     """Base class: a frozen ``base_layer`` plus a low-rank update of its weight.
 
@@ -80,6 +94,35 @@ class LoRALayer(nn.Module):
         self.scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.merged = False
+        self._remerge_after_load = False
+        self.register_state_dict_post_hook(_unmerged_state)
+        self.register_load_state_dict_pre_hook(_unmerge_before_load)
+        self.register_load_state_dict_post_hook(_remerge_after_load)
+
+    def __getattr__(self, name: str):
+        # nn.Module's lookup (parameters, buffers, submodules) first; then the base layer's attributes, so
+        # code that reads ``in_features``, ``padding_idx`` or ``kernel_size`` keeps working.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "base_layer":
+                raise
+            return getattr(self.base_layer, name)
+
+    def _apply(self, fn, recurse: bool = True):
+        # A cast to half precision (model.half(), Trainer(precision="bf16-true")) reaches the base only: the
+        # adapter follows device moves but keeps its dtype, so small updates are not lost.
+        probe = fn(torch.zeros((), dtype=torch.float32))
+        if not (isinstance(probe, Tensor) and probe.dtype in _HALF) or not recurse:
+            return super()._apply(fn, recurse)
+        device = probe.device
+
+        def move(t: Tensor) -> Tensor:
+            return t.to(device=device)
+
+        for name, child in self.named_children():
+            child._apply(fn if name == "base_layer" else move)
+        return super()._apply(move, recurse=False)  # the layer's own parameters (LoRAEmbedding)
 
     @property
     def weight(self) -> Tensor:
@@ -139,12 +182,27 @@ class LoRALayer(nn.Module):
         weight.copy_(restored.to(weight.dtype))
         self.merged = False
 
-    def _add_update(self, result: Tensor, hidden: Tensor, lora_b: Tensor) -> Tensor:
-        """``result + s * hidden @ lora_b.T`` as one fused GEMM when dtypes agree.
+    def _check_trainable_forward(self) -> None:
+        # A merged layer's output does not depend on the adapter, so training it ends in autograd's cryptic
+        # "element 0 of tensors does not require grad"; say why first. A warning, not an error: a merged model
+        # run for inference in train mode with autograd on is legitimate.
+        if self.training and torch.is_grad_enabled() and any(
+            p.requires_grad for p in self.adapter_parameters().values()
+        ):
+            warnings.warn(
+                f"{type(self).__name__}: the layer is merged, so its adapter gets no gradient from this forward. "
+                "To train, call unmerge_lora(model) first; for inference, use model.eval() or torch.no_grad().",
+                UserWarning, stacklevel=3,
+            )
 
-        ``hidden`` is (..., r), ``lora_b`` is (out, r), ``result`` is (..., out).
+    def _add_update(self, result: Tensor, hidden: Tensor, lora_b: Tensor) -> Tensor:
+        """``result + s * hidden @ lora_b.T``; one fused GEMM when dtypes agree and autocast is off.
+
+        ``hidden`` is (..., r), ``lora_b`` is (out, r), ``result`` is (..., out). Under autocast the fused
+        GEMM would round the base output to the autocast dtype, so the update is added separately.
         """
-        if hidden.dtype == result.dtype == lora_b.dtype:
+        fuse = hidden.dtype == result.dtype == lora_b.dtype and not torch.is_autocast_enabled(result.device.type)
+        if fuse:
             out = torch.addmm(
                 result.reshape(-1, result.shape[-1]), hidden.reshape(-1, hidden.shape[-1]), lora_b.t(),
                 alpha=self.scaling,
@@ -204,6 +262,7 @@ class LoRALinear(_ABLayer):
     def forward(self, x: Tensor) -> Tensor:
         result = self.base_layer(x)  # (..., out)
         if self.merged:
+            self._check_trainable_forward()
             return result
         lora_a = self.lora_A.weight  # (r, in)
         hidden = F.linear(self.dropout(x).to(lora_a.dtype), lora_a)  # (..., r)
@@ -235,9 +294,14 @@ class LoRAEmbedding(LoRALayer):
 
     @torch.no_grad()
     def reset_parameters(self, init: Init = "kaiming") -> None:
-        # PEFT's convention for embeddings: A = 0, B ~ N(0, 1); the update starts at zero either way.
-        nn.init.zeros_(self.lora_embedding_A)
-        nn.init.normal_(self.lora_embedding_B)
+        # "kaiming" is PEFT's convention for embeddings: A = 0, B ~ N(0, 1). "gaussian" mirrors the linear
+        # layers: A ~ N(0, 1/r), B = 0. The update starts at zero either way.
+        if init == "gaussian":
+            nn.init.normal_(self.lora_embedding_A, std=1 / self.rank)
+            nn.init.zeros_(self.lora_embedding_B)
+        else:
+            nn.init.zeros_(self.lora_embedding_A)
+            nn.init.normal_(self.lora_embedding_B)
 
     def delta_weight(self) -> Tensor:
         dtype = _compute_dtype(self.lora_embedding_A.dtype)
@@ -247,8 +311,16 @@ class LoRAEmbedding(LoRALayer):
     def forward(self, x: Tensor) -> Tensor:
         result = self.base_layer(x)  # (..., d)
         if self.merged:
+            self._check_trainable_forward()
             return result
-        hidden = F.embedding(x, self.lora_embedding_A.t(), padding_idx=self.base_layer.padding_idx)  # (..., r)
+        base = self.base_layer
+        # (..., r). The base's options apply to the adapter's lookup too, as in PEFT, except ``sparse``: a sparse
+        # gradient cannot flow back through the transpose of A (PEFT fails there), and A is small, so it gets a
+        # dense gradient, which every optimizer takes.
+        hidden = F.embedding(
+            x, self.lora_embedding_A.t(), padding_idx=base.padding_idx, max_norm=base.max_norm,
+            norm_type=base.norm_type, scale_grad_by_freq=base.scale_grad_by_freq,
+        )
         return self._add_update(result, hidden, self.lora_embedding_B)
 
 
@@ -282,7 +354,30 @@ class LoRAConv2d(_ABLayer):
     def forward(self, x: Tensor) -> Tensor:
         result = self.base_layer(x)  # (B, out, H', W')
         if self.merged:
+            self._check_trainable_forward()
             return result
         lora_x = self.dropout(x).to(self.lora_A.weight.dtype)
         update = self.lora_B(self.lora_A(lora_x)) * self.scaling  # (B, out, H', W')
         return result + update.to(result.dtype)
+
+
+def _unmerged_state(module: LoRALayer, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """State-dict post-hook: a merged layer reports its unmerged base weight, so no state holds ``W + delta``."""
+    key = f"{prefix}base_layer.weight"
+    if module.merged and key in state_dict:
+        weight = module.base_layer.weight
+        with torch.no_grad():
+            state_dict[key] = (weight.to(_compute_dtype(weight.dtype)) - module.delta_weight()).to(weight.dtype)
+
+
+def _unmerge_before_load(module: LoRALayer, *args) -> None:
+    # Load-state-dict pre-hook: load into the unmerged layout, then merge the loaded adapter again.
+    if module.merged:
+        module.unmerge()
+        module._remerge_after_load = True
+
+
+def _remerge_after_load(module: LoRALayer, incompatible_keys) -> None:
+    if module._remerge_after_load:
+        module._remerge_after_load = False
+        module.merge()

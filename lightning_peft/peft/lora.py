@@ -15,6 +15,10 @@ Target selection follows Hugging Face PEFT so that configs mean the same thing i
   modules read their children's weights directly (the fused inference fast path), so an adapter there would
   be silently ignored;
 - ``exclude_modules`` uses the same rules and wins over ``target_modules``;
+- ``modules_to_save`` left at None on a Hugging Face task model (``*ForSequenceClassification``,
+  ``*ForTokenClassification``, ``*ForQuestionAnswering``, ``*ForMultipleChoice``) saves its task head
+  (``classifier`` / ``score`` / ``qa_outputs``), which ``from_pretrained`` created at random, as PEFT's task
+  types do; ``modules_to_save=[]`` keeps it frozen;
 - ``rank_pattern`` / ``alpha_pattern`` keys are regular expressions matched against the end of the name
   (``(.*\\.)?(key)$``); the first key that matches wins.
 
@@ -31,26 +35,38 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import numbers
 import re
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
-import torch
 from torch import Tensor, nn
 
+from .adapter import Adapter, attach, attached, clean_key, detach, refreeze, register, unwrap
 from .layers import Init, LoRAConv2d, LoRAEmbedding, LoRALayer, LoRALinear, conv1d_type
+from .modules_to_save import fold_modules_to_save, plain_key, set_submodule, wrap_modules_to_save
 
 log = logging.getLogger(__name__)
 
 Bias = Literal["none", "lora_only", "all"]
 Targets = list[str] | str
 
-SPEC_ATTRIBUTE = "_lightning_peft_lora"
 # Modules whose forward reads their children's weights directly instead of calling the children.
 _READS_CHILD_WEIGHTS = (nn.MultiheadAttention, nn.TransformerEncoderLayer)
+# Hugging Face task models and the heads from_pretrained creates for them (PEFT's task types save the same).
+_TASK_HEADS = {
+    "ForSequenceClassification": ("classifier", "score"),
+    "ForTokenClassification": ("classifier", "score"),
+    "ForQuestionAnswering": ("qa_outputs",),
+    "ForMultipleChoice": ("classifier",),
+}
+# Hugging Face PEFT's names for our arguments: a user who types them is told ours.
+_PEFT_NAMES = {"r": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "init_lora_weights": "init"}
 
 
 @dataclass(frozen=True)
@@ -61,9 +77,10 @@ class LoRAConfig:
         rank: Rank ``r`` of every update (unless ``rank_pattern`` says otherwise).
         alpha: The update is scaled by ``alpha / rank`` (``alpha / sqrt(rank)`` with ``use_rslora``).
         dropout: Dropout probability on the adapter input, in [0, 1).
-        target_modules: Which modules get an adapter (list of names/suffixes, a regex, or ``"all-linear"``).
+        target_modules: Which modules get an adapter (list or set of names/suffixes, a regex, or ``"all-linear"``).
         exclude_modules: Modules never adapted, same rules as ``target_modules``.
         modules_to_save: Modules trained and saved in full (e.g. a new classifier head), names or suffixes.
+            None: a Hugging Face task model's head (see the module docstring); ``[]``: none.
         rank_pattern: Per-module rank overrides, ``{regex: rank}``.
         alpha_pattern: Per-module alpha overrides, ``{regex: alpha}``.
         bias: Which biases train: ``"none"``, ``"lora_only"`` (those of adapted layers) or ``"all"``.
@@ -84,32 +101,38 @@ class LoRAConfig:
     use_rslora: bool = False
 
     def __post_init__(self) -> None:
-        _check_rank(self.rank, "rank")
-        _check_alpha(self.alpha, "alpha")
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+        # Frozen dataclass: normalised values are set with object.__setattr__; the caller's objects are not mutated.
+        normal = object.__setattr__
+        normal(self, "rank", _as_rank(self.rank, "rank"))
+        normal(self, "alpha", _as_alpha(self.alpha, "alpha"))
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, numbers.Real):
+            raise TypeError(f"LoRA(dropout={self.dropout!r}): dropout must be a number in [0, 1), e.g. 0.1.")
+        if not 0 <= self.dropout < 1:
             raise ValueError(f"LoRA(dropout={self.dropout!r}): dropout must be a probability in [0, 1).")
-        _check_targets(self.target_modules, "target_modules")
+        normal(self, "dropout", float(self.dropout))
+        normal(self, "target_modules", _as_targets(self.target_modules, "target_modules"))
         if self.exclude_modules is not None:
-            _check_targets(self.exclude_modules, "exclude_modules")
-        if self.modules_to_save is not None and (
-            isinstance(self.modules_to_save, str) or not all(isinstance(m, str) for m in self.modules_to_save)
-        ):
-            raise TypeError(
-                f"LoRA(modules_to_save={self.modules_to_save!r}): give a list of module names, e.g. ['classifier']."
-            )
-        for key, value in self.rank_pattern.items():
-            _check_pattern(key, "rank_pattern")
-            _check_rank(value, f"rank_pattern[{key!r}]")
-        for key, value in self.alpha_pattern.items():
-            _check_pattern(key, "alpha_pattern")
-            _check_alpha(value, f"alpha_pattern[{key!r}]")
+            normal(self, "exclude_modules", _as_targets(self.exclude_modules, "exclude_modules"))
+        if self.modules_to_save is not None:
+            names = self.modules_to_save
+            if isinstance(names, str) or not isinstance(names, Iterable) or not all(isinstance(m, str) for m in names):
+                raise TypeError(
+                    f"LoRA(modules_to_save={names!r}): give a list of module names, e.g. ['classifier']."
+                )
+            normal(self, "modules_to_save", sorted(names) if isinstance(names, (set, frozenset)) else list(names))
+        for what, patterns, check in (("rank_pattern", self.rank_pattern, _as_rank),
+                                      ("alpha_pattern", self.alpha_pattern, _as_alpha)):
+            if not isinstance(patterns, dict):
+                raise TypeError(f"LoRA({what}={patterns!r}): give a dict {{regex: value}}, e.g. {{'query': 16}}.")
+            for key in patterns:
+                _check_pattern(key, what)
+            normal(self, what, {k: check(v, f"{what}[{k!r}]") for k, v in patterns.items()})
         if self.bias not in ("none", "lora_only", "all"):
             raise ValueError(f"LoRA(bias={self.bias!r}): bias must be 'none', 'lora_only' or 'all'.")
         if self.init not in ("kaiming", "gaussian"):
             raise ValueError(f"LoRA(init={self.init!r}): init must be 'kaiming' or 'gaussian'.")
-        # Frozen dataclass: normalise list-likes to lists without mutating the caller's objects.
-        if not isinstance(self.target_modules, str):
-            object.__setattr__(self, "target_modules", list(self.target_modules))
+        if not isinstance(self.use_rslora, bool):
+            raise TypeError(f"LoRA(use_rslora={self.use_rslora!r}): use_rslora must be True or False.")
 
     def rank_for(self, name: str) -> int:
         return _pattern_value(self.rank_pattern, name, self.rank)
@@ -117,39 +140,36 @@ class LoRAConfig:
     def alpha_for(self, name: str) -> float:
         return _pattern_value(self.alpha_pattern, name, self.alpha)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-able dict (``LoRAConfig(**config.to_dict()) == config``)."""
+        return dataclasses.asdict(self)
 
-@dataclass(frozen=True)
-class LoRASpec:
-    """What :func:`inject_lora` did to a model: kept on the model so that saving knows the adapter's layout."""
+    @classmethod
+    def from_peft(cls, config: Any, source: str = "peft.LoraConfig") -> LoRAConfig:
+        """Translate a Hugging Face PEFT ``LoraConfig`` (object or dict) to a :class:`LoRAConfig`.
 
-    config: LoRAConfig
-    targets: tuple[str, ...]
-    modules_to_save: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class ParameterReport:
-    """Trainable-parameter count of a model (shared parameters counted once)."""
-
-    trainable: int
-    total: int
-
-    @property
-    def percent(self) -> float:
-        return 100.0 * self.trainable / self.total if self.total else 0.0
-
-    def __str__(self) -> str:
-        return f"trainable params: {self.trainable:,} || all params: {self.total:,} || trainable: {self.percent:.4f}%"
+        Raises:
+            ValueError: If the config uses a PEFT feature lightning-peft does not implement (named in the message).
+        """
+        if not isinstance(config, dict):
+            config = config.to_dict()
+        return config_from_peft(config, source)
 
 
-def _check_rank(value: object, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+def _as_rank(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"LoRA({what}={value!r}): rank must be a positive integer, e.g. 8.")
+    if value <= 0:
         raise ValueError(f"LoRA({what}={value!r}): rank must be a positive integer.")
+    return int(value)
 
 
-def _check_alpha(value: object, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+def _as_alpha(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"LoRA({what}={value!r}): alpha must be a positive, finite number, e.g. 16.")
+    if not (value > 0 and math.isfinite(value)):
         raise ValueError(f"LoRA({what}={value!r}): alpha must be a positive, finite number.")
+    return float(value) if not isinstance(value, int) else value
 
 
 def _check_pattern(key: object, what: str) -> None:
@@ -161,25 +181,60 @@ def _check_pattern(key: object, what: str) -> None:
         raise ValueError(f"LoRA({what}={{{key!r}: ...}}): the key is not a valid regular expression: {err}.") from None
 
 
-def _check_targets(value: object, what: str) -> None:
+def _as_targets(value: object, what: str) -> Targets:
     if isinstance(value, str):
         try:
             re.compile(value)
         except re.error as err:
             raise ValueError(f"LoRA({what}={value!r}) is not a valid regular expression: {err}.") from None
-        return
-    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) for v in value):
+        return value
+    if isinstance(value, (list, tuple, set, frozenset)) and value and all(isinstance(v, str) for v in value):
+        return sorted(value) if isinstance(value, (set, frozenset)) else list(value)
+    raise TypeError(
+        f"LoRA({what}={value!r}): give a non-empty list of module names (e.g. ['query', 'value']), "
+        "a regular expression string, or 'all-linear'."
+    )
+
+
+def as_config(config: object, kwargs: dict[str, Any], who: str) -> LoRAConfig:
+    """A :class:`LoRAConfig` from a config object (ours or PEFT's ``LoraConfig``) or keyword arguments."""
+    peft_names = {k: _PEFT_NAMES[k] for k in kwargs if k in _PEFT_NAMES}
+    if peft_names:
+        key, ours = next(iter(peft_names.items()))
         raise TypeError(
-            f"LoRA({what}={value!r}): give a non-empty list of module names (e.g. ['query', 'value']), "
-            "a regular expression string, or 'all-linear'."
+            f"{who}({key}={kwargs[key]!r}): lightning-peft calls this argument {ours!r}; pass {ours}={kwargs[key]!r} "
+            "(Hugging Face PEFT's names map as r -> rank, lora_alpha -> alpha, lora_dropout -> dropout, "
+            "init_lora_weights -> init), or pass a peft.LoraConfig as config."
         )
+    if config is None:
+        unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(LoRAConfig)})
+        if unknown:
+            raise TypeError(
+                f"{who}: unknown argument {unknown[0]!r}; LoRA takes "
+                f"{', '.join(f.name for f in dataclasses.fields(LoRAConfig))}."
+            )
+        return LoRAConfig(**kwargs)
+    if kwargs:
+        raise TypeError(f"{who}: pass either config or keyword arguments, not both (got {sorted(kwargs)}).")
+    if isinstance(config, LoRAConfig):
+        return config
+    if type(config).__name__ == "LoraConfig" and callable(getattr(config, "to_dict", None)):
+        return LoRAConfig.from_peft(config)
+    raise TypeError(
+        f"{who}(config={type(config).__name__}): give a lightning_peft LoRAConfig or a peft.LoraConfig, "
+        "or the fields as keyword arguments."
+    )
 
 
 def _pattern_value(patterns: dict, name: str, default):
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", name):
+        if _pattern_matches(key, name):
             return value
     return default
+
+
+def _pattern_matches(key: str, name: str) -> bool:
+    return re.match(rf"(.*\.)?({key})$", name) is not None
 
 
 def name_matches(name: str, targets: Targets) -> bool:
@@ -196,6 +251,10 @@ def _linear_types() -> tuple[type, ...]:
 def supported_types() -> tuple[type, ...]:
     """Module types :func:`inject_lora` can adapt."""
     return (*_linear_types(), nn.Embedding, nn.Conv2d)
+
+
+def _supported_names() -> str:
+    return ", ".join(t.__name__ for t in supported_types())
 
 
 def _output_head(model: nn.Module) -> str | None:
@@ -217,22 +276,24 @@ def _describe_modules(model: nn.Module) -> str:
             leaf = name.rsplit(".", 1)[-1]
             counts[leaf] = counts.get(leaf, 0) + 1
     if not counts:
-        return "none"
+        return f"none (LoRA supports {_supported_names()}, and {type(model).__name__} has no such module)"
     return ", ".join(f"{leaf} (x{n})" if n > 1 else leaf for leaf, n in counts.items())
+
+
+def task_heads(model: nn.Module) -> list[str]:
+    """Names of the task head a Hugging Face task model creates at random (empty for other models)."""
+    kind = next((suffix for suffix in _TASK_HEADS if type(model).__name__.endswith(suffix)), None)
+    if kind is None:
+        return []
+    heads = _TASK_HEADS[kind]
+    return [n for n, _ in model.named_children() if n in heads]
 
 
 def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]:
     """(targets, modules_to_save) full names; raises before anything is changed."""
     modules = dict(model.named_modules(remove_duplicate=False))
     names = [n for n in modules if n]
-    to_save = [n for n in names if config.modules_to_save and name_matches(n, config.modules_to_save)]
-    if config.modules_to_save:
-        missing = [m for m in config.modules_to_save if not any(name_matches(n, [m]) for n in to_save)]
-        if missing:
-            raise ValueError(
-                f"LoRA(modules_to_save={config.modules_to_save!r}): {missing} matched no module of "
-                f"{type(model).__name__}. Check the names with model.named_modules()."
-            )
+    to_save = _select_modules_to_save(model, config, names)
 
     def saved(name: str) -> bool:
         return any(name == s or name.startswith(f"{s}.") for s in to_save)
@@ -246,23 +307,63 @@ def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]
     else:
         chosen = [n for n in names if name_matches(n, config.target_modules)]
     chosen = [n for n in chosen if not saved(n)]
-    if config.exclude_modules is not None:
-        chosen = [n for n in chosen if not name_matches(n, config.exclude_modules)]
     if not chosen:
+        hint = ""
+        if isinstance(config.target_modules, str) and config.target_modules != "all-linear":
+            hint = (f" A string is a regular expression that must match the full module name "
+                    f"(e.g. 'bert.encoder.layer.0.attention.self.query'); to match by name, give a list: "
+                    f"[{config.target_modules!r}].")
         raise ValueError(
             f"LoRA(target_modules={config.target_modules!r}) matched no module of {type(model).__name__}. "
-            f"Modules it can adapt: {_describe_modules(model)}."
+            f"Modules it can adapt: {_describe_modules(model)}.{hint}"
         )
+    if config.exclude_modules is not None:
+        kept = [n for n in chosen if not name_matches(n, config.exclude_modules)]
+        if not kept:
+            raise ValueError(
+                f"LoRA(exclude_modules={config.exclude_modules!r}) excludes every module that "
+                f"target_modules={config.target_modules!r} matched ({_preview(chosen)}), so nothing is left to "
+                "adapt. Narrow exclude_modules."
+            )
+        chosen = kept
+    _check_types(model, config, chosen, modules, inside_fused)
+    _check_aliases(chosen, names, modules)
+    return chosen, to_save
+
+
+def _select_modules_to_save(model: nn.Module, config: LoRAConfig, names: list[str]) -> list[str]:
+    if config.modules_to_save is None:
+        heads = task_heads(model)
+        if heads:
+            log.info(
+                "LoRA: %s's task head %s is trained and saved in full (modules_to_save); from_pretrained creates "
+                "it at random. Pass modules_to_save=[] to keep it frozen.", type(model).__name__, heads,
+            )
+        return heads
+    to_save = [n for n in names if name_matches(n, config.modules_to_save)]
+    missing = [m for m in config.modules_to_save if not any(name_matches(n, [m]) for n in to_save)]
+    if missing:
+        raise ValueError(
+            f"LoRA(modules_to_save={config.modules_to_save!r}): {missing} matched no module of "
+            f"{type(model).__name__}. Check the names with model.named_modules()."
+        )
+    # A module inside another saved module is saved with it.
+    return [n for n in to_save if not any(n.startswith(f"{o}.") for o in to_save)]
+
+
+def _preview(names: list[str]) -> str:
+    return ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _check_types(model, config, chosen, modules, inside_fused) -> None:
     unsupported = [n for n in chosen if not isinstance(modules[n], supported_types())]
     if unsupported:
         kinds = sorted({type(modules[n]).__name__ for n in unsupported})
         raise TypeError(
             f"LoRA(target_modules={config.target_modules!r}) matched {unsupported[0]!r} of type {kinds[0]}"
-            f"{' and others' if len(unsupported) > 1 else ''}; LoRA supports "
-            f"{', '.join(t.__name__ for t in supported_types())}. Name the linear layers inside it instead "
-            f"(it can adapt: {_describe_modules(model)})."
+            f"{' and others' if len(unsupported) > 1 else ''}; LoRA supports {_supported_names()}. "
+            f"Name modules of those types instead; {type(model).__name__} has: {_describe_modules(model)}."
         )
-    _check_aliases(chosen, names, modules)
     for name in chosen:
         module = modules[name]
         if name in inside_fused:
@@ -273,7 +374,6 @@ def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]
             )
         if isinstance(module, nn.Conv2d) and module.groups != 1:
             raise TypeError(f"LoRA: {name!r} is a grouped Conv2d (groups={module.groups}); only groups=1 is supported.")
-    return chosen, to_save
 
 
 def _check_aliases(chosen: list[str], names: list[str], modules: dict[str, nn.Module]) -> None:
@@ -288,6 +388,35 @@ def _check_aliases(chosen: list[str], names: list[str], modules: dict[str, nn.Mo
                 f"LoRA: the module at {name!r} is also registered as {[a for a in aliases if a != name]}; "
                 "an adapter would apply under one name only. Register the module once, or untie it first."
             )
+
+
+def _warn_about_settings(model: nn.Module, config: LoRAConfig, targets: list[str]) -> None:
+    """Settings that are valid but almost surely not what the user meant."""
+    for what, patterns in (("rank_pattern", config.rank_pattern), ("alpha_pattern", config.alpha_pattern)):
+        for key in patterns:
+            if not any(_pattern_matches(key, n) for n in targets):
+                warnings.warn(
+                    f"LoRA({what}={{{key!r}: ...}}) matches none of the {len(targets)} adapted modules "
+                    f"(e.g. {_preview(targets)}), so it changes nothing. Keys match the end of a module name.",
+                    UserWarning, stacklevel=4,
+                )
+    too_big = []
+    for name in targets:
+        limit = _max_rank(model.get_submodule(name))
+        if config.rank_for(name) > limit:
+            too_big.append(f"{name!r} (rank {config.rank_for(name)} > {limit})")
+    if too_big:
+        warnings.warn(
+            f"LoRA: the rank exceeds what {len(too_big)} layer(s) can use: {', '.join(too_big[:3])}"
+            f"{' ...' if len(too_big) > 3 else ''}. An update of such a layer has rank at most min(in, out), so the "
+            "extra rank costs memory and time for nothing; lower rank or use rank_pattern.",
+            UserWarning, stacklevel=4,
+        )
+
+
+def _max_rank(module: nn.Module) -> int:
+    weight = module.weight  # Linear (out, in), Conv1D (in, out), Embedding (V, d), Conv2d (out, in, kh, kw)
+    return min(weight.shape[0], weight[0].numel())
 
 
 def _make_layer(module: nn.Module, name: str, config: LoRAConfig) -> LoRALayer:
@@ -305,30 +434,184 @@ def _make_layer(module: nn.Module, name: str, config: LoRAConfig) -> LoRALayer:
     return LoRALinear(module, **kwargs)
 
 
-def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, attr = name.rpartition(".")
-    setattr(model.get_submodule(parent_name), attr, module)
-
-
 def lora_layers(model: nn.Module) -> dict[str, LoRALayer]:
     """All LoRA layers of ``model`` by full module name."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALayer)}
+    return {name: m for name, m in unwrap(model).named_modules() if isinstance(m, LoRALayer)}
 
 
-def lora_spec(model: nn.Module) -> LoRASpec | None:
-    """The :class:`LoRASpec` :func:`inject_lora` left on ``model``, or None."""
-    return getattr(model, SPEC_ATTRIBUTE, None)
-
-
-def inject_lora(model: nn.Module, config: LoRAConfig | None = None, **kwargs) -> dict[str, LoRALayer]:
-    """Wrap the target modules of ``model`` in LoRA layers, in place, and freeze everything else.
-
-    After the call only the adapters, the chosen biases and ``modules_to_save`` have ``requires_grad=True``.
-    Nothing is changed if an error is raised.
+@register
+class LoRAAdapter(Adapter):
+    """LoRA's side of the adapter protocol: what :func:`inject_lora` did to a model.
 
     Args:
-        model: The model to adapt (any ``nn.Module``; for a Hugging Face model pass the ``PreTrainedModel``).
-        config: A :class:`LoRAConfig`; or give its fields as keyword arguments instead.
+        config: The config used.
+        targets: Full names of the adapted modules.
+        modules_to_save: Full names of the modules trained and saved in full.
+    """
+
+    kind: ClassVar[str] = "lora"
+    peft_type: ClassVar[str] = "LORA"
+    mergeable: ClassVar[bool] = True
+
+    def __init__(self, config: LoRAConfig, targets: Iterable[str], modules_to_save: Iterable[str]) -> None:
+        self.config = config
+        self.targets = tuple(targets)
+        self.modules_to_save = tuple(modules_to_save)
+
+    def __repr__(self) -> str:
+        return f"LoRAAdapter({self.config}, {len(self.targets)} targets, modules_to_save={list(self.modules_to_save)})"
+
+    def state(self, model: nn.Module) -> dict[str, Tensor]:
+        model = unwrap(model)
+        state: dict[str, Tensor] = {}
+        for name in self.targets:
+            layer = model.get_submodule(name)
+            state.update({f"{name}.{k}": p for k, p in layer.adapter_parameters().items()})
+            if self.config.bias == "lora_only" and getattr(layer.base_layer, "bias", None) is not None:
+                state[f"{name}.base_layer.bias"] = layer.base_layer.bias
+        if self.config.bias == "all":
+            for name, module in model.named_modules():
+                if module._parameters.get("bias") is not None and ".original_module" not in f".{name}":
+                    state[f"{name}.bias" if name else "bias"] = module._parameters["bias"]
+        for name in self.modules_to_save:
+            trained = model.get_submodule(name).trained_module
+            state.update(trained.state_dict(prefix=f"{name}.trained_module.", keep_vars=True))
+        return state
+
+    def config_dict(self) -> dict[str, Any]:
+        return {"config": self.config.to_dict(), "targets": list(self.targets),
+                "modules_to_save": list(self.modules_to_save)}
+
+    @classmethod
+    def inject(cls, model: nn.Module, config: dict[str, Any]) -> LoRAAdapter:
+        # The exact names recorded, not the rules: the same modules whatever the rules would pick today.
+        exact = dataclasses.replace(
+            LoRAConfig(**config["config"]), target_modules=list(config["targets"]), exclude_modules=None,
+            modules_to_save=list(config["modules_to_save"]),
+        )
+        inject_lora(model, exact)
+        adapter = attached(model)["lora"]
+        adapter.config = LoRAConfig(**config["config"])  # report the config as the user wrote it
+        return adapter
+
+    def merged_state(self, model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        model = unwrap(model)
+        for name in self.targets:
+            layer = model.get_submodule(name)
+            for key in layer.adapter_parameters():
+                state.pop(f"{name}.{key}")
+            prefix = f"{name}.base_layer."
+            for key in [k for k in state if k.startswith(prefix)]:
+                state[f"{name}.{key[len(prefix):]}"] = state.pop(key)
+            try:
+                state[f"{name}.weight"] = layer.merged_weight()
+            except RuntimeError as err:
+                raise RuntimeError(f"merged_state_dict: layer {name!r}: {err}") from None
+        return fold_modules_to_save(model, state)
+
+    def unload(self, model: nn.Module, merge: bool) -> None:
+        model = unwrap(model)
+        if merge:
+            merge_lora(model)
+        elif any(layer.merged for layer in lora_layers(model).values()):
+            unmerge_lora(model)
+        for name in self.targets:
+            set_submodule(model, name, model.get_submodule(name).base_layer)
+        for name in self.modules_to_save:
+            wrapper = model.get_submodule(name)
+            set_submodule(model, name, wrapper.trained_module if merge else wrapper.original_module)
+        detach(model, self.kind)
+
+    def peft_state(self, model: nn.Module) -> dict[str, Tensor]:
+        """The adapter tensors (not detached) under the keys of PEFT's adapter files, without the prefix."""
+        return {clean_key(plain_key(k)): v for k, v in self.state(model).items()}
+
+    def peft_config(self, model: nn.Module) -> dict[str, Any]:
+        config = self.config
+        layers = {clean_key(n): unwrap(model).get_submodule(n) for n in self.targets}
+        name_or_path = getattr(getattr(unwrap(model), "config", None), "_name_or_path", None)
+        return {
+            "peft_type": "LORA",
+            "task_type": None,
+            "base_model_name_or_path": name_or_path or None,
+            "inference_mode": True,
+            "r": config.rank,
+            "lora_alpha": config.alpha,
+            "lora_dropout": config.dropout,
+            "target_modules": list(layers),
+            "exclude_modules": None,
+            "modules_to_save": [clean_key(n) for n in self.modules_to_save] or None,
+            "rank_pattern": {re.escape(n): m.rank for n, m in layers.items() if m.rank != config.rank},
+            "alpha_pattern": {re.escape(n): m.alpha for n, m in layers.items() if m.alpha != config.alpha},
+            "bias": config.bias,
+            "fan_in_fan_out": any(getattr(m, "fan_in_fan_out", False) for m in layers.values()),
+            "init_lora_weights": "gaussian" if config.init == "gaussian" else True,
+            "use_rslora": config.use_rslora,
+            "use_dora": False,
+        }
+
+    def peft_problems(self, model: nn.Module) -> list[str]:
+        problems = []
+        for name in self.targets:
+            layer = unwrap(model).get_submodule(name)
+            if isinstance(layer, LoRAConv2d):
+                base = layer.base_layer
+                if any(d != 1 for d in base.dilation):
+                    problems.append(f"{name!r} is a Conv2d with dilation={base.dilation}")
+                if base.padding_mode != "zeros":
+                    problems.append(f"{name!r} is a Conv2d with padding_mode={base.padding_mode!r}")
+        return problems
+
+    def check_peft_config(self, model: nn.Module, config: Any, source: str) -> None:
+        merged = [name for name, layer in lora_layers(model).items() if layer.merged]
+        if merged:
+            raise RuntimeError(f"load_adapter: layer {merged[0]!r} is merged; call unmerge_lora(model) before loading.")
+        ours = config_from_peft(config, source)
+        for name, layer in lora_layers(model).items():
+            alpha = ours.alpha_for(name)
+            if (layer.alpha, layer.use_rslora) != (alpha, ours.use_rslora):
+                raise ValueError(
+                    f"load_adapter: {source} gives {name!r} alpha={alpha}, use_rslora={ours.use_rslora}, but the "
+                    f"model's LoRA layer has alpha={layer.alpha}, use_rslora={layer.use_rslora}; the adapter would be "
+                    "scaled differently. Load it into a model without LoRA layers."
+                )
+
+    @classmethod
+    def from_peft(cls, model: nn.Module, config: dict[str, Any], source: str) -> LoRAAdapter:
+        ours = config_from_peft(config, source)
+        names = [n for n, _ in unwrap(model).named_modules() if n]
+        # PEFT's SEQ_CLS task writes ["classifier", "score"] whatever the model calls its head: drop the absent.
+        present = [m for m in dict.fromkeys(ours.modules_to_save or []) if any(name_matches(n, [m]) for n in names)]
+        inject_lora(model, dataclasses.replace(ours, modules_to_save=present))
+        return attached(model)["lora"]
+
+
+def lora_spec(model: nn.Module) -> LoRAAdapter | None:
+    """The :class:`LoRAAdapter` :func:`inject_lora` left on ``model``, or None."""
+    return attached(model).get("lora")
+
+
+def require_spec(model: nn.Module, who: str) -> LoRAAdapter:
+    spec = lora_spec(model)
+    if spec is None:
+        raise RuntimeError(
+            f"{who}: {type(unwrap(model)).__name__} has no LoRA adapter; call inject_lora(model, ...) first."
+        )
+    return spec
+
+
+def inject_lora(model: nn.Module, config: LoRAConfig | Any | None = None, **kwargs) -> dict[str, LoRALayer]:
+    """Wrap the target modules of ``model`` in LoRA layers, in place, and freeze everything else.
+
+    After the call only the parameters of the adapters attached to ``model`` (this one and any other
+    technique's) have ``requires_grad=True``: the LoRA weights, the chosen biases and the trainable copies of
+    ``modules_to_save``. Nothing is changed if an error is raised.
+
+    Args:
+        model: The model to adapt (any ``nn.Module``; for a Hugging Face model pass the ``PreTrainedModel``;
+            a ``torch.compile`` wrapper is looked through).
+        config: A :class:`LoRAConfig` or a Hugging Face PEFT ``LoraConfig``; or give the fields as keyword
+            arguments instead.
 
     Returns:
         The new LoRA layers by full module name.
@@ -336,12 +619,10 @@ def inject_lora(model: nn.Module, config: LoRAConfig | None = None, **kwargs) ->
     Raises:
         RuntimeError: If ``model`` already has LoRA layers.
         ValueError: If the targets match nothing or a setting is invalid.
-        TypeError: If a target is of a type LoRA cannot adapt.
+        TypeError: If a target is of a type LoRA cannot adapt, or an argument has the wrong type.
     """
-    if config is None:
-        config = LoRAConfig(**kwargs)
-    elif kwargs:
-        raise TypeError(f"inject_lora: pass either config or keyword arguments, not both (got {sorted(kwargs)}).")
+    config = as_config(config, kwargs, "inject_lora")
+    model = unwrap(model)
     existing = lora_layers(model)
     if existing:
         raise RuntimeError(
@@ -349,56 +630,17 @@ def inject_lora(model: nn.Module, config: LoRAConfig | None = None, **kwargs) ->
             f"(e.g. {next(iter(existing))!r}); LoRA was injected twice. Use the model as it is, or build a fresh one."
         )
     targets, to_save = _select(model, config)
-    model.requires_grad_(False)
+    _warn_about_settings(model, config, targets)
+    wrap_modules_to_save(model, to_save)
     replaced = {}
     for name in targets:
         base = model.get_submodule(name)
         layer = _make_layer(base, name, config).train(base.training)  # an eval model gets eval adapters
         set_submodule(model, name, layer)
         replaced[name] = layer
-    for param in trainable_state(model, config.bias, to_save, replaced).values():
-        param.requires_grad_(True)
-    setattr(model, SPEC_ATTRIBUTE, LoRASpec(config, tuple(targets), tuple(to_save)))
+    attach(model, LoRAAdapter(config, targets, to_save))
     log.info("LoRA: adapted %d modules of %s; %s", len(replaced), type(model).__name__, trainable_parameters(model))
     return replaced
-
-
-def trainable_state(
-    model: nn.Module, bias: Bias, modules_to_save: Iterable[str], layers: dict[str, LoRALayer]
-) -> dict[str, Tensor]:
-    """Parameters (and ``modules_to_save`` buffers) that make up the adapter, by state-dict key."""
-    state: dict[str, Tensor] = {}
-    for name, layer in layers.items():
-        state.update({f"{name}.{k}": p for k, p in layer.adapter_parameters().items()})
-        if bias == "lora_only" and getattr(layer.base_layer, "bias", None) is not None:
-            state[f"{name}.base_layer.bias"] = layer.base_layer.bias
-    if bias == "all":
-        for name, module in model.named_modules():
-            if module._parameters.get("bias") is not None:
-                state[f"{name}.bias" if name else "bias"] = module._parameters["bias"]
-    for name in modules_to_save:
-        state.update(model.get_submodule(name).state_dict(prefix=f"{name}.", keep_vars=True))
-    return state
-
-
-def adapter_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The adapter of a model adapted by :func:`inject_lora`: LoRA weights, chosen biases, ``modules_to_save``.
-
-    Keys are the model's own state-dict keys (``encoder.0.query.lora_A.weight``); values are detached.
-
-    Raises:
-        RuntimeError: If ``model`` has no LoRA adapter.
-    """
-    spec = require_spec(model, "adapter_state_dict")
-    state = trainable_state(model, spec.config.bias, spec.modules_to_save, lora_layers(model))
-    return {k: v.detach() for k, v in state.items()}
-
-
-def require_spec(model: nn.Module, who: str) -> LoRASpec:
-    spec = lora_spec(model)
-    if spec is None:
-        raise RuntimeError(f"{who}: {type(model).__name__} has no LoRA adapter; call inject_lora(model, ...) first.")
-    return spec
 
 
 def merge_lora(model: nn.Module) -> list[str]:
@@ -407,11 +649,17 @@ def merge_lora(model: nn.Module) -> list[str]:
     Idempotent: layers already merged are left alone. Each merge is computed in float32 (or wider) and
     cast back to the weight's dtype. If a merged weight would be non-finite, the layers merged by this
     call are unmerged again and a ``RuntimeError`` names the layer. A weight tied to another module
-    (e.g. input and output embeddings) is refused before anything changes.
+    (e.g. input and output embeddings) is refused before anything changes. To train again, call
+    :func:`unmerge_lora` first; to get plain modules back (e.g. for ``save_pretrained``), :func:`unload_lora`.
 
     Returns:
         Names of the layers this call merged.
+
+    Raises:
+        RuntimeError: If ``model`` has no LoRA adapter, a weight is tied, or a merge is non-finite.
     """
+    require_spec(model, "merge_lora")
+    model = unwrap(model)
     layers = lora_layers(model)
     _refuse_tied(model, layers)
     done: list[str] = []
@@ -447,12 +695,16 @@ def _refuse_tied(model: nn.Module, layers: dict[str, LoRALayer]) -> None:
 def unmerge_lora(model: nn.Module) -> list[str]:
     """Subtract every merged adapter's update from its base weight, in place.
 
+    Exact up to one rounding in the weight's dtype (so not bit-exact in bfloat16).
+
     Raises:
         RuntimeError: If no layer is merged.
 
     Returns:
         Names of the layers unmerged.
     """
+    require_spec(model, "unmerge_lora")
+    model = unwrap(model)
     merged = [name for name, layer in lora_layers(model).items() if layer.merged]
     if not merged:
         raise RuntimeError(f"unmerge_lora: no LoRA layer of {type(model).__name__} is merged; call merge_lora first.")
@@ -461,33 +713,111 @@ def unmerge_lora(model: nn.Module) -> list[str]:
     return merged
 
 
-def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The state dict of the base model with every adapter merged in, under the base model's own key names.
+def unload_lora(model: nn.Module, merge: bool = True) -> nn.Module:
+    """Remove LoRA from ``model`` in place and return the plain model (Hugging Face PEFT's ``merge_and_unload``).
 
-    Does not change ``model``: the merged weights are new tensors. Loading the result into a fresh copy of
-    the original (un-adapted) model gives the merged model. A weight tied to another module gets the merged
-    value under the adapted module's key only, as the adapted model computes.
+    Every LoRA layer is replaced by its base module, and every ``modules_to_save`` wrapper by its trained copy
+    (``merge=True``: the fine-tuned model, which ``save_pretrained`` / ``from_pretrained`` round-trip) or by the
+    untouched original (``merge=False``: the base model as it was before :func:`inject_lora`).
 
     Raises:
-        RuntimeError: If a merged weight would be non-finite.
+        RuntimeError: If ``model`` has no LoRA adapter, or a merge is refused (tied or non-finite weights).
     """
-    state = model.state_dict()
-    for name, layer in lora_layers(model).items():
-        for key in layer.adapter_parameters():
-            state.pop(f"{name}.{key}")
-        prefix = f"{name}.base_layer."
-        for key in [k for k in state if k.startswith(prefix)]:
-            state[f"{name}.{key[len(prefix):]}"] = state.pop(key)
-        try:
-            state[f"{name}.weight"] = layer.merged_weight()
-        except RuntimeError as err:
-            raise RuntimeError(f"merged_state_dict: layer {name!r}: {err}") from None
-    return state
+    require_spec(model, "unload_lora").unload(model, merge)
+    if attached(model):  # other techniques remain: freeze for them
+        refreeze(model)
+    return unwrap(model)
+
+
+@dataclass(frozen=True)
+class ParameterReport:
+    """Trainable-parameter count of a model (shared parameters counted once)."""
+
+    trainable: int
+    total: int
+
+    @property
+    def percent(self) -> float:
+        return 100.0 * self.trainable / self.total if self.total else 0.0
+
+    def __str__(self) -> str:
+        return f"trainable params: {self.trainable:,} || all params: {self.total:,} || trainable: {self.percent:.4f}%"
 
 
 def trainable_parameters(model: nn.Module) -> ParameterReport:
-    """Count trainable and total parameters (each shared tensor once)."""
+    """Count trainable and total parameters (each shared tensor once).
+
+    The frozen originals kept beside ``modules_to_save`` copies count in the total, as PEFT counts them.
+    """
     seen: dict[int, nn.Parameter] = {id(p): p for p in model.parameters()}
     total = sum(p.numel() for p in seen.values())
     trainable = sum(p.numel() for p in seen.values() if p.requires_grad)
     return ParameterReport(trainable=trainable, total=total)
+
+
+# --- Hugging Face PEFT's LoraConfig ------------------------------------------------------------------------
+
+# PEFT initialisations that rewrite the base weights as well (PEFT re-runs them when it loads the adapter).
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "eva")
+
+# PEFT features this library does not implement: loading such an adapter would silently change its meaning.
+_UNSUPPORTED = {
+    "use_dora": False,
+    "layers_to_transform": None,
+    "layers_pattern": None,
+    "target_parameters": None,
+    "lora_bias": False,
+    "layer_replication": None,
+    "trainable_token_indices": None,
+    "alora_invocation_tokens": None,
+    "use_qalora": False,
+    "use_bdlora": None,
+    "kasa_config": None,
+    "monteclora_config": None,
+    "arrow_config": None,
+    "velora_config": None,
+    "loftq_config": {},
+    "eva_config": None,
+    "corda_config": None,
+    "megatron_config": None,
+}
+
+
+def config_from_peft(config: dict, source: str = "adapter_config.json") -> LoRAConfig:
+    """Translate a PEFT ``LoraConfig`` dict to :class:`LoRAConfig`; refuses features this library lacks."""
+    if not isinstance(config, dict):
+        raise ValueError(f"load_adapter: {source} holds a JSON {type(config).__name__}, not an object; "
+                         "it is not a PEFT adapter config.")
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"load_adapter: {source} has peft_type={config.get('peft_type')!r}; only 'LORA' is supported.")
+    for key, neutral in _UNSUPPORTED.items():
+        value = config.get(key, neutral)
+        if value not in (neutral, None, False, [], {}):
+            raise ValueError(
+                f"load_adapter: {source} sets {key}={value!r}, which lightning-peft does not support; "
+                "load this adapter with Hugging Face PEFT instead."
+            )
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        raise ValueError(
+            f"load_adapter: {source} sets init_lora_weights={init!r}, an initialisation that also rewrites the base "
+            "weights; lightning-peft does not implement it, so the adapter would mean something else here. "
+            "Load it with Hugging Face PEFT instead."
+        )
+    absent = [key for key in ("r", "target_modules") if config.get(key) is None]
+    if absent:
+        raise ValueError(f"load_adapter: {source} has no {absent[0]!r}; it is not a complete LoRA adapter config.")
+    targets = config["target_modules"]
+    return LoRAConfig(
+        rank=config["r"],
+        alpha=config.get("lora_alpha", 8),
+        dropout=config.get("lora_dropout", 0.0),
+        target_modules=sorted(targets) if isinstance(targets, (set, frozenset)) else targets,
+        exclude_modules=config.get("exclude_modules"),
+        modules_to_save=config.get("modules_to_save"),
+        rank_pattern=config.get("rank_pattern") or {},
+        alpha_pattern=config.get("alpha_pattern") or {},
+        bias=config.get("bias", "none"),
+        init="gaussian" if init == "gaussian" else "kaiming",
+        use_rslora=config.get("use_rslora", False),
+    )

@@ -57,6 +57,19 @@ def main(out: Path, devices: int, batch_size: int) -> None:
     trainer.fit(module, datamodule=RoundRobinData(data, batch_size))
     torch.save(adapter_state_dict(module.model), out / f"rank{trainer.global_rank}.pt")
     (out / f"export-rank{trainer.global_rank}.txt").write_text(repr(sorted(export.last_export)))
+    if devices > 1:  # an export that fails on rank 0 must reach every rank, not leave one waiting
+        failing = FailsOnRankZero(dirpath=str(out / "failing"))
+        try:
+            failing.export(trainer, module, out / "failing")
+            outcome = "no error"
+        except Exception as err:
+            outcome = f"{type(err).__name__}: {err}"
+        (out / f"failing-rank{trainer.global_rank}.txt").write_text(outcome)
+
+
+class FailsOnRankZero(MergeOnSave):
+    def _write(self, trainer, pl_module, directory):
+        raise OSError("No space left on device")
 
 
 if __name__ == "__main__":

@@ -86,7 +86,8 @@ def test_callback_under_trainer_equals_pure_function_in_plain_loop(tiny_bert_con
     assert ours.keys() == plain.keys()
     for key in ours:
         torch.testing.assert_close(ours[key], plain[key], rtol=1e-6, atol=1e-7)
-    assert not torch.equal(ours["classifier.weight"], record.state["classifier.weight"])  # it trained
+    head = "classifier.trained_module.weight"
+    assert not torch.equal(ours[head], record.state[head])  # it trained
 
 
 def test_injects_before_configure_optimizers_and_logs_the_report(tiny_bert_config, tmp_path, caplog):
@@ -96,7 +97,8 @@ def test_injects_before_configure_optimizers_and_logs_the_report(tiny_bert_confi
     expected = sum(p.numel() for p in module.parameters() if p.requires_grad)
     assert module.trainable_at_configure == expected
     assert expected == 2 * 2 * (4 * 16 + 16 * 4) + (3 * 16 + 3)
-    assert "LoRA: adapted 4 modules of BertForSequenceClassification (rank 4, alpha 8.0); trainable params: 563" in caplog.text
+    assert ("LoRA: adapted 4 modules of BertForSequenceClassification (rank 4, alpha 8.0, saving classifier in full); "
+            "trainable params: 563") in caplog.text
 
 
 def test_later_stages_reuse_the_adapter(tiny_bert_config, tmp_path):

@@ -37,3 +37,9 @@ def test_ddp_two_processes_equal_one_process_on_the_joint_batch(tmp_path):
     assert (tmp_path / "ddp" / "export" / "merged" / "model.safetensors").is_file()
     state = torch.load(tmp_path / "ddp" / "ckpt" / "last.ckpt", weights_only=False)["state_dict"]
     assert set(state) == {f"model.{k}" for k in single}
+    # An export failing on rank 0 raised there and, through a broadcast, on rank 1 as well.
+    assert (tmp_path / "ddp" / "failing-rank0.txt").read_text() == "OSError: No space left on device"
+    assert (tmp_path / "ddp" / "failing-rank1.txt").read_text() == (
+        "RuntimeError: MergeOnSave: the export on rank 0 failed (OSError: No space left on device); "
+        "stopping this rank as well."
+    )

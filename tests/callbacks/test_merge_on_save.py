@@ -128,7 +128,7 @@ def test_plain_model_with_tied_weights_exports(tmp_path):
 
 
 def test_without_lora_it_says_where_the_lora_callback_goes(tiny_bert_config, tmp_path):
-    with pytest.raises(RuntimeError, match=r"MergeOnSave: BertForSequenceClassification has no LoRA adapter when fit "
+    with pytest.raises(RuntimeError, match=r"MergeOnSave: BertForSequenceClassification has no adapter when fit "
                                            r"starts\. Add the LoRA callback"):
         trainer(tmp_path, max_steps=1, callbacks=[MergeOnSave(dirpath=str(tmp_path))]).fit(
             Classifier(tiny_bert_config), loader()

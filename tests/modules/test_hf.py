@@ -217,3 +217,27 @@ def test_resolve_pretrained_finds_an_installed_model_package() -> None:
 @pytest.mark.parametrize("name", ["some-org/some-model", "bert-base-uncased", "json", "no_such_package_xyz"])
 def test_resolve_pretrained_leaves_other_names_unchanged(name: str) -> None:
     assert resolve_pretrained(name) == name
+
+
+@pytest.mark.parametrize("adapter_only", [False, True])
+def test_load_from_checkpoint_restores_a_lora_checkpoint(tiny_bert: str, tmp_path: Path, adapter_only: bool) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_peft.callbacks import LoRA
+
+    torch.manual_seed(0)
+    module = HFSequenceClassifier(tiny_bert, num_labels=3)
+    data = [{key: value[i] for key, value in _batch(size=8).items()} for i in range(8)]
+    loader = DataLoader(data, batch_size=4)
+    lora = LoRA(rank=2, alpha=4, target_modules=["query", "value"], adapter_only_checkpoint=adapter_only)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="last")
+    Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, max_steps=2,
+            callbacks=[lora, checkpoint]).fit(module, loader)
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]
+    assert ("model.bert.embeddings.word_embeddings.weight" in saved) != adapter_only
+    torch.manual_seed(0)  # the new head of the rebuilt model is random: the checkpoint must overwrite it
+    loaded = HFSequenceClassifier.load_from_checkpoint(tmp_path / "last.ckpt")
+    batch = _batch()
+    module.eval(), loaded.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(batch["input_ids"]), module(batch["input_ids"]))

@@ -212,7 +212,8 @@ def test_saved_files_are_in_peft_layout(family, tmp_path):
 
     tensors = _read_weights(tmp_path / WEIGHTS)
     assert all(k.startswith(PREFIX) for k in tensors)
-    assert set(tensors) == {PREFIX + k for k in adapter_state_dict(ours)}
+    plain = {k.replace(".trained_module.", ".") for k in adapter_state_dict(ours)}  # PEFT names the saved copy plainly
+    assert set(tensors) == {PREFIX + k for k in plain}
     suffixes = {k.rsplit(".", 2)[-2] + "." + k.rsplit(".", 1)[-1] for k in tensors}
     assert {"lora_A.weight", "lora_B.weight"} <= suffixes
     if family == "bert":
@@ -400,7 +401,7 @@ def test_failed_save_keeps_previous_adapter_and_leaves_no_temporary_file(tmp_pat
 
 
 def test_save_adapter_without_lora_raises():
-    with pytest.raises(RuntimeError, match=r"save_adapter: Linear has no LoRA adapter; call inject_lora\("):
+    with pytest.raises(RuntimeError, match=r"save_adapter: Linear has no adapter; call inject_lora\("):
         save_adapter(nn.Linear(2, 2), "unused")
 
 
@@ -464,7 +465,7 @@ def _case_missing_key(d: Path) -> tuple[type, str]:
     _write_adapter(d)
     _edit_config(d, target_modules=["query", "key", "value"])
     key = "base_model.model.bert.encoder.layer.0.attention.self.key.lora_A.weight"
-    return ValueError, rf"lacks key {re.escape(key)} \(and 3 more\) that the adapter config asks for"
+    return ValueError, rf"lacks key {re.escape(key)} \(and 3 more\) that its adapter config asks for on BertForSequenceClassification"
 
 
 def _case_targets_match_nothing(d: Path) -> tuple[type, str]:
@@ -494,7 +495,7 @@ def _case_use_dora(d: Path) -> tuple[type, str]:
 def _case_other_peft_type(d: Path) -> tuple[type, str]:
     _write_adapter(d)
     _edit_config(d, peft_type="IA3")
-    return ValueError, r"has peft_type='IA3'; only 'LORA' is supported"
+    return ValueError, r"has peft_type='IA3'; lightning-peft reads \['LORA'"
 
 
 def _case_missing_config(d: Path) -> tuple[type, str]:
@@ -678,7 +679,7 @@ def test_load_into_injected_model_checks_the_config(tmp_path):
     model = _fresh(_base("bert"), "bert")
     inject_lora(model, rank=4, alpha=8, target_modules=["query", "value"])
 
-    with pytest.raises(ValueError, match=r"has peft_type='IA3'; only 'LORA' is supported"):
+    with pytest.raises(ValueError, match=r"has peft_type='IA3'; lightning-peft reads \['LORA'"):
         load_adapter(model, tmp_path)
 
 
@@ -720,3 +721,107 @@ def test_dropout_adapter_loaded_into_an_eval_model_is_deterministic_and_matches_
     assert not any(layer.training for layer in lora_layers(ours).values())
     torch.testing.assert_close(_out(ours), _out(ours), rtol=0, atol=0)
     torch.testing.assert_close(_out(ours), _out(PeftModel.from_pretrained(_fresh(base, "bert"), tmp_path)))
+
+
+# ------------------------------------------------------------------------------------- hardening
+
+
+@pytest.mark.parametrize("direction", ["ours->peft", "peft->ours"])
+def test_conv2d_adapter_round_trips_with_peft(direction, tmp_path):
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 3, padding=1)).double()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    adapted = _copy(base)
+    if direction == "ours->peft":
+        inject_lora(adapted, rank=2, alpha=4, target_modules=["0", "2"])
+        _randomise_ours(adapted)
+        save_adapter(adapted, tmp_path)
+        other = PeftModel.from_pretrained(_copy(base), tmp_path).eval()
+    else:
+        adapted = get_peft_model(adapted, LoraConfig(r=2, lora_alpha=4, target_modules=["0", "2"]))
+        _randomise_peft(adapted)
+        adapted.save_pretrained(tmp_path)
+        other = load_adapter(_copy(base), tmp_path).eval()
+    with torch.no_grad():
+        _assert_differs(adapted(x), base(x))
+        torch.testing.assert_close(other(x), adapted(x))
+
+
+def _copy(model: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(model)
+
+
+@pytest.mark.parametrize(("conv", "problem"), [
+    (lambda: nn.Conv2d(3, 4, 3, dilation=2, padding=2), r"'0' is a Conv2d with dilation=\(2, 2\)"),
+    (lambda: nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), r"'0' is a Conv2d with padding_mode='reflect'"),
+])
+def test_conv2d_that_peft_would_run_differently_is_refused_when_saving(conv, problem, tmp_path):
+    model = nn.Sequential(conv())
+    inject_lora(model, rank=2, target_modules=["0"])
+    with pytest.raises(ValueError, match=r"save_adapter: Hugging Face PEFT would run this lora adapter differently: "
+                                         + problem + r"\. Export the merged model instead"):
+        save_adapter(model, tmp_path / "adapter")
+    assert not (tmp_path / "adapter").exists()
+
+
+def test_non_finite_adapter_weights_are_refused_and_nothing_is_written(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4))
+    layers = inject_lora(model, rank=2, target_modules=["0"])
+    with torch.no_grad():
+        layers["0"].lora_B.weight[1, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"save_adapter: 0\.lora_B\.weight holds inf or NaN; .* Nothing was written"):
+        save_adapter(model, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("{not json", r"adapter_config\.json is not valid JSON \(Expecting property name"),
+    ("[1, 2]", r"adapter_config\.json holds a JSON list, not an object; it is not a PEFT adapter config"),
+])
+def test_malformed_adapter_config_names_the_file(text, match, tmp_path):
+    _write_adapter(tmp_path)
+    (tmp_path / CONFIG).write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_adapter(_fresh(_base("bert"), "bert"), tmp_path)
+
+
+def test_missing_key_of_an_existing_adapter_blames_the_models_adapter(tmp_path):
+    _write_adapter(tmp_path)
+    model = _fresh(_base("bert"), "bert")
+    inject_lora(model, rank=4, alpha=8, target_modules=["query", "value", "key"])  # more than the file has
+    with pytest.raises(ValueError, match=r"lacks key base_model\.model\.bert\.encoder\.layer\.0\.attention\.self\.key"
+                                         r"\.lora_A\.weight \(and 3 more\) that the model's existing lora adapter has "
+                                         r"\(it was injected before loading\)"):
+        load_adapter(model, tmp_path)
+
+
+def test_a_peft_lora_config_object_is_accepted_and_means_the_same(tmp_path):
+    config = LoraConfig(r=4, lora_alpha=8, target_modules={"query", "value"}, lora_dropout=0.1, bias="lora_only")
+    ours = _fresh(_base("bert"), "bert")
+    layers = inject_lora(ours, config)
+    theirs = get_peft_model(_fresh(_base("bert"), "bert"), config)
+    assert sorted(layers) == sorted(_peft_lora_layers(theirs))
+    assert lora_spec(ours).config.dropout == 0.1 and lora_spec(ours).config.bias == "lora_only"
+    assert lora_spec(ours).config.target_modules == ["query", "value"]  # a set, as PEFT keeps it, is accepted
+
+
+def test_a_peft_lora_config_with_an_unsupported_feature_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"peft\.LoraConfig sets use_dora=True, which lightning-peft does not support"):
+        inject_lora(_fresh(_base("bert"), "bert"), LoraConfig(r=4, target_modules=["query"], use_dora=True))
+
+
+def test_peft_loads_an_adapter_from_a_compiled_model_with_plain_names(tmp_path):
+    base = _base("bert")
+    model = _fresh(base, "bert")
+    compiled = torch.compile(model, backend="eager")
+    inject_lora(compiled, rank=4, alpha=8, target_modules=["query", "value"])
+    _randomise_ours(model)
+    save_adapter(compiled, tmp_path)
+    keys = _read_weights(tmp_path / WEIGHTS)
+    assert not any("_orig_mod" in k for k in keys) and PREFIX + "classifier.weight" in keys
+    assert json.loads((tmp_path / CONFIG).read_text())["target_modules"][0].startswith("bert.encoder")
+    assert all("_orig_mod" not in k for k in merged_state_dict(compiled))
+    peft_model = PeftModel.from_pretrained(_fresh(base, "bert"), tmp_path).eval()
+    torch.testing.assert_close(_out(peft_model), _out(model))

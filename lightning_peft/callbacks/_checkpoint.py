@@ -1,0 +1,135 @@
+"""Adapters in Lightning checkpoints: what they record, how a fresh LightningModule gets them back.
+
+Every checkpoint written while a PEFT callback runs carries ``checkpoint["lightning_peft"]``::
+
+    {"format": 1, "adapter_only": bool, "models": {"<path of the adapted model>": {"<kind>": <config_dict>}}}
+
+(the path is ``""`` for the LightningModule itself). :func:`restore_adapters` re-applies those adapters to a
+freshly built LightningModule before its weights are loaded and, for an adapter-only checkpoint, takes the frozen
+base weights from the model as built. ``LightningModule.load_from_checkpoint`` builds the module and calls its
+``on_load_checkpoint`` before loading the weights, so a module whose ``on_load_checkpoint`` calls
+:func:`restore_adapters` (``HFSequenceClassifier`` does) loads its LoRA checkpoints directly; any other module
+loads them with :func:`load_from_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, TypeVar
+
+import lightning.pytorch as pl
+from torch import Tensor, nn
+
+from lightning_peft.peft.adapter import ADAPTERS_ATTRIBUTE, adapter_tensors, attached, technique, unwrap
+
+KEY = "lightning_peft"
+FORMAT = 1
+M = TypeVar("M", bound=pl.LightningModule)
+
+
+def adapted_models(pl_module: nn.Module) -> dict[str, nn.Module]:
+    """The modules of ``pl_module`` that carry adapters, by dotted path (torch.compile wrappers looked through)."""
+    found = {}
+    for name, module in pl_module.named_modules():
+        if getattr(module, ADAPTERS_ATTRIBUTE, None):
+            path = ".".join(p for p in name.split(".") if p != "_orig_mod")
+            found[path] = module
+    return found
+
+
+def checkpoint_entry(pl_module: nn.Module, adapter_only: bool) -> dict[str, Any]:
+    """The ``checkpoint["lightning_peft"]`` entry describing ``pl_module``'s adapters."""
+    return {
+        "format": FORMAT,
+        "adapter_only": adapter_only,
+        "models": {path: {kind: a.config_dict() for kind, a in attached(m).items()}
+                   for path, m in adapted_models(pl_module).items()},
+    }
+
+
+def frozen_base(pl_module: nn.Module) -> dict[str, nn.Parameter]:
+    """Parameters an adapter-only checkpoint leaves out: frozen, and owned by no adapter."""
+    owned = {id(t) for m in adapted_models(pl_module).values() for t in adapter_tensors(m).values()}
+    return {k: p for k, p in pl_module.named_parameters(remove_duplicate=False)
+            if not p.requires_grad and id(p) not in owned}
+
+
+def fill_frozen(pl_module: nn.Module, state_dict: dict[str, Tensor]) -> None:
+    """Give an adapter-only state dict the frozen base parameters of ``pl_module`` (only the absent ones)."""
+    for key, param in frozen_base(pl_module).items():
+        state_dict.setdefault(key, param.detach())
+
+
+def check_same_adapters(saved: dict[str, Any], pl_module: nn.Module, who: str) -> None:
+    """Raise if the adapters recorded in a checkpoint differ from the ones ``pl_module`` has now."""
+    current = checkpoint_entry(pl_module, False)["models"]
+    for path, adapters in saved.get("models", {}).items():
+        for kind, config in adapters.items():
+            now = current.get(path, {}).get(kind)
+            if now is None:
+                raise ValueError(
+                    f"{who}: the checkpoint has a {kind} adapter on {path or 'the LightningModule'!r}, but this run "
+                    f"has none there (adapters now: {_where(current)}). Add the same callback as when it was saved."
+                )
+            if now != config:
+                raise ValueError(
+                    f"{who}: the checkpoint's {kind} adapter on {path or 'the LightningModule'!r} was trained with "
+                    f"{_differences(config, now)}. Resume with the checkpoint's settings, or start a new run "
+                    "without ckpt_path."
+                )
+
+
+def _where(models: dict) -> str:
+    return ", ".join(f"{kind} on {path or 'the LightningModule'!r}" for path, a in models.items() for kind in a) or "none"
+
+
+def _differences(saved: dict, now: dict) -> str:
+    saved_fields = {**saved.get("config", {}), **{k: v for k, v in saved.items() if k != "config"}}
+    now_fields = {**now.get("config", {}), **{k: v for k, v in now.items() if k != "config"}}
+    keys = [k for k in dict.fromkeys([*saved_fields, *now_fields]) if saved_fields.get(k) != now_fields.get(k)]
+    return (", ".join(f"{k}={saved_fields.get(k)!r}" for k in keys) + "; this run has "
+            + ", ".join(f"{k}={now_fields.get(k)!r}" for k in keys))
+
+
+def restore_adapters(pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    """Re-apply the adapters a checkpoint records, then complete an adapter-only state dict from the model.
+
+    Call it from ``LightningModule.on_load_checkpoint`` (before Lightning loads the weights). Adapters the
+    module already has must match the recorded ones. Idempotent.
+
+    Raises:
+        ValueError: If an adapter the module already has differs from the checkpoint's.
+    """
+    entry = checkpoint.get(KEY)
+    if not entry:
+        return
+    for path, adapters in entry.get("models", {}).items():
+        model = unwrap(pl_module.get_submodule(path)) if path else pl_module
+        for kind, config in adapters.items():
+            if kind not in attached(model):
+                technique(kind).inject(model, config)
+    check_same_adapters(entry, pl_module, "restore_adapters")
+    if entry.get("adapter_only") and "state_dict" in checkpoint:
+        fill_frozen(pl_module, checkpoint["state_dict"])
+
+
+def load_from_checkpoint(module_class: type[M], checkpoint_path: str | os.PathLike, **kwargs: Any) -> M:
+    """``module_class.load_from_checkpoint(checkpoint_path, **kwargs)`` with the checkpoint's adapters re-applied.
+
+    Works for any LightningModule class, full and adapter-only checkpoints alike (for an adapter-only one the
+    frozen base comes from the module as its ``__init__`` builds it, e.g. from the pretrained weights).
+
+    Example:
+        ``model = load_from_checkpoint(MyModule, "checkpoints/last.ckpt", map_location="cpu")``
+    """
+
+    class Restoring(module_class):  # type: ignore[valid-type, misc]
+        def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            restore_adapters(self, checkpoint)
+            super().on_load_checkpoint(checkpoint)
+
+    Restoring.__name__ = module_class.__name__
+    Restoring.__qualname__ = module_class.__qualname__
+    model = Restoring.load_from_checkpoint(checkpoint_path, **kwargs)
+    model.__class__ = module_class
+    return model

@@ -1,0 +1,209 @@
+"""The adapter protocol: the one small contract every PEFT technique implements.
+
+Generic machinery (the trainable-parameter report, freezing, adapter-only checkpoints, resume, re-applying an
+adapter from a checkpoint, merged exports, PEFT-format save/load) talks to a technique only through
+:class:`Adapter`; it never matches parameter names. A technique (LoRA today) is:
+
+- an inject function that changes the model and ends with :func:`attach`, which records the technique's
+  :class:`Adapter` on the model and re-freezes the model for the union of every attached technique, so
+  several techniques on one model work in either order;
+- an :class:`Adapter` subclass registered with :func:`register`, so a checkpoint or an adapter directory
+  that names the technique (``kind`` / ``peft_type``) can be re-applied to a fresh model.
+
+What an :class:`Adapter` answers:
+
+=========================  =====================================================================================
+member                     meaning
+=========================  =====================================================================================
+``kind``                   registry key, stored in checkpoints (``"lora"``)
+``peft_type``              Hugging Face PEFT's ``peft_type`` for the save format, or None if PEFT has no such format
+``state(model)``           the tensors that make up the adapter (parameters and buffers), by the model's own
+                           state-dict keys, not detached: what adapter files and adapter-only checkpoints keep.
+                           Its parameters are the ones that train; everything else is frozen
+``config_dict()``          a JSON-able config; ``inject(model, config_dict)`` re-applies it to a fresh model
+``mergeable``              whether ``merged_state`` can fold the adapter into plain-model weights
+``merged_state(model, s)`` turn a full state dict ``s`` of the adapted model into the plain model's state dict
+``unload(model, merge)``   put the plain modules back (merged or not) and forget the adapter
+``peft_config(model)``     the ``adapter_config.json`` content; ``peft_state(model)`` the tensors under PEFT's keys;
+                           ``from_peft(model, config, source)`` injects what a PEFT config describes
+=========================  =====================================================================================
+
+Names: a model compiled with ``torch.compile`` keeps its modules under ``_orig_mod``; every name that is
+written (adapter keys, targets, merged state dicts) has that segment removed (:func:`clean_key`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from torch import Tensor, nn
+
+ADAPTERS_ATTRIBUTE = "_lightning_peft_adapters"
+_COMPILED = "_orig_mod"
+
+_REGISTRY: dict[str, type[Adapter]] = {}
+
+
+class Adapter(ABC):
+    """One technique's adapter on one model; created by the technique's inject function."""
+
+    kind: ClassVar[str]
+    peft_type: ClassVar[str | None] = None
+    mergeable: ClassVar[bool] = False
+
+    @abstractmethod
+    def state(self, model: nn.Module) -> dict[str, Tensor]:
+        """Parameters and buffers of the adapter by ``model`` state-dict key (not detached).
+
+        Its parameters are exactly the ones this technique trains.
+        """
+
+    @abstractmethod
+    def config_dict(self) -> dict[str, Any]:
+        """A JSON-able config from which :meth:`inject` rebuilds the same adapter on a fresh model."""
+
+    @classmethod
+    @abstractmethod
+    def inject(cls, model: nn.Module, config: dict[str, Any]) -> Adapter:
+        """Apply the technique described by ``config`` (from :meth:`config_dict`) to ``model``."""
+
+    def merged_state(self, model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Fold the adapter into ``state`` (a full state dict of ``model``), under the plain model's keys."""
+        raise RuntimeError(f"{type(self).__name__}: the {self.kind} adapter cannot be merged into the base weights.")
+
+    @abstractmethod
+    def unload(self, model: nn.Module, merge: bool) -> None:
+        """Restore the plain modules (with the update folded in if ``merge``) and forget the adapter."""
+
+    def peft_state(self, model: nn.Module) -> dict[str, Tensor]:
+        """The adapter tensors (not detached) under the keys of PEFT's files, without ``base_model.model.``."""
+        return {clean_key(k): v for k, v in self.state(model).items()}
+
+    def check_peft_config(self, model: nn.Module, config: Any, source: str) -> None:
+        """Raise if PEFT ``config`` cannot be loaded into this adapter, which already exists on ``model``."""
+
+    def peft_config(self, model: nn.Module) -> dict[str, Any]:
+        """The ``adapter_config.json`` content in Hugging Face PEFT's vocabulary."""
+        raise RuntimeError(f"{type(self).__name__}: the {self.kind} adapter has no Hugging Face PEFT format.")
+
+    def peft_problems(self, model: nn.Module) -> list[str]:
+        """Reasons PEFT would run this adapter differently (empty if its format represents it faithfully)."""
+        return []
+
+    @classmethod
+    def from_peft(cls, model: nn.Module, config: dict[str, Any], source: str) -> Adapter:
+        """Inject the adapter a PEFT ``adapter_config.json`` describes (weights are loaded by the caller)."""
+        raise RuntimeError(f"{cls.__name__}: the {cls.kind} technique cannot load Hugging Face PEFT adapters.")
+
+
+def register(cls: type[Adapter]) -> type[Adapter]:
+    """Class decorator: make a technique known to checkpoints and adapter directories by its ``kind``."""
+    _REGISTRY[cls.kind] = cls
+    return cls
+
+
+def technique(kind: str) -> type[Adapter]:
+    """The registered :class:`Adapter` class of ``kind``."""
+    if kind not in _REGISTRY:
+        raise ValueError(f"Unknown adapter kind {kind!r}; known: {sorted(_REGISTRY)}.")
+    return _REGISTRY[kind]
+
+
+def technique_for_peft_type(peft_type: object, source: str) -> type[Adapter]:
+    """The registered :class:`Adapter` class that reads PEFT adapters of ``peft_type``."""
+    for cls in _REGISTRY.values():
+        if cls.peft_type is not None and cls.peft_type == peft_type:
+            return cls
+    known = sorted(c.peft_type for c in _REGISTRY.values() if c.peft_type)
+    raise ValueError(f"load_adapter: {source} has peft_type={peft_type!r}; lightning-peft reads {known}.")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The original module behind ``torch.compile`` wrappers (``OptimizedModule``), else ``model``."""
+    while isinstance(getattr(model, "_modules", {}).get(_COMPILED), nn.Module):
+        model = model._modules[_COMPILED]
+    return model
+
+
+def clean_key(key: str) -> str:
+    """``key`` without the ``_orig_mod`` segments that ``torch.compile`` wrappers add to names."""
+    return ".".join(part for part in key.split(".") if part != _COMPILED)
+
+
+def attached(model: nn.Module) -> dict[str, Adapter]:
+    """The adapters on ``model`` by kind, in the order they were attached."""
+    return getattr(unwrap(model), ADAPTERS_ATTRIBUTE, {})
+
+
+def attach(model: nn.Module, adapter: Adapter) -> None:
+    """Record ``adapter`` on ``model`` and re-freeze the model for every attached technique."""
+    model = unwrap(model)
+    adapters = dict(attached(model))
+    adapters[adapter.kind] = adapter
+    setattr(model, ADAPTERS_ATTRIBUTE, adapters)
+    refreeze(model)
+
+
+def detach(model: nn.Module, kind: str) -> None:
+    """Forget the ``kind`` adapter of ``model`` (its modules are the technique's business)."""
+    model = unwrap(model)
+    adapters = {k: a for k, a in attached(model).items() if k != kind}
+    if adapters:
+        setattr(model, ADAPTERS_ATTRIBUTE, adapters)
+    elif hasattr(model, ADAPTERS_ATTRIBUTE):
+        delattr(model, ADAPTERS_ATTRIBUTE)
+
+
+def adapter_tensors(model: nn.Module) -> dict[str, Tensor]:
+    """The union of every attached adapter's :meth:`Adapter.state` (model keys, not detached)."""
+    state: dict[str, Tensor] = {}
+    for adapter in attached(model).values():
+        state.update(adapter.state(model))
+    return state
+
+
+def refreeze(model: nn.Module) -> None:
+    """Freeze ``model`` except the parameters of its attached adapters (freezing happens once, for all)."""
+    model = unwrap(model)
+    model.requires_grad_(False)
+    for value in adapter_tensors(model).values():
+        if isinstance(value, nn.Parameter):
+            value.requires_grad_(True)
+
+
+def require_adapters(model: nn.Module, who: str) -> dict[str, Adapter]:
+    adapters = attached(model)
+    if not adapters:
+        raise RuntimeError(
+            f"{who}: {type(unwrap(model)).__name__} has no adapter; call inject_lora(model, ...) (or another "
+            "technique's inject function) first."
+        )
+    return adapters
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The adapter of ``model``: every attached technique's tensors, detached, under clean model keys.
+
+    Raises:
+        RuntimeError: If ``model`` has no adapter.
+    """
+    require_adapters(model, "adapter_state_dict")
+    return {clean_key(k): v.detach() for k, v in adapter_tensors(model).items()}
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The plain model's state dict with every adapter folded in, under the plain model's own keys.
+
+    Does not change ``model``: merged weights are new tensors. Loading the result into a fresh copy of the
+    original (un-adapted) model gives the merged model.
+
+    Raises:
+        RuntimeError: If ``model`` has no adapter, an adapter cannot be merged, or a merge is non-finite.
+    """
+    adapters = require_adapters(model, "merged_state_dict")
+    model = unwrap(model)
+    state = model.state_dict()
+    for adapter in adapters.values():
+        state = adapter.merged_state(model, state)
+    return {clean_key(k): v for k, v in state.items()}

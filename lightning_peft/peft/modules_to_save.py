@@ -1,0 +1,86 @@
+"""Modules trained and saved in full next to an adapter (``modules_to_save``), e.g. a new classifier head.
+
+As in Hugging Face PEFT, the module is replaced by a wrapper holding the frozen original and a trainable copy;
+the forward runs the copy. The original is never changed, so the base model stays recoverable
+(:func:`~lightning_peft.peft.unload_lora` with ``merge=False``), and a weight the module shares with another
+one (GPT-2's ``lm_head`` and ``wte``) is not trained through the other module: the copy has its own tensor.
+Modules saved together are copied together, so weights tied among them stay tied among the copies.
+
+State-dict keys: ``<name>.original_module.<param>`` and ``<name>.trained_module.<param>``; adapter files and
+merged exports use ``<name>.<param>`` (the trained copy), as PEFT does.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+
+from torch import Tensor, nn
+
+ORIGINAL = "original_module"
+TRAINED = "trained_module"
+
+
+class ModulesToSave(nn.Module):
+    """A frozen ``original_module`` and its trainable copy ``trained_module``; the forward runs the copy.
+
+    Attributes the wrapper lacks (``weight``, ``out_features``, ...) are read from the trained copy.
+    """
+
+    def __init__(self, original: nn.Module, trained: nn.Module) -> None:
+        super().__init__()
+        self.original_module = original
+        self.trained_module = trained
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in (ORIGINAL, TRAINED):
+                raise
+            return getattr(self.trained_module, name)
+
+    def forward(self, *args, **kwargs):
+        return self.trained_module(*args, **kwargs)
+
+
+def wrap_modules_to_save(model: nn.Module, names: Iterable[str]) -> dict[str, ModulesToSave]:
+    """Replace each named module of ``model`` with a :class:`ModulesToSave` wrapper; returns the wrappers.
+
+    The copies are made in one ``deepcopy``, so parameters shared among the named modules stay shared.
+    """
+    names = list(names)
+    originals = [model.get_submodule(n) for n in names]
+    copies = copy.deepcopy(originals)
+    wrappers = {}
+    for name, original, trained in zip(names, originals, copies):
+        wrappers[name] = ModulesToSave(original, trained)
+        set_submodule(model, name, wrappers[name])
+    return wrappers
+
+
+def saved_modules(model: nn.Module) -> dict[str, ModulesToSave]:
+    """The :class:`ModulesToSave` wrappers of ``model`` by full module name."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, ModulesToSave)}
+
+
+def plain_key(key: str) -> str:
+    """The plain model's key for a state-dict key of a wrapped model (``x.trained_module.w`` -> ``x.w``)."""
+    return key.replace(f".{TRAINED}.", ".") if f".{TRAINED}." in key else key
+
+
+def fold_modules_to_save(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` with every wrapper's original dropped and its trained copy under the plain module's keys."""
+    wrappers = saved_modules(model)
+    out = {}
+    for key, value in state.items():
+        if any(key.startswith(f"{n}.{ORIGINAL}.") for n in wrappers):
+            continue
+        out[plain_key(key)] = value
+    return out
+
+
+def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Replace the submodule at dotted path ``name`` with ``module``."""
+    parent_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), attr, module)

@@ -1,0 +1,238 @@
+"""Checkpoints with adapters: load_from_checkpoint, resume checks, adapter-only edge cases, model resolution."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+from torch.testing import assert_close
+
+from lightning_peft.callbacks import LoRA, MergeOnSave, load_from_checkpoint
+from lightning_peft.peft import adapter_state_dict, inject_lora, lora_layers
+from lightning_peft.peft.lora import lora_spec
+
+from .test_lora import LORA_ARGS, Classifier, loader, trainer
+
+
+def fit(module, tmp_path, callbacks, ckpt_path=None, **kwargs):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="last")
+    run = trainer(tmp_path, callbacks=[*callbacks, checkpoint], enable_checkpointing=True, **kwargs)
+    run.fit(module, loader(), ckpt_path=ckpt_path)
+    return tmp_path / "last.ckpt"
+
+
+def logits(module) -> torch.Tensor:
+    ids, _ = next(iter(loader()))
+    module.eval()
+    with torch.no_grad():
+        return module.model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("adapter_only", [False, True])
+def test_load_from_checkpoint_rebuilds_the_adapter(tiny_bert_config, tmp_path, adapter_only):
+    torch.manual_seed(0)
+    module = Classifier(tiny_bert_config)
+    ckpt = fit(module, tmp_path, [LoRA(**LORA_ARGS, adapter_only_checkpoint=adapter_only)], max_steps=3)
+    torch.manual_seed(0)  # an adapter-only checkpoint takes the frozen base from the module as built
+    loaded = load_from_checkpoint(Classifier, ckpt, config=tiny_bert_config)
+    assert type(loaded) is Classifier
+    assert sorted(lora_layers(loaded.model)) == sorted(lora_layers(module.model))
+    assert lora_spec(loaded.model).config == lora_spec(module.model).config
+    assert_close(logits(loaded), logits(module), rtol=0, atol=0)
+
+
+def test_resume_with_another_alpha_is_refused_naming_both_values(tiny_bert_config, tmp_path):
+    ckpt = fit(Classifier(tiny_bert_config), tmp_path / "a", [LoRA(**LORA_ARGS)], max_steps=2)
+    other = {**LORA_ARGS, "alpha": 16.0}
+    with pytest.raises(ValueError, match=r"LoRA: the checkpoint's lora adapter on 'model' was trained with alpha=8\.0; "
+                                         r"this run has alpha=16\.0\. Resume with the checkpoint's settings"):
+        fit(Classifier(tiny_bert_config), tmp_path / "b", [LoRA(**other)], ckpt_path=ckpt, max_steps=4)
+
+
+@pytest.mark.parametrize("adapter_only", [False, True])
+def test_resume_with_another_rank_is_refused_before_any_weight_is_copied(tiny_bert_config, tmp_path, adapter_only):
+    ckpt = fit(Classifier(tiny_bert_config), tmp_path / "a", [LoRA(**LORA_ARGS, adapter_only_checkpoint=adapter_only)],
+               max_steps=2)
+    other = {**LORA_ARGS, "rank": 2}
+    module = Classifier(tiny_bert_config)
+    with pytest.raises(ValueError, match=r"was trained with rank=4(, .*)?; this run has rank=2"):
+        fit(module, tmp_path / "b", [LoRA(**other, adapter_only_checkpoint=adapter_only)], ckpt_path=ckpt, max_steps=4)
+
+
+class FreezeHeadAfterFirstStep(Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        pl_module.model.classifier.requires_grad_(False)
+
+
+def test_adapter_only_checkpoint_keeps_a_head_frozen_after_training(tiny_bert_config, tmp_path):
+    module = Classifier(tiny_bert_config)
+    ckpt = fit(module, tmp_path, [LoRA(**LORA_ARGS, adapter_only_checkpoint=True), FreezeHeadAfterFirstStep()],
+               max_steps=2)
+    saved = torch.load(ckpt, weights_only=False)["state_dict"]
+    assert "model.classifier.trained_module.weight" in saved  # owned by the adapter, whatever requires_grad says
+    assert set(saved) == {f"model.{k}" for k in adapter_state_dict(module.model)}
+
+
+class AdaptedInInit(Classifier):
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        inject_lora(self.model, **LORA_ARGS)
+
+
+def test_a_model_adapted_in_init_resumes_from_an_adapter_only_checkpoint(tiny_bert_config, tmp_path):
+    torch.manual_seed(0)
+    first = AdaptedInInit(tiny_bert_config)
+    ckpt = fit(first, tmp_path / "a", [LoRA(**LORA_ARGS, adapter_only_checkpoint=True)], max_steps=2)
+    torch.manual_seed(0)
+    resumed = AdaptedInInit(tiny_bert_config)
+    fit(resumed, tmp_path / "b", [LoRA(**LORA_ARGS, adapter_only_checkpoint=True)], ckpt_path=ckpt, max_steps=2)
+    for key, value in adapter_state_dict(first.model).items():
+        assert torch.equal(adapter_state_dict(resumed.model)[key], value), key
+
+
+def test_one_callback_instance_serves_several_modules(tiny_bert_config, tmp_path):
+    callback = LoRA(**LORA_ARGS, adapter_only_checkpoint=True)
+    fit(Classifier(tiny_bert_config), tmp_path / "a", [callback], max_steps=1)
+    second = Classifier(tiny_bert_config)
+    ckpt = fit(second, tmp_path / "b", [callback], max_steps=1)
+    state = torch.load(ckpt, weights_only=False)["state_dict"]
+    second.load_state_dict(state)  # strict: the frozen base is filled in for this module too
+
+
+class TwoModels(pl.LightningModule):
+    def __init__(self, config) -> None:
+        super().__init__()
+        from transformers import BertForSequenceClassification
+
+        self.student = BertForSequenceClassification(config)
+        self.teacher = BertForSequenceClassification(config)
+
+    def training_step(self, batch, batch_idx):
+        ids, labels = batch
+        return self.student(input_ids=ids, labels=labels).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+
+def test_two_hugging_face_models_are_ambiguous(tiny_bert_config, tmp_path):
+    with pytest.raises(ValueError, match=r"LoRA: TwoModels holds 2 Hugging Face models \('student', 'teacher'\), so "
+                                         r"which one to adapt is ambiguous\. Set LoRA\(model_attribute=\.\.\.\) to one "
+                                         r"of 'student', 'teacher', or to '' for the whole LightningModule"):
+        trainer(tmp_path, max_steps=1, callbacks=[LoRA(**LORA_ARGS)]).fit(TwoModels(tiny_bert_config), loader())
+
+
+class Nested(Classifier):
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.wrapper = nn.ModuleDict({"hf": self.model})
+        del self.model
+
+    @property
+    def hf(self):
+        return self.wrapper["hf"]
+
+    def training_step(self, batch, batch_idx):
+        ids, labels = batch
+        return self.hf(input_ids=ids, labels=labels).loss
+
+
+def test_a_nested_hugging_face_model_is_found_and_saved_with_its_own_key_paths(tiny_bert_config, tmp_path):
+    module = Nested(tiny_bert_config)
+    export = MergeOnSave(dirpath=str(tmp_path / "out"))
+    trainer(tmp_path, max_steps=1, callbacks=[LoRA(**LORA_ARGS), export]).fit(module, loader())
+    assert lora_spec(module.hf) is not None
+    from safetensors.torch import load_file
+
+    keys = load_file(tmp_path / "out" / "adapter" / "adapter_model.safetensors")
+    assert "base_model.model.bert.encoder.layer.0.attention.self.query.lora_A.weight" in keys
+
+
+class Compiled(Classifier):
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.model = torch.compile(self.model, backend="eager")
+
+
+def test_a_compiled_inner_model_exports_plain_names(tiny_bert_config, tmp_path):
+    from transformers import BertForSequenceClassification
+
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    module = Compiled(tiny_bert_config)
+    export = MergeOnSave(dirpath=str(tmp_path / "out"))
+    trainer(tmp_path, max_steps=2, callbacks=[LoRA(**LORA_ARGS), export]).fit(module, loader())
+    ids, _ = next(iter(loader()))
+    module.eval()
+    with torch.no_grad():
+        expected = module.model(input_ids=ids).logits
+    merged = BertForSequenceClassification.from_pretrained(tmp_path / "out" / "merged").eval()
+    with torch.no_grad():
+        assert_close(merged(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+    torch.manual_seed(0)
+    base = BertForSequenceClassification(tiny_bert_config)
+    adapted = peft.PeftModel.from_pretrained(base, tmp_path / "out" / "adapter").eval()
+    with torch.no_grad():
+        assert_close(adapted(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+class BackboneAndHead(pl.LightningModule):
+    def __init__(self, config) -> None:
+        super().__init__()
+        from transformers import BertModel
+
+        self.backbone = BertModel(config, add_pooling_layer=False)
+        self.head = nn.Linear(config.hidden_size, 3)
+
+    def training_step(self, batch, batch_idx):
+        ids, labels = batch
+        return nn.functional.cross_entropy(self.head(self.backbone(input_ids=ids).last_hidden_state[:, 0]), labels)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+
+def test_a_head_outside_the_hugging_face_model_is_refused_before_training(tiny_bert_config, tmp_path):
+    module = BackboneAndHead(tiny_bert_config)
+    run = trainer(tmp_path, max_steps=1, callbacks=[LoRA(rank=2, target_modules=["query"]),
+                                                    MergeOnSave(dirpath=str(tmp_path / "out"))])
+    with pytest.raises(ValueError, match=r"MergeOnSave: BackboneAndHead trains parameters outside the exported model "
+                                         r"'backbone' \(head\.weight, head\.bias\); the export would leave them out\. "
+                                         r"Adapt and export the whole LightningModule instead: model_attribute=''"):
+        run.fit(module, loader())
+    assert run.global_step == 0
+
+
+def test_the_whole_lightning_module_can_be_adapted_and_exported(tiny_bert_config, tmp_path):
+    from safetensors.torch import load_file
+
+    module = BackboneAndHead(tiny_bert_config)
+    callbacks = [LoRA(rank=2, target_modules=["query"], modules_to_save=["head"], model_attribute=""),
+                 MergeOnSave(dirpath=str(tmp_path / "out"), model_attribute="")]
+    trainer(tmp_path, max_steps=2, callbacks=callbacks).fit(module, loader())
+    merged = load_file(tmp_path / "out" / "merged" / "model.safetensors")
+    plain = BackboneAndHead(tiny_bert_config)
+    plain.load_state_dict(merged)  # strict: the plain module's keys, the head included
+    ids, _ = next(iter(loader()))
+    module.eval(), plain.eval()
+    with torch.no_grad():
+        assert_close(plain.head(plain.backbone(input_ids=ids).last_hidden_state[:, 0]),
+                     module.head(module.backbone(input_ids=ids).last_hidden_state[:, 0]), rtol=1e-6, atol=1e-6)
+    adapter = load_file(tmp_path / "out" / "adapter" / "adapter_model.safetensors")
+    assert {"base_model.model.head.weight", "base_model.model.head.bias"} <= set(adapter)
+
+
+@pytest.mark.parametrize("where", ["file", "proc"])
+def test_an_unwritable_export_directory_fails_before_training(tiny_bert_config, tmp_path, where):
+    if where == "file":
+        dirpath = tmp_path / "taken"
+        dirpath.write_text("a file, not a directory")
+    else:
+        dirpath = "/proc/lightning-peft-cannot-write-here"  # refused even to root
+    run = trainer(tmp_path, max_steps=1, callbacks=[LoRA(**LORA_ARGS), MergeOnSave(dirpath=str(dirpath))])
+    with pytest.raises(ValueError, match=r"MergeOnSave\(dirpath='.*'\): cannot write there \(.*Error: .*\)\. Choose a "
+                                         r"writable directory; checked before training"):
+        run.fit(Classifier(tiny_bert_config), loader())
+    assert run.global_step == 0

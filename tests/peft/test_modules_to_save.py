@@ -1,0 +1,80 @@
+"""modules_to_save: a trainable copy beside the frozen original, tied weights included, PEFT as the oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+from lightning_peft.peft import ModulesToSave, inject_lora, merged_state_dict, save_adapter, unload_lora
+
+peft = pytest.importorskip("peft")
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+
+
+def gpt2(seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=8, n_layer=1, n_head=2, n_positions=16)).eval()
+
+
+def train_one_step(model: nn.Module, ids: torch.Tensor) -> None:
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("saved", [["lm_head"], ["wte", "lm_head"]])
+def test_tied_modules_to_save_train_a_copy_and_peft_reproduces_the_logits(saved, tmp_path):
+    model = gpt2()
+    wte = model.transformer.wte.weight.detach().clone()
+    assert model.lm_head.weight is model.transformer.wte.weight  # GPT-2 ties them
+    inject_lora(model, rank=2, target_modules=["c_attn"], modules_to_save=saved)
+    ids = torch.randint(0, 32, (2, 6))
+    train_one_step(model, ids)
+
+    head = model.lm_head
+    assert isinstance(head, ModulesToSave) and not head.original_module.weight.requires_grad
+    assert torch.equal(head.original_module.weight, wte)  # the original is never trained
+    assert not torch.equal(head.trained_module.weight, wte)  # the copy is
+    if saved == ["lm_head"]:
+        assert torch.equal(model.transformer.wte.weight, wte)  # the embeddings did not move with the head
+    else:
+        assert model.transformer.wte.trained_module.weight is head.trained_module.weight  # copies stay tied
+
+    save_adapter(model, tmp_path)  # tied copies: each key written, no "tensors share memory"
+    peft_model = peft.PeftModel.from_pretrained(gpt2(), tmp_path).eval()
+    with torch.no_grad():
+        assert_close(peft_model(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_merged_export_of_a_saved_tied_head_loads_with_the_trained_head(tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    model = gpt2()
+    inject_lora(model, rank=2, target_modules=["c_attn"], modules_to_save=["lm_head"])
+    ids = torch.randint(0, 32, (2, 6))
+    train_one_step(model, ids)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    model.save_pretrained(tmp_path, state_dict=merged_state_dict(model))
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert_close(loaded(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_unload_gives_back_the_trained_or_the_original_module():
+    for merge in (True, False):
+        model = gpt2()
+        inject_lora(model, rank=2, target_modules=["c_attn"], modules_to_save=["lm_head"])
+        trained, original = model.lm_head.trained_module, model.lm_head.original_module
+        assert unload_lora(model, merge=merge) is model
+        assert model.lm_head is (trained if merge else original)
+
+
+def test_wrapper_reads_attributes_of_the_trained_copy():
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    inject_lora(model, rank=2, target_modules=["0"], modules_to_save=["1"])
+    assert model[1].out_features == 2 and model[1].weight is model[1].trained_module.weight
