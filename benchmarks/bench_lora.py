@@ -94,6 +94,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
+from lightning_peft._hardware import cpu_bf16_is_native  # noqa: E402
 from lightning_peft.peft import (  # noqa: E402
     LoRAConfig,
     inject_lora,
@@ -430,32 +431,35 @@ def check_precision(
     }
 
 
-def time_precision(models: dict[str, nn.Module], batch: Batch, args: argparse.Namespace) -> dict:
-    """Ours fp32 and bf16, PEFT bf16 and the floor in fp32 and bf16, alternating in one loop."""
-    bf16 = torch.bfloat16
-    ours_bf16 = copy.deepcopy(models["ours"])  # its own weights and AdamW state
+def time_precision(models: dict[str, nn.Module], batch: Batch, args: argparse.Namespace, bf16: bool = True) -> dict:
+    """Ours fp32, the floor fp32 and (with ``bf16``) ours and PEFT and the floor under bf16, alternating."""
+    dtype = torch.bfloat16
     adapted = list(lora_layers(models["ours"]))
     floor = floor_model(models["plain"], adapted)
-    agreement = check_precision(models, floor, adapted, batch)
-    for model in (models["ours"], ours_bf16, models["peft"], floor):
+    agreement = check_precision(models, floor, adapted, batch) if bf16 else {}
+    contenders = {"ours_fp32": train_step_fn(models["ours"], batch), "floor_fp32": floor_step_fn(floor, batch)}
+    if bf16:
+        ours_bf16 = copy.deepcopy(models["ours"])  # its own weights and AdamW state
+        contenders.update({
+            "ours_bf16": train_step_fn(ours_bf16, batch, dtype),
+            "peft_bf16": train_step_fn(models["peft"], batch, dtype),
+            "floor_bf16": floor_step_fn(floor, batch, dtype),
+        })
+        ours_bf16.train()
+    for model in (models["ours"], models["peft"], floor):
         model.train()
-    contenders = {
-        "ours_fp32": train_step_fn(models["ours"], batch),
-        "ours_bf16": train_step_fn(ours_bf16, batch, bf16),
-        "peft_bf16": train_step_fn(models["peft"], batch, bf16),
-        "floor_fp32": floor_step_fn(floor, batch),
-        "floor_bf16": floor_step_fn(floor, batch, bf16),
-    }
     t = alternate(contenders, repeats=args.repeats, steps=args.steps, warmup=args.warmup)
-    rows = [
-        row("LoRA training step, ours: bf16 autocast / fp32", t["ours_bf16"], t["ours_fp32"], None),
-        row("LoRA training step under bf16 autocast: ours / PEFT", t["ours_bf16"], t["peft_bf16"], None),
-        row("fp32: ours LoRA step / floor (frozen fwd + input-grad bwd)", t["ours_fp32"], t["floor_fp32"],
-            None),
-        row("bf16 autocast: ours LoRA step / floor", t["ours_bf16"], t["floor_bf16"], None),
-        row("floor: bf16 autocast / fp32 (reference) *", t["floor_bf16"], t["floor_fp32"], None),
-    ]
-    return {"rows": rows, "raw_ms": t, "agreement": agreement, "floor_hooked_layers": len(adapted)}
+    rows = [row("fp32: ours LoRA step / floor (frozen fwd + input-grad bwd)", t["ours_fp32"], t["floor_fp32"], None)]
+    if bf16:
+        rows = [
+            row("LoRA training step, ours: bf16 autocast / fp32", t["ours_bf16"], t["ours_fp32"], None),
+            row("LoRA training step under bf16 autocast: ours / PEFT", t["ours_bf16"], t["peft_bf16"], None),
+            *rows,
+            row("bf16 autocast: ours LoRA step / floor", t["ours_bf16"], t["floor_bf16"], None),
+            row("floor: bf16 autocast / fp32 (reference) *", t["floor_bf16"], t["floor_fp32"], None),
+        ]
+    return {"rows": rows, "raw_ms": t, "agreement": agreement, "floor_hooked_layers": len(adapted),
+            "shape": [len(batch["input_ids"]), batch["input_ids"].shape[1]]}
 
 
 # ----------------------------------------------------------------------------------------------- memory
@@ -683,20 +687,32 @@ def main(argv: list[str] | None = None) -> None:
     print_spread(results["main"]["rows"])
 
     if not args.skip_precision:
-        results["precision"] = time_precision(models, batch, args)
-        print_table(
-            f"Precision and floor, batch {args.batch_size} x seq {args.seq_len} (median of {args.repeats} "
-            f"repeats x {args.steps} steps; floor = frozen forward + backward of input gradients only)",
-            results["precision"]["rows"],
-            columns=("numerator (ms)", "denominator (ms)"),
-        )
-        print_spread(
-            results["precision"]["rows"],
-            note="autocast's gain on the least work, no LoRA at all.",
-            names=("numerator", "denominator"),
-        )
-        agreement = results["precision"]["agreement"]
-        print("  bf16, max abs diff: " + "; ".join(f"{k} {v:.2e}" for k, v in agreement.items()))
+        native = cpu_bf16_is_native()
+        small = make_batch(max(args.small_batch_size, 1), args.small_seq_len, vocab, args.seed + 2)
+        if native:
+            results["precision"] = time_precision(models, batch, args)
+        else:
+            # Emulated bf16 is too slow to time at the main shape: the floor there in fp32, bf16 at the small shape.
+            print("\nbf16: this CPU has no native bf16 (torch.ops.mkldnn._is_mkldnn_bf16_supported() is False), so "
+                  "PyTorch emulates it; the bf16 rows are timed at the small shape.")
+            results["precision"] = time_precision(models, batch, args, bf16=False)
+            results["precision_small"] = time_precision(models, small, args)
+        results["config"]["bf16_native"] = native
+        for key in ("precision", "precision_small"):
+            if key not in results:
+                continue
+            part = results[key]
+            size, length = part["shape"]
+            print_table(
+                f"Precision and floor, batch {size} x seq {length} (median of {args.repeats} repeats x {args.steps}"
+                " steps; floor = frozen forward + backward of input gradients only)",
+                part["rows"],
+                columns=("numerator (ms)", "denominator (ms)"),
+            )
+            print_spread(part["rows"], note="autocast's gain on the least work, no LoRA at all.",
+                         names=("numerator", "denominator"))
+            if part["agreement"]:
+                print("  bf16, max abs diff: " + "; ".join(f"{k} {v:.2e}" for k, v in part["agreement"].items()))
 
     if args.small_batch_size > 0:
         small_batch = make_batch(args.small_batch_size, args.small_seq_len, vocab, args.seed + 2)

@@ -32,14 +32,18 @@ def test_bench_lora_runs_and_reports_every_ratio(tmp_path):
     ratios = [row["ratio"] for row in report["main"]["rows"]] + [row["ratio"] for row in report["memory"]["rows"]]
     assert len(ratios) >= 7 and all(math.isfinite(r) and r > 0 for r in ratios)
     assert "| training step" in result.stdout
-    # The precision section: bf16 autocast against fp32 and against PEFT, and ours against the floor.
-    precision = {row["measurement"]: row["ratio"] for row in report["precision"]["rows"]}
+    # The precision section: ours against the floor in fp32 at the main shape; bf16 autocast against fp32 and
+    # against PEFT at the main shape where the CPU computes bf16 natively, else at the small shape.
+    bf16_part = report["precision"] if report["config"]["bf16_native"] else report["precision_small"]
+    fp32 = {row["measurement"]: row["ratio"] for row in report["precision"]["rows"]}
+    assert "fp32: ours LoRA step / floor (frozen fwd + input-grad bwd)" in fp32
+    precision = {row["measurement"]: row["ratio"] for row in bf16_part["rows"]}
     assert "LoRA training step, ours: bf16 autocast / fp32" in precision
     assert "LoRA training step under bf16 autocast: ours / PEFT" in precision
     assert sum("ours LoRA step / floor" in k for k in precision) == 2  # fp32 and bf16
-    assert len(precision) == 5 and all(math.isfinite(r) and r > 0 for r in precision.values())
+    assert len(precision) == 5 and all(math.isfinite(r) and r > 0 for r in [*precision.values(), *fp32.values()])
     contenders = {"ours_fp32", "ours_bf16", "peft_bf16", "floor_fp32", "floor_bf16"}
-    assert set(report["precision"]["raw_ms"]) == contenders
+    assert set(bf16_part["raw_ms"]) == contenders
     assert report["precision"]["floor_hooked_layers"] == report["config"]["adapted_layers"]
-    assert all(math.isfinite(v) for v in report["precision"]["agreement"].values())
+    assert all(math.isfinite(v) for v in bf16_part["agreement"].values())
     assert "| bf16 autocast: ours LoRA step / floor" in result.stdout

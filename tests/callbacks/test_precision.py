@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -77,3 +79,25 @@ def test_every_layer_type_under_trainer_precision(precision, tmp_path):
         for param in layer.adapter_parameters().values():
             assert param.dtype == torch.float32  # after two optimizer steps too
         assert torch.count_nonzero(layer.delta_weight()) > 0  # and they trained
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_bf16_on_a_cpu_that_emulates_it_warns(native, tmp_path, monkeypatch):
+    import lightning_peft.callbacks.lora as lora_callback
+
+    monkeypatch.setattr(lora_callback, "cpu_bf16_is_native", lambda: native)
+    data = DataLoader(TensorDataset(torch.randint(0, 16, (4, 4)), torch.randint(0, 3, (4,))), batch_size=4)
+    lora = LoRA(rank=2, target_modules=["linear"])
+    run = trainer(tmp_path, max_steps=1, precision="bf16-mixed", callbacks=[lora])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.fit(EveryLayerType(), data)
+    messages = [str(w.message) for w in caught if "without native bf16" in str(w.message)]
+    if native:
+        assert messages == []
+    else:
+        assert messages == [
+            "LoRA: Trainer(precision='bf16-mixed') on a CPU without native bf16 (no AVX512-BF16 or AMX): PyTorch "
+            "emulates it, and a LoRA training step runs many times slower than in float32 (17x measured on such a "
+            "CPU). Use precision='32-true' on this machine; bf16 pays on GPUs and on CPUs with AVX512-BF16/AMX."
+        ]
