@@ -663,7 +663,7 @@ def main(argv: list[str] | None = None) -> None:
     print("config (both sides): " + ", ".join(f"{k}={v}" for k, v in config.items()))
     print(
         f"trainable params: ours {ours_count.trainable:,} of {ours_count.total:,}; PEFT {peft_trainable:,} "
-        f"of {peft_total:,} (PEFT's total counts its extra copy of the classifier)"
+        f"of {peft_total:,} (both totals count the classifier twice: the frozen original and its trained copy)"
     )
 
     vocab = base.config.vocab_size

@@ -15,6 +15,7 @@ loads them with :func:`load_from_checkpoint`.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, TypeVar
 
 import lightning.pytorch as pl
@@ -23,6 +24,8 @@ from torch import Tensor, nn
 from lightning_peft.peft.adapter import ADAPTERS_ATTRIBUTE, adapter_tensors, attached, technique, unwrap
 
 KEY = "lightning_peft"
+_PATCH_LOCK = threading.Lock()
+_TRAINING_ONLY = ("dropout", "init")
 FORMAT = 1
 M = TypeVar("M", bound=pl.LightningModule)
 
@@ -37,27 +40,41 @@ def adapted_models(pl_module: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
-def checkpoint_entry(pl_module: nn.Module, adapter_only: bool) -> dict[str, Any]:
-    """The ``checkpoint["lightning_peft"]`` entry describing ``pl_module``'s adapters."""
+def checkpoint_entry(pl_module: nn.Module, dropped: list[str] | None = None) -> dict[str, Any]:
+    """The ``checkpoint["lightning_peft"]`` entry: ``pl_module``'s adapters and the keys left out (adapter-only)."""
     return {
         "format": FORMAT,
-        "adapter_only": adapter_only,
+        "adapter_only": dropped is not None,
+        "dropped": sorted(dropped or []),
         "models": {path: {kind: a.config_dict() for kind, a in attached(m).items()}
                    for path, m in adapted_models(pl_module).items()},
     }
 
 
 def frozen_base(pl_module: nn.Module) -> dict[str, nn.Parameter]:
-    """Parameters an adapter-only checkpoint leaves out: frozen, and owned by no adapter."""
-    owned = {id(t) for m in adapted_models(pl_module).values() for t in adapter_tensors(m).values()}
+    """Parameters an adapter-only checkpoint leaves out: inside an adapted model, owned by no adapter, frozen.
+
+    Whatever an adapter owns is kept whatever ``requires_grad`` says (a head trained, then frozen), and so is
+    everything outside the adapted models (a head next to the Hugging Face model).
+    """
+    models = adapted_models(pl_module).values()
+    owned = {id(t) for m in models for t in adapter_tensors(m).values()}
+    inside = {id(p) for m in models for p in m.parameters()}
     return {k: p for k, p in pl_module.named_parameters(remove_duplicate=False)
-            if not p.requires_grad and id(p) not in owned}
+            if id(p) in inside and id(p) not in owned and not p.requires_grad}
 
 
-def fill_frozen(pl_module: nn.Module, state_dict: dict[str, Tensor]) -> None:
-    """Give an adapter-only state dict the frozen base parameters of ``pl_module`` (only the absent ones)."""
-    for key, param in frozen_base(pl_module).items():
-        state_dict.setdefault(key, param.detach())
+def fill_frozen(pl_module: nn.Module, state_dict: dict[str, Tensor], keys: list[str]) -> None:
+    """Give an adapter-only state dict the parameters ``keys`` it left out, from ``pl_module`` as built."""
+    params = dict(pl_module.named_parameters(remove_duplicate=False))
+    missing = [k for k in keys if k not in params]
+    if missing:
+        raise ValueError(
+            f"The adapter-only checkpoint left out {missing[0]!r}, which {type(pl_module).__name__} does not have; "
+            "it was written for another model."
+        )
+    for key in keys:
+        state_dict.setdefault(key, params[key].detach())
 
 
 def check_same_adapters(saved: dict[str, Any], pl_module: nn.Module, who: str) -> None:
@@ -71,7 +88,7 @@ def check_same_adapters(saved: dict[str, Any], pl_module: nn.Module, who: str) -
                     f"{who}: the checkpoint has a {kind} adapter on {path or 'the LightningModule'!r}, but this run "
                     f"has none there (adapters now: {_where(current)}). Add the same callback as when it was saved."
                 )
-            if now != config:
+            if _meaning(now) != _meaning(config):
                 raise ValueError(
                     f"{who}: the checkpoint's {kind} adapter on {path or 'the LightningModule'!r} was trained with "
                     f"{_differences(config, now)}. Resume with the checkpoint's settings, or start a new run "
@@ -79,11 +96,18 @@ def check_same_adapters(saved: dict[str, Any], pl_module: nn.Module, who: str) -
                 )
 
 
+def _meaning(config: dict) -> dict:
+    """What must match to resume: everything but settings that only steer training (LoRA's dropout, init)."""
+    inner = {k: v for k, v in config.get("config", {}).items() if k not in _TRAINING_ONLY}
+    return {**config, "config": inner}
+
+
 def _where(models: dict) -> str:
     return ", ".join(f"{kind} on {path or 'the LightningModule'!r}" for path, a in models.items() for kind in a) or "none"
 
 
 def _differences(saved: dict, now: dict) -> str:
+    saved, now = _meaning(saved), _meaning(now)
     saved_fields = {**saved.get("config", {}), **{k: v for k, v in saved.items() if k != "config"}}
     now_fields = {**now.get("config", {}), **{k: v for k, v in now.items() if k != "config"}}
     keys = [k for k in dict.fromkeys([*saved_fields, *now_fields]) if saved_fields.get(k) != now_fields.get(k)]
@@ -110,26 +134,33 @@ def restore_adapters(pl_module: pl.LightningModule, checkpoint: dict[str, Any]) 
                 technique(kind).inject(model, config)
     check_same_adapters(entry, pl_module, "restore_adapters")
     if entry.get("adapter_only") and "state_dict" in checkpoint:
-        fill_frozen(pl_module, checkpoint["state_dict"])
+        fill_frozen(pl_module, checkpoint["state_dict"], entry.get("dropped", []))
 
 
 def load_from_checkpoint(module_class: type[M], checkpoint_path: str | os.PathLike, **kwargs: Any) -> M:
     """``module_class.load_from_checkpoint(checkpoint_path, **kwargs)`` with the checkpoint's adapters re-applied.
 
     Works for any LightningModule class, full and adapter-only checkpoints alike (for an adapter-only one the
-    frozen base comes from the module as its ``__init__`` builds it, e.g. from the pretrained weights).
+    frozen base comes from the module as its ``__init__`` builds it, e.g. from the pretrained weights), and for
+    checkpoints written by LightningCLI in subclass mode. While it runs, ``module_class.on_load_checkpoint`` calls
+    :func:`restore_adapters` first (the class is patched under a lock and restored afterwards).
 
     Example:
         ``model = load_from_checkpoint(MyModule, "checkpoints/last.ckpt", map_location="cpu")``
     """
+    with _PATCH_LOCK:
+        own = module_class.__dict__.get("on_load_checkpoint")
+        inherited = module_class.on_load_checkpoint
 
-    class Restoring(module_class):  # type: ignore[valid-type, misc]
-        def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        def on_load_checkpoint(self: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
             restore_adapters(self, checkpoint)
-            super().on_load_checkpoint(checkpoint)
+            inherited(self, checkpoint)
 
-    Restoring.__name__ = module_class.__name__
-    Restoring.__qualname__ = module_class.__qualname__
-    model = Restoring.load_from_checkpoint(checkpoint_path, **kwargs)
-    model.__class__ = module_class
-    return model
+        module_class.on_load_checkpoint = on_load_checkpoint
+        try:
+            return module_class.load_from_checkpoint(checkpoint_path, **kwargs)
+        finally:
+            if own is None:
+                del module_class.on_load_checkpoint
+            else:
+                module_class.on_load_checkpoint = own

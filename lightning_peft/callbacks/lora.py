@@ -111,15 +111,17 @@ class LoRA(Callback):
                 "use one LoRA callback per model, with the config the model was adapted with."
             )
         if not getattr(pl_module, _HOOKED, False):
-            pl_module.register_load_state_dict_pre_hook(_LoadHook(trainer))
+            pl_module.register_load_state_dict_pre_hook(_load_hook)
             setattr(pl_module, _HOOKED, True)
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
-        checkpoint[KEY] = checkpoint_entry(pl_module, self.adapter_only_checkpoint)
-        if self.adapter_only_checkpoint:
-            frozen = frozen_base(pl_module)
-            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
+        if not self.adapter_only_checkpoint:
+            checkpoint[KEY] = checkpoint_entry(pl_module)
+            return
+        frozen = [k for k in frozen_base(pl_module) if k in checkpoint["state_dict"]]
+        checkpoint[KEY] = checkpoint_entry(pl_module, dropped=frozen)
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in set(frozen)}
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -128,8 +130,9 @@ class LoRA(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = state_dict.get("config")
-        if saved is not None and saved != self.config.to_dict():
-            differing = [k for k in saved if saved[k] != self.config.to_dict().get(k)]
+        now = self.config.to_dict()
+        differing = [k for k in (saved or {}) if saved[k] != now.get(k) and k not in ("dropout", "init")]
+        if differing:
             raise ValueError(
                 "LoRA: the checkpoint was trained with "
                 + ", ".join(f"{k}={saved[k]!r}" for k in differing)
@@ -148,26 +151,25 @@ def _warn_about_emulated_bf16(trainer: pl.Trainer) -> None:
         )
 
 
-class _LoadHook:
+def _load_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
     """Load-state-dict pre-hook on the LightningModule, run before Lightning copies a checkpoint's weights.
 
     It refuses a checkpoint whose adapters differ from this run's (naming both values, instead of torch's
-    size-mismatch dump), and completes an adapter-only state dict with the frozen parameters of the model
-    as built. Only a state dict holding none of the frozen parameters counts as adapter-only, so a full one
-    with a missing key still fails strict loading, as does a missing adapter weight.
+    size-mismatch dump), and completes an adapter-only state dict with the parameters it recorded as left out,
+    taken from the model as built. Outside a Trainer (a manual ``load_state_dict``) a state dict that holds none
+    of the frozen base parameters is taken as adapter-only; a full one with a missing key still fails.
     """
-
-    def __init__(self, trainer: pl.Trainer) -> None:
-        self.trainer = trainer
-
-    def __call__(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
-        if prefix:
-            return
-        # Lightning keeps the checkpoint it is restoring here; without it (a manual load) only the fill applies.
-        connector = getattr(self.trainer, "_checkpoint_connector", None)
-        checkpoint = getattr(connector, "_loaded_checkpoint", None) or {}
-        if KEY in checkpoint:
-            check_same_adapters(checkpoint[KEY], module, "LoRA")
-        frozen = frozen_base(module)
-        if frozen and not frozen.keys() & state_dict.keys():
-            fill_frozen(module, state_dict)
+    if prefix:
+        return
+    # Lightning keeps the checkpoint it is restoring on its checkpoint connector (the trainer is looked up
+    # now, not kept: the module may meet another Trainer, and hooks are copied with the module).
+    connector = getattr(getattr(module, "_trainer", None), "_checkpoint_connector", None)
+    entry = (getattr(connector, "_loaded_checkpoint", None) or {}).get(KEY)
+    if entry is not None:
+        check_same_adapters(entry, module, "LoRA")
+        if entry.get("adapter_only"):
+            fill_frozen(module, state_dict, entry.get("dropped", []))
+        return
+    frozen = frozen_base(module)
+    if frozen and not frozen.keys() & state_dict.keys():
+        fill_frozen(module, state_dict, list(frozen))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +79,7 @@ class MergeOnSave(Callback):
         _refuse_trained_outside(pl_module, name, model)
         if self.save_adapter:
             check_saveable(model)
-        if trainer.is_global_zero:
-            self._check_writable()
+        _on_rank_zero(trainer, self._check_writable, "the check of dirpath")
 
     def _check_writable(self) -> None:
         try:
@@ -107,19 +107,7 @@ class MergeOnSave(Callback):
 
         Every rank must call it: a failure on rank 0 is sent to the others, which raise too.
         """
-        error: BaseException | None = None
-        paths: dict[str, Path] = {}
-        if trainer.is_global_zero:
-            try:
-                paths = self._write(trainer, pl_module, directory)
-            except Exception as err:  # re-raised below, after the other ranks heard of it
-                error = err
-        failure = trainer.strategy.broadcast(None if error is None else f"{type(error).__name__}: {error}", src=0)
-        if error is not None:
-            raise error
-        if failure is not None:
-            raise RuntimeError(f"MergeOnSave: the export on rank 0 failed ({failure}); stopping this rank as well.")
-        return paths
+        return _on_rank_zero(trainer, lambda: self._write(trainer, pl_module, directory), "the export") or {}
 
     def _write(self, trainer: pl.Trainer, pl_module: pl.LightningModule, directory: Path) -> dict[str, Path]:
         _, model = resolve_target(pl_module, self.model_attribute, "MergeOnSave")
@@ -136,6 +124,23 @@ class MergeOnSave(Callback):
         rank_zero_info(message)
         self.last_export = paths
         return paths
+
+
+def _on_rank_zero(trainer: pl.Trainer, work: Callable[[], Any], what: str) -> Any:
+    """Run ``work`` on global rank 0; if it fails, every rank raises (none is left waiting in a collective)."""
+    error: BaseException | None = None
+    result = None
+    if trainer.is_global_zero:
+        try:
+            result = work()
+        except Exception as err:  # re-raised below, after the other ranks heard of it
+            error = err
+    failure = trainer.strategy.broadcast(None if error is None else f"{type(error).__name__}: {error}", src=0)
+    if error is not None:
+        raise error
+    if failure is not None:
+        raise RuntimeError(f"MergeOnSave: {what} on rank 0 failed ({failure}); stopping this rank as well.")
+    return result
 
 
 def _refuse_trained_outside(pl_module: pl.LightningModule, name: str, model) -> None:

@@ -153,7 +153,7 @@ class LoRAConfig:
         """
         if not isinstance(config, dict):
             config = config.to_dict()
-        return config_from_peft(config, source)
+        return config_from_peft(config, source, who="inject_lora")
 
 
 def _as_rank(value: object, what: str) -> int:
@@ -485,14 +485,17 @@ class LoRAAdapter(Adapter):
     @classmethod
     def inject(cls, model: nn.Module, config: dict[str, Any]) -> LoRAAdapter:
         # The exact names recorded, not the rules: the same modules whatever the rules would pick today.
-        exact = dataclasses.replace(
-            LoRAConfig(**config["config"]), target_modules=list(config["targets"]), exclude_modules=None,
-            modules_to_save=list(config["modules_to_save"]),
-        )
-        inject_lora(model, exact)
-        adapter = attached(model)["lora"]
-        adapter.config = LoRAConfig(**config["config"])  # report the config as the user wrote it
-        return adapter
+        model = unwrap(model)
+        _refuse_second_injection(model)
+        names = {n for n, _ in model.named_modules()}
+        absent = [n for n in [*config["targets"], *config["modules_to_save"]] if n not in names]
+        if absent:
+            raise ValueError(
+                f"LoRA: the recorded adapter names module {absent[0]!r}, which {type(model).__name__} does not have; "
+                "the checkpoint was written for another model."
+            )
+        _inject(model, LoRAConfig(**config["config"]), list(config["targets"]), list(config["modules_to_save"]))
+        return attached(model)["lora"]
 
     def merged_state(self, model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
         model = unwrap(model)
@@ -538,7 +541,7 @@ class LoRAAdapter(Adapter):
             "r": config.rank,
             "lora_alpha": config.alpha,
             "lora_dropout": config.dropout,
-            "target_modules": list(layers),
+            "target_modules": exact_targets(list(layers), [clean_key(n) for n, _ in unwrap(model).named_modules()]),
             "exclude_modules": None,
             "modules_to_save": [clean_key(n) for n in self.modules_to_save] or None,
             "rank_pattern": {re.escape(n): m.rank for n, m in layers.items() if m.rank != config.rank},
@@ -586,6 +589,15 @@ class LoRAAdapter(Adapter):
         return attached(model)["lora"]
 
 
+def exact_targets(targets: list[str], names: list[str]) -> list[str] | str:
+    """``targets`` as PEFT's ``target_modules``: the list of names when suffix matching picks exactly them, else
+    a regular expression that matches exactly them (a list entry ``"0"`` would also match ``"1.0"``)."""
+    chosen = set(targets)
+    if all(name in chosen for name in names if name and name_matches(name, targets)):
+        return list(targets)
+    return "(?:" + "|".join(re.escape(t) for t in targets) + ")"
+
+
 def lora_spec(model: nn.Module) -> LoRAAdapter | None:
     """The :class:`LoRAAdapter` :func:`inject_lora` left on ``model``, or None."""
     return attached(model).get("lora")
@@ -623,14 +635,23 @@ def inject_lora(model: nn.Module, config: LoRAConfig | Any | None = None, **kwar
     """
     config = as_config(config, kwargs, "inject_lora")
     model = unwrap(model)
+    _refuse_second_injection(model)
+    targets, to_save = _select(model, config)
+    _warn_about_settings(model, config, targets)
+    return _inject(model, config, targets, to_save)
+
+
+def _refuse_second_injection(model: nn.Module) -> None:
     existing = lora_layers(model)
     if existing:
         raise RuntimeError(
             f"inject_lora: {type(model).__name__} already has {len(existing)} LoRA layers "
             f"(e.g. {next(iter(existing))!r}); LoRA was injected twice. Use the model as it is, or build a fresh one."
         )
-    targets, to_save = _select(model, config)
-    _warn_about_settings(model, config, targets)
+
+
+def _inject(model: nn.Module, config: LoRAConfig, targets: list[str], to_save: list[str]) -> dict[str, LoRALayer]:
+    """Wrap exactly ``targets`` and ``to_save`` (full names, already checked) and attach the adapter."""
     wrap_modules_to_save(model, to_save)
     replaced = {}
     for name in targets:
@@ -718,7 +739,8 @@ def unload_lora(model: nn.Module, merge: bool = True) -> nn.Module:
 
     Every LoRA layer is replaced by its base module, and every ``modules_to_save`` wrapper by its trained copy
     (``merge=True``: the fine-tuned model, which ``save_pretrained`` / ``from_pretrained`` round-trip) or by the
-    untouched original (``merge=False``: the base model as it was before :func:`inject_lora`).
+    untouched original (``merge=False``: the base model as it was before :func:`inject_lora`, except biases
+    trained with ``bias="lora_only"`` / ``"all"``, which train in place and keep their trained values).
 
     Raises:
         RuntimeError: If ``model`` has no LoRA adapter, or a merge is refused (tied or non-finite weights).
@@ -783,30 +805,33 @@ _UNSUPPORTED = {
 }
 
 
-def config_from_peft(config: dict, source: str = "adapter_config.json") -> LoRAConfig:
+def config_from_peft(config: dict, source: str = "adapter_config.json", who: str = "load_adapter") -> LoRAConfig:
     """Translate a PEFT ``LoraConfig`` dict to :class:`LoRAConfig`; refuses features this library lacks."""
+    instead = ("load this adapter with Hugging Face PEFT instead" if who == "load_adapter"
+               else "use Hugging Face PEFT for it, or leave the option out")
     if not isinstance(config, dict):
-        raise ValueError(f"load_adapter: {source} holds a JSON {type(config).__name__}, not an object; "
+        raise ValueError(f"{who}: {source} holds a JSON {type(config).__name__}, not an object; "
                          "it is not a PEFT adapter config.")
     if config.get("peft_type") != "LORA":
-        raise ValueError(f"load_adapter: {source} has peft_type={config.get('peft_type')!r}; only 'LORA' is supported.")
+        raise ValueError(f"{who}: {source} has peft_type={config.get('peft_type')!r}; only 'LORA' is supported.")
     for key, neutral in _UNSUPPORTED.items():
         value = config.get(key, neutral)
         if value not in (neutral, None, False, [], {}):
-            raise ValueError(
-                f"load_adapter: {source} sets {key}={value!r}, which lightning-peft does not support; "
-                "load this adapter with Hugging Face PEFT instead."
-            )
+            raise ValueError(f"{who}: {source} sets {key}={value!r}, which lightning-peft does not support; {instead}.")
     init = config.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
         raise ValueError(
-            f"load_adapter: {source} sets init_lora_weights={init!r}, an initialisation that also rewrites the base "
-            "weights; lightning-peft does not implement it, so the adapter would mean something else here. "
-            "Load it with Hugging Face PEFT instead."
+            f"{who}: {source} sets init_lora_weights={init!r}, an initialisation that also rewrites the base "
+            f"weights; lightning-peft does not implement it, so the adapter would mean something else here; {instead}."
+        )
+    if who != "load_adapter" and config.get("target_modules") is None:
+        raise ValueError(
+            f"{who}: {source} has target_modules=None; lightning-peft does not guess PEFT's per-architecture "
+            "defaults. Name them, e.g. target_modules=['query', 'value'] or 'all-linear'."
         )
     absent = [key for key in ("r", "target_modules") if config.get(key) is None]
     if absent:
-        raise ValueError(f"load_adapter: {source} has no {absent[0]!r}; it is not a complete LoRA adapter config.")
+        raise ValueError(f"{who}: {source} has no {absent[0]!r}; it is not a complete LoRA adapter config.")
     targets = config["target_modules"]
     return LoRAConfig(
         rank=config["r"],

@@ -236,3 +236,47 @@ def test_an_unwritable_export_directory_fails_before_training(tiny_bert_config, 
                                          r"writable directory; checked before training"):
         run.fit(Classifier(tiny_bert_config), loader())
     assert run.global_step == 0
+
+
+def test_load_from_checkpoint_accepts_a_lightning_cli_checkpoint(tiny_bert_config, tmp_path):
+    # LightningCLI in subclass mode records the class path; Lightning then insists on loading that very class.
+    torch.manual_seed(0)
+    module = Classifier(tiny_bert_config)
+    ckpt = fit(module, tmp_path, [LoRA(**LORA_ARGS, adapter_only_checkpoint=True)], max_steps=1)
+    checkpoint = torch.load(ckpt, weights_only=False)
+    checkpoint["hyper_parameters"] = {"config": tiny_bert_config, "_class_path": f"{__name__}.Classifier",
+                                      "_instantiator": "lightning.pytorch.cli.instantiate_module"}
+    torch.save(checkpoint, ckpt)
+    torch.manual_seed(0)
+    loaded = load_from_checkpoint(Classifier, ckpt, weights_only=False)  # the config object is pickled
+    assert type(loaded) is Classifier and "on_load_checkpoint" not in Classifier.__dict__
+    assert_close(logits(loaded), logits(module), rtol=0, atol=0)
+
+
+def test_testing_a_checkpoint_with_another_trainer_still_checks_the_adapter(tiny_bert_config, tmp_path):
+    ckpt = fit(Classifier(tiny_bert_config), tmp_path / "a", [LoRA(**LORA_ARGS)], max_steps=1)
+    module = Classifier(tiny_bert_config)
+    other = {**LORA_ARGS, "alpha": 16.0}
+    fit(module, tmp_path / "b", [LoRA(**other)], max_steps=1)  # the module meets a first Trainer here...
+    with pytest.raises(ValueError, match=r"trained with alpha=8\.0; this run has alpha=16\.0"):
+        trainer(tmp_path, callbacks=[LoRA(**other)]).test(module, loader(), ckpt_path=ckpt)  # ...and a second here
+
+
+class FreezeOutsideHead(Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        pl_module.head.requires_grad_(False)
+
+
+def test_adapter_only_checkpoint_keeps_a_head_outside_the_adapted_model(tiny_bert_config, tmp_path):
+    torch.manual_seed(0)
+    module = BackboneAndHead(tiny_bert_config)
+    ckpt = fit(module, tmp_path, [LoRA(rank=2, target_modules=["query"], adapter_only_checkpoint=True),
+                                  FreezeOutsideHead()], max_steps=2)
+    checkpoint = torch.load(ckpt, weights_only=False)
+    assert {"head.weight", "head.bias"} <= set(checkpoint["state_dict"])  # trained, then frozen: still kept
+    assert "backbone.embeddings.word_embeddings.weight" in checkpoint["lightning_peft"]["dropped"]
+    torch.manual_seed(1)  # another random head: the checkpoint must bring the trained one back
+    loaded = load_from_checkpoint(BackboneAndHead, ckpt, config=tiny_bert_config)
+    assert torch.equal(loaded.head.weight, module.head.weight)
+    assert not torch.equal(loaded.backbone.embeddings.word_embeddings.weight,
+                           module.backbone.embeddings.word_embeddings.weight)  # the base came from the new module

@@ -825,3 +825,27 @@ def test_peft_loads_an_adapter_from_a_compiled_model_with_plain_names(tmp_path):
     assert all("_orig_mod" not in k for k in merged_state_dict(compiled))
     peft_model = PeftModel.from_pretrained(_fresh(base, "bert"), tmp_path).eval()
     torch.testing.assert_close(_out(peft_model), _out(model))
+
+
+def test_a_peft_lora_config_without_target_modules_says_to_name_them():
+    with pytest.raises(ValueError, match=r"inject_lora: peft\.LoraConfig has target_modules=None; lightning-peft does "
+                                         r"not guess PEFT's per-architecture defaults\. Name them"):
+        inject_lora(_fresh(_base("bert"), "bert"), LoraConfig(r=4, task_type="SEQ_CLS"))
+
+
+def test_names_that_are_suffixes_of_other_names_round_trip_exactly(tmp_path):
+    # A list entry "0" would also match "1.0": the saved config must name exactly what was adapted.
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))).double()
+
+    model = build()
+    inject_lora(model, rank=2, target_modules=["0"], exclude_modules=["1.0"])
+    _randomise_ours(model)
+    save_adapter(model, tmp_path)
+    assert sorted(lora_layers(load_adapter(build(), tmp_path))) == ["0"]
+    peft_model = PeftModel.from_pretrained(build(), tmp_path)
+    assert sorted(_peft_lora_layers(peft_model)) == ["0"]
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(x), model(x))

@@ -182,16 +182,17 @@ def test_zero_initialised_adapter_reproduces_hf_bert_exactly(tiny_bert_config):
 
 
 def test_merge_equals_unmerged_and_is_idempotent_and_reversible():
-    model = Tiny().double()
+    model = Tiny().double().eval()
     original = {k: v.clone() for k, v in model.state_dict().items()}
     randomise(inject_lora(model, rank=3, alpha=5, target_modules=["query", "value", "embed"]))
     ids = torch.randint(0, 10, (4, 6))
     unmerged = model(ids)
     assert sorted(merge_lora(model)) == ["blocks.0.query", "blocks.0.value", "blocks.1.query", "blocks.1.value", "embed"]
     assert_close(model(ids), unmerged, rtol=1e-12, atol=1e-12)
-    once = {k: v.clone() for k, v in model.state_dict().items()}
+    once = {k: v.clone() for k, v in model.named_parameters()}  # the live (merged) weights, not the state view
+    assert not torch.equal(once["blocks.0.query.base_layer.weight"], original["blocks.0.query.weight"])
     assert merge_lora(model) == []
-    assert all(torch.equal(once[k], v) for k, v in model.state_dict().items())  # merge twice == merge once
+    assert all(torch.equal(once[k], v) for k, v in model.named_parameters())  # merge twice == merge once
     unmerge_lora(model)
     restored = {k.replace("base_layer.", ""): v for k, v in model.state_dict().items()}
     for key, value in original.items():
@@ -215,6 +216,7 @@ def test_half_precision_merge_is_computed_in_float32(dtype):
     assert layer.lora_A.weight.dtype == torch.float32  # half-precision bases get float32 adapters
     randomise([layer])
     expected = (base.weight.float() + 2.0 * layer.lora_B.weight @ layer.lora_A.weight).to(dtype)
+    layer.eval()
     layer.merge()
     assert torch.equal(base.weight, expected)
     x = torch.randn(3, 16).to(dtype)
