@@ -204,7 +204,7 @@ def as_config(config: object, kwargs: dict[str, Any], who: str) -> LoRAConfig:
         raise TypeError(
             f"{who}({key}={kwargs[key]!r}): lightning-peft calls this argument {ours!r}; pass {ours}={kwargs[key]!r} "
             "(Hugging Face PEFT's names map as r -> rank, lora_alpha -> alpha, lora_dropout -> dropout, "
-            "init_lora_weights -> init), or pass a peft.LoraConfig as config."
+            f"init_lora_weights -> init){', or pass a peft.LoraConfig as config' if who == 'inject_lora' else ''}."
         )
     if config is None:
         unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(LoRAConfig)})

@@ -204,3 +204,9 @@ def test_unknown_model_attribute_is_refused(tiny_bert_config, tmp_path):
 def test_static_arguments_are_checked_in_init():
     with pytest.raises(ValueError, match=r"LoRA\(rank=-1\): rank must be a positive integer"):
         LoRA(rank=-1)
+
+
+def test_peft_argument_names_on_the_callback_are_answered_with_ours():
+    with pytest.raises(TypeError, match=r"LoRA\(lora_alpha=16\): lightning-peft calls this argument 'alpha'; pass "
+                                        r"alpha=16 \(Hugging Face PEFT's names map as r -> rank, .*init\)\.$"):
+        LoRA(lora_alpha=16)
