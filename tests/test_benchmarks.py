@@ -47,3 +47,15 @@ def test_bench_lora_runs_and_reports_every_ratio(tmp_path):
     assert report["precision"]["floor_hooked_layers"] == report["config"]["adapted_layers"]
     assert all(math.isfinite(v) for v in bf16_part["agreement"].values())
     assert "| bf16 autocast: ours LoRA step / floor" in result.stdout
+
+
+@pytest.mark.slow
+def test_bench_training_runs_and_reports_the_overhead_ratio(tmp_path):
+    out = tmp_path / "bench.json"
+    script = SCRIPT.with_name("bench_training.py")
+    args = ["--batch-size", "2", "--seq-len", "8", "--repeats", "1", "--steps", "1", "--warmup", "0", "--json", str(out)]
+    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (noise,) = json.loads(out.read_text())["rows"]
+    assert noise["measurement"] == "LoRA step with GradientNoise / without"
+    assert math.isfinite(noise["ratio"]) and noise["ratio"] > 0 and noise["goal"] == 1.03

@@ -103,9 +103,10 @@ def test_validate_ignores_test_after_fit(tmp_path: Path, capsys: pytest.CaptureF
     assert "Test metrics" not in capsys.readouterr().out
 
 
-def test_example_config_parses(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("example", sorted(EXAMPLE.parent.glob("*.yaml")), ids=lambda p: p.name)
+def test_example_config_parses(example: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", str(EXAMPLE), "--print_config"])
+        main(["fit", "--config", str(example), "--print_config"])
     assert exit_info.value.code in (0, None)
     config = yaml.safe_load(capsys.readouterr().out)
     assert config["test_after_fit"] is True

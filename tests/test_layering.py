@@ -1,4 +1,4 @@
-"""The pure-PyTorch layers never import Lightning: they must work with `lightning` not installed."""
+"""The pure-PyTorch layers (peft/, training/) never import Lightning: they must work without `lightning`."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ import torch
 model = torch.nn.Sequential(torch.nn.Linear(4, 4))
 p.inject_lora(model, rank=2, target_modules=['0'])
 p.merge_lora(model)
+import lightning_peft.training as t
+model[0].lora_A.weight.grad = torch.zeros(2, 4)
+t.add_gradient_noise(model.parameters(), 0, 0.1)
 assert not any(m.split('.')[0] in ('lightning', 'pytorch_lightning') for m in sys.modules)
 print('ok')
 """

@@ -1,7 +1,8 @@
 """Lightning callbacks: thin glue over the pure-PyTorch techniques in :mod:`lightning_peft.peft`."""
 
 from lightning_peft.callbacks._checkpoint import load_from_checkpoint, restore_adapters
+from lightning_peft.callbacks.gradient_noise import GradientNoise
 from lightning_peft.callbacks.lora import LoRA
 from lightning_peft.callbacks.merge_on_save import MergeOnSave
 
-__all__ = ["LoRA", "MergeOnSave", "load_from_checkpoint", "restore_adapters"]
+__all__ = ["GradientNoise", "LoRA", "MergeOnSave", "load_from_checkpoint", "restore_adapters"]

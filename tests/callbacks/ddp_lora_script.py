@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 from transformers import BertConfig  # noqa: E402
 
-from lightning_peft.callbacks import LoRA, MergeOnSave  # noqa: E402
+from lightning_peft.callbacks import GradientNoise, LoRA, MergeOnSave  # noqa: E402
 from lightning_peft.peft import adapter_state_dict  # noqa: E402
 from tests.callbacks.test_lora import LORA_ARGS, Classifier  # noqa: E402
 
@@ -50,6 +50,7 @@ def main(out: Path, devices: int, batch_size: int) -> None:
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out, use_distributed_sampler=False,
         callbacks=[
             LoRA(**LORA_ARGS, adapter_only_checkpoint=True),
+            GradientNoise(eta=0.01, seed=3),  # the same draw on every rank: replicas must stay identical
             export := MergeOnSave(dirpath=str(out / "export")),
             ModelCheckpoint(dirpath=out / "ckpt", save_last=True),
         ],

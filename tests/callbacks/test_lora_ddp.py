@@ -1,4 +1,5 @@
-"""LoRA under DDP, 2 CPU processes on gloo: the same adapter on both ranks as a single process on the full batch."""
+"""LoRA (+ GradientNoise) under DDP, 2 CPU processes on gloo: the same adapter on both ranks as a single process
+on the full batch, so the noise was the same on both ranks and equal to the single process's."""
 
 from __future__ import annotations
 

