@@ -7,7 +7,8 @@ import importlib
 
 import pytest
 
-MODULES = ["lightning_peft.peft.lora", "lightning_peft.modules.hf", "lightning_peft.data.bbc_news"]
+MODULES = ["lightning_peft.peft.lora", "lightning_peft.modules.hf", "lightning_peft.data.bbc_news",
+           "lightning_peft.training.gradient_noise"]
 
 
 @pytest.mark.parametrize("name", MODULES)
