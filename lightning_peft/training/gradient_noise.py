@@ -31,7 +31,7 @@ def noise_variance(step: int, eta: float, gamma: float = 0.55, who: str = "add_g
 
     Example:
         >>> round(noise_variance(0, 0.3), 6), round(noise_variance(99, 0.3), 6)
-        (0.3, 0.022372)
+        (0.3, 0.02383)
     """
     _check(step, eta, gamma, who)
     return eta / (1 + step) ** gamma
