@@ -25,7 +25,7 @@ from lightning_peft.peft.adapter import ADAPTERS_ATTRIBUTE, adapter_tensors, att
 
 KEY = "lightning_peft"
 _PATCH_LOCK = threading.Lock()
-_TRAINING_ONLY = ("dropout", "init")
+TRAINING_ONLY = ("dropout", "init")
 FORMAT = 1
 M = TypeVar("M", bound=pl.LightningModule)
 
@@ -98,7 +98,7 @@ def check_same_adapters(saved: dict[str, Any], pl_module: nn.Module, who: str) -
 
 def _meaning(config: dict) -> dict:
     """What must match to resume: everything but settings that only steer training (LoRA's dropout, init)."""
-    inner = {k: v for k, v in config.get("config", {}).items() if k not in _TRAINING_ONLY}
+    inner = {k: v for k, v in config.get("config", {}).items() if k not in TRAINING_ONLY}
     return {**config, "config": inner}
 
 

@@ -34,7 +34,14 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_peft._hardware import cpu_bf16_is_native
-from lightning_peft.callbacks._checkpoint import KEY, check_same_adapters, checkpoint_entry, fill_frozen, frozen_base
+from lightning_peft.callbacks._checkpoint import (
+    KEY,
+    TRAINING_ONLY,
+    check_same_adapters,
+    checkpoint_entry,
+    fill_frozen,
+    frozen_base,
+)
 from lightning_peft.callbacks._target import resolve_target
 from lightning_peft.peft.lora import as_config, inject_lora, lora_spec, trainable_parameters
 
@@ -131,7 +138,7 @@ class LoRA(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = state_dict.get("config")
         now = self.config.to_dict()
-        differing = [k for k in (saved or {}) if saved[k] != now.get(k) and k not in ("dropout", "init")]
+        differing = [k for k in (saved or {}) if saved[k] != now.get(k) and k not in TRAINING_ONLY]
         if differing:
             raise ValueError(
                 "LoRA: the checkpoint was trained with "

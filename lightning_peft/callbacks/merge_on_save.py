@@ -38,7 +38,7 @@ from typing_extensions import override
 from lightning_peft._atomic import write_dir
 from lightning_peft.callbacks._target import is_hf_model, resolve_target
 from lightning_peft.peft.adapter import attached, merged_state_dict
-from lightning_peft.peft.io import check_saveable
+from lightning_peft.peft.io import check_saveable, unshared
 from lightning_peft.peft.io import save_adapter as write_adapter
 
 
@@ -164,15 +164,4 @@ def _save_merged(model, state: dict, directory: Path, trainer: pl.Trainer) -> No
         if callable(getattr(tokenizer, "save_pretrained", None)):
             tokenizer.save_pretrained(directory)
     else:
-        save_file(_unshared(state), directory / "model.safetensors", metadata={"format": "pt"})
-
-
-def _unshared(state: dict) -> dict:
-    """safetensors refuses tensors that share memory (tied weights): give each key its own copy."""
-    seen: set[int] = set()
-    out = {}
-    for key, value in state.items():
-        pointer = value.untyped_storage().data_ptr()
-        out[key] = value.clone() if pointer in seen else value.contiguous()
-        seen.add(pointer)
-    return out
+        save_file(unshared(state), directory / "model.safetensors", metadata={"format": "pt"})

@@ -93,18 +93,23 @@ def _adapter_files(model: nn.Module, adapter: Adapter, directory: Path) -> dict[
 
 
 def _writable(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Prefixed, detached, contiguous tensors; a tensor shared by two keys (tied copies) is written under both."""
-    out: dict[str, Tensor] = {}
-    seen: set[int] = set()
+    """Prefixed, detached, finite tensors; a tensor shared by two keys (tied copies) is written under both."""
     for key, value in state.items():
-        value = value.detach()
-        if not value.is_meta and not torch.isfinite(value).all():
+        if not value.is_meta and not torch.isfinite(value.detach()).all():
             raise ValueError(
                 f"save_adapter: {key} holds inf or NaN; an adapter with non-finite weights would break every model "
                 "that loads it. Nothing was written. Check the training for divergence (loss, learning rate)."
             )
+    return unshared({KEY_PREFIX + k: v.detach() for k, v in state.items()})
+
+
+def unshared(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Contiguous tensors, each key its own memory: safetensors refuses tensors that share it (tied weights)."""
+    seen: set[int] = set()
+    out = {}
+    for key, value in state.items():
         pointer = value.untyped_storage().data_ptr()
-        out[KEY_PREFIX + key] = value.clone() if pointer in seen else value.contiguous()
+        out[key] = value.clone() if pointer in seen else value.contiguous()
         seen.add(pointer)
     return out
 
