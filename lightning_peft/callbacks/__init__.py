@@ -2,7 +2,8 @@
 
 from lightning_peft.callbacks._checkpoint import load_from_checkpoint, restore_adapters
 from lightning_peft.callbacks.gradient_noise import GradientNoise
+from lightning_peft.callbacks.layerwise_lr_decay import LayerwiseLRDecay
 from lightning_peft.callbacks.lora import LoRA
 from lightning_peft.callbacks.merge_on_save import MergeOnSave
 
-__all__ = ["GradientNoise", "LoRA", "MergeOnSave", "load_from_checkpoint", "restore_adapters"]
+__all__ = ["GradientNoise", "LayerwiseLRDecay", "LoRA", "MergeOnSave", "load_from_checkpoint", "restore_adapters"]

@@ -31,6 +31,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
 from typing_extensions import override
 
 from lightning_peft._hardware import cpu_bf16_is_native
@@ -122,6 +123,11 @@ class LoRA(Callback):
             setattr(pl_module, _HOOKED, True)
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _, model = resolve_target(pl_module, self.model_attribute, "LoRA")
+        _check_optimizer_holds_adapters(trainer, model)
+
+    @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         if not self.adapter_only_checkpoint:
             checkpoint[KEY] = checkpoint_entry(pl_module)
@@ -146,6 +152,29 @@ class LoRA(Callback):
                 + "; this run has " + ", ".join(f"{k}={self.config.to_dict()[k]!r}" for k in differing)
                 + ". Resume with the checkpoint's settings, or start a new run without ckpt_path."
             )
+
+
+def _check_optimizer_holds_adapters(trainer: pl.Trainer, model: nn.Module) -> None:
+    """Raises if the optimizers hold the model's frozen parameters but none that trains.
+
+    That is an optimizer built before LoRA injected its adapters: LightningCLI's ``optimizer:`` section builds it
+    over ``model.parameters()`` before the Trainer starts, and such a run would train nothing. (Strategies that
+    flatten parameters into their own buffers, as DeepSpeed's ZeRO does, hold none of the model's parameters and are
+    not checked.)
+    """
+    held = {id(p) for optimizer in trainer.optimizers for group in optimizer.param_groups for p in group["params"]}
+    named = list(model.named_parameters())
+    trained = [name for name, p in named if p.requires_grad]
+    if not trained or any(id(p) in held for name, p in named if p.requires_grad):
+        return
+    if any(id(p) in held for _, p in named):
+        raise RuntimeError(
+            f"LoRA: the optimizer holds none of the {len(trained)} parameters that train ({trained[0]}, ...): it was "
+            "built before LoRA injected its adapters, so this run would train nothing. LightningCLI's optimizer: "
+            "section does that (it builds the optimizer over model.parameters() before the Trainer starts); build the "
+            "optimizer in the LightningModule's configure_optimizers instead (HFSequenceClassifier has one: drop the "
+            "optimizer: and lr_scheduler: sections)."
+        )
 
 
 def _warn_about_emulated_bf16(trainer: pl.Trainer) -> None:

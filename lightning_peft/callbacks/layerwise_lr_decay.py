@@ -1,0 +1,251 @@
+"""``LayerwiseLRDecay`` callback: layer-wise learning-rate decay on the user's own optimizer and scheduler.
+
+The math lives in :mod:`lightning_peft.training.layerwise_lr`. This callback wraps the LightningModule's
+``configure_optimizers`` at ``setup`` (so after ``LoRA`` has frozen the base and injected adapters): while it runs,
+every parameter group an optimizer receives is split by depth before the optimizer takes it, each part with the
+group's learning rate times ``decay ** (L + 1 - depth)``. So the user's optimizer class and arguments (also from
+LightningCLI's ``optimizer:`` section) build the decayed groups themselves, and the scheduler created next sees
+them. Rebuilding an optimizer after the fact would leave any scheduler already made for the old groups with
+stale per-group state (``LambdaLR.lr_lambdas``, ``base_lrs``, ``OneCycleLR``'s ``max_lr``).
+
+A scheduler must scale each group's own learning rate. One that sets every group to one value (``OneCycleLR``
+with a scalar ``max_lr``, a hand-written ``group["lr"] = ...`` loop) undoes the decay; the callback checks the
+ratios before every optimizer step and stops with an error naming the scheduler the first time they break (for
+``OneCycleLR``: before the first step). It logs each depth's learning rate as ``lr/embeddings``,
+``lr/layer.<i>``, ``lr/head``.
+
+YAML::
+
+    - class_path: lightning_peft.callbacks.LayerwiseLRDecay
+      init_args: {decay: 0.8}
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_peft.callbacks._target import resolve_target
+from lightning_peft.training.layerwise_lr import check_decay, depth_label, layer_depths, lr_scale, split_by_depth
+
+_ORIGINAL = "_lightning_peft_llrd_original"
+
+
+class LayerwiseLRDecay(Callback):
+    """Give layer ``i`` of ``L`` the learning rate ``lr * decay ** (L - i)``, the embeddings ``decay ** (L + 1)``.
+
+    Args:
+        decay: The per-layer factor in (0, 1] (ELECTRA 0.8; BEiT and MAE 0.65 to 0.75).
+        layer_patterns: Regular expressions with one group capturing the layer index; ``None`` finds the common
+            layouts (``layer.N``, ``layers.N``, ``h.N``, ``blocks.N``, ``block.N``).
+        embedding_patterns: Regular expressions marking embedding parameters; ``None`` uses the defaults.
+        model_attribute: Where the layered model sits in the LightningModule, as for ``LoRA``; parameters outside
+            it count as the head (full learning rate).
+        bias_and_norm_weight_decay: Weight decay for 1-D parameters (biases, norm weights); ``None`` keeps what the
+            optimizer gives them.
+        log: Log each depth's learning rate (``lr/<depth>``) at every optimizer step.
+    """
+
+    def __init__(
+        self,
+        decay: float = 0.8,
+        layer_patterns: list[str] | None = None,
+        embedding_patterns: list[str] | None = None,
+        model_attribute: str | None = None,
+        bias_and_norm_weight_decay: float | None = 0.0,
+        log: bool = True,
+    ) -> None:
+        check_decay(decay, "LayerwiseLRDecay")
+        if bias_and_norm_weight_decay is not None and not bias_and_norm_weight_decay >= 0:
+            raise ValueError(f"LayerwiseLRDecay(bias_and_norm_weight_decay={bias_and_norm_weight_decay!r}): must be "
+                             ">= 0, or None to keep the optimizer's.")
+        self.decay, self.layer_patterns, self.embedding_patterns = decay, layer_patterns, embedding_patterns
+        self.model_attribute, self.bias_and_norm_weight_decay, self.log_lr = (
+            model_attribute, bias_and_norm_weight_decay, log)
+        # By id(optimizer), per param group (by position: loading a checkpoint replaces the group dicts):
+        # (the factor its lr must keep, which of the user's groups it came from, its depth's label); None for a
+        # group added outside configure_optimizers.
+        self._groups: dict[int, list[tuple[float, int, str] | None]] = {}
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._depths(pl_module)  # wrong patterns fail now, before any optimizer exists
+        if _ORIGINAL not in pl_module.__dict__:  # (instance attribute or None, the method to call)
+            pl_module.__dict__[_ORIGINAL] = (pl_module.__dict__.get("configure_optimizers"),
+                                             pl_module.configure_optimizers)
+        original = pl_module.__dict__[_ORIGINAL][1]
+
+        @functools.wraps(original)
+        def configure_optimizers(*args: Any, **kwargs: Any) -> Any:
+            with self._splitting(pl_module) as split_add:
+                result = original(*args, **kwargs)
+                self._split_prebuilt(result, split_add)
+            return result
+
+        pl_module.configure_optimizers = configure_optimizers  # an instance attribute, undone in teardown
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        saved = pl_module.__dict__.pop(_ORIGINAL, None)
+        if saved is None:
+            return
+        if saved[0] is None:
+            pl_module.__dict__.pop("configure_optimizers", None)
+        else:  # it was set on the instance (LightningCLI does that): put it back
+            pl_module.configure_optimizers = saved[0]
+
+    def _depths(self, pl_module: pl.LightningModule) -> tuple[dict[int, str], dict[str, int], int]:
+        prefix, model = resolve_target(pl_module, self.model_attribute, "LayerwiseLRDecay")
+        depths, num_layers = layer_depths(model, self.layer_patterns, self.embedding_patterns, "LayerwiseLRDecay")
+        names = {id(p): name for name, p in model.named_parameters()}
+        return names, depths, num_layers
+
+    @contextmanager
+    def _splitting(self, pl_module: pl.LightningModule) -> Iterator[Callable[[Optimizer, dict[str, Any]], None]]:
+        """While active, ``Optimizer.add_param_group`` receives each group split by depth."""
+        names, depths, num_layers = self._depths(pl_module)
+        add_param_group = Optimizer.add_param_group
+        callback = self
+
+        def split_add(optimizer: Optimizer, group: dict[str, Any]) -> None:
+            params = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
+            options = {k: v for k, v in group.items() if k != "params"}
+            lr = options.pop("lr", optimizer.defaults.get("lr"))
+            if not isinstance(lr, float | int | torch.Tensor) or isinstance(lr, bool):
+                raise TypeError(f"LayerwiseLRDecay: {type(optimizer).__name__} has no numeric learning rate "
+                                f"(lr={lr!r}) to decay; give the optimizer an lr.")
+            info = callback._groups.setdefault(id(optimizer), [])
+            origin = len({entry[1] for entry in info if entry is not None})
+            for part in split_by_depth(params, names, depths, num_layers, callback.decay, lr, options,
+                                       callback.bias_and_norm_weight_decay):
+                depth = depths.get(part["names"][0], num_layers + 1)
+                add_param_group(optimizer, part)
+                info += [None] * (len(optimizer.param_groups) - 1 - len(info))
+                info.append((lr_scale(depth, num_layers, callback.decay), origin, depth_label(depth, num_layers)))
+
+        self._groups = {}
+        Optimizer.add_param_group = split_add  # type: ignore[method-assign]
+        try:
+            yield split_add
+        finally:
+            Optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
+
+    def _split_prebuilt(self, result: Any, split_add: Callable[[Optimizer, dict[str, Any]], None]) -> None:
+        """Splits, in place, an optimizer that ``configure_optimizers`` returned but did not build.
+
+        LightningCLI's ``optimizer:`` section builds the optimizer before the Trainer exists. With no state and no
+        scheduler attached yet, its groups can still be split; a scheduler made for the old groups cannot be
+        mended (its per-group state is stale), which is an error.
+        """
+        optimizers, schedulers = _collect(result)
+        for optimizer in optimizers:
+            if id(optimizer) in self._groups:
+                continue
+            users = [type(s).__name__ for s in schedulers if getattr(s, "optimizer", None) is optimizer]
+            if users or optimizer.state:
+                made = f"with the scheduler {', '.join(users)} " if users else "and already stepped "
+                raise RuntimeError(
+                    f"LayerwiseLRDecay: configure_optimizers returned a {type(optimizer).__name__} built before the "
+                    f"run {made}(LightningCLI's optimizer: and lr_scheduler: sections do that), so its groups can no "
+                    "longer be split by depth. Build the optimizer and scheduler in the LightningModule's "
+                    "configure_optimizers (HFSequenceClassifier has one: drop the optimizer: and lr_scheduler: "
+                    "sections), or use the optimizer: section without a scheduler."
+                )
+            groups, optimizer.param_groups = optimizer.param_groups, []
+            for group in groups:
+                split_add(optimizer, group)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not any(id(optimizer) in self._groups for optimizer in trainer.optimizers):
+            raise RuntimeError(
+                "LayerwiseLRDecay: no optimizer of this run was built inside the LightningModule's "
+                "configure_optimizers, so no learning rate was decayed; build the optimizer there (or in "
+                "LightningCLI's optimizer: section)."
+            )
+        self._check(trainer)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
+        self._check(trainer, [optimizer])
+        if self.log_lr:
+            logged: dict[str, float] = {}
+            for group, entry in zip(optimizer.param_groups, self._groups.get(id(optimizer), [])):
+                if entry is not None and f"lr/{entry[2]}" not in logged:
+                    logged[f"lr/{entry[2]}"] = float(group["lr"])
+            pl_module.log_dict(logged, on_step=True, on_epoch=False)
+
+    def _check(self, trainer: pl.Trainer, optimizers: list[Optimizer] | None = None) -> None:
+        """Raises if a scheduler broke the decay: within one user group, ``lr / scale`` must be one value."""
+        for optimizer in optimizers or trainer.optimizers:
+            base: dict[int, tuple[float, str]] = {}
+            for group, entry in zip(optimizer.param_groups, self._groups.get(id(optimizer), [])):
+                if entry is None:
+                    continue
+                scale, origin, label = entry
+                unscaled = float(group["lr"]) / scale
+                first = base.setdefault(origin, (unscaled, label))
+                if not math.isclose(unscaled, first[0], rel_tol=1e-6, abs_tol=1e-30):
+                    raise RuntimeError(_broken_message(trainer, optimizer, first, (unscaled, label), self.decay))
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"decay": self.decay, "layer_patterns": self.layer_patterns,
+                "embedding_patterns": self.embedding_patterns,
+                "bias_and_norm_weight_decay": self.bias_and_norm_weight_decay}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        now = self.state_dict()
+        saved = {k: state_dict.get(k) for k in now}
+        if saved != now:  # the optimizer state would bring back the old learning rates anyway
+            raise ValueError(
+                f"LayerwiseLRDecay: the checkpoint was trained with {saved}; this run has {now}. Resume with the "
+                "checkpoint's settings (the restored optimizer keeps their learning rates), or start a new run "
+                "without ckpt_path."
+            )
+
+
+def _broken_message(trainer: pl.Trainer, optimizer: Optimizer, first: tuple[float, str], other: tuple[float, str],
+                    decay: float) -> str:
+    schedulers = [type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs if c.scheduler.optimizer is optimizer]
+    who = f"the scheduler {', '.join(schedulers)}" if schedulers else "something outside LayerwiseLRDecay"
+    return (
+        f"LayerwiseLRDecay(decay={decay}): at step {trainer.global_step}, {who} set the learning rates of "
+        f"{type(optimizer).__name__} so that {first[1]} and {other[1]} no longer differ by the decay (undecayed "
+        f"rates {first[0]:.6g} and {other[0]:.6g}), which undoes layer-wise decay. A scheduler must scale each "
+        "group's own lr (LambdaLR, LinearLR, CosineAnnealingLR do); for OneCycleLR pass "
+        "max_lr=[group['lr'] for group in optimizer.param_groups]."
+    )
+
+
+def _collect(result: Any) -> tuple[list[Optimizer], list[Any]]:
+    """The optimizers and schedulers in anything ``configure_optimizers`` may return."""
+    optimizers: list[Optimizer] = []
+    schedulers: list[Any] = []
+
+    def visit(item: Any) -> None:
+        if isinstance(item, Optimizer):
+            optimizers.append(item)
+        elif isinstance(item, dict):
+            for value in item.values():
+                visit(value)
+        elif isinstance(item, list | tuple):
+            for value in item:
+                visit(value)
+        elif hasattr(item, "optimizer") and hasattr(item, "step"):
+            schedulers.append(item)
+
+    visit(result)
+    return optimizers, schedulers
