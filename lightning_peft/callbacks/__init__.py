@@ -1,10 +1,14 @@
 """Lightning callbacks: thin glue over the pure-PyTorch techniques in :mod:`lightning_peft.peft`."""
 
 from lightning_peft.callbacks._checkpoint import load_from_checkpoint, restore_adapters
+from lightning_peft.callbacks.curriculum import Curriculum
 from lightning_peft.callbacks.gradient_accumulation import GradientAccumulation
 from lightning_peft.callbacks.gradient_noise import GradientNoise
 from lightning_peft.callbacks.layerwise_lr_decay import LayerwiseLRDecay
 from lightning_peft.callbacks.lora import LoRA
 from lightning_peft.callbacks.merge_on_save import MergeOnSave
 
-__all__ = ["GradientAccumulation", "GradientNoise", "LayerwiseLRDecay", "LoRA", "MergeOnSave", "load_from_checkpoint", "restore_adapters"]
+__all__ = [
+    "Curriculum", "GradientAccumulation", "GradientNoise", "LayerwiseLRDecay", "LoRA", "MergeOnSave", "load_from_checkpoint",
+    "restore_adapters",
+]

@@ -1,11 +1,21 @@
-"""Training dynamics in pure PyTorch (no Lightning import): gradient noise, layer-wise learning-rate decay,
-gradient-accumulation schedules."""
+"""Training dynamics in pure PyTorch (no Lightning import): curriculum learning, gradient noise, layer-wise
+learning-rate decay, gradient-accumulation schedules."""
 
 from .accumulation import AccumulationSchedule, shorten_window
+from .curriculum import (
+    CurriculumSampler,
+    LengthScorer,
+    LossScorer,
+    compute_scores,
+    pacing_fraction,
+    truncate_batch,
+    warmup_length,
+)
 from .gradient_noise import add_gradient_noise, noise_variance, step_generator
 from .layerwise_lr import layer_depths, layerwise_lr_groups, lr_scale
 
 __all__ = [
-    "AccumulationSchedule", "add_gradient_noise", "layer_depths", "layerwise_lr_groups", "lr_scale", "noise_variance",
-    "shorten_window", "step_generator",
+    "AccumulationSchedule", "CurriculumSampler", "LengthScorer", "LossScorer", "add_gradient_noise", "compute_scores",
+    "layer_depths", "layerwise_lr_groups", "lr_scale", "noise_variance", "pacing_fraction", "shorten_window",
+    "step_generator", "truncate_batch", "warmup_length",
 ]

@@ -1,0 +1,366 @@
+"""The Curriculum callback under a real Trainer: the plain-loop sampler's order and weights, with LoRA; the
+logged fraction; exact resume mid-schedule and at an epoch's end; self-paced scores; the sequence-length
+warm-up; errors."""
+
+from __future__ import annotations
+
+import types
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
+
+from lightning_peft.callbacks import Curriculum, GradientNoise, LoRA
+from lightning_peft.peft import adapter_state_dict, inject_lora
+from lightning_peft.training import CurriculumSampler, LossScorer, compute_scores, warmup_length
+
+from .test_lora import LORA_ARGS, Classifier, loader, trainer
+
+
+def token_sum(sample) -> float:
+    """A scorer for (ids, labels, index) samples: the sum of the token ids."""
+    return float(sample[0].sum())
+
+
+def indexed_data(n: int = 16) -> TensorDataset:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (n, 8), generator=generator)
+    return TensorDataset(ids, torch.randint(0, 3, (n,), generator=generator), torch.arange(n))
+
+
+class Indexed(Classifier):
+    """The tiny BERT classifier of the LoRA tests, recording the sample indices of every batch it trains on.
+
+    With ``estimate=True`` it asks for ``estimated_stepping_batches`` in ``configure_optimizers`` (as
+    ``HFSequenceClassifier`` does), which makes Lightning build the train loader before the training state is
+    restored.
+    """
+
+    def __init__(self, config, lr: float = 0.05, estimate: bool = False) -> None:
+        super().__init__(config, lr)
+        self.seen: list[list[int]] = []
+        self.estimate = estimate
+
+    def training_step(self, batch, batch_idx):
+        ids, labels, index = batch
+        self.seen.append(index.tolist())
+        return self.model(input_ids=ids, labels=labels).loss
+
+    def configure_optimizers(self):
+        if self.estimate:
+            assert self.trainer.estimated_stepping_batches > 0
+        return super().configure_optimizers()
+
+
+class RestoreAfterSetup(SingleDeviceStrategy):
+    """Restores callbacks after configure_optimizers, as FSDP and DeepSpeed do: the loader exists by then."""
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+
+class RecordStart(Callback):
+    def on_fit_start(self, trainer, pl_module):
+        self.state = {k: v.clone() for k, v in adapter_state_dict(pl_module.model).items()}
+
+
+class RecordFraction(Callback):
+    def __init__(self) -> None:
+        self.fractions: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.fractions.append(float(trainer.callback_metrics["curriculum_fraction"]))
+
+
+def test_callback_under_trainer_equals_the_sampler_in_a_plain_loop_with_lora(tiny_bert_config, tmp_path):
+    torch.manual_seed(0)
+    module = Indexed(tiny_bert_config)
+    base = {k: v.clone() for k, v in module.model.state_dict().items()}
+    record = RecordStart()
+    curriculum = Curriculum(duration=6, scorer=token_sum, start_fraction=0.25, seed=3)
+    trainer(tmp_path, max_steps=8, callbacks=[LoRA(**LORA_ARGS), curriculum, record]).fit(
+        module, DataLoader(indexed_data(), batch_size=4, shuffle=True))
+
+    from transformers import BertForSequenceClassification
+
+    data = indexed_data()
+    scores = compute_scores(data, token_sum)
+    assert torch.equal(curriculum.scores, scores)
+    sampler = CurriculumSampler(scores, batch_size=4, duration=6, start_fraction=0.25, seed=3)
+    model = BertForSequenceClassification(tiny_bert_config)
+    model.load_state_dict(base)
+    inject_lora(model, **LORA_ARGS)
+    model.load_state_dict(record.state, strict=False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    model.train()
+    seen = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for ids, labels, index in DataLoader(data, batch_size=4, sampler=sampler):
+            seen.append(index.tolist())
+            optimizer.zero_grad()
+            model(input_ids=ids, labels=labels).loss.backward()
+            optimizer.step()
+    assert module.seen == seen
+    assert set(seen[0]) <= set(sampler.order[:4])  # step 0 drew from the easiest quarter
+    ours, plain = adapter_state_dict(module.model), adapter_state_dict(model)
+    for key in plain:
+        torch.testing.assert_close(ours[key], plain[key], rtol=1e-6, atol=1e-7)
+
+
+def test_the_pool_moves_with_the_optimizer_step_under_accumulation_and_is_logged(tiny_bert_config, tmp_path):
+    module = Indexed(tiny_bert_config)
+    fractions = RecordFraction()
+    curriculum = Curriculum(duration=3, scorer=token_sum, start_fraction=0.25)
+    trainer(tmp_path, max_epochs=2, accumulate_grad_batches=3, callbacks=[curriculum, fractions]).fit(
+        module, DataLoader(indexed_data(), batch_size=4))
+    # 4 batches an epoch: batches 0-2 make step 0 and batch 3 step 1 (Lightning steps at an epoch's end).
+    sampler = CurriculumSampler(compute_scores(indexed_data(), token_sum), batch_size=4, duration=3,
+                                start_fraction=0.25, accumulate_grad_batches=3)
+    expected = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        expected += [[int(i) for i in b] for b in DataLoader(range(16), batch_size=4, sampler=sampler)]
+    assert module.seen == expected
+    assert fractions.fractions == [sampler.pool_size(t) / 16 for t in (0, 0, 0, 1, 2, 2, 2, 3)]
+    assert fractions.fractions[:4] == [0.25, 0.25, 0.25, 0.5]
+
+
+def test_epochs_cut_short_keep_the_step_count_of_the_trainer(tiny_bert_config, tmp_path):
+    module = Indexed(tiny_bert_config)
+    curriculum = Curriculum(duration=3, scorer=token_sum, start_fraction=0.25)
+    trainer(tmp_path, max_epochs=2, limit_train_batches=2, callbacks=[curriculum]).fit(
+        module, DataLoader(indexed_data(), batch_size=4))
+    sampler = curriculum.sampler
+    assert sampler.batches_per_epoch == 2 and sampler.step(1, 0) == 2
+    plain = CurriculumSampler(curriculum.scores, batch_size=4, duration=3, start_fraction=0.25,
+                              batches_per_epoch=2)
+    expected = []
+    for epoch in range(2):
+        plain.set_epoch(epoch)
+        expected += [[int(i) for i in b] for b in DataLoader(range(16), batch_size=4, sampler=plain)][:2]
+    assert module.seen == expected
+
+
+def fit(config, tmp_path, epochs, ckpt_path=None, duration=8, estimate=False, strategy="auto"):
+    torch.manual_seed(0)
+    module = Indexed(config, estimate=estimate)
+    curriculum = Curriculum(duration=duration, scorer="loss", start_fraction=0.25)
+    callbacks = [
+        LoRA(**LORA_ARGS), GradientNoise(eta=0.01), curriculum,
+        ModelCheckpoint(dirpath=tmp_path / "steps", filename="{step}", every_n_train_steps=3, save_top_k=-1),
+        ModelCheckpoint(dirpath=tmp_path / "epochs", filename="{epoch}", save_top_k=-1),
+    ]
+    run = trainer(tmp_path, max_epochs=epochs, enable_checkpointing=True, callbacks=callbacks,
+                  strategy=strategy)
+    run.fit(module, DataLoader(indexed_data(), batch_size=4), ckpt_path=ckpt_path)
+    return module, curriculum
+
+
+def test_a_resumed_run_continues_the_schedule_of_the_straight_run(tiny_bert_config, tmp_path):
+    straight, straight_curriculum = fit(tiny_bert_config, tmp_path / "straight", 3)
+    assert len(straight.seen) == 12
+    cases = [  # (checkpoint, batches before it, the ways the loader and the checkpoint meet)
+        ("steps/step=6.ckpt", 6, {}),  # mid-epoch 1; the loader is made after the restore
+        ("epochs/epoch=0.ckpt", 4, {"estimate": True}),  # end of epoch 0; the loader is made in between
+        # mid-epoch 0; the loader is made before the callbacks are restored
+        ("steps/step=3.ckpt", 3, {"estimate": True, "strategy": RestoreAfterSetup(torch.device("cpu"))}),
+    ]
+    for checkpoint, done, how in cases:
+        resumed, curriculum = fit(tiny_bert_config, tmp_path / f"resumed{done}", 3,
+                                  ckpt_path=tmp_path / "straight" / checkpoint, **how)
+        assert resumed.seen == straight.seen[done:], checkpoint
+        # Self-paced scores come from the checkpoint, not from the resumed (already trained) model.
+        assert torch.equal(curriculum.scores, straight_curriculum.scores)
+        for key, value in adapter_state_dict(straight.model).items():
+            assert torch.equal(adapter_state_dict(resumed.model)[key], value), (checkpoint, key)
+    state = torch.load(tmp_path / "straight" / "steps" / "step=6.ckpt", weights_only=False)["callbacks"]
+    (saved,) = [v for k, v in state.items() if k.startswith("Curriculum")]
+    assert saved["position"] == {"epoch": 1, "batches": 2}
+
+
+def test_self_paced_scores_are_the_losses_of_the_model_before_training(tiny_bert_config, tmp_path):
+    torch.manual_seed(0)
+    module = Classifier(tiny_bert_config)
+    base = {k: v.clone() for k, v in module.model.state_dict().items()}
+    curriculum = Curriculum(duration=4, scorer="loss")
+    trainer(tmp_path, max_steps=2, callbacks=[LoRA(**LORA_ARGS), curriculum]).fit(module, loader())
+
+    from transformers import BertForSequenceClassification
+
+    reference = BertForSequenceClassification(tiny_bert_config)
+    reference.load_state_dict(base)
+    expected = compute_scores(loader().dataset, LossScorer(reference, batch_size=4))
+    torch.testing.assert_close(curriculum.scores, expected, rtol=1e-5, atol=1e-6)  # LoRA starts as identity
+
+
+def test_a_teacher_directory_scores_by_its_loss(tiny_bert_config, tmp_path):
+    """Transfer scoring: a trained model saved with save_pretrained (as MergeOnSave's merged/) ranks the data."""
+    from transformers import BertForSequenceClassification
+
+    torch.manual_seed(5)
+    teacher = BertForSequenceClassification(tiny_bert_config)
+    teacher.save_pretrained(tmp_path / "teacher")
+    curriculum = Curriculum(duration=4, scorer="loss", teacher=str(tmp_path / "teacher"))
+    trainer(tmp_path, max_steps=2, callbacks=[LoRA(**LORA_ARGS), curriculum]).fit(Classifier(tiny_bert_config), loader())
+    expected = compute_scores(loader().dataset, LossScorer(teacher, batch_size=4))
+    torch.testing.assert_close(curriculum.scores, expected, rtol=1e-5, atol=1e-6)
+    for directory, match in ((tmp_path, "not a Hugging Face sequence classifier directory"),
+                             (tmp_path / "missing", "no such directory; give a directory written by save_pretrained")):
+        module = Classifier(tiny_bert_config)
+        before = {k: v.clone() for k, v in module.state_dict().items()}
+        with pytest.raises(ValueError, match=rf"Curriculum\(teacher='{directory}'\): {match}"):
+            trainer(tmp_path, max_steps=1, callbacks=[Curriculum(duration=4, scorer="loss", teacher=str(directory))]
+                    ).fit(module, loader())
+        assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())  # failed before training
+
+
+def test_resuming_with_other_curriculum_settings_or_other_data_is_refused(tiny_bert_config, tmp_path):
+    fit(tiny_bert_config, tmp_path / "first", 1)
+    curriculum = Curriculum(duration=8, scorer="loss", start_fraction=0.25)
+    callbacks = [LoRA(**LORA_ARGS), GradientNoise(eta=0.01), curriculum]
+    match = (r"Curriculum: the checkpoint holds the scores of 16 samples, but the train dataset has 12; "
+             r"resume with the data of the checkpoint's run")
+    with pytest.raises(ValueError, match=match):
+        trainer(tmp_path / "other", max_epochs=2, callbacks=callbacks).fit(
+            Indexed(tiny_bert_config), DataLoader(indexed_data(12), batch_size=4),
+            ckpt_path=tmp_path / "first" / "epochs" / "epoch=0.ckpt")
+    match = (r"Curriculum: the checkpoint was trained with \{'duration': 8, 'scorer': 'loss', .*\}; this run "
+             r"has \{'duration': 9, .*Resume with the checkpoint's settings, or start a new run without "
+             r"ckpt_path\.")
+    with pytest.raises(ValueError, match=match):
+        fit(tiny_bert_config, tmp_path / "again", 2, ckpt_path=tmp_path / "first" / "epochs" / "epoch=0.ckpt",
+            duration=9)
+
+
+class Lengths(pl.LightningDataModule):
+    """Dict batches of (B, 16) token tensors; sample i has 2 + (7 * i) % 15 real tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.items = []
+        for i in range(16):
+            real = 2 + (7 * i) % 15
+            mask = torch.zeros(16, dtype=torch.long)
+            mask[:real] = 1
+            self.items.append({"input_ids": torch.arange(16) * mask, "attention_mask": mask,
+                               "labels": torch.tensor(i % 2), "index": torch.tensor(i)})
+
+    def train_dataloader(self):
+        return DataLoader(self.items, batch_size=4)
+
+
+class Bag(pl.LightningModule):
+    """Mean of token embeddings -> 2 classes; records each batch's sequence length and indices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(16, 4), nn.Linear(4, 2)
+        self.lengths: list[int] = []
+        self.seen: list[list[int]] = []
+
+    def training_step(self, batch, batch_idx):
+        self.lengths.append(batch["input_ids"].shape[1])
+        self.seen.append(batch["index"].tolist())
+        mask = batch["attention_mask"].unsqueeze(-1)  # (B, T, 1)
+        pooled = (self.embed(batch["input_ids"]) * mask).sum(1) / mask.sum(1)  # (B, 4)
+        return nn.functional.cross_entropy(self.head(pooled), batch["labels"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_length_scores_and_the_sequence_length_warmup_on_dict_batches_from_a_datamodule(tmp_path):
+    module, data = Bag(), Lengths()
+    curriculum = Curriculum(duration=4, scorer="length", start_fraction=0.25, length_warmup_steps=4,
+                            min_length=4, max_length=16)
+    run = trainer(tmp_path, max_epochs=2, callbacks=[curriculum])
+    run.fit(module, datamodule=data)
+    assert module.lengths == [warmup_length(t, 4, 16, 4) for t in range(8)] == [4, 4, 4, 12, 16, 16, 16, 16]
+    lengths = [int(item["attention_mask"].sum()) for item in data.items]
+    assert curriculum.scores.tolist() == lengths
+    shortest = sorted(range(16), key=lambda i: (lengths[i], i))[:4]
+    assert set(module.seen[0]) <= set(shortest)
+    assert run.callback_metrics["sequence_length"] == 16.0
+    assert "dataloader" not in vars(run.fit_loop._data_source)  # teardown put Lightning's own method back
+
+
+def test_the_warmup_needs_dict_batches(tiny_bert_config, tmp_path):
+    curriculum = Curriculum(duration=4, scorer=token_sum, length_warmup_steps=4)
+    with pytest.raises(TypeError, match=r"Curriculum\(length_warmup_steps=4\): the batch is a list; the "
+                                        r"sequence-length warm-up needs dict batches of \(B, T\) tensors"):
+        trainer(tmp_path, max_steps=1, callbacks=[curriculum]).fit(
+            Indexed(tiny_bert_config), DataLoader(indexed_data(), batch_size=4))
+
+
+def test_the_length_scorer_needs_token_ids(tiny_bert_config, tmp_path):
+    run = trainer(tmp_path, max_steps=1, callbacks=[Curriculum(duration=4)])
+    with pytest.raises(TypeError, match=r"LengthScorer\(key='input_ids'\): a sample of type tuple has no "):
+        run.fit(Classifier(tiny_bert_config), loader())
+
+
+@pytest.mark.parametrize(("train", "error", "match"), [
+    (lambda: [loader(), loader()], TypeError,
+     (r"Curriculum: the train dataloader is a list; it must be one torch DataLoader \(not a list or dict of "
+      r"them")),
+    (lambda: DataLoader(loader().dataset, batch_sampler=BatchSampler(SequentialSampler(range(16)), 4, False)),
+     TypeError, (r"Curriculum: the train DataLoader must have a map-style dataset and a batch_size, not an "
+                 r"IterableDataset or a custom batch_sampler")),
+])
+def test_loaders_whose_sampler_cannot_be_replaced_are_refused(tiny_bert_config, tmp_path, train, error,
+                                                                match):
+    with pytest.raises(error, match=match):
+        trainer(tmp_path, max_steps=1, callbacks=[Curriculum(duration=4, scorer=token_sum)]).fit(
+            Classifier(tiny_bert_config), train())
+
+
+def test_a_trainer_without_the_loader_request_it_wraps_is_reported(tiny_bert_config, tmp_path):
+    run = trainer(tmp_path, max_steps=1, callbacks=[Curriculum(duration=4, scorer=token_sum)])
+    run.fit_loop._data_source = types.SimpleNamespace()  # as if a future Lightning had renamed it
+    with pytest.raises(RuntimeError, match=r"Curriculum: this Lightning version \(2\.\d+\.\d+\S*\) has no "
+                                           r"trainer\.fit_loop\._data_source\.dataloader, through which the "
+                                           r"callback replaces the train sampler"):
+        run.fit(Indexed(tiny_bert_config), DataLoader(indexed_data(), batch_size=4))
+
+
+def test_a_dotted_path_names_the_scorer():
+    curriculum = Curriculum(duration=4, scorer="tests.callbacks.test_curriculum.token_sum")
+    assert curriculum.scoring_function is token_sum
+    assert Curriculum(duration=4, scorer=token_sum).scorer == "tests.callbacks.test_curriculum.token_sum"
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"pacing": "cosine"}, ValueError,
+     r"Curriculum\(pacing='cosine'\): unknown pacing; choose one of 'linear', 'root', 'step', 'exponential'"),
+    ({"start_fraction": 0.0}, ValueError,
+     r"Curriculum\(start_fraction=0\.0\): start_fraction must be in \(0, 1\]"),
+    ({"duration": 0}, ValueError, r"Curriculum\(duration=0\): duration must be an integer >= 1"),
+    ({"stairs": 1.5}, TypeError, r"Curriculum\(stairs=1\.5\): stairs must be an integer >= 1"),
+    ({"seed": -1}, ValueError, r"Curriculum\(seed=-1\): seed must be an integer >= 0"),
+    ({"seed": "0"}, TypeError, r"Curriculum\(seed='0'\): seed must be an integer >= 0"),
+    ({"length_warmup_steps": -1}, ValueError,
+     r"Curriculum\(length_warmup_steps=-1\): it must be >= 0 \(0 turns the warm-up off\)"),
+    ({"length_warmup_steps": 2.0}, TypeError,
+     r"Curriculum\(length_warmup_steps=2\.0\): it must be an integer >= 0"),
+    ({"length_warmup_steps": 4, "min_length": 64, "max_length": 32}, ValueError,
+     r"Curriculum\(min_length=64, max_length=32\): min_length must be <= max_length"),
+    ({"scorer": "no_such_module.score"}, ValueError,
+     (r"Curriculum\(scorer='no_such_module\.score'\): cannot import it \(ModuleNotFoundError: No module "
+      r"named 'no_such_module'\); use 'length', 'loss', or the dotted path of a function sample -> float")),
+    ({"scorer": "lenght"}, ValueError,
+     r"Curriculum\(scorer='lenght'\): not 'length' or 'loss', nor the dotted path"),
+    ({"scorer": "math.pi"}, ValueError,
+     r"Curriculum\(scorer='math\.pi'\): not 'length' or 'loss', nor the dotted path of a function"),
+    ({"scorer": "length", "teacher": "."}, ValueError,
+     r"Curriculum\(scorer='length', teacher='\.'\): a teacher scores by its loss; set scorer='loss'"),
+    ({"scorer": 3}, TypeError,
+     r"Curriculum\(scorer=3\): scorer must be 'length', 'loss', a function sample -> float"),
+])
+def test_bad_settings_fail_when_the_callback_is_made(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Curriculum(**{"duration": 4, **kwargs})
