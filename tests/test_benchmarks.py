@@ -60,5 +60,6 @@ def test_bench_training_runs_and_reports_the_overhead_ratio(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["measurement"] for r in rows] == [
         "LoRA step with GradientNoise / without", "LoRA step with LayerwiseLRDecay groups / one group",
-        "Trainer, 2 micro-batches per step: GradientAccumulation / accumulate_grad_batches"]
+        "Trainer, 2 micro-batches per step: GradientAccumulation / accumulate_grad_batches",
+        "Trainer, 1 batch per step: Curriculum / random order"]
     assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 and r["goal"] == 1.03 for r in rows)

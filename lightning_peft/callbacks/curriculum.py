@@ -47,6 +47,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_peft.callbacks._target import resolve_target
+from lightning_peft.callbacks.gradient_accumulation import GradientAccumulation
 from lightning_peft.training.curriculum import (
     CurriculumSampler,
     LengthScorer,
@@ -154,6 +155,7 @@ class Curriculum(Callback):
                 "dataloader, through which the callback replaces the train sampler; use Lightning 2.x "
                 "(tested: 2.6)."
             )
+        _check_constant_accumulation(trainer)
         original = source.dataloader
         self._trainer, self._source = trainer, source
         self.scores, self.sampler, self._loader = None, None, None
@@ -161,9 +163,13 @@ class Curriculum(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and self._source is not None and "dataloader" in vars(self._source):
+        if self._source is not None and "dataloader" in vars(self._source):
             del self._source.dataloader  # the class's method again
         self._source = None
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")  # Lightning skips teardown hooks after an exception
 
     def _curriculum_loader(
         self, loader: object, trainer: pl.Trainer, pl_module: pl.LightningModule
@@ -357,6 +363,18 @@ def _limited_batches(batches: int, limit: float) -> int:
     if isinstance(limit, int):
         return max(1, min(batches, limit))
     return max(1, int(batches * limit))
+
+
+def _check_constant_accumulation(trainer: pl.Trainer) -> None:
+    """Raises if a ``GradientAccumulation`` schedule changes the count: the pacing maps batches to steps with one."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        schedule = getattr(callback, "schedule", None)
+        if isinstance(callback, GradientAccumulation) and schedule is not None and not schedule.is_constant:
+            raise ValueError(
+                f"Curriculum: GradientAccumulation(schedule={schedule.schedule}) changes the number of micro-batches "
+                "per optimizer step, but the curriculum paces by optimizer step with one count; use a constant "
+                "count with it (schedule=K or global_batch_size=...)."
+            )
 
 
 def _check_teacher(teacher: object, scorer: object) -> None:

@@ -105,6 +105,10 @@ class LayerwiseLRDecay(Callback):
         else:  # it was set on the instance (LightningCLI does that): put it back
             pl_module.configure_optimizers = saved[0]
 
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")  # Lightning skips teardown hooks after an exception
+
     def _depths(self, pl_module: pl.LightningModule) -> tuple[dict[int, str], dict[str, int], int]:
         prefix, model = resolve_target(pl_module, self.model_attribute, "LayerwiseLRDecay")
         depths, num_layers = layer_depths(model, self.layer_patterns, self.embedding_patterns, "LayerwiseLRDecay")

@@ -85,6 +85,7 @@ def test_one_cycle_with_a_scalar_max_lr_is_stopped_before_the_first_step(tiny_be
                                            r"optimizer\.param_groups\]"):
         trainer(tmp_path, max_steps=3, callbacks=[LayerwiseLRDecay(decay=0.5)]).fit(module, loader())
     assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())  # nothing trained
+    assert "configure_optimizers" not in module.__dict__  # the failed fit left no wrapper behind
     trainer(tmp_path, max_steps=3, callbacks=[LayerwiseLRDecay(decay=0.5)]).fit(
         OneCycle(tiny_bert_config, per_group=True), loader())  # the per-group form works
 
