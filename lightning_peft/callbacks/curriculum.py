@@ -41,7 +41,7 @@ from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
@@ -181,10 +181,12 @@ class Curriculum(Callback):
                 "replaces."
             )
         if loader.batch_size is None or isinstance(loader.dataset, IterableDataset):
+            given = (f"an IterableDataset ({type(loader.dataset).__name__})" if isinstance(loader.dataset, IterableDataset)
+                     else f"a custom batch_sampler ({type(loader.batch_sampler).__name__}) and batch_size=None")
             raise TypeError(
-                "Curriculum: the train DataLoader must have a map-style dataset and a batch_size, not an "
-                "IterableDataset or a custom batch_sampler: the curriculum sampler chooses each batch's "
-                "samples."
+                f"Curriculum: the train DataLoader has {given}; it must have a map-style dataset and a batch_size, "
+                "because the curriculum sampler chooses each batch's samples. Give the DataLoader a map-style "
+                "dataset and batch_size=..., or remove the Curriculum callback."
             )
         scores = self._scores(loader, trainer, pl_module)
         sampler = self._make_sampler(scores, loader, trainer)
@@ -239,7 +241,7 @@ class Curriculum(Callback):
             "batch_size": loader.batch_size, "duration": self.duration, "pacing": self.pacing,
             "start_fraction": self.start_fraction, "stairs": self.stairs, "seed": self.seed,
             "num_replicas": trainer.world_size, "rank": trainer.global_rank, "drop_last": loader.drop_last,
-            "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            "accumulate_grad_batches": _accumulation_count(trainer, loader.batch_size),
         }
         sampler = CurriculumSampler(scores, **settings)
         limited = _limited_batches(sampler.full_batches, trainer.limit_train_batches)
@@ -366,7 +368,7 @@ def _limited_batches(batches: int, limit: float) -> int:
 
 
 def _check_constant_accumulation(trainer: pl.Trainer) -> None:
-    """Raises if a ``GradientAccumulation`` schedule changes the count: the pacing maps batches to steps with one."""
+    """Raises if the accumulation count can change: the pacing maps batches to optimizer steps with one count."""
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         schedule = getattr(callback, "schedule", None)
         if isinstance(callback, GradientAccumulation) and schedule is not None and not schedule.is_constant:
@@ -375,6 +377,26 @@ def _check_constant_accumulation(trainer: pl.Trainer) -> None:
                 "per optimizer step, but the curriculum paces by optimizer step with one count; use a constant "
                 "count with it (schedule=K or global_batch_size=...)."
             )
+        if isinstance(callback, GradientAccumulationScheduler):
+            raise ValueError(
+                f"Curriculum: GradientAccumulationScheduler(scheduling={callback.scheduling}) changes the number of "
+                "micro-batches per optimizer step between epochs, but the curriculum paces by optimizer step with "
+                "one count; use Trainer(accumulate_grad_batches=K) or GradientAccumulation(global_batch_size=...)."
+            )
+
+
+def _accumulation_count(trainer: pl.Trainer, micro_batch_size: int) -> int:
+    """Micro-batches per optimizer step: a ``GradientAccumulation`` callback's constant count, else the trainer's.
+
+    (While ``GradientAccumulation`` runs, ``trainer.accumulate_grad_batches`` holds the current window's length,
+    which at an epoch's end is shorter; its own count is the one to pace by.)
+    """
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, GradientAccumulation):
+            count = callback.count_for(micro_batch_size, trainer.world_size)
+            if count is not None:
+                return count
+    return trainer.accumulate_grad_batches
 
 
 def _check_teacher(teacher: object, scorer: object) -> None:

@@ -77,7 +77,7 @@ class GradientAccumulation(Callback):
             raise ValueError(f"GradientAccumulation(global_batch_size={global_batch_size}): must be >= 1.")
         self.global_batch_size = global_batch_size
         self.log_count = log
-        self._active: AccumulationSchedule | None = self.schedule  # target mode: derived in setup
+        self._active: AccumulationSchedule | None = self.schedule  # target mode: derived from the loader
         # (epoch, batch, step): a window of `epoch` starts at micro-batch `batch` and produces optimizer step `step`.
         self._anchor: tuple[int, int, int] | None = None
         self._patched: list[tuple[object, str, object]] = []
@@ -88,30 +88,79 @@ class GradientAccumulation(Callback):
         if stage != "fit":
             return
         self._check_conflicts(trainer, pl_module)
+        strategy = trainer.strategy
+        self._saved_count = trainer.accumulate_grad_batches
         if self.global_batch_size is not None:
-            micro = _micro_batch_size(trainer, self.global_batch_size)
-            self._active = AccumulationSchedule.for_global_batch(
-                self.global_batch_size, micro, trainer.world_size, who="GradientAccumulation"
-            )
-            rank_zero_info(
-                f"GradientAccumulation: global batch {self.global_batch_size} = micro-batch {micro} x "
-                f"{trainer.world_size} device(s) x {self._active.min_count} accumulated micro-batches."
-            )
+            self._active = None
+            if strategy.handles_gradient_accumulation:  # it reads the count in its own setup: derive it now
+                self._derive(trainer, _micro_batch_size(trainer, self.global_batch_size))
+            else:  # when Lightning first asks for the train loader (after the LightningModule's own setup)
+                self._derive_on_first_request(trainer)
+                self._take_over_window_decisions(trainer)
+                return
         schedule = self._active
         assert schedule is not None
-        strategy = trainer.strategy
         if strategy.handles_gradient_accumulation and not schedule.is_constant:
             raise RuntimeError(
                 f"GradientAccumulation(schedule={schedule.schedule}): {type(strategy).__name__} accumulates "
                 "gradients itself and reads the count once, at setup, so it cannot change during a run. Use a "
                 "constant count (schedule=K or global_batch_size=...) with this strategy."
             )
-        self._saved_count = trainer.accumulate_grad_batches
         # Set before configure_optimizers: trainer.estimated_stepping_batches is then exact for a constant count
         # and, with the smallest count of a changing schedule, an upper bound (a OneCycleLR never runs past it).
         trainer.accumulate_grad_batches = schedule.min_count
         if not strategy.handles_gradient_accumulation:  # such a strategy (DeepSpeed) reads the count in its setup
             self._take_over_window_decisions(trainer)
+
+    @property
+    def count(self) -> int | None:
+        """The constant number of micro-batches per optimizer step; None for a changing schedule, or before a
+        target global batch has been turned into a count."""
+        return self._active.min_count if self._active is not None and self._active.is_constant else None
+
+    def count_for(self, micro_batch_size: int, world_size: int) -> int | None:
+        """The constant count this callback uses with loaders of ``micro_batch_size`` on ``world_size`` devices."""
+        if self.global_batch_size is None:
+            return self.count
+        return AccumulationSchedule.for_global_batch(
+            self.global_batch_size, micro_batch_size, world_size, who="GradientAccumulation").min_count
+
+    def _derive(self, trainer: pl.Trainer, micro: int) -> None:
+        assert self.global_batch_size is not None
+        self._active = AccumulationSchedule.for_global_batch(
+            self.global_batch_size, micro, trainer.world_size, who="GradientAccumulation"
+        )
+        # Before estimated_stepping_batches reads it: exact for the user's learning-rate schedule.
+        trainer.accumulate_grad_batches = self._active.min_count
+        rank_zero_info(
+            f"GradientAccumulation: global batch {self.global_batch_size} = micro-batch {micro} x "
+            f"{trainer.world_size} device(s) x {self._active.min_count} accumulated micro-batches."
+        )
+
+    def _derive_on_first_request(self, trainer: pl.Trainer) -> None:
+        """Wraps the one call through which Lightning asks for the train loader, to read its batch size.
+
+        Lightning asks in ``setup_data``: from ``trainer.estimated_stepping_batches`` (in ``configure_optimizers``)
+        or at the start of the fit loop, in both cases after the LightningModule's ``setup`` (which may build the
+        data) and before the first step. Calling the loader here in ``setup`` instead would run before the
+        module's ``setup``, and would build it before a checkpoint's callback states are restored.
+        """
+        source = getattr(trainer.fit_loop, "_data_source", None)
+        if not callable(getattr(source, "dataloader", None)):
+            raise RuntimeError(
+                f"GradientAccumulation(global_batch_size={self.global_batch_size}): this Lightning version "
+                f"({pl.__version__}) has no trainer.fit_loop._data_source.dataloader, through which the callback "
+                "reads the micro-batch size; use schedule=K with K = global batch / (micro-batch size x devices)."
+            )
+        original = source.dataloader
+
+        def dataloader() -> Any:
+            loader = original()
+            if self._active is None:
+                self._derive(trainer, _loader_batch_size(loader, self.global_batch_size))
+            return loader
+
+        self._patch(source, "dataloader", dataloader)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -166,6 +215,8 @@ class GradientAccumulation(Callback):
         ours = [c for c in trainer.callbacks if isinstance(c, GradientAccumulation)]  # type: ignore[attr-defined]
         if not ours:
             return trainer.estimated_stepping_batches
+        if ours[0]._active is None and trainer.train_dataloader is None:
+            trainer.fit_loop.setup_data()  # asks for the loader, which derives a target global batch's count
         schedule = ours[0]._active
         if schedule is None:
             raise RuntimeError(
@@ -310,6 +361,11 @@ def _micro_batch_size(trainer: pl.Trainer, global_batch_size: int) -> int:
                 "to read the micro-batch size from; pass one to fit."
             )
         loader = source.dataloader()
+    return _loader_batch_size(loader, global_batch_size)
+
+
+def _loader_batch_size(loader: Any, global_batch_size: int) -> int:
+    """The loader's fixed ``batch_size`` (or its batch sampler's)."""
     size = getattr(loader, "batch_size", None)
     if size is None:
         size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)

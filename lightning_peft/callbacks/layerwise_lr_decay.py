@@ -65,7 +65,10 @@ class LayerwiseLRDecay(Callback):
         log: bool = True,
     ) -> None:
         check_decay(decay, "LayerwiseLRDecay")
-        if bias_and_norm_weight_decay is not None and not bias_and_norm_weight_decay >= 0:
+        if bias_and_norm_weight_decay is not None and (
+            isinstance(bias_and_norm_weight_decay, bool) or not isinstance(bias_and_norm_weight_decay, float | int)
+            or not bias_and_norm_weight_decay >= 0
+        ):
             raise ValueError(f"LayerwiseLRDecay(bias_and_norm_weight_decay={bias_and_norm_weight_decay!r}): must be "
                              ">= 0, or None to keep the optimizer's.")
         self.decay, self.layer_patterns, self.embedding_patterns = decay, layer_patterns, embedding_patterns
@@ -178,7 +181,29 @@ class LayerwiseLRDecay(Callback):
                 "configure_optimizers, so no learning rate was decayed; build the optimizer there (or in "
                 "LightningCLI's optimizer: section)."
             )
+        self._fit_plateau_schedulers(trainer)
         self._check(trainer)
+
+    def _fit_plateau_schedulers(self, trainer: pl.Trainer) -> None:
+        """Makes ``ReduceLROnPlateau`` keep the ratios: per-group ``min_lr`` scaled, and ``eps = 0``.
+
+        Plateau clamps every group at ``min_lr`` (one value unless given per group) and skips a group's cut when it
+        is below ``eps``; both hit the decayed groups earlier than the top one. A scaled ``min_lr`` clamps all
+        groups at the same moment, and without ``eps`` no group skips a cut the others make. (Idempotent, so a
+        resumed run, whose scheduler state already holds the scaled values, is left as it is.)
+        """
+        for config in trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            entries = self._groups.get(id(getattr(scheduler, "optimizer", None)))
+            if not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) or not entries:
+                continue
+            scheduler.eps = 0.0
+            for origin in {entry[1] for entry in entries if entry is not None}:
+                members = [(i, entry[0]) for i, entry in enumerate(entries) if entry is not None and entry[1] == origin]
+                floors = [scheduler.min_lrs[i] for i, _ in members]
+                if all(math.isclose(f, floors[0], rel_tol=1e-9, abs_tol=0.0) for f in floors):  # one min_lr: scale it
+                    for i, scale in members:
+                        scheduler.min_lrs[i] = floors[0] * scale
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
@@ -230,7 +255,8 @@ def _broken_message(trainer: pl.Trainer, optimizer: Optimizer, first: tuple[floa
         f"{type(optimizer).__name__} so that {first[1]} and {other[1]} no longer differ by the decay (undecayed "
         f"rates {first[0]:.6g} and {other[0]:.6g}), which undoes layer-wise decay. A scheduler must scale each "
         "group's own lr (LambdaLR, LinearLR, CosineAnnealingLR do); for OneCycleLR pass "
-        "max_lr=[group['lr'] for group in optimizer.param_groups]."
+        "max_lr=[group['lr'] for group in optimizer.param_groups]; ReduceLROnPlateau is adjusted by the callback "
+        "unless given a per-group min_lr list that breaks the ratios."
     )
 
 

@@ -449,12 +449,49 @@ def _fingerprint(scorer: Any) -> str:
         digest = hashlib.blake2b(digest_size=16)
         _feed_code(digest, code)
         defaults = getattr(scorer, "__defaults__", None)
+        # What the code reads besides its arguments: closure cells and the module globals it names. Plain data is
+        # keyed by value (a threshold captured by a closure, a MAX_LEN constant); anything else by its type only.
+        cells = [_data_key(cell.cell_contents) for cell in (getattr(scorer, "__closure__", None) or ())
+                 if _cell_is_set(cell)]
+        names = _code_names(code)
+        module_globals = getattr(scorer, "__globals__", {})
+        reads = sorted((name, _data_key(module_globals[name])) for name in names if name in module_globals)
+        digest.update(repr((cells, reads)).encode())
         return f"{scorer.__module__}.{scorer.__qualname__}:{digest.hexdigest()}:{defaults!r}"
     raise TypeError(
         f"compute_scores: cannot key the score cache by {_name(scorer)}, a {type(scorer).__name__} without a "
         "fingerprint; give it a fingerprint() method returning a string that changes when its scores would, "
         "use a plain function, or pass cache_dir=None."
     )
+
+
+def _data_key(value: Any) -> str:
+    """``repr`` for plain data (numbers, strings, bytes, None, and tuples, lists, sets and dicts of them); the type
+    for anything else (a module, a function, an object), whose state cannot be keyed reliably."""
+    if value is None or isinstance(value, bool | int | float | complex | str | bytes):
+        return repr(value)
+    if isinstance(value, tuple | list | frozenset | set):
+        items = [_data_key(v) for v in value]
+        return f"{type(value).__name__}({sorted(items) if isinstance(value, frozenset | set) else items})"
+    if isinstance(value, dict):
+        return f"dict({sorted((_data_key(k), _data_key(v)) for k, v in value.items())})"
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+
+def _cell_is_set(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
+def _code_names(code: CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, CodeType):
+            names |= _code_names(const)
+    return names
 
 
 def _feed_code(digest: Any, code: CodeType) -> None:

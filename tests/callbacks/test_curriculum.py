@@ -309,8 +309,8 @@ def test_the_length_scorer_needs_token_ids(tiny_bert_config, tmp_path):
      (r"Curriculum: the train dataloader is a list; it must be one torch DataLoader \(not a list or dict of "
       r"them")),
     (lambda: DataLoader(loader().dataset, batch_sampler=BatchSampler(SequentialSampler(range(16)), 4, False)),
-     TypeError, (r"Curriculum: the train DataLoader must have a map-style dataset and a batch_size, not an "
-                 r"IterableDataset or a custom batch_sampler")),
+     TypeError, (r"Curriculum: the train DataLoader has a custom batch_sampler \(BatchSampler\) and "
+                 r"batch_size=None; it must have a map-style dataset and a batch_size")),
 ])
 def test_loaders_whose_sampler_cannot_be_replaced_are_refused(tiny_bert_config, tmp_path, train, error,
                                                                 match):

@@ -208,3 +208,27 @@ def test_lora_refuses_an_optimizer_built_before_its_adapters(tiny_bert_config, t
                                            r"\(bert\.encoder\.layer\.0\.attention\.self\.query\.lora_A\.weight, \.\.\.\)"
                                            r": it was built before LoRA injected its adapters"):
         trainer(tmp_path, max_steps=1, callbacks=[LoRA(**LORA_ARGS)]).fit(module, loader())
+
+
+class Plateau(Classifier):
+    """ReduceLROnPlateau on a metric that never improves: a cut at every step, down to min_lr."""
+
+    def training_step(self, batch, batch_idx):
+        self.log("flat", 1.0)
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.1, patience=0, min_lr=1e-4)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "monitor": "flat", "interval": "step"}}
+
+
+def test_reduce_on_plateau_keeps_the_ratios_down_to_a_scaled_min_lr(tiny_bert_config, tmp_path):
+    module = Plateau(tiny_bert_config)
+    trainer(tmp_path, max_steps=6, callbacks=[LayerwiseLRDecay(decay=0.5)]).fit(module, loader())
+    groups = module.trainer.optimizers[0].param_groups
+    lrs = {name: g["lr"] for g in groups for name in g["names"]}
+    # L = 2: embeddings x 1/8, layer 0 x 1/4, layer 1 x 1/2, head x 1; 0.1 cut to 1e-4 after three steps, then held.
+    assert lrs["classifier.weight"] == pytest.approx(1e-4)
+    assert lrs["bert.encoder.layer.0.output.dense.weight"] == pytest.approx(1e-4 / 4)
+    assert lrs["bert.embeddings.word_embeddings.weight"] == pytest.approx(1e-4 / 8)

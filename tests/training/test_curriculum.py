@@ -313,6 +313,29 @@ def test_functions_are_keyed_by_name_code_and_bound_arguments(tmp_path):
     assert len(list(tmp_path.iterdir())) == 2
 
 
+MAX_TOKEN = 10
+
+
+def capped(sample):
+    return float(min(sample["input_ids"][0], MAX_TOKEN))
+
+
+def threshold_scorer(limit):
+    def score(sample):
+        return float(sample["input_ids"][0] > limit)
+
+    return score
+
+
+def test_what_a_function_reads_besides_its_argument_is_in_the_key(monkeypatch):
+    fingerprint = curriculum._fingerprint
+    assert fingerprint(threshold_scorer(1)) == fingerprint(threshold_scorer(1))
+    assert fingerprint(threshold_scorer(1)) != fingerprint(threshold_scorer(100))  # the captured value
+    before = fingerprint(capped)
+    monkeypatch.setitem(capped.__globals__, "MAX_TOKEN", 3)
+    assert fingerprint(capped) != before  # the module-level constant it reads
+
+
 def test_an_interrupted_cache_write_leaves_no_file(tmp_path, monkeypatch):
     def crash(obj, path):
         with open(path, "wb") as file:
