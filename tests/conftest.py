@@ -24,3 +24,13 @@ def tiny_bert_config():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _environment():
+    """Undo what a test leaves in os.environ: LightningCLI's seed_everything sets PL_GLOBAL_SEED, which the DDP
+    tests' subprocesses would inherit (and reseed with, after the model is built)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
