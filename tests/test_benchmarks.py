@@ -54,7 +54,7 @@ def test_bench_training_runs_and_reports_the_overhead_ratio(tmp_path):
     out = tmp_path / "bench.json"
     script = SCRIPT.with_name("bench_training.py")
     args = ["--batch-size", "2", "--seq-len", "8", "--repeats", "1", "--steps", "1", "--warmup", "0",
-            "--trainer-repeats", "1", "--trainer-steps", "1", "--json", str(out)]
+            "--trainer-repeats", "1", "--trainer-steps", "1", "--tiny-steps", "2", "--json", str(out)]
     result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
@@ -63,3 +63,6 @@ def test_bench_training_runs_and_reports_the_overhead_ratio(tmp_path):
         "Trainer, 2 micro-batches per step: GradientAccumulation / accumulate_grad_batches",
         "Trainer, 1 batch per step: Curriculum / random order"]
     assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 and r["goal"] == 1.03 for r in rows)
+    tiny = json.loads(out.read_text())["tiny"]["rows"]
+    assert [r["measurement"] for r in tiny] == ["tiny model: GradientAccumulation / accumulate_grad_batches",
+                                                "tiny model: Curriculum / random order"]
