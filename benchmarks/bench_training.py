@@ -6,7 +6,8 @@ run: the contenders alternate inside every repeat (the first one rotates), media
 
 - gradient noise: what ``callbacks.GradientNoise`` does at every optimizer step, i.e. build the list of
   trainable parameters, seed a generator for the step and ``training.add_gradient_noise`` on every gradient.
-- layer-wise LR decay: AdamW over the depth groups of ``training.layerwise_lr_groups`` (7 depths x decayed or not,
+- layer-wise LR decay: AdamW over the depth groups of ``training.layerwise_lr_groups`` (one per depth with a trainable
+  parameter, split into decayed or not,
   against the plain step's one group), plus the ratio check ``callbacks.LayerwiseLRDecay`` runs before every
   optimizer step.
 
