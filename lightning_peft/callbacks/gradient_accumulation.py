@@ -98,8 +98,7 @@ class GradientAccumulation(Callback):
                 self._derive_on_first_request(trainer)
                 self._take_over_window_decisions(trainer)
                 return
-        schedule = self._active
-        assert schedule is not None
+        schedule = self._schedule()
         if strategy.handles_gradient_accumulation and not schedule.is_constant:
             raise RuntimeError(
                 f"GradientAccumulation(schedule={schedule.schedule}): {type(strategy).__name__} accumulates "
@@ -125,10 +124,18 @@ class GradientAccumulation(Callback):
         return AccumulationSchedule.for_global_batch(
             self.global_batch_size, micro_batch_size, world_size, who="GradientAccumulation").min_count
 
+    def _schedule(self) -> AccumulationSchedule:
+        """The schedule in use; for a target global batch, known once Lightning has asked for the train loader."""
+        if self._active is None:
+            raise RuntimeError(
+                f"GradientAccumulation(global_batch_size={self.global_batch_size}): the count is derived from the "
+                "train loader's batch size when Lightning first asks for the loader, which has not happened yet."
+            )
+        return self._active
+
     def _derive(self, trainer: pl.Trainer, micro: int) -> None:
-        assert self.global_batch_size is not None
         self._active = AccumulationSchedule.for_global_batch(
-            self.global_batch_size, micro, trainer.world_size, who="GradientAccumulation"
+            int(self.global_batch_size or 0), micro, trainer.world_size, who="GradientAccumulation"
         )
         # Before estimated_stepping_batches reads it: exact for the user's learning-rate schedule.
         trainer.accumulate_grad_batches = self._active.min_count
@@ -164,8 +171,7 @@ class GradientAccumulation(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        assert self._active is not None
-        if not self._active.is_constant:
+        if not self._schedule().is_constant:
             rank_zero_info(
                 f"GradientAccumulation: the schedule {self._active.schedule} gives {self.total_steps(trainer)} "
                 f"optimizer steps in this run; trainer.estimated_stepping_batches "
@@ -327,9 +333,8 @@ class GradientAccumulation(Callback):
             if not anchor:
                 return None
             self._anchor = (epoch, batch, trainer.global_step)
-        assert self._active is not None
         _, first, step = self._anchor
-        window = self._active.window_at(batch - first, trainer.num_training_batches - first, step)
+        window = self._schedule().window_at(batch - first, trainer.num_training_batches - first, step)
         return Window(window.start + first, window.size, window.step)
 
     def _patch(self, owner: object, name: str, value: object) -> None:
