@@ -200,7 +200,7 @@ def make_adapters_identical(ours: nn.Module, theirs: nn.Module, seed: int) -> No
     """Give our B a non-zero value, then copy every trainable parameter of ours into PEFT."""
     generator = torch.Generator().manual_seed(seed)
     for layer in lora_layers(ours).values():
-        b = layer.lora_B.weight  # (out, r)
+        b = layer.lora_B["default"].weight  # (out, r)
         b.copy_(torch.randn(b.shape, generator=generator, dtype=b.dtype) * B_INIT_STD)
     for mine, their in pair_parameters(ours, theirs).values():
         their.copy_(mine)

@@ -18,7 +18,7 @@ model = torch.nn.Sequential(torch.nn.Linear(4, 4))
 p.inject_lora(model, rank=2, target_modules=['0'])
 p.merge_lora(model)
 import lightning_peft.training as t
-model[0].lora_A.weight.grad = torch.zeros(2, 4)
+model[0].lora_A["default"].weight.grad = torch.zeros(2, 4)
 t.add_gradient_noise(model.parameters(), 0, 0.1)
 assert t.AccumulationSchedule({0: 1, 3: 4}).windows(10) == [1, 1, 1, 4, 3]
 assert len(list(t.CurriculumSampler([2.0, 1.0, 0.0], batch_size=1, duration=2))) == 3

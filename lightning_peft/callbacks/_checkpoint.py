@@ -97,19 +97,33 @@ def check_same_adapters(saved: dict[str, Any], pl_module: nn.Module, who: str) -
 
 
 def _meaning(config: dict) -> dict:
-    """What must match to resume: everything but settings that only steer training (LoRA's dropout, init)."""
-    inner = {k: v for k, v in config.get("config", {}).items() if k not in TRAINING_ONLY}
-    return {**config, "config": inner}
+    """What must match to resume: everything but settings that only steer training (LoRA's dropout, init) and
+    which named adapter is active."""
+    def inner(entry: dict) -> dict:
+        return {**entry, "config": {k: v for k, v in entry.get("config", {}).items() if k not in TRAINING_ONLY}}
+
+    meaning = inner(config) if "config" in config else dict(config)
+    if "adapters" in config:
+        meaning["adapters"] = {name: inner(entry) for name, entry in config["adapters"].items()}
+    meaning.pop("active", None)
+    return meaning
 
 
 def _where(models: dict) -> str:
     return ", ".join(f"{kind} on {path or 'the LightningModule'!r}" for path, a in models.items() for kind in a) or "none"
 
 
+def _fields(config: dict) -> dict:
+    """A config_dict as flat fields; a named adapter's fields as ``<name>.<field>`` (``default``'s bare)."""
+    fields = {**config.get("config", {}), **{k: v for k, v in config.items() if k not in ("config", "adapters")}}
+    for name, entry in config.get("adapters", {}).items():
+        prefix = "" if name == "default" else f"{name}."
+        fields.update({f"{prefix}{k}": v for k, v in _fields(entry).items()})
+    return fields
+
+
 def _differences(saved: dict, now: dict) -> str:
-    saved, now = _meaning(saved), _meaning(now)
-    saved_fields = {**saved.get("config", {}), **{k: v for k, v in saved.items() if k != "config"}}
-    now_fields = {**now.get("config", {}), **{k: v for k, v in now.items() if k != "config"}}
+    saved_fields, now_fields = _fields(_meaning(saved)), _fields(_meaning(now))
     keys = [k for k in dict.fromkeys([*saved_fields, *now_fields]) if saved_fields.get(k) != now_fields.get(k)]
     return (", ".join(f"{k}={saved_fields.get(k)!r}" for k in keys) + "; this run has "
             + ", ".join(f"{k}={now_fields.get(k)!r}" for k in keys))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,7 +27,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from .._atomic import write_files
-from .adapter import Adapter, attached, require_adapters, technique_for_peft_type, unwrap
+from .adapter import Adapter, attached, require_adapters, technique, technique_for_peft_type, unwrap
+from .layers import DEFAULT
 from .lora import lora_layers
 
 CONFIG_NAME = "adapter_config.json"
@@ -41,42 +43,68 @@ def peft_config(model: nn.Module) -> dict:
     return next(iter(adapters.values())).peft_config(model)
 
 
-def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
-    """Write ``model``'s adapter to ``directory`` in the Hugging Face PEFT layout.
+def save_adapter(
+    model: nn.Module, directory: str | os.PathLike, adapter_names: Sequence[str] | None = None
+) -> Path:
+    """Write ``model``'s adapters to ``directory`` in the Hugging Face PEFT layout.
+
+    Named LoRA adapters follow PEFT's multi-adapter layout: ``default`` at ``directory/``, every other adapter in
+    ``directory/<name>/`` (``peft.PeftModel.from_pretrained(base, directory / name)`` loads each one).
 
     Args:
         model: A model adapted with :func:`~lightning_peft.peft.inject_lora` (or another technique). For a
             Hugging Face model, the ``PreTrainedModel`` itself, so that the key paths are the ones PEFT expects.
         directory: Created if missing; existing adapter files in it are replaced. With adapters of several
             techniques, each goes to ``directory/<kind>/``.
+        adapter_names: The named LoRA adapters to save (default: all).
 
     Returns:
         The directory.
 
     Raises:
         RuntimeError: If ``model`` has no adapter.
-        ValueError: If an adapter holds non-finite values, or PEFT would run it differently (e.g. a dilated
-            Conv2d, which PEFT's LoRA layer builds without the dilation).
+        ValueError: If an adapter name is unknown, an adapter holds non-finite values, or PEFT would run it
+            differently (e.g. a dilated Conv2d, which PEFT's LoRA layer builds without the dilation).
     """
-    adapters = require_adapters(model, "save_adapter")
     directory = Path(directory)
-    files = {}
-    for kind, adapter in adapters.items():
-        where = directory if len(adapters) == 1 else directory / kind
-        files.update(_adapter_files(model, adapter, where))
+    files = _all_files(model, directory, adapter_names)
     for path in {p.parent for p in files}:
         path.mkdir(parents=True, exist_ok=True)
     write_files(files)
     return directory
 
 
-def check_saveable(model: nn.Module) -> None:
+def check_saveable(model: nn.Module, adapter_names: Sequence[str] | None = None) -> None:
     """Raise what :func:`save_adapter` would raise (no adapter, non-finite values, a layout PEFT runs differently)."""
-    for adapter in require_adapters(model, "save_adapter").values():
-        _adapter_files(model, adapter, Path("."))
+    _all_files(model, Path("."), adapter_names)
 
 
-def _adapter_files(model: nn.Module, adapter: Adapter, directory: Path) -> dict[Path, Any]:
+def _all_files(model: nn.Module, directory: Path, adapter_names: Sequence[str] | None) -> dict[Path, Any]:
+    adapters = require_adapters(model, "save_adapter")
+    files = {}
+    for kind, adapter in adapters.items():
+        where = directory if len(adapters) == 1 else directory / kind
+        for name in _names_to_save(adapter, adapter_names):
+            files.update(_adapter_files(model, adapter, where if name in (None, DEFAULT) else where / name, name))
+    return files
+
+
+def _names_to_save(adapter: Adapter, adapter_names: Sequence[str] | None) -> list[str | None]:
+    names = getattr(adapter, "names", None)
+    if names is None:
+        return [None]
+    if adapter_names is None:
+        return list(names)
+    if isinstance(adapter_names, str):
+        adapter_names = [adapter_names]
+    unknown = [n for n in adapter_names if n not in names]
+    if unknown:
+        raise ValueError(f"save_adapter(adapter_names={list(adapter_names)!r}): no adapter named {unknown[0]!r}; "
+                         f"the model has {list(names)}.")
+    return list(adapter_names)
+
+
+def _adapter_files(model: nn.Module, adapter: Adapter, directory: Path, name: str | None) -> dict[Path, Any]:
     problems = adapter.peft_problems(model)
     if problems:
         raise ValueError(
@@ -84,15 +112,16 @@ def _adapter_files(model: nn.Module, adapter: Adapter, directory: Path) -> dict[
             f"{'; '.join(problems)}. Export the merged model instead (merged_state_dict / MergeOnSave with "
             "save_adapter=False), or adapt other layers."
         )
-    text = json.dumps(adapter.peft_config(model), indent=2, sort_keys=True) + "\n"
-    tensors = _writable(adapter.peft_state(model))
+    named = {} if name is None else {"adapter_name": name}
+    text = json.dumps(adapter.peft_config(model, **named), indent=2, sort_keys=True) + "\n"
+    tensors = _writable(adapter.peft_state(model, **named), getattr(adapter, "peft_key_prefix", KEY_PREFIX))
     return {
         directory / WEIGHTS_NAME: lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}),
         directory / CONFIG_NAME: lambda tmp: Path(tmp).write_text(text),
     }
 
 
-def _writable(state: dict[str, Tensor]) -> dict[str, Tensor]:
+def _writable(state: dict[str, Tensor], prefix: str = KEY_PREFIX) -> dict[str, Tensor]:
     """Prefixed, detached, finite tensors; a tensor shared by two keys (tied copies) is written under both."""
     for key, value in state.items():
         if not value.is_meta and not torch.isfinite(value.detach()).all():
@@ -100,7 +129,7 @@ def _writable(state: dict[str, Tensor]) -> dict[str, Tensor]:
                 f"save_adapter: {key} holds inf or NaN; an adapter with non-finite weights would break every model "
                 "that loads it. Nothing was written. Check the training for divergence (loss, learning rate)."
             )
-    return unshared({KEY_PREFIX + k: v.detach() for k, v in state.items()})
+    return unshared({prefix + k: v.detach() for k, v in state.items()})
 
 
 def unshared(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -168,10 +197,10 @@ def _and_more(keys: list[str]) -> str:
 
 
 def _check_fit(
-    model: nn.Module, adapter: Adapter, tensors: dict[str, Tensor], source: Path, asker: str
+    model: nn.Module, adapter: Adapter, tensors: dict[str, Tensor], source: Path, asker: str, named: dict
 ) -> dict[str, Tensor]:
     """The model tensors that ``tensors`` will be copied into; raises, naming the key, if they do not fit."""
-    expected = dict(adapter.peft_state(model))
+    expected = dict(adapter.peft_state(model, **named))
     # PEFT's save_embedding_layers also writes the base weight of adapted embeddings; PEFT loads it, so do we.
     for name, layer in lora_layers(model).items():
         key = f"{name}.base_layer.weight"
@@ -197,17 +226,22 @@ def _check_fit(
     return expected
 
 
-def load_adapter(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
+def load_adapter(model: nn.Module, directory: str | os.PathLike, adapter_name: str = DEFAULT) -> nn.Module:
     """Load a PEFT-format adapter into ``model``, in place.
 
     If ``model`` has no adapter of that technique, it is injected from the adapter's config first; if it has
-    one (e.g. from the ``LoRA`` callback) the weights are loaded into it. On any error the model is left as it
-    was. A directory without ``adapter_config.json`` but with ``<kind>/`` subdirectories (what
-    :func:`save_adapter` writes for several techniques) loads each of them.
+    one (e.g. from the ``LoRA`` callback) the weights are loaded into it; a LoRA adapter under a name the model
+    lacks is added beside its others. On any error the model is left as it was.
+
+    Layouts read back whole (what :func:`save_adapter` and PEFT's ``save_pretrained`` write): with
+    ``adapter_name="default"``, LoRA adapters in ``directory/<name>/`` subfolders are loaded too, under their
+    folder's name; a directory without ``adapter_config.json`` but with ``<kind>/`` subfolders (several
+    techniques) or ``<name>/`` subfolders (PEFT's layout without a ``default``) loads each of them.
 
     Args:
         model: The base model (for a Hugging Face model, the ``PreTrainedModel``).
         directory: A directory with ``adapter_config.json`` and ``adapter_model.safetensors``.
+        adapter_name: The name the (LoRA) adapter at ``directory`` gets on ``model``.
 
     Returns:
         ``model``.
@@ -216,41 +250,73 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
         ValueError: If the files are not an adapter that fits ``model`` (the message names the key).
     """
     directory = Path(directory)
-    if not (directory / CONFIG_NAME).is_file():
-        parts = sorted(p for p in directory.glob(f"*/{CONFIG_NAME}")) if directory.is_dir() else []
-        if not parts:
-            raise FileNotFoundError(
-                f"load_adapter: {directory / CONFIG_NAME} does not exist; is {directory} an adapter directory?"
-            )
-        for config_path in parts:
-            _load_one(model, config_path.parent)
+    if (directory / CONFIG_NAME).is_file():
+        _load_one(model, directory, adapter_name)
+        if adapter_name == DEFAULT:
+            _load_named_subfolders(model, directory)
         return model
-    _load_one(model, directory)
+    parts = sorted(p.parent for p in directory.glob(f"*/{CONFIG_NAME}")) if directory.is_dir() else []
+    if not parts:
+        raise FileNotFoundError(
+            f"load_adapter: {directory / CONFIG_NAME} does not exist; is {directory} an adapter directory?"
+        )
+    for part in parts:
+        if _is_kind_folder(part):
+            _load_one(model, part, DEFAULT)
+            _load_named_subfolders(model, part)
+        else:
+            _load_one(model, part, part.name)
     return model
 
 
-def _load_one(model: nn.Module, directory: Path) -> None:
+def _is_kind_folder(folder: Path) -> bool:
+    """``<kind>/`` of a several-technique save: named after the technique whose config it holds."""
+    try:
+        return technique(folder.name).peft_type == read_adapter_config(folder).get("peft_type")
+    except ValueError:
+        return False
+
+
+def _load_named_subfolders(model: nn.Module, directory: Path) -> None:
+    for part in sorted(p.parent for p in directory.glob(f"*/{CONFIG_NAME}")):
+        if not _is_kind_folder(part) and read_adapter_config(part).get("peft_type") == "LORA":
+            _load_one(model, part, part.name)
+
+
+def _load_one(model: nn.Module, directory: Path, adapter_name: str) -> None:
     config = read_adapter_config(directory)
     source = str(directory / CONFIG_NAME)
     cls = technique_for_peft_type(config.get("peft_type"), source)
     tensors = read_adapter_weights(directory)
     adapter = attached(model).get(cls.kind)
-    injected = adapter is None
+    multi = hasattr(cls, "names")
+    named = {"adapter_name": adapter_name} if multi else {}
+    injected = adapter is None or (multi and adapter_name not in adapter.names)
     if injected:
         requires_grad = {name: p.requires_grad for name, p in unwrap(model).named_parameters()}
-        adapter = cls.from_peft(model, config, source)
+        added_to = adapter
+        adapter = cls.from_peft(model, config, source, **named)
         asker = "its adapter config asks for"
     else:
-        adapter.check_peft_config(model, config, source)
+        adapter.check_peft_config(model, config, source, **named)
         asker = f"the model's existing {cls.kind} adapter has (it was injected before loading)"
     try:
-        expected = _check_fit(model, adapter, tensors, directory, asker)
+        expected = _check_fit(model, adapter, tensors, directory, asker, named)
     except Exception:
         if injected:
-            adapter.unload(model, merge=False)
-            for name, param in unwrap(model).named_parameters():
-                param.requires_grad_(requires_grad[name])
+            _undo_injection(model, adapter, added_to, adapter_name, requires_grad)
         raise
     with torch.no_grad():
         for key, value in tensors.items():
             expected[key].copy_(value)
+
+
+def _undo_injection(model, adapter, added_to, adapter_name: str, requires_grad: dict[str, bool]) -> None:
+    if added_to is None:
+        adapter.unload(model, merge=False)
+    else:
+        from .multi_lora import delete_adapter
+
+        delete_adapter(model, adapter_name)
+    for name, param in unwrap(model).named_parameters():
+        param.requires_grad_(requires_grad[name])

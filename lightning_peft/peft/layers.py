@@ -1,32 +1,45 @@
-"""LoRA layers: a frozen base module plus a trainable low-rank update.
+"""LoRA layers: a frozen base module plus trainable low-rank updates, one per named adapter.
 
 Paper: Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", arXiv:2106.09685.
 rsLoRA scaling: Kalajdzievski, "A Rank Stabilization Scaling Factor for Fine-Tuning with LoRA", arXiv:2312.03732.
+Mixed-adapter batches: Chen et al., "Punica: Multi-Tenant LoRA Serving", arXiv:2310.18547 (the gathered batched
+matmul); Sheng et al., "S-LoRA: Serving Thousands of Concurrent LoRA Adapters", arXiv:2311.03285.
 
-Update rule. A frozen weight ``W`` (out, in) is adapted as::
+Update rule. A frozen weight ``W`` (out, in) is adapted by adapter ``n`` as::
 
-    W' = W + s * B @ A        A: (r, in), B: (out, r), s = alpha / r   (alpha / sqrt(r) with rsLoRA)
-    y  = W x + s * B (A dropout(x))
+    W' = W + s_n * B_n @ A_n        A_n: (r_n, in), B_n: (out, r_n), s_n = alpha_n / r_n   (alpha_n / sqrt(r_n), rsLoRA)
+    y  = W x + s_n * B_n (A_n dropout_n(x))
 
-Only ``A`` and ``B`` train. ``B`` starts at zero, so the adapted model starts equal to the base model.
+Only the ``A`` and ``B`` train. ``B`` starts at zero, so a new adapter starts equal to the base model.
 
-Shapes (parameters are named and laid out as Hugging Face PEFT names them, so an adapter state dict is a
-PEFT adapter up to the ``base_model.model.`` prefix):
+Shapes (parameters are named and laid out as Hugging Face PEFT names them in memory, ``lora_A.<adapter>.weight``;
+adapter files drop the adapter name, as PEFT's do):
 
-=======================  ======================  ====================================================
-base layer               base weight             adapter parameters
-=======================  ======================  ====================================================
-``nn.Linear(in, out)``   (out, in)               ``lora_A.weight`` (r, in), ``lora_B.weight`` (out, r)
+=======================  ======================  ===========================================================
+base layer               base weight             parameters of adapter ``n``
+=======================  ======================  ===========================================================
+``nn.Linear(in, out)``   (out, in)               ``lora_A.n.weight`` (r, in), ``lora_B.n.weight`` (out, r)
 ``Conv1D`` (transformers) (in, out), transposed  same as Linear; the delta is transposed to merge
-``nn.Embedding(V, d)``   (V, d)                  ``lora_embedding_A`` (r, V), ``lora_embedding_B`` (d, r)
-``nn.Conv2d(in, out, k)`` (out, in, kh, kw)      ``lora_A``: Conv2d(in, r, k), ``lora_B``: Conv2d(r, out, 1)
-=======================  ======================  ====================================================
+``nn.Embedding(V, d)``   (V, d)                  ``lora_embedding_A.n`` (r, V), ``lora_embedding_B.n`` (d, r)
+``nn.Conv2d(in, out, k)`` (out, in, kh, kw)      ``lora_A.n``: Conv2d(in, r, k), ``lora_B.n``: Conv2d(r, out, 1)
+=======================  ======================  ===========================================================
+
+Which adapter runs is decided by one :class:`Routing` object shared by every LoRA layer of a model, so switching
+is one attribute write, whatever the number of layers:
+
+- ``routing.active``: the adapter every sample uses (a layer without that adapter runs its base only);
+- ``routing.disabled``: the base only;
+- ``routing.route_to(names)``: one adapter name (or None, the base) per sample of the batch. A mixed batch is
+  computed in one pass: the adapters the batch uses are stacked (ranks padded with zeros, the scale folded into
+  ``B``), each sample's ``A`` and ``B`` gathered, and the low-rank path run as two batched matmuls, so the cost does
+  not grow with the number of adapters in the batch or loaded. Only the adapters the batch uses enter the stack, so
+  the others get no gradient (``grad`` stays None) and an optimizer step leaves them untouched.
 
 Each layer wraps its base module (``self.base_layer``); nothing is copied, and attributes the layer does not
 define (``in_features``, ``padding_idx``, ``kernel_size``, ...) are read from the base. Merging is explicit
-(:meth:`LoRALayer.merge` / :meth:`LoRALayer.unmerge`), never a side effect of ``train()``/``eval()``; a state
-dict is always taken unmerged (so a merged model's state dict loads anywhere), and loading into a merged
-layer re-merges the loaded adapter.
+(:meth:`LoRALayer.merge` / :meth:`LoRALayer.unmerge`, one adapter at a time), never a side effect of
+``train()``/``eval()``; a state dict is always taken unmerged (so a merged model's state dict loads anywhere), and
+loading into a merged layer re-merges the loaded adapter.
 
 Precision. Adapters of a float16/bfloat16 base are float32, and stay float32 when the module is cast to half
 precision afterwards (``model.half()``, ``Trainer(precision="bf16-true")``): only the base changes dtype. Under
@@ -41,6 +54,8 @@ from __future__ import annotations
 import math
 import sys
 import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -48,6 +63,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 Init = Literal["kaiming", "gaussian"]
+DEFAULT = "default"
 
 
 def conv1d_type() -> type | None:
@@ -72,29 +88,96 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 _HALF = (torch.float16, torch.bfloat16)
 
 
-class LoRALayer(nn.Module):
-    """Base class: a frozen ``base_layer`` plus a low-rank update of its weight.
+class Routing:
+    """Which adapter each sample uses; one object shared by every LoRA layer of a model.
 
-    Subclasses define the adapter parameters, :meth:`delta_weight` and ``forward``.
+    Attributes:
+        active: The adapter every sample uses outside a routed batch (None: the base only).
+        disabled: Every layer runs its base only.
+        names: Inside :meth:`route_to`: one adapter name (or None) per sample; else None.
+    """
+
+    def __init__(self, active: str | None = DEFAULT) -> None:
+        self.active = active
+        self.disabled = False
+        self.names: tuple[str | None, ...] | None = None
+        self._used: tuple[str, ...] = ()
+        self._slots: Tensor | None = None  # (B,) position of each sample's adapter in _used; len(_used) = none
+        self._cache: dict[tuple, tuple[list[str], Tensor]] = {}
+
+    def route_to(self, names: Sequence[str | None] | None) -> None:
+        """Give sample ``i`` of the next batches adapter ``names[i]`` (None: the base); ``None`` ends routing."""
+        self._cache = {}
+        if names is None:
+            self.names, self._used, self._slots = None, (), None
+            return
+        self.names = tuple(names)
+        self._used = tuple(dict.fromkeys(n for n in self.names if n is not None))
+        position = {n: i for i, n in enumerate(self._used)}
+        self._slots = torch.tensor([position.get(n, len(self._used)) for n in self.names], dtype=torch.long)
+
+    def select(self, adapters: Sequence[str], device: torch.device) -> tuple[list[str], Tensor] | None:
+        """For a layer holding ``adapters``: the used adapters it has, and each sample's slot among them.
+
+        Slot ``len(names)`` stands for "no adapter here" (a None sample, or an adapter this layer lacks).
+        Returns None when no sample uses an adapter of this layer.
+        """
+        key = (tuple(adapters), device)
+        if key not in self._cache:
+            here = [n for n in self._used if n in adapters]
+            local = torch.tensor([here.index(n) if n in here else len(here) for n in self._used] + [len(here)])
+            self._cache[key] = (here, local[self._slots].to(device))  # (B,)
+        here, slots = self._cache[key]
+        return (here, slots) if here else None
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """One adapter's settings on one layer."""
+
+    rank: int
+    alpha: float
+    use_rslora: bool
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / math.sqrt(self.rank) if self.use_rslora else self.alpha / self.rank
+
+
+class LoRALayer(nn.Module):
+    """Base class: a frozen ``base_layer`` plus low-rank updates of its weight, one per named adapter.
+
+    Subclasses define the adapter parameters (:meth:`_create`), :meth:`delta_weight` and the update paths.
 
     Args:
         base_layer: The module to adapt. It is kept, not copied.
-        rank: ``r``, the rank of the update.
+        rank: ``r``, the rank of the first adapter's update.
         alpha: Scale numerator: the update is multiplied by ``alpha / rank`` (or ``alpha / sqrt(rank)``).
         dropout: Dropout probability on the adapter's input.
         use_rslora: Use the rank-stabilised scale ``alpha / sqrt(rank)``.
+        init: Initialisation of ``A`` (``"kaiming"`` or ``"gaussian"``); ``B`` starts at zero.
+        adapter_name: The first adapter's name.
     """
 
-    def __init__(self, base_layer: nn.Module, rank: int, alpha: float, dropout: float, use_rslora: bool) -> None:
+    def __init__(
+        self,
+        base_layer: nn.Module,
+        rank: int,
+        alpha: float,
+        dropout: float = 0.0,
+        use_rslora: bool = False,
+        init: Init = "kaiming",
+        adapter_name: str = DEFAULT,
+    ) -> None:
         super().__init__()
         self.base_layer = base_layer
-        self.rank = rank
-        self.alpha = alpha
-        self.use_rslora = use_rslora
-        self.scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
-        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.merged = False
-        self._remerge_after_load = False
+        self.specs: dict[str, AdapterSpec] = {}
+        self.lora_dropout = nn.ModuleDict()
+        self.routing = Routing(adapter_name)
+        self.merged_adapter: str | None = None
+        self._remerge_after_load: str | None = None
+        self._init_containers()
+        self.add_adapter(adapter_name, rank, alpha, dropout, use_rslora, init)
         self.register_state_dict_post_hook(_unmerged_state)
         self.register_load_state_dict_pre_hook(_unmerge_before_load)
         self.register_load_state_dict_post_hook(_remerge_after_load)
@@ -122,7 +205,7 @@ class LoRALayer(nn.Module):
 
         for name, child in self.named_children():
             child._apply(fn if name == "base_layer" else move)
-        return super()._apply(move, recurse=False)  # the layer's own parameters (LoRAEmbedding)
+        return super()._apply(move, recurse=False)
 
     @property
     def weight(self) -> Tensor:
@@ -133,25 +216,112 @@ class LoRALayer(nn.Module):
     def bias(self) -> Tensor | None:
         return getattr(self.base_layer, "bias", None)
 
-    def adapter_parameters(self) -> dict[str, nn.Parameter]:
-        """The trainable adapter parameters, by their name relative to this layer."""
-        raise NotImplementedError(f"{type(self).__name__} must define adapter_parameters()")
+    # --- adapters ----------------------------------------------------------------------------------------------
 
-    def delta_weight(self) -> Tensor:
-        """``s * B @ A`` in the base weight's layout and at least float32 precision."""
-        raise NotImplementedError(f"{type(self).__name__} must define delta_weight()")
+    @property
+    def adapter_names(self) -> list[str]:
+        return list(self.specs)
 
-    def reset_parameters(self, init: Init = "kaiming") -> None:
-        """Initialise the adapter so that its update is zero."""
-        raise NotImplementedError(f"{type(self).__name__} must define reset_parameters()")
+    def _spec(self, name: str | None = None) -> AdapterSpec:
+        """The named adapter's spec; without a name, the active one (or the only one)."""
+        if name is None:
+            name = self.routing.active if self.routing.active in self.specs else next(iter(self.specs))
+        return self.specs[name]
 
-    def merged_weight(self) -> Tensor:
-        """``W + delta`` computed in float32 (or wider), cast to the base dtype; raises if non-finite."""
+    @property
+    def rank(self) -> int:
+        return self._spec().rank
+
+    @property
+    def alpha(self) -> float:
+        return self._spec().alpha
+
+    @property
+    def use_rslora(self) -> bool:
+        return self._spec().use_rslora
+
+    @property
+    def scaling(self) -> float:
+        return self._spec().scaling
+
+    @property
+    def merged(self) -> bool:
+        return self.merged_adapter is not None
+
+    def add_adapter(
+        self, name: str, rank: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False,
+        init: Init = "kaiming",
+    ) -> None:
+        """Add adapter ``name`` (zero update) to this layer."""
+        if name in self.specs:
+            raise ValueError(f"{type(self).__name__}: adapter {name!r} already exists on this layer.")
+        self.specs[name] = AdapterSpec(rank, alpha, use_rslora)
+        self.lora_dropout[name] = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        weight = self.base_layer.weight
+        self._create(name, rank, device=weight.device, dtype=_adapter_dtype(weight))
+        self.reset_parameters(init, name)
+
+    def delete_adapter(self, name: str) -> None:
+        """Remove adapter ``name``; its parameters are gone from the module."""
+        if self.merged_adapter == name:
+            raise RuntimeError(f"{type(self).__name__}: adapter {name!r} is merged; unmerge it before deleting it.")
+        del self.specs[name]
+        del self.lora_dropout[name]
+        for container in self._containers():
+            del container[name]
+
+    def _init_containers(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must define _init_containers()")
+
+    def _containers(self) -> list[nn.ModuleDict | nn.ParameterDict]:
+        raise NotImplementedError(f"{type(self).__name__} must define _containers()")
+
+    def _create(self, name: str, rank: int, device: torch.device, dtype: torch.dtype) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must define _create()")
+
+    def adapter_parameters(self, name: str | None = None) -> dict[str, nn.Parameter]:
+        """The trainable adapter parameters by their name relative to this layer (one adapter, or all)."""
+        names = self.adapter_names if name is None else [name]
+        return {k: p for n in names for k, p in self._parameters_of(n).items()}
+
+    def _parameters_of(self, name: str) -> dict[str, nn.Parameter]:
+        raise NotImplementedError(f"{type(self).__name__} must define _parameters_of()")
+
+    def delta_weight(self, name: str | None = None) -> Tensor:
+        """``s * B @ A`` of one adapter (default: the merged one, else the active one) in the base weight's
+        layout and at least float32 precision."""
+        name = name or self.merged_adapter or self._active_name()
+        return self._delta(name)
+
+    def _active_name(self) -> str:
+        return self.routing.active if self.routing.active in self.specs else next(iter(self.specs))
+
+    def _delta(self, name: str) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must define _delta()")
+
+    def reset_parameters(self, init: Init = "kaiming", name: str | None = None) -> None:
+        """Initialise an adapter (default: every adapter) so that its update is zero."""
+        for n in self.adapter_names if name is None else [name]:
+            self._reset(n, init)
+
+    def _reset(self, name: str, init: Init) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must define _reset()")
+
+    # --- merging -----------------------------------------------------------------------------------------------
+
+    def merged_weight(self, name: str | None = None) -> Tensor:
+        """``W + delta`` of one adapter computed in float32 (or wider), cast to the base dtype; raises if
+        non-finite. On a merged layer: the weight as it is (the merged adapter's)."""
         weight = self.base_layer.weight
         if self.merged:
+            if name is not None and name != self.merged_adapter:
+                raise RuntimeError(
+                    f"{type(self).__name__}: adapter {self.merged_adapter!r} is merged, not {name!r}; "
+                    "unmerge_lora(model) first."
+                )
             return weight.detach().clone()
         with torch.no_grad():
-            merged = weight.to(_compute_dtype(weight.dtype)) + self.delta_weight()
+            merged = weight.to(_compute_dtype(weight.dtype)) + self.delta_weight(name)
         if not torch.isfinite(merged).all():
             raise RuntimeError(
                 f"{type(self).__name__}: merging would write inf or NaN into the base weight "
@@ -161,16 +331,22 @@ class LoRALayer(nn.Module):
         return merged.to(weight.dtype)
 
     @torch.no_grad()
-    def merge(self) -> None:
-        """Add the update into the base weight. Merging a merged layer changes nothing."""
-        if self.merged:
+    def merge(self, name: str | None = None) -> None:
+        """Add one adapter's update (default: the active one) into the base weight. Merging the merged adapter
+        again changes nothing; merging a second one is refused."""
+        name = name or self._active_name()
+        if self.merged_adapter == name:
             return
-        self.base_layer.weight.copy_(self.merged_weight())
-        self.merged = True
+        if self.merged:
+            raise RuntimeError(
+                f"{type(self).__name__}: adapter {self.merged_adapter!r} is merged; unmerge it before merging {name!r}."
+            )
+        self.base_layer.weight.copy_(self.merged_weight(name))
+        self.merged_adapter = name
 
     @torch.no_grad()
     def unmerge(self) -> None:
-        """Subtract the update from the base weight (exact up to one rounding in the compute dtype).
+        """Subtract the merged update from the base weight (exact up to one rounding in the compute dtype).
 
         Raises:
             RuntimeError: If the layer is not merged.
@@ -178,16 +354,72 @@ class LoRALayer(nn.Module):
         if not self.merged:
             raise RuntimeError(f"{type(self).__name__}.unmerge(): the layer is not merged; call merge() first.")
         weight = self.base_layer.weight
-        restored = weight.to(_compute_dtype(weight.dtype)) - self.delta_weight()
+        restored = weight.to(_compute_dtype(weight.dtype)) - self.delta_weight(self.merged_adapter)
         weight.copy_(restored.to(weight.dtype))
-        self.merged = False
+        self.merged_adapter = None
+
+    # --- forward -----------------------------------------------------------------------------------------------
+
+    def forward(self, x: Tensor) -> Tensor:
+        result = self.base_layer(x)
+        routing = self.routing
+        if self.merged_adapter is not None:
+            self._check_trainable_forward()
+            return result
+        if routing.disabled:
+            return result
+        if routing.names is not None:
+            if x.shape[0] != len(routing.names):
+                raise ValueError(
+                    f"route_adapters: a batch of {x.shape[0]} samples reached {type(self).__name__} "
+                    f"({self.base_layer}), but {len(routing.names)} adapter names were given; give one name per "
+                    "sample (the batch dimension must come first)."
+                )
+            selected = routing.select(self.adapter_names, x.device)
+            return result if selected is None else self._routed(x, result, *selected)
+        name = routing.active
+        if name not in self.specs:
+            return result
+        return self._single(x, result, name)
+
+    def _single(self, x: Tensor, result: Tensor, name: str) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must define _single()")
+
+    def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor) -> Tensor:
+        """The update for a mixed batch; default: one segment per adapter (subclasses batch it)."""
+        update = None
+        for position, name in enumerate(names):
+            rows = (slots == position).nonzero().squeeze(1)  # (b,)
+            part = self._single(x.index_select(0, rows), torch.zeros_like(result.index_select(0, rows)), name)
+            update = part.new_zeros(result.shape) if update is None else update
+            update = update.index_add(0, rows, part)
+        return result + update.to(result.dtype)
+
+    def _stacked(self, names: list[str], a: dict[str, Tensor], b: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """``A`` (k+1, r, in) and ``s * B`` (k+1, out, r) of ``names``, ranks padded to the largest, and a last,
+        all-zero slot for samples without an adapter here."""
+        rank = max(self.specs[n].rank for n in names)
+        a_rows = [F.pad(a[n], (0, 0, 0, rank - self.specs[n].rank)) for n in names]  # each (r, in)
+        b_cols = [F.pad(b[n] * self.specs[n].scaling, (0, rank - self.specs[n].rank)) for n in names]  # each (out, r)
+        a_rows.append(a_rows[0].new_zeros(a_rows[0].shape))
+        b_cols.append(b_cols[0].new_zeros(b_cols[0].shape))
+        return torch.stack(a_rows), torch.stack(b_cols)
+
+    def _routed_dropout(self, x: Tensor, names: list[str], slots: Tensor) -> Tensor:
+        """Each sample's input with its own adapter's dropout (inverted dropout, as ``nn.Dropout``)."""
+        probs = [m.p if isinstance(m, nn.Dropout) else 0.0 for m in (self.lora_dropout[n] for n in names)]
+        if not self.training or not any(probs):
+            return x
+        keep = 1 - torch.tensor([*probs, 0.0], device=x.device, dtype=x.dtype)[slots]  # (B,)
+        keep = keep.view(-1, *([1] * (x.dim() - 1)))
+        return x * (torch.rand_like(x) < keep) / keep
 
     def _check_trainable_forward(self) -> None:
         # A merged layer's output does not depend on the adapter, so training it ends in autograd's cryptic
         # "element 0 of tensors does not require grad"; say why first. A warning, not an error: a merged model
         # run for inference in train mode with autograd on is legitimate.
         if self.training and torch.is_grad_enabled() and any(
-            p.requires_grad for p in self.adapter_parameters().values()
+            p.requires_grad for p in self.adapter_parameters(self.merged_adapter).values()
         ):
             warnings.warn(
                 f"{type(self).__name__}: the layer is merged, so its adapter gets no gradient from this forward. "
@@ -195,8 +427,8 @@ class LoRALayer(nn.Module):
                 UserWarning, stacklevel=3,
             )
 
-    def _add_update(self, result: Tensor, hidden: Tensor, lora_b: Tensor) -> Tensor:
-        """``result + s * hidden @ lora_b.T``; one fused GEMM when dtypes agree and autocast is off.
+    def _add_update(self, result: Tensor, hidden: Tensor, lora_b: Tensor, scaling: float) -> Tensor:
+        """``result + scaling * hidden @ lora_b.T``; one fused GEMM when dtypes agree and autocast is off.
 
         ``hidden`` is (..., r), ``lora_b`` is (out, r), ``result`` is (..., out). Under autocast the fused
         GEMM would round the base output to the autocast dtype, so the update is added separately.
@@ -204,161 +436,175 @@ class LoRALayer(nn.Module):
         fuse = hidden.dtype == result.dtype == lora_b.dtype and not torch.is_autocast_enabled(result.device.type)
         if fuse:
             out = torch.addmm(
-                result.reshape(-1, result.shape[-1]), hidden.reshape(-1, hidden.shape[-1]), lora_b.t(),
-                alpha=self.scaling,
+                result.reshape(-1, result.shape[-1]), hidden.reshape(-1, hidden.shape[-1]), lora_b.t(), alpha=scaling,
             )  # (N, out)
             return out.view(result.shape)
-        update = F.linear(hidden.to(lora_b.dtype), lora_b) * self.scaling
+        update = F.linear(hidden.to(lora_b.dtype), lora_b) * scaling
         return result + update.to(result.dtype)
 
     def extra_repr(self) -> str:
-        return f"rank={self.rank}, alpha={self.alpha}, scaling={self.scaling:.4g}, merged={self.merged}"
+        adapters = ", ".join(
+            f"{n}: rank={s.rank}, alpha={s.alpha}, scaling={s.scaling:.4g}" for n, s in self.specs.items()
+        )
+        return f"{adapters}, merged={self.merged_adapter!r}" if self.merged else f"{adapters}, merged=False"
 
 
 class _ABLayer(LoRALayer):
-    """A layer whose adapter is two modules, ``lora_A`` (input side) and ``lora_B`` (output side)."""
+    """A layer whose adapters are pairs of modules: ``lora_A[n]`` (input side) and ``lora_B[n]`` (output side)."""
 
-    lora_A: nn.Module
-    lora_B: nn.Module
+    lora_A: nn.ModuleDict
+    lora_B: nn.ModuleDict
 
-    def adapter_parameters(self) -> dict[str, nn.Parameter]:
-        return {"lora_A.weight": self.lora_A.weight, "lora_B.weight": self.lora_B.weight}
+    def _init_containers(self) -> None:
+        self.lora_A = nn.ModuleDict()
+        self.lora_B = nn.ModuleDict()
+
+    def _containers(self) -> list[nn.ModuleDict]:
+        return [self.lora_A, self.lora_B]
+
+    def _parameters_of(self, name: str) -> dict[str, nn.Parameter]:
+        return {f"lora_A.{name}.weight": self.lora_A[name].weight, f"lora_B.{name}.weight": self.lora_B[name].weight}
 
     @torch.no_grad()
-    def reset_parameters(self, init: Init = "kaiming") -> None:
+    def _reset(self, name: str, init: Init) -> None:
         if init == "gaussian":
-            nn.init.normal_(self.lora_A.weight, std=1 / self.rank)
+            nn.init.normal_(self.lora_A[name].weight, std=1 / self.specs[name].rank)
         else:
-            nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_B.weight)
+            nn.init.kaiming_uniform_(self.lora_A[name].weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B[name].weight)
 
 
 class LoRALinear(_ABLayer):
     """LoRA for ``nn.Linear`` and for ``transformers``' ``Conv1D`` (``fan_in_fan_out=True``: weight is (in, out))."""
 
-    def __init__(
-        self,
-        base_layer: nn.Module,
-        rank: int,
-        alpha: float,
-        dropout: float = 0.0,
-        use_rslora: bool = False,
-        init: Init = "kaiming",
-    ) -> None:
-        super().__init__(base_layer, rank, alpha, dropout, use_rslora)
-        weight = base_layer.weight
+    def __init__(self, base_layer: nn.Module, *args, **kwargs) -> None:
         self.fan_in_fan_out = not isinstance(base_layer, nn.Linear)
-        in_features, out_features = weight.shape if self.fan_in_fan_out else weight.shape[::-1]
-        kwargs = {"device": weight.device, "dtype": _adapter_dtype(weight)}
-        self.lora_A = nn.Linear(in_features, rank, bias=False, **kwargs)
-        self.lora_B = nn.Linear(rank, out_features, bias=False, **kwargs)
-        self.reset_parameters(init)
+        super().__init__(base_layer, *args, **kwargs)
 
-    def delta_weight(self) -> Tensor:
-        dtype = _compute_dtype(self.lora_A.weight.dtype)
-        delta = (self.lora_B.weight.to(dtype) @ self.lora_A.weight.to(dtype)) * self.scaling  # (out, in)
+    def _create(self, name: str, rank: int, device: torch.device, dtype: torch.dtype) -> None:
+        weight = self.base_layer.weight
+        in_features, out_features = weight.shape if self.fan_in_fan_out else weight.shape[::-1]
+        self.lora_A[name] = nn.Linear(in_features, rank, bias=False, device=device, dtype=dtype)
+        self.lora_B[name] = nn.Linear(rank, out_features, bias=False, device=device, dtype=dtype)
+
+    def _delta(self, name: str) -> Tensor:
+        a, b = self.lora_A[name].weight, self.lora_B[name].weight
+        dtype = _compute_dtype(a.dtype)
+        delta = (b.to(dtype) @ a.to(dtype)) * self.specs[name].scaling  # (out, in)
         return delta.t() if self.fan_in_fan_out else delta
 
-    def forward(self, x: Tensor) -> Tensor:
-        result = self.base_layer(x)  # (..., out)
-        if self.merged:
-            self._check_trainable_forward()
-            return result
-        lora_a = self.lora_A.weight  # (r, in)
-        hidden = F.linear(self.dropout(x).to(lora_a.dtype), lora_a)  # (..., r)
-        return self._add_update(result, hidden, self.lora_B.weight)
+    def _single(self, x: Tensor, result: Tensor, name: str) -> Tensor:
+        lora_a = self.lora_A[name].weight  # (r, in)
+        hidden = F.linear(self.lora_dropout[name](x).to(lora_a.dtype), lora_a)  # (..., r)
+        return self._add_update(result, hidden, self.lora_B[name].weight, self.specs[name].scaling)
+
+    def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor) -> Tensor:
+        a, b = self._stacked(
+            names, {n: self.lora_A[n].weight for n in names}, {n: self.lora_B[n].weight for n in names}
+        )  # (k+1, r, in), (k+1, out, r)
+        x3 = self._routed_dropout(x, names, slots).to(a.dtype).reshape(x.shape[0], -1, x.shape[-1])  # (B, T, in)
+        hidden = torch.bmm(x3, a[slots].transpose(1, 2))  # (B, T, r)
+        update = torch.bmm(hidden, b[slots].transpose(1, 2))  # (B, T, out)
+        return result + update.view(result.shape).to(result.dtype)
 
 
 class LoRAEmbedding(LoRALayer):
     """LoRA for ``nn.Embedding``: the update looks up rows of ``A^T`` (V, r) and projects them with ``B``."""
 
-    def __init__(
-        self,
-        base_layer: nn.Embedding,
-        rank: int,
-        alpha: float,
-        dropout: float = 0.0,
-        use_rslora: bool = False,
-        init: Init = "kaiming",
-    ) -> None:
+    def __init__(self, base_layer: nn.Embedding, rank: int, alpha: float, dropout: float = 0.0, *args, **kwargs) -> None:
         # Dropout on token ids has no meaning; PEFT ignores it for embeddings too.
-        super().__init__(base_layer, rank, alpha, 0.0, use_rslora)
-        num_embeddings, dim = base_layer.weight.shape
-        kwargs = {"device": base_layer.weight.device, "dtype": _adapter_dtype(base_layer.weight)}
-        self.lora_embedding_A = nn.Parameter(torch.empty(rank, num_embeddings, **kwargs))  # (r, V)
-        self.lora_embedding_B = nn.Parameter(torch.empty(dim, rank, **kwargs))  # (d, r)
-        self.reset_parameters(init)
+        super().__init__(base_layer, rank, alpha, 0.0, *args, **kwargs)
 
-    def adapter_parameters(self) -> dict[str, nn.Parameter]:
-        return {"lora_embedding_A": self.lora_embedding_A, "lora_embedding_B": self.lora_embedding_B}
+    def add_adapter(self, name: str, rank: int, alpha: float, dropout: float = 0.0, *args, **kwargs) -> None:
+        super().add_adapter(name, rank, alpha, 0.0, *args, **kwargs)
+
+    def _init_containers(self) -> None:
+        self.lora_embedding_A = nn.ParameterDict()
+        self.lora_embedding_B = nn.ParameterDict()
+
+    def _containers(self) -> list[nn.ParameterDict]:
+        return [self.lora_embedding_A, self.lora_embedding_B]
+
+    def _create(self, name: str, rank: int, device: torch.device, dtype: torch.dtype) -> None:
+        num_embeddings, dim = self.base_layer.weight.shape
+        self.lora_embedding_A[name] = nn.Parameter(torch.empty(rank, num_embeddings, device=device, dtype=dtype))
+        self.lora_embedding_B[name] = nn.Parameter(torch.empty(dim, rank, device=device, dtype=dtype))
+
+    def _parameters_of(self, name: str) -> dict[str, nn.Parameter]:
+        return {f"lora_embedding_A.{name}": self.lora_embedding_A[name],
+                f"lora_embedding_B.{name}": self.lora_embedding_B[name]}
 
     @torch.no_grad()
-    def reset_parameters(self, init: Init = "kaiming") -> None:
+    def _reset(self, name: str, init: Init) -> None:
         # "kaiming" is PEFT's convention for embeddings: A = 0, B ~ N(0, 1). "gaussian" mirrors the linear
         # layers: A ~ N(0, 1/r), B = 0. The update starts at zero either way.
+        a, b = self.lora_embedding_A[name], self.lora_embedding_B[name]
         if init == "gaussian":
-            nn.init.normal_(self.lora_embedding_A, std=1 / self.rank)
-            nn.init.zeros_(self.lora_embedding_B)
+            nn.init.normal_(a, std=1 / self.specs[name].rank)
+            nn.init.zeros_(b)
         else:
-            nn.init.zeros_(self.lora_embedding_A)
-            nn.init.normal_(self.lora_embedding_B)
+            nn.init.zeros_(a)
+            nn.init.normal_(b)
 
-    def delta_weight(self) -> Tensor:
-        dtype = _compute_dtype(self.lora_embedding_A.dtype)
-        delta = self.lora_embedding_B.to(dtype) @ self.lora_embedding_A.to(dtype)  # (d, V)
-        return delta.t() * self.scaling  # (V, d)
+    def _delta(self, name: str) -> Tensor:
+        a, b = self.lora_embedding_A[name], self.lora_embedding_B[name]
+        dtype = _compute_dtype(a.dtype)
+        return (b.to(dtype) @ a.to(dtype)).t() * self.specs[name].scaling  # (V, d)
 
-    def forward(self, x: Tensor) -> Tensor:
-        result = self.base_layer(x)  # (..., d)
-        if self.merged:
-            self._check_trainable_forward()
-            return result
+    def _lookup(self, x: Tensor, table: Tensor) -> Tensor:
         base = self.base_layer
-        # (..., r). The base's options apply to the adapter's lookup too, as in PEFT, except ``sparse``: a sparse
-        # gradient cannot flow back through the transpose of A (PEFT fails there), and A is small, so it gets a
-        # dense gradient, which every optimizer takes.
-        hidden = F.embedding(
-            x, self.lora_embedding_A.t(), padding_idx=base.padding_idx, max_norm=base.max_norm,
-            norm_type=base.norm_type, scale_grad_by_freq=base.scale_grad_by_freq,
+        # The base's options apply to the adapter's lookup too, as in PEFT, except ``sparse``: a sparse gradient
+        # cannot flow back through the transpose of A (PEFT fails there), and A is small, so it gets a dense
+        # gradient, which every optimizer takes.
+        return F.embedding(
+            x, table, padding_idx=base.padding_idx, max_norm=base.max_norm, norm_type=base.norm_type,
+            scale_grad_by_freq=base.scale_grad_by_freq,
         )
-        return self._add_update(result, hidden, self.lora_embedding_B)
+
+    def _single(self, x: Tensor, result: Tensor, name: str) -> Tensor:
+        hidden = self._lookup(x, self.lora_embedding_A[name].t())  # (..., r)
+        return self._add_update(result, hidden, self.lora_embedding_B[name], self.specs[name].scaling)
+
+    def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor) -> Tensor:
+        if self.base_layer.max_norm is not None:  # max_norm renormalises the looked-up rows in place
+            return super()._routed(x, result, names, slots)
+        a, b = self._stacked(names, dict(self.lora_embedding_A.items()), dict(self.lora_embedding_B.items()))
+        vocab = a.shape[-1]
+        table = a.transpose(1, 2).reshape(-1, a.shape[1])  # ((k+1) V, r): adapter k's rows at [k V, (k+1) V)
+        ids = x + (slots * vocab).view(-1, *([1] * (x.dim() - 1)))  # (B, ...)
+        hidden = F.embedding(ids, table, scale_grad_by_freq=self.base_layer.scale_grad_by_freq)  # (B, ..., r)
+        padding = self.base_layer.padding_idx
+        if padding is not None:  # as padding_idx does: the row is read, but gets no gradient
+            hidden = torch.where((x == padding).unsqueeze(-1), hidden.detach(), hidden)
+        h3 = hidden.reshape(x.shape[0], -1, hidden.shape[-1])  # (B, T, r)
+        update = torch.bmm(h3, b[slots].transpose(1, 2))  # (B, T, d)
+        return result + update.view(result.shape).to(result.dtype)
 
 
 class LoRAConv2d(_ABLayer):
-    """LoRA for ``nn.Conv2d`` (groups=1): ``A`` has the base kernel, stride and padding; ``B`` is 1x1."""
+    """LoRA for ``nn.Conv2d`` (groups=1): ``A`` has the base kernel, stride and padding; ``B`` is 1x1.
 
-    def __init__(
-        self,
-        base_layer: nn.Conv2d,
-        rank: int,
-        alpha: float,
-        dropout: float = 0.0,
-        use_rslora: bool = False,
-        init: Init = "kaiming",
-    ) -> None:
-        super().__init__(base_layer, rank, alpha, dropout, use_rslora)
-        kwargs = {"device": base_layer.weight.device, "dtype": _adapter_dtype(base_layer.weight)}
-        self.lora_A = nn.Conv2d(
-            base_layer.in_channels, rank, base_layer.kernel_size, base_layer.stride, base_layer.padding,
-            base_layer.dilation, bias=False, padding_mode=base_layer.padding_mode, **kwargs,
+    A mixed batch runs one segment per adapter it uses (convolutions have no batched-weight form in PyTorch).
+    """
+
+    def _create(self, name: str, rank: int, device: torch.device, dtype: torch.dtype) -> None:
+        base = self.base_layer
+        self.lora_A[name] = nn.Conv2d(
+            base.in_channels, rank, base.kernel_size, base.stride, base.padding, base.dilation, bias=False,
+            padding_mode=base.padding_mode, device=device, dtype=dtype,
         )
-        self.lora_B = nn.Conv2d(rank, base_layer.out_channels, 1, bias=False, **kwargs)
-        self.reset_parameters(init)
+        self.lora_B[name] = nn.Conv2d(rank, base.out_channels, 1, bias=False, device=device, dtype=dtype)
 
-    def delta_weight(self) -> Tensor:
-        dtype = _compute_dtype(self.lora_A.weight.dtype)
-        a = self.lora_A.weight.to(dtype)  # (r, in, kh, kw)
-        b = self.lora_B.weight.to(dtype).flatten(1)  # (out, r)
-        return (b @ a.flatten(1)).view(b.shape[0], *a.shape[1:]) * self.scaling  # (out, in, kh, kw)
+    def _delta(self, name: str) -> Tensor:
+        a, b = self.lora_A[name].weight, self.lora_B[name].weight
+        dtype = _compute_dtype(a.dtype)
+        a, b = a.to(dtype), b.to(dtype).flatten(1)  # (r, in, kh, kw), (out, r)
+        return (b @ a.flatten(1)).view(b.shape[0], *a.shape[1:]) * self.specs[name].scaling  # (out, in, kh, kw)
 
-    def forward(self, x: Tensor) -> Tensor:
-        result = self.base_layer(x)  # (B, out, H', W')
-        if self.merged:
-            self._check_trainable_forward()
-            return result
-        lora_x = self.dropout(x).to(self.lora_A.weight.dtype)
-        update = self.lora_B(self.lora_A(lora_x)) * self.scaling  # (B, out, H', W')
-        return result + update.to(result.dtype)
+    def _single(self, x: Tensor, result: Tensor, name: str) -> Tensor:
+        lora_a = self.lora_A[name]
+        update = self.lora_B[name](lora_a(self.lora_dropout[name](x).to(lora_a.weight.dtype)))  # (B, out, H', W')
+        return result + (update * self.specs[name].scaling).to(result.dtype)
 
 
 def _unmerged_state(module: LoRALayer, state_dict: dict, prefix: str, local_metadata: dict) -> None:
@@ -367,17 +613,18 @@ def _unmerged_state(module: LoRALayer, state_dict: dict, prefix: str, local_meta
     if module.merged and key in state_dict:
         weight = module.base_layer.weight
         with torch.no_grad():
-            state_dict[key] = (weight.to(_compute_dtype(weight.dtype)) - module.delta_weight()).to(weight.dtype)
+            restored = weight.to(_compute_dtype(weight.dtype)) - module.delta_weight(module.merged_adapter)
+            state_dict[key] = restored.to(weight.dtype)
 
 
 def _unmerge_before_load(module: LoRALayer, *args) -> None:
     # Load-state-dict pre-hook: load into the unmerged layout, then merge the loaded adapter again.
     if module.merged:
+        module._remerge_after_load = module.merged_adapter
         module.unmerge()
-        module._remerge_after_load = True
 
 
 def _remerge_after_load(module: LoRALayer, incompatible_keys) -> None:
-    if module._remerge_after_load:
-        module._remerge_after_load = False
-        module.merge()
+    if module._remerge_after_load is not None:
+        name, module._remerge_after_load = module._remerge_after_load, None
+        module.merge(name)

@@ -48,8 +48,8 @@ from typing import Any, ClassVar, Literal
 from torch import Tensor, nn
 
 from .adapter import Adapter, attach, attached, clean_key, detach, refreeze, register, unwrap
-from .layers import Init, LoRAConv2d, LoRAEmbedding, LoRALayer, LoRALinear, conv1d_type
-from .modules_to_save import fold_modules_to_save, plain_key, set_submodule, wrap_modules_to_save
+from .layers import DEFAULT, Init, LoRAConv2d, LoRAEmbedding, LoRALayer, LoRALinear, Routing, conv1d_type
+from .modules_to_save import ModulesToSave, fold_modules_to_save, plain_key, set_submodule, wrap_modules_to_save
 
 log = logging.getLogger(__name__)
 
@@ -261,10 +261,11 @@ def _output_head(model: nn.Module) -> str | None:
     """Name of the output head that ``"all-linear"`` leaves alone."""
     get_output = getattr(model, "get_output_embeddings", None)
     head = get_output() if callable(get_output) else None
-    names = {id(m): n for n, m in model.named_modules()}
+    view = _adaptable_view(model)
+    names = {id(m): n for n, m in view.items()}
     if isinstance(head, nn.Module) and id(head) in names:
         return names[id(head)]
-    linears = [n for n, m in model.named_modules() if isinstance(m, _linear_types())]
+    linears = [n for n, m in view.items() if isinstance(m, _linear_types())]
     return linears[-1] if linears else None
 
 
@@ -291,7 +292,7 @@ def task_heads(model: nn.Module) -> list[str]:
 
 def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]:
     """(targets, modules_to_save) full names; raises before anything is changed."""
-    modules = dict(model.named_modules(remove_duplicate=False))
+    modules = _adaptable_view(model)
     names = [n for n in modules if n]
     to_save = _select_modules_to_save(model, config, names)
 
@@ -329,6 +330,24 @@ def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]
     _check_types(model, config, chosen, modules, inside_fused)
     _check_aliases(chosen, names, modules)
     return chosen, to_save
+
+
+def _adaptable_view(model: nn.Module) -> dict[str, nn.Module]:
+    """``model.named_modules()`` as a new adapter sees it: a LoRA layer stands for its base module (so another
+    adapter can target it) and the insides of LoRA layers and ``modules_to_save`` wrappers are hidden."""
+    view: dict[str, nn.Module] = {}
+    hidden: list[str] = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        if any(name.startswith(h) for h in hidden):
+            continue
+        if isinstance(module, LoRALayer):
+            view[name] = module.base_layer
+            hidden.append(f"{name}.")
+        else:
+            view[name] = module
+            if isinstance(module, ModulesToSave):
+                hidden.append(f"{name}.")
+    return view
 
 
 def _select_modules_to_save(model: nn.Module, config: LoRAConfig, names: list[str]) -> list[str]:
@@ -419,13 +438,14 @@ def _max_rank(module: nn.Module) -> int:
     return min(weight.shape[0], weight[0].numel())
 
 
-def _make_layer(module: nn.Module, name: str, config: LoRAConfig) -> LoRALayer:
+def _make_layer(module: nn.Module, name: str, config: LoRAConfig, adapter_name: str) -> LoRALayer:
     kwargs = {
         "rank": config.rank_for(name),
         "alpha": config.alpha_for(name),
         "dropout": config.dropout,
         "use_rslora": config.use_rslora,
         "init": config.init,
+        "adapter_name": adapter_name,
     }
     if isinstance(module, nn.Embedding):
         return LoRAEmbedding(module, **kwargs)
@@ -439,37 +459,65 @@ def lora_layers(model: nn.Module) -> dict[str, LoRALayer]:
     return {name: m for name, m in unwrap(model).named_modules() if isinstance(m, LoRALayer)}
 
 
+def _peft_key(key: str, adapter_name: str) -> str:
+    """A layer-relative key of one adapter without its adapter segment: ``lora_A.x.weight`` -> ``lora_A.weight``."""
+    container, _, rest = key.partition(f".{adapter_name}")
+    return container + rest
+
+
 @register
 class LoRAAdapter(Adapter):
-    """LoRA's side of the adapter protocol: what :func:`inject_lora` did to a model.
+    """LoRA's side of the adapter protocol: the named LoRA adapters on a model.
 
     Args:
-        config: The config used.
-        targets: Full names of the adapted modules.
-        modules_to_save: Full names of the modules trained and saved in full.
+        adapters: ``{adapter name: (config, full names of the modules it adapts)}``, in the order they were added.
+        modules_to_save: Full names of the modules trained and saved in full; shared by every named adapter.
+        routing: The :class:`~lightning_peft.peft.layers.Routing` object every LoRA layer of the model holds.
     """
 
     kind: ClassVar[str] = "lora"
     peft_type: ClassVar[str] = "LORA"
     mergeable: ClassVar[bool] = True
 
-    def __init__(self, config: LoRAConfig, targets: Iterable[str], modules_to_save: Iterable[str]) -> None:
-        self.config = config
-        self.targets = tuple(targets)
+    def __init__(
+        self,
+        adapters: dict[str, tuple[LoRAConfig, Iterable[str]]],
+        modules_to_save: Iterable[str],
+        routing: Routing,
+    ) -> None:
+        self.adapters = {name: (config, tuple(targets)) for name, (config, targets) in adapters.items()}
         self.modules_to_save = tuple(modules_to_save)
+        self.routing = routing
 
     def __repr__(self) -> str:
-        return f"LoRAAdapter({self.config}, {len(self.targets)} targets, modules_to_save={list(self.modules_to_save)})"
+        names = ", ".join(f"{n}: rank {c.rank}, {len(t)} targets" for n, (c, t) in self.adapters.items())
+        return f"LoRAAdapter({names}; active={self.routing.active!r}, modules_to_save={list(self.modules_to_save)})"
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The adapter names, in the order they were added."""
+        return tuple(self.adapters)
+
+    @property
+    def config(self) -> LoRAConfig:
+        """The first adapter's config (the one :func:`inject_lora` used)."""
+        return next(iter(self.adapters.values()))[0]
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """Every adapted module (the union over the named adapters), in order of first adaptation."""
+        return tuple(dict.fromkeys(t for _, targets in self.adapters.values() for t in targets))
 
     def state(self, model: nn.Module) -> dict[str, Tensor]:
         model = unwrap(model)
         state: dict[str, Tensor] = {}
+        bias = self.config.bias
         for name in self.targets:
             layer = model.get_submodule(name)
             state.update({f"{name}.{k}": p for k, p in layer.adapter_parameters().items()})
-            if self.config.bias == "lora_only" and getattr(layer.base_layer, "bias", None) is not None:
+            if bias == "lora_only" and getattr(layer.base_layer, "bias", None) is not None:
                 state[f"{name}.base_layer.bias"] = layer.base_layer.bias
-        if self.config.bias == "all":
+        if bias == "all":
             for name, module in model.named_modules():
                 if module._parameters.get("bias") is not None and ".original_module" not in f".{name}":
                     state[f"{name}.bias" if name else "bias"] = module._parameters["bias"]
@@ -479,25 +527,37 @@ class LoRAAdapter(Adapter):
         return state
 
     def config_dict(self) -> dict[str, Any]:
-        return {"config": self.config.to_dict(), "targets": list(self.targets),
-                "modules_to_save": list(self.modules_to_save)}
+        return {
+            "adapters": {n: {"config": c.to_dict(), "targets": list(t)} for n, (c, t) in self.adapters.items()},
+            "modules_to_save": list(self.modules_to_save),
+            "active": self.routing.active,
+        }
 
     @classmethod
     def inject(cls, model: nn.Module, config: dict[str, Any]) -> LoRAAdapter:
         # The exact names recorded, not the rules: the same modules whatever the rules would pick today.
         model = unwrap(model)
         _refuse_second_injection(model)
+        if "adapters" not in config:  # the single-adapter format of lightning-peft 0.1 checkpoints
+            config = {"adapters": {DEFAULT: {"config": config["config"], "targets": config["targets"]}},
+                      "modules_to_save": config["modules_to_save"], "active": DEFAULT}
         names = {n for n, _ in model.named_modules()}
-        absent = [n for n in [*config["targets"], *config["modules_to_save"]] if n not in names]
+        recorded = [t for entry in config["adapters"].values() for t in entry["targets"]]
+        absent = [n for n in [*recorded, *config["modules_to_save"]] if n not in names]
         if absent:
             raise ValueError(
                 f"LoRA: the recorded adapter names module {absent[0]!r}, which {type(model).__name__} does not have; "
                 "the checkpoint was written for another model."
             )
-        _inject(model, LoRAConfig(**config["config"]), list(config["targets"]), list(config["modules_to_save"]))
-        return attached(model)["lora"]
+        for i, (name, entry) in enumerate(config["adapters"].items()):
+            to_save = list(config["modules_to_save"]) if i == 0 else []
+            _inject(model, LoRAConfig(**entry["config"]), list(entry["targets"]), to_save, name)
+        spec = attached(model)["lora"]
+        spec.routing.active = config.get("active", spec.names[0])
+        return spec
 
     def merged_state(self, model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Fold the active adapter (or the merged one) into ``state``; layers without it keep their base weight."""
         model = unwrap(model)
         for name in self.targets:
             layer = model.get_submodule(name)
@@ -506,8 +566,11 @@ class LoRAAdapter(Adapter):
             prefix = f"{name}.base_layer."
             for key in [k for k in state if k.startswith(prefix)]:
                 state[f"{name}.{key[len(prefix):]}"] = state.pop(key)
+            chosen = layer.merged_adapter or self.routing.active
+            if chosen not in layer.specs:
+                continue
             try:
-                state[f"{name}.weight"] = layer.merged_weight()
+                state[f"{name}.weight"] = layer.merged_weight(chosen)
             except RuntimeError as err:
                 raise RuntimeError(f"merged_state_dict: layer {name!r}: {err}") from None
         return fold_modules_to_save(model, state)
@@ -525,13 +588,33 @@ class LoRAAdapter(Adapter):
             set_submodule(model, name, wrapper.trained_module if merge else wrapper.original_module)
         detach(model, self.kind)
 
-    def peft_state(self, model: nn.Module) -> dict[str, Tensor]:
-        """The adapter tensors (not detached) under the keys of PEFT's adapter files, without the prefix."""
-        return {clean_key(plain_key(k)): v for k, v in self.state(model).items()}
+    def _name(self, adapter_name: str | None) -> str:
+        name = adapter_name or self.routing.active or self.names[0]
+        if name not in self.adapters:
+            raise ValueError(f"LoRA: no adapter named {name!r}; the model has {list(self.adapters)}.")
+        return name
 
-    def peft_config(self, model: nn.Module) -> dict[str, Any]:
-        config = self.config
-        layers = {clean_key(n): unwrap(model).get_submodule(n) for n in self.targets}
+    def peft_state(self, model: nn.Module, adapter_name: str | None = None) -> dict[str, Tensor]:
+        """One adapter's tensors (not detached) under the keys of PEFT's adapter files, without the prefix.
+
+        The trained biases and ``modules_to_save`` are shared by every adapter, so each adapter's file has them.
+        """
+        name = self._name(adapter_name)
+        model = unwrap(model)
+        state: dict[str, Tensor] = {}
+        for target in self.adapters[name][1]:
+            layer = model.get_submodule(target)
+            state.update({f"{target}.{_peft_key(k, name)}": p for k, p in layer.adapter_parameters(name).items()})
+        own = {id(p) for layer in lora_layers(model).values() for p in layer.adapter_parameters().values()}
+        shared = {k: v for k, v in self.state(model).items() if id(v) not in own}
+        state.update(shared)
+        return {clean_key(plain_key(k)): v for k, v in state.items()}
+
+    def peft_config(self, model: nn.Module, adapter_name: str | None = None) -> dict[str, Any]:
+        name = self._name(adapter_name)
+        config, targets = self.adapters[name]
+        layers = {clean_key(n): unwrap(model).get_submodule(n) for n in targets}
+        specs = {n: layer.specs[name] for n, layer in layers.items()}
         name_or_path = getattr(getattr(unwrap(model), "config", None), "_name_or_path", None)
         return {
             "peft_type": "LORA",
@@ -541,11 +624,11 @@ class LoRAAdapter(Adapter):
             "r": config.rank,
             "lora_alpha": config.alpha,
             "lora_dropout": config.dropout,
-            "target_modules": exact_targets(list(layers), [clean_key(n) for n, _ in unwrap(model).named_modules()]),
+            "target_modules": exact_targets(list(layers), [n for n in _adaptable_view(unwrap(model))]),
             "exclude_modules": None,
             "modules_to_save": [clean_key(n) for n in self.modules_to_save] or None,
-            "rank_pattern": {re.escape(n): m.rank for n, m in layers.items() if m.rank != config.rank},
-            "alpha_pattern": {re.escape(n): m.alpha for n, m in layers.items() if m.alpha != config.alpha},
+            "rank_pattern": {re.escape(n): s.rank for n, s in specs.items() if s.rank != config.rank},
+            "alpha_pattern": {re.escape(n): s.alpha for n, s in specs.items() if s.alpha != config.alpha},
             "bias": config.bias,
             "fan_in_fan_out": any(getattr(m, "fan_in_fan_out", False) for m in layers.values()),
             "init_lora_weights": "gaussian" if config.init == "gaussian" else True,
@@ -565,27 +648,38 @@ class LoRAAdapter(Adapter):
                     problems.append(f"{name!r} is a Conv2d with padding_mode={base.padding_mode!r}")
         return problems
 
-    def check_peft_config(self, model: nn.Module, config: Any, source: str) -> None:
+    def check_peft_config(self, model: nn.Module, config: Any, source: str, adapter_name: str = DEFAULT) -> None:
         merged = [name for name, layer in lora_layers(model).items() if layer.merged]
         if merged:
             raise RuntimeError(f"load_adapter: layer {merged[0]!r} is merged; call unmerge_lora(model) before loading.")
         ours = config_from_peft(config, source)
-        for name, layer in lora_layers(model).items():
+        for name in self.adapters[adapter_name][1]:
+            spec = unwrap(model).get_submodule(name).specs[adapter_name]
             alpha = ours.alpha_for(name)
-            if (layer.alpha, layer.use_rslora) != (alpha, ours.use_rslora):
+            if (spec.alpha, spec.use_rslora) != (alpha, ours.use_rslora):
                 raise ValueError(
                     f"load_adapter: {source} gives {name!r} alpha={alpha}, use_rslora={ours.use_rslora}, but the "
-                    f"model's LoRA layer has alpha={layer.alpha}, use_rslora={layer.use_rslora}; the adapter would be "
-                    "scaled differently. Load it into a model without LoRA layers."
+                    f"model's LoRA adapter {adapter_name!r} there has alpha={spec.alpha}, use_rslora={spec.use_rslora}; "
+                    "the adapter would be scaled differently. Load it into a model without LoRA layers, or under "
+                    "another adapter_name."
                 )
 
     @classmethod
-    def from_peft(cls, model: nn.Module, config: dict[str, Any], source: str) -> LoRAAdapter:
+    def from_peft(
+        cls, model: nn.Module, config: dict[str, Any], source: str, adapter_name: str = DEFAULT
+    ) -> LoRAAdapter:
         ours = config_from_peft(config, source)
-        names = [n for n, _ in unwrap(model).named_modules() if n]
+        view = _adaptable_view(unwrap(model))
+        names = [n for n in view if n]
         # PEFT's SEQ_CLS task writes ["classifier", "score"] whatever the model calls its head: drop the absent.
         present = [m for m in dict.fromkeys(ours.modules_to_save or []) if any(name_matches(n, [m]) for n in names)]
-        inject_lora(model, dataclasses.replace(ours, modules_to_save=present))
+        ours = dataclasses.replace(ours, modules_to_save=present)
+        if lora_spec(model) is None:
+            inject_lora(model, ours, adapter_name=adapter_name)
+        else:
+            from .multi_lora import add_adapter
+
+            add_adapter(model, adapter_name, ours)
         return attached(model)["lora"]
 
 
@@ -612,18 +706,32 @@ def require_spec(model: nn.Module, who: str) -> LoRAAdapter:
     return spec
 
 
-def inject_lora(model: nn.Module, config: LoRAConfig | Any | None = None, **kwargs) -> dict[str, LoRALayer]:
+def check_adapter_name(name: object, who: str) -> str:
+    """``name`` if it can name an adapter (a non-empty string that is a valid module attribute name)."""
+    if not isinstance(name, str) or not name or "." in name or not name.isidentifier():
+        raise ValueError(
+            f"{who}: adapter name {name!r} is not usable; give a non-empty identifier without dots, e.g. 'sports' "
+            "(it becomes part of the parameter names, lora_A.<name>.weight)."
+        )
+    return name
+
+
+def inject_lora(
+    model: nn.Module, config: LoRAConfig | Any | None = None, adapter_name: str = DEFAULT, **kwargs
+) -> dict[str, LoRALayer]:
     """Wrap the target modules of ``model`` in LoRA layers, in place, and freeze everything else.
 
     After the call only the parameters of the adapters attached to ``model`` (this one and any other
     technique's) have ``requires_grad=True``: the LoRA weights, the chosen biases and the trainable copies of
-    ``modules_to_save``. Nothing is changed if an error is raised.
+    ``modules_to_save``. Nothing is changed if an error is raised. More named adapters are added with
+    :func:`~lightning_peft.peft.add_adapter`.
 
     Args:
         model: The model to adapt (any ``nn.Module``; for a Hugging Face model pass the ``PreTrainedModel``;
             a ``torch.compile`` wrapper is looked through).
         config: A :class:`LoRAConfig` or a Hugging Face PEFT ``LoraConfig``; or give the fields as keyword
             arguments instead.
+        adapter_name: The adapter's name; it becomes the active adapter.
 
     Returns:
         The new LoRA layers by full module name.
@@ -634,11 +742,12 @@ def inject_lora(model: nn.Module, config: LoRAConfig | Any | None = None, **kwar
         TypeError: If a target is of a type LoRA cannot adapt, or an argument has the wrong type.
     """
     config = as_config(config, kwargs, "inject_lora")
+    check_adapter_name(adapter_name, "inject_lora")
     model = unwrap(model)
     _refuse_second_injection(model)
     targets, to_save = _select(model, config)
     _warn_about_settings(model, config, targets)
-    return _inject(model, config, targets, to_save)
+    return _inject(model, config, targets, to_save, adapter_name)
 
 
 def _refuse_second_injection(model: nn.Module) -> None:
@@ -646,54 +755,84 @@ def _refuse_second_injection(model: nn.Module) -> None:
     if existing:
         raise RuntimeError(
             f"inject_lora: {type(model).__name__} already has {len(existing)} LoRA layers "
-            f"(e.g. {next(iter(existing))!r}); LoRA was injected twice. Use the model as it is, or build a fresh one."
+            f"(e.g. {next(iter(existing))!r}); LoRA was injected twice. Use the model as it is, build a fresh one, "
+            "or add another named adapter with add_adapter(model, name, config)."
         )
 
 
-def _inject(model: nn.Module, config: LoRAConfig, targets: list[str], to_save: list[str]) -> dict[str, LoRALayer]:
-    """Wrap exactly ``targets`` and ``to_save`` (full names, already checked) and attach the adapter."""
+def _inject(
+    model: nn.Module, config: LoRAConfig, targets: list[str], to_save: list[str], adapter_name: str
+) -> dict[str, LoRALayer]:
+    """Add adapter ``adapter_name`` to exactly ``targets`` and wrap ``to_save`` (full names, already checked)."""
+    spec = lora_spec(model)
+    routing = spec.routing if spec is not None else Routing(adapter_name)
     wrap_modules_to_save(model, to_save)
     replaced = {}
     for name in targets:
-        base = model.get_submodule(name)
-        layer = _make_layer(base, name, config).train(base.training)  # an eval model gets eval adapters
+        module = model.get_submodule(name)
+        if isinstance(module, LoRALayer):
+            module.add_adapter(
+                adapter_name, config.rank_for(name), config.alpha_for(name), config.dropout, config.use_rslora,
+                config.init,
+            )
+            replaced[name] = module
+            continue
+        layer = _make_layer(module, name, config, adapter_name).train(module.training)  # eval model: eval adapters
+        layer.routing = routing
         set_submodule(model, name, layer)
         replaced[name] = layer
-    attach(model, LoRAAdapter(config, targets, to_save))
-    log.info("LoRA: adapted %d modules of %s; %s", len(replaced), type(model).__name__, trainable_parameters(model))
+    if spec is None:
+        spec = LoRAAdapter({}, to_save, routing)
+    spec.adapters[adapter_name] = (config, tuple(targets))
+    attach(model, spec)
+    log.info("LoRA: adapter %r on %d modules of %s; %s", adapter_name, len(replaced), type(model).__name__,
+             trainable_parameters(model))
     return replaced
 
 
-def merge_lora(model: nn.Module) -> list[str]:
-    """Add every adapter's update into its base weight, in place.
+def merge_lora(model: nn.Module, adapter_name: str | None = None) -> list[str]:
+    """Add one adapter's update (default: the active adapter) into the base weights, in place.
 
-    Idempotent: layers already merged are left alone. Each merge is computed in float32 (or wider) and
-    cast back to the weight's dtype. If a merged weight would be non-finite, the layers merged by this
-    call are unmerged again and a ``RuntimeError`` names the layer. A weight tied to another module
-    (e.g. input and output embeddings) is refused before anything changes. To train again, call
-    :func:`unmerge_lora` first; to get plain modules back (e.g. for ``save_pretrained``), :func:`unload_lora`.
+    Idempotent: layers that already hold this adapter merged are left alone; merging a second adapter while one is
+    merged is refused. Each merge is computed in float32 (or wider) and cast back to the weight's dtype. If a merged
+    weight would be non-finite, the layers merged by this call are unmerged again and a ``RuntimeError`` names the
+    layer. A weight tied to another module (e.g. input and output embeddings) is refused before anything changes.
+    To train again, call :func:`unmerge_lora` first; to get plain modules back (e.g. for ``save_pretrained``),
+    :func:`unload_lora`.
 
     Returns:
         Names of the layers this call merged.
 
     Raises:
-        RuntimeError: If ``model`` has no LoRA adapter, a weight is tied, or a merge is non-finite.
+        RuntimeError: If ``model`` has no LoRA adapter, another adapter is merged, a weight is tied, or a merge is
+            non-finite.
+        ValueError: If ``adapter_name`` names no adapter.
     """
-    require_spec(model, "merge_lora")
+    spec = require_spec(model, "merge_lora")
+    if adapter_name is None and spec.routing.active is None:
+        raise RuntimeError("merge_lora: no adapter is active; name one, merge_lora(model, adapter_name=...).")
+    name = spec._name(adapter_name)
     model = unwrap(model)
-    layers = lora_layers(model)
+    layers = {n: layer for n, layer in lora_layers(model).items() if name in layer.specs}
+    other = next((n for n, layer in lora_layers(model).items() if layer.merged and layer.merged_adapter != name), None)
+    if other is not None:
+        raise RuntimeError(
+            f"merge_lora: adapter {lora_layers(model)[other].merged_adapter!r} is merged (e.g. at {other!r}); "
+            f"call unmerge_lora(model) before merging {name!r}."
+        )
     _refuse_tied(model, layers)
     done: list[str] = []
-    for name, layer in layers.items():
+    for layer_name, layer in layers.items():
         if layer.merged:
             continue
         try:
-            layer.merge()
+            layer.merge(name)
         except RuntimeError as err:
             for merged_name in reversed(done):
                 model.get_submodule(merged_name).unmerge()
-            raise RuntimeError(f"merge_lora: layer {name!r}: {err}") from None
-        done.append(name)
+            raise RuntimeError(f"merge_lora: layer {layer_name!r}: {err}") from None
+        done.append(layer_name)
+    spec.routing.active = name
     return done
 
 
@@ -714,7 +853,7 @@ def _refuse_tied(model: nn.Module, layers: dict[str, LoRALayer]) -> None:
 
 
 def unmerge_lora(model: nn.Module) -> list[str]:
-    """Subtract every merged adapter's update from its base weight, in place.
+    """Subtract the merged adapter's update from the base weights, in place.
 
     Exact up to one rounding in the weight's dtype (so not bit-exact in bfloat16).
 
@@ -738,9 +877,10 @@ def unload_lora(model: nn.Module, merge: bool = True) -> nn.Module:
     """Remove LoRA from ``model`` in place and return the plain model (Hugging Face PEFT's ``merge_and_unload``).
 
     Every LoRA layer is replaced by its base module, and every ``modules_to_save`` wrapper by its trained copy
-    (``merge=True``: the fine-tuned model, which ``save_pretrained`` / ``from_pretrained`` round-trip) or by the
-    untouched original (``merge=False``: the base model as it was before :func:`inject_lora`, except biases
-    trained with ``bias="lora_only"`` / ``"all"``, which train in place and keep their trained values).
+    (``merge=True``: the fine-tuned model with the active adapter merged, which ``save_pretrained`` /
+    ``from_pretrained`` round-trip) or by the untouched original (``merge=False``: the base model as it was before
+    :func:`inject_lora`, except biases trained with ``bias="lora_only"`` / ``"all"``, which train in place and keep
+    their trained values). Every named adapter goes.
 
     Raises:
         RuntimeError: If ``model`` has no LoRA adapter, or a merge is refused (tied or non-finite weights).

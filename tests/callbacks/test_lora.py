@@ -150,9 +150,9 @@ def test_adapter_only_loading_still_rejects_a_full_state_dict_with_a_missing_key
         module.load_state_dict(state)
     adapter_only = {k: v for k, v in state.items() if k in {f"model.{a}" for a in adapter_state_dict(module.model)}}
     module.load_state_dict(adapter_only)  # strict, and the base comes from the model itself
-    del adapter_only["model.bert.encoder.layer.1.attention.self.value.lora_B.weight"]
+    del adapter_only["model.bert.encoder.layer.1.attention.self.value.lora_B.default.weight"]
     with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"model.bert.encoder.layer.1.attention.self"
-                                           r".value.lora_B.weight\""):
+                                           r".value.lora_B.default.weight\""):
         module.load_state_dict(adapter_only)  # only frozen parameters are filled in, never adapter weights
 
 
@@ -180,7 +180,7 @@ def test_adapter_only_checkpoint_keeps_buffers_and_drops_only_frozen_parameters(
     trainer(tmp_path, max_steps=2, callbacks=callbacks, enable_checkpointing=True).fit(module, data)
     saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]
     assert set(saved) == {
-        "net.0.lora_A.weight", "net.0.lora_B.weight",
+        "net.0.lora_A.default.weight", "net.0.lora_B.default.weight",
         "net.1.running_mean", "net.1.running_var", "net.1.num_batches_tracked",
     }
     assert saved["net.1.num_batches_tracked"] == 2

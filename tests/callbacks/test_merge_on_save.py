@@ -33,7 +33,7 @@ def test_merged_model_loads_with_plain_transformers_and_adapter_with_peft(tiny_b
     ids = torch.randint(0, 64, (3, 8))
     module.model.eval()
     expected = module.model(input_ids=ids).logits
-    assert any(torch.count_nonzero(layer.lora_B.weight) for layer in lora_layers(module.model).values())
+    assert any(torch.count_nonzero(layer.lora_B["default"].weight) for layer in lora_layers(module.model).values())
 
     merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out" / "merged").eval()
     assert type(merged) is BertForSequenceClassification and not lora_layers(merged)
@@ -69,7 +69,7 @@ def test_a_failed_export_keeps_the_previous_one(tiny_bert_config, tmp_path):
     merged_dir = tmp_path / "out" / "merged"
     files = {p.name: p.read_bytes() for p in merged_dir.iterdir()}
     with torch.no_grad():
-        next(iter(lora_layers(module.model).values())).lora_B.weight.fill_(float("nan"))
+        next(iter(lora_layers(module.model).values())).lora_B["default"].weight.fill_(float("nan"))
     with pytest.raises(RuntimeError, match=r"merged_state_dict: layer 'bert.encoder.layer.0.attention.self.query'"):
         export.export(run, module, tmp_path / "out")
     assert {p.name: p.read_bytes() for p in merged_dir.iterdir()} == files

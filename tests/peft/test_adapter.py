@@ -103,8 +103,8 @@ def adapt(model: nn.Module, order: str) -> nn.Module:
 
 
 EXPECTED_TRAINABLE = {
-    "blocks.0.query.lora_A.weight", "blocks.0.query.lora_B.weight", "blocks.1.query.lora_A.weight",
-    "blocks.1.query.lora_B.weight", "head.trained_module.weight", "head.trained_module.bias",
+    "blocks.0.query.lora_A.default.weight", "blocks.0.query.lora_B.default.weight", "blocks.1.query.lora_A.default.weight",
+    "blocks.1.query.lora_B.default.weight", "head.trained_module.weight", "head.trained_module.bias",
     "blocks.0.value.scale", "blocks.1.value.scale",
 }
 

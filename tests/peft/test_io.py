@@ -212,7 +212,8 @@ def test_saved_files_are_in_peft_layout(family, tmp_path):
 
     tensors = _read_weights(tmp_path / WEIGHTS)
     assert all(k.startswith(PREFIX) for k in tensors)
-    plain = {k.replace(".trained_module.", ".") for k in adapter_state_dict(ours)}  # PEFT names the saved copy plainly
+    # PEFT names the saved copy plainly, and its files drop the adapter name (lora_A.default.weight -> lora_A.weight).
+    plain = {re.sub(r"\.default(?=\.|$)", "", k.replace(".trained_module.", ".")) for k in adapter_state_dict(ours)}
     assert set(tensors) == {PREFIX + k for k in plain}
     suffixes = {k.rsplit(".", 2)[-2] + "." + k.rsplit(".", 1)[-1] for k in tensors}
     assert {"lora_A.weight", "lora_B.weight"} <= suffixes
@@ -668,7 +669,7 @@ def test_load_into_injected_model_with_other_alpha_is_not_silent(tmp_path):
     inject_lora(model, rank=4, alpha=8, target_modules=["query", "value"])
 
     with pytest.raises(ValueError, match=r"gives 'bert.encoder.layer.0.attention.self.query' alpha=32, use_rslora=False, "
-                                         r"but the model's LoRA layer has alpha=8, use_rslora=False; the adapter would "
+                                         r"but the model's LoRA adapter 'default' there has alpha=8, use_rslora=False; the adapter would "
                                          r"be scaled differently\. Load it into a model without LoRA layers"):
         load_adapter(model, tmp_path)
 
@@ -770,7 +771,7 @@ def test_non_finite_adapter_weights_are_refused_and_nothing_is_written(tmp_path)
     model = nn.Sequential(nn.Linear(4, 4))
     layers = inject_lora(model, rank=2, target_modules=["0"])
     with torch.no_grad():
-        layers["0"].lora_B.weight[1, 0] = float("nan")
+        layers["0"].lora_B["default"].weight[1, 0] = float("nan")
     with pytest.raises(ValueError, match=r"save_adapter: 0\.lora_B\.weight holds inf or NaN; .* Nothing was written"):
         save_adapter(model, tmp_path)
     assert list(tmp_path.iterdir()) == []

@@ -69,8 +69,8 @@ def test_linear_matches_reference_float64(use_rslora):
     layer = LoRALinear(base, rank=3, alpha=6.0, use_rslora=use_rslora)
     randomise([layer])
     x = torch.randn(2, 4, 5, dtype=torch.float64, requires_grad=True)
-    a = layer.lora_A.weight.detach().clone().requires_grad_(True)  # (r, in)
-    b = layer.lora_B.weight.detach().clone().requires_grad_(True)  # (out, r)
+    a = layer.lora_A["default"].weight.detach().clone().requires_grad_(True)  # (r, in)
+    b = layer.lora_B["default"].weight.detach().clone().requires_grad_(True)  # (out, r)
     s = 6.0 / (math.sqrt(3) if use_rslora else 3)
     x_ref = x.detach().clone().requires_grad_(True)
     ref = x_ref @ base.weight.T + base.bias + s * (x_ref @ a.T) @ b.T  # (2, 4, 7)
@@ -80,8 +80,8 @@ def test_linear_matches_reference_float64(use_rslora):
     out.backward(grad)
     ref.backward(grad)
     assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
-    assert_close(layer.lora_A.weight.grad, a.grad, rtol=1e-12, atol=1e-12)
-    assert_close(layer.lora_B.weight.grad, b.grad, rtol=1e-12, atol=1e-12)
+    assert_close(layer.lora_A["default"].weight.grad, a.grad, rtol=1e-12, atol=1e-12)
+    assert_close(layer.lora_B["default"].weight.grad, b.grad, rtol=1e-12, atol=1e-12)
     assert layer.scaling == pytest.approx(s)
 
 
@@ -90,7 +90,7 @@ def test_conv1d_matches_reference_float64():
     layer = LoRALinear(base, rank=2, alpha=4.0)
     randomise([layer])
     x = torch.randn(3, 5, dtype=torch.float64)
-    a, b = layer.lora_A.weight, layer.lora_B.weight
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
     ref = x @ base.weight + base.bias + 2.0 * (x @ a.T) @ b.T
     assert_close(layer(x), ref, rtol=1e-12, atol=1e-12)
     assert layer.fan_in_fan_out
@@ -102,11 +102,11 @@ def test_embedding_matches_reference_float64():
     layer = LoRAEmbedding(base, rank=3, alpha=3.0)
     randomise([layer])
     ids = torch.tensor([[0, 3, 10], [5, 5, 1]])
-    a, b = layer.lora_embedding_A, layer.lora_embedding_B  # (r, V), (d, r)
+    a, b = layer.lora_embedding_A["default"], layer.lora_embedding_B["default"]  # (r, V), (d, r)
     ref = base.weight[ids] + (a.T[ids] @ b.T)
     assert_close(layer(ids), ref, rtol=1e-12, atol=1e-12)
     layer(ids).sum().backward()
-    assert torch.all(layer.lora_embedding_A.grad[:, 0] == 0)  # padding row gets no gradient, as in the base
+    assert torch.all(layer.lora_embedding_A["default"].grad[:, 0] == 0)  # padding row gets no gradient, as in the base
 
 
 def test_conv2d_matches_reference_float64():
@@ -114,7 +114,7 @@ def test_conv2d_matches_reference_float64():
     layer = LoRAConv2d(base, rank=2, alpha=2.0)
     randomise([layer])
     x = torch.randn(2, 3, 9, 9, dtype=torch.float64)
-    a, b = layer.lora_A.weight, layer.lora_B.weight  # (r, in, 3, 3), (out, r, 1, 1)
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight  # (r, in, 3, 3), (out, r, 1, 1)
     ref = base(x) + F.conv2d(F.conv2d(x, a, stride=2, padding=1), b)
     assert_close(layer(x), ref, rtol=1e-12, atol=1e-12)
     merge_weight = base.weight + layer.delta_weight()
@@ -133,7 +133,7 @@ def test_dropout_in_training_mode_masks_the_adapter_input_only(kind):
     torch.manual_seed(7)
     mask = F.dropout(torch.ones_like(x), p=0.5, training=True)  # the same draw: 0 or 1 / (1 - p) per element
     assert set(mask.unique().tolist()) == {0.0, 2.0}
-    a, b = layer.lora_A.weight, layer.lora_B.weight
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
     if kind == "conv2d":
         ref = base(x) + 2.0 * F.conv2d(F.conv2d(x * mask, a, padding=1), b)
     else:
@@ -144,7 +144,7 @@ def test_dropout_in_training_mode_masks_the_adapter_input_only(kind):
 
 
 def _unmasked(layer, x, kind):
-    a, b = layer.lora_A.weight, layer.lora_B.weight
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
     if kind == "conv2d":
         return 2.0 * F.conv2d(F.conv2d(x, a, padding=1), b)
     return 2.0 * (x @ a.T) @ b.T
@@ -156,7 +156,7 @@ def test_embedding_adapter_ignores_dropout_even_in_training_mode():
     layer = LoRAEmbedding(base, rank=2, alpha=2.0, dropout=0.5).train()
     randomise([layer])
     ids = torch.randint(0, 9, (4, 3))
-    ref = base.weight[ids] + (layer.lora_embedding_A.T[ids] @ layer.lora_embedding_B.T)
+    ref = base.weight[ids] + (layer.lora_embedding_A["default"].T[ids] @ layer.lora_embedding_B["default"].T)
     assert_close(layer(ids), ref, rtol=1e-12, atol=1e-12)
 
 
@@ -213,9 +213,9 @@ def test_merge_in_float32_restores_within_one_rounding():
 def test_half_precision_merge_is_computed_in_float32(dtype):
     base = nn.Linear(16, 8).to(dtype)
     layer = LoRALinear(base, rank=4, alpha=8.0)
-    assert layer.lora_A.weight.dtype == torch.float32  # half-precision bases get float32 adapters
+    assert layer.lora_A["default"].weight.dtype == torch.float32  # half-precision bases get float32 adapters
     randomise([layer])
-    expected = (base.weight.float() + 2.0 * layer.lora_B.weight @ layer.lora_A.weight).to(dtype)
+    expected = (base.weight.float() + 2.0 * layer.lora_B["default"].weight @ layer.lora_A["default"].weight).to(dtype)
     layer.eval()
     layer.merge()
     assert torch.equal(base.weight, expected)
@@ -229,7 +229,7 @@ def test_non_finite_merge_is_refused_and_rolled_back():
     randomise(layers)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
-        layers["blocks.1.query"].lora_B.weight.fill_(float("inf"))
+        layers["blocks.1.query"].lora_B["default"].weight.fill_(float("inf"))
     with pytest.raises(RuntimeError, match=r"merge_lora: layer 'blocks.1.query'.*would write inf or NaN"):
         merge_lora(model)
     assert not any(layer.merged for layer in layers.values())  # blocks.0 was merged, then rolled back
@@ -246,8 +246,8 @@ def test_only_adapter_parameters_get_gradients():
     with_grad = {n for n, p in model.named_parameters() if p.grad is not None}
     assert with_grad == {n for n, p in model.named_parameters() if p.requires_grad}
     assert with_grad == {
-        "embed.lora_embedding_A", "embed.lora_embedding_B", "head.trained_module.weight", "head.trained_module.bias",
-        *(f"blocks.{i}.query.lora_{m}.weight" for i in range(2) for m in "AB"),
+        "embed.lora_embedding_A.default", "embed.lora_embedding_B.default", "head.trained_module.weight",
+        "head.trained_module.bias", *(f"blocks.{i}.query.lora_{m}.default.weight" for i in range(2) for m in "AB"),
     }
 
 
@@ -273,7 +273,7 @@ def test_inject_returns_the_replaced_modules_and_freezes_the_rest():
     assert list(layers) == ["blocks.0.query", "blocks.1.query"]
     assert layers["blocks.0.query"].base_layer is original  # wrapped, not copied
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable == {f"blocks.{i}.query.lora_{m}.weight" for i in range(2) for m in "AB"}
+    assert trainable == {f"blocks.{i}.query.lora_{m}.default.weight" for i in range(2) for m in "AB"}
     report = trainable_parameters(model)
     assert report.trainable == 2 * (2 * 6 + 6 * 2)
     assert report.total == sum(p.numel() for p in model.parameters())
@@ -327,11 +327,11 @@ def test_bias_modes(bias, expected):
 def test_gaussian_and_kaiming_init_start_at_zero_update():
     for init in ("kaiming", "gaussian"):
         layer = LoRALinear(nn.Linear(64, 64), rank=8, alpha=8.0, init=init)
-        assert torch.count_nonzero(layer.lora_B.weight) == 0
+        assert torch.count_nonzero(layer.lora_B["default"].weight) == 0
         assert torch.count_nonzero(layer.delta_weight()) == 0
-        assert layer.lora_A.weight.std() > 0
+        assert layer.lora_A["default"].weight.std() > 0
     gaussian = LoRALinear(nn.Linear(512, 512), rank=4, alpha=1.0, init="gaussian")
-    assert gaussian.lora_A.weight.std().item() == pytest.approx(1 / 4, rel=0.05)
+    assert gaussian.lora_A["default"].weight.std().item() == pytest.approx(1 / 4, rel=0.05)
 
 
 def test_inject_does_not_mutate_the_config_or_its_lists():
@@ -568,18 +568,18 @@ def test_embedding_adapter_honours_the_base_options_like_peft():
     layer = LoRAEmbedding(base, rank=3, alpha=3.0)
     randomise([layer])
     ids = torch.tensor([[1, 3, 3], [3, 5, 1]])
-    a = layer.lora_embedding_A.detach().clone().requires_grad_(True)
-    ref = base.weight[ids] + F.embedding(ids, a.T, padding_idx=0, scale_grad_by_freq=True) @ layer.lora_embedding_B.T
+    a = layer.lora_embedding_A["default"].detach().clone().requires_grad_(True)
+    ref = base.weight[ids] + F.embedding(ids, a.T, padding_idx=0, scale_grad_by_freq=True) @ layer.lora_embedding_B["default"].T
     out = layer(ids)
     assert_close(out, ref, rtol=1e-12, atol=1e-12)
     out.sum().backward()
     ref.sum().backward()
-    assert_close(layer.lora_embedding_A.grad, a.grad, rtol=1e-12, atol=1e-12)  # frequency-scaled, as the base
+    assert_close(layer.lora_embedding_A["default"].grad, a.grad, rtol=1e-12, atol=1e-12)  # frequency-scaled, as the base
 
     normed = LoRAEmbedding(nn.Embedding(11, 4, max_norm=0.5).double(), rank=3, alpha=3.0)
     randomise([normed])
     normed(ids)
-    rows = normed.lora_embedding_A.T[ids.unique()]  # the looked-up rows of A^T were renormalised, as PEFT does
+    rows = normed.lora_embedding_A["default"].T[ids.unique()]  # the looked-up rows of A^T were renormalised, as PEFT does
     assert (rows.norm(dim=1) <= 0.5 + 1e-12).all()
 
 
@@ -587,11 +587,11 @@ def test_sparse_embedding_trains_its_adapter_with_a_dense_gradient():
     layer = LoRAEmbedding(nn.Embedding(11, 4, sparse=True).double(), rank=2, alpha=2.0)
     randomise([layer])
     ids = torch.tensor([[1, 2, 2]])
-    a = layer.lora_embedding_A.detach().clone().requires_grad_(True)
-    (a.T[ids] @ layer.lora_embedding_B.detach().T).sum().backward()
+    a = layer.lora_embedding_A["default"].detach().clone().requires_grad_(True)
+    (a.T[ids] @ layer.lora_embedding_B["default"].detach().T).sum().backward()
     layer(ids).sum().backward()
-    assert not layer.lora_embedding_A.grad.is_sparse
-    assert_close(layer.lora_embedding_A.grad, a.grad, rtol=1e-12, atol=1e-12)
+    assert not layer.lora_embedding_A["default"].grad.is_sparse
+    assert_close(layer.lora_embedding_A["default"].grad, a.grad, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("init", ["kaiming", "gaussian"])
@@ -599,8 +599,8 @@ def test_embedding_init_starts_at_zero_and_follows_the_init_option(init):
     layer = LoRAEmbedding(nn.Embedding(50, 8), rank=4, alpha=4.0, init=init)
     assert torch.count_nonzero(layer.delta_weight()) == 0
     zero, random = ("lora_embedding_A", "lora_embedding_B") if init == "kaiming" else ("lora_embedding_B", "lora_embedding_A")
-    assert torch.count_nonzero(getattr(layer, zero)) == 0
-    spread = getattr(layer, random).std().item()
+    assert torch.count_nonzero(getattr(layer, zero)["default"]) == 0
+    spread = getattr(layer, random)["default"].std().item()
     assert spread == pytest.approx(1.0 if init == "kaiming" else 1 / 4, rel=0.3)
 
 

@@ -70,6 +70,6 @@ def test_casting_the_model_to_half_precision_keeps_adapters_float32(kind, dtype)
 def test_zero_update_on_a_bfloat16_base_returns_the_base_output_exactly():
     base = nn.Linear(6, 5).to(torch.bfloat16)
     layer = LoRALinear(base, rank=2, alpha=4.0)
-    assert layer.lora_A.weight.dtype == torch.float32
+    assert layer.lora_A["default"].weight.dtype == torch.float32
     x = torch.randn(3, 6, dtype=torch.bfloat16)
     assert torch.equal(layer(x), base(x))

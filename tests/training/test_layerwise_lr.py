@@ -64,8 +64,8 @@ def test_after_lora_only_trainable_parameters_are_grouped_and_the_depth_counts_f
                 modules_to_save=["classifier"])
     groups = layerwise_lr_groups(model, lr=1.0, decay=0.5)
     assert [(g["names"], g["lr"]) for g in groups] == [
-        (["bert.encoder.layer.2.attention.self.query.lora_A.weight",
-          "bert.encoder.layer.2.attention.self.query.lora_B.weight"], 0.5),  # layer 2 of 3: decay^(3 - 2)
+        (["bert.encoder.layer.2.attention.self.query.lora_A.default.weight",
+          "bert.encoder.layer.2.attention.self.query.lora_B.default.weight"], 0.5),  # layer 2 of 3: decay^(3 - 2)
         (["classifier.trained_module.weight"], 1.0),
         (["classifier.trained_module.bias"], 1.0),
     ]
