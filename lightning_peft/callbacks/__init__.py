@@ -7,8 +7,10 @@ from lightning_peft.callbacks.gradient_noise import GradientNoise
 from lightning_peft.callbacks.layerwise_lr_decay import LayerwiseLRDecay
 from lightning_peft.callbacks.lora import LoRA
 from lightning_peft.callbacks.merge_on_save import MergeOnSave
+from lightning_peft.callbacks.multi_lora import MultiLoRA
 
 __all__ = [
-    "Curriculum", "GradientAccumulation", "GradientNoise", "LayerwiseLRDecay", "LoRA", "MergeOnSave", "load_from_checkpoint",
+    "Curriculum", "GradientAccumulation", "GradientNoise", "LayerwiseLRDecay", "LoRA", "MergeOnSave", "MultiLoRA",
+    "load_from_checkpoint",
     "restore_adapters",
 ]

@@ -51,6 +51,16 @@ def checkpoint_entry(pl_module: nn.Module, dropped: list[str] | None = None) -> 
     }
 
 
+def record_adapters(pl_module: nn.Module, checkpoint: dict[str, Any], adapter_only: bool) -> None:
+    """Write ``checkpoint["lightning_peft"]``; ``adapter_only`` drops the frozen base parameters from the state dict."""
+    if not adapter_only:
+        checkpoint[KEY] = checkpoint_entry(pl_module)
+        return
+    frozen = {k for k in frozen_base(pl_module) if k in checkpoint["state_dict"]}
+    checkpoint[KEY] = checkpoint_entry(pl_module, dropped=sorted(frozen))
+    checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
+
+
 def frozen_base(pl_module: nn.Module) -> dict[str, nn.Parameter]:
     """Parameters an adapter-only checkpoint leaves out: inside an adapted model, owned by no adapter, frozen.
 

@@ -39,9 +39,9 @@ from lightning_peft.callbacks._checkpoint import (
     KEY,
     TRAINING_ONLY,
     check_same_adapters,
-    checkpoint_entry,
     fill_frozen,
     frozen_base,
+    record_adapters,
 )
 from lightning_peft.callbacks._target import resolve_target
 from lightning_peft.peft.lora import as_config, inject_lora, lora_spec, trainable_parameters
@@ -129,12 +129,7 @@ class LoRA(Callback):
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
-        if not self.adapter_only_checkpoint:
-            checkpoint[KEY] = checkpoint_entry(pl_module)
-            return
-        frozen = [k for k in frozen_base(pl_module) if k in checkpoint["state_dict"]]
-        checkpoint[KEY] = checkpoint_entry(pl_module, dropped=frozen)
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in set(frozen)}
+        record_adapters(pl_module, checkpoint, self.adapter_only_checkpoint)
 
     @override
     def state_dict(self) -> dict[str, Any]:

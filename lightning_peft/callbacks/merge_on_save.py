@@ -2,11 +2,16 @@
 
 At the end of fit (and, with ``every_checkpoint=True``, with every checkpoint) it writes::
 
-    <dirpath>/merged/    the base model with every adapter merged in. For a Hugging Face model this is a
+    <dirpath>/merged/    the base model with every adapter merged in (of several named LoRA adapters, the one
+                         ``adapter_name`` names, else the active one). For a Hugging Face model this is a
                          ``save_pretrained`` directory that ``AutoModel*.from_pretrained`` loads with no PEFT;
                          the datamodule's tokenizer is saved beside it when it has one. Otherwise
                          ``model.safetensors`` with the base model's own key names.
-    <dirpath>/adapter/   the adapter in Hugging Face PEFT layout (``PeftModel.from_pretrained`` loads it).
+    <dirpath>/adapter/   the adapters in Hugging Face PEFT layout (``PeftModel.from_pretrained`` loads them):
+                         named LoRA adapters as PEFT saves them, ``default`` at the top, others in ``<name>/``.
+
+Techniques that cannot be merged into the base weights (bottleneck adapters, prompt and prefix tuning) are exported
+with ``save_merged=False``: the adapter folder only.
 
 The merge is computed out of place (:func:`~lightning_peft.peft.merged_state_dict`): the weights that keep
 training are never modified. Both exports are computed and checked (finite values, a layout PEFT runs the
@@ -23,6 +28,7 @@ YAML::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Callable
@@ -40,6 +46,7 @@ from lightning_peft.callbacks._target import is_hf_model, resolve_target
 from lightning_peft.peft.adapter import attached, merged_state_dict
 from lightning_peft.peft.io import check_saveable, unshared
 from lightning_peft.peft.io import save_adapter as write_adapter
+from lightning_peft.peft.lora import lora_spec
 
 
 class MergeOnSave(Callback):
@@ -48,7 +55,9 @@ class MergeOnSave(Callback):
     Args:
         dirpath: Output directory; ``merged/`` and ``adapter/`` are created in it.
         every_checkpoint: Also export alongside every checkpoint, into ``<dirpath>/step=<N>/``.
-        save_adapter: Write ``adapter/`` as well as ``merged/``.
+        save_adapter: Write ``adapter/``.
+        save_merged: Write ``merged/``.
+        adapter_name: Of several named LoRA adapters, the one merged into ``merged/`` (default: the active one).
         model_attribute: Dotted path of the adapted model in the LightningModule (as for ``LoRA``).
     """
 
@@ -57,13 +66,19 @@ class MergeOnSave(Callback):
         dirpath: str = "merged_model",
         every_checkpoint: bool = False,
         save_adapter: bool = True,
+        save_merged: bool = True,
+        adapter_name: str | None = None,
         model_attribute: str | None = None,
     ) -> None:
         if not dirpath:
             raise ValueError("MergeOnSave(dirpath=''): give a directory to write the merged model to.")
+        if not (save_adapter or save_merged):
+            raise ValueError("MergeOnSave(save_adapter=False, save_merged=False): nothing to export; keep one of them.")
         self.dirpath = Path(dirpath)
         self.every_checkpoint = every_checkpoint
         self.save_adapter = save_adapter
+        self.save_merged = save_merged
+        self.adapter_name = adapter_name
         self.model_attribute = model_attribute
         self.last_export: dict[str, Path] = {}
 
@@ -77,6 +92,18 @@ class MergeOnSave(Callback):
                 "Trainer(callbacks=[...]) with the same model_attribute, or call inject_lora in configure_model."
             )
         _refuse_trained_outside(pl_module, name, model)
+        unmergeable = [kind for kind, adapter in attached(model).items() if not adapter.mergeable]
+        if self.save_merged and unmergeable:
+            raise ValueError(
+                f"MergeOnSave: the {unmergeable[0]} adapter cannot be merged into the base weights, so there is no "
+                "merged model to write. Export the adapter only: MergeOnSave(save_merged=False)."
+            )
+        if self.adapter_name is not None:
+            spec = lora_spec(model)
+            names = list(spec.names) if spec is not None else []
+            if self.adapter_name not in names:
+                raise ValueError(f"MergeOnSave(adapter_name={self.adapter_name!r}): the model has no LoRA adapter of "
+                                 f"that name; its LoRA adapters: {names}.")
         if self.save_adapter:
             check_saveable(model)
         _on_rank_zero(trainer, self._check_writable, "the check of dirpath")
@@ -111,19 +138,39 @@ class MergeOnSave(Callback):
 
     def _write(self, trainer: pl.Trainer, pl_module: pl.LightningModule, directory: Path) -> dict[str, Path]:
         _, model = resolve_target(pl_module, self.model_attribute, "MergeOnSave")
-        state = merged_state_dict(model)  # raises before anything is written if a merge is non-finite
+        paths: dict[str, Path] = {}
+        messages = []
+        if self.save_merged:
+            with _merging(model, self.adapter_name):
+                state = merged_state_dict(model)  # raises before anything is written if a merge is non-finite
         if self.save_adapter:
             check_saveable(model)  # likewise for the adapter, so merged/ is never written without adapter/
-        paths = {"merged": directory / "merged"}
-        write_dir(paths["merged"], lambda tmp: _save_merged(model, state, tmp, trainer))
-        message = f"MergeOnSave: wrote the merged model to {paths['merged'].resolve()}"
+        if self.save_merged:
+            paths["merged"] = directory / "merged"
+            write_dir(paths["merged"], lambda tmp: _save_merged(model, state, tmp, trainer))
+            messages.append(f"wrote the merged model to {paths['merged'].resolve()}")
         if self.save_adapter:
             paths["adapter"] = directory / "adapter"
             write_dir(paths["adapter"], lambda tmp: write_adapter(model, tmp))
-            message += f"; wrote the PEFT adapter to {paths['adapter'].resolve()}"
-        rank_zero_info(message)
+            messages.append(f"wrote the PEFT adapter to {paths['adapter'].resolve()}")
+        rank_zero_info("MergeOnSave: " + "; ".join(messages))
         self.last_export = paths
         return paths
+
+
+@contextlib.contextmanager
+def _merging(model, adapter_name: str | None):
+    """While exporting, the named LoRA adapter is the active one (the one ``merged_state_dict`` folds in)."""
+    spec = lora_spec(model)
+    if adapter_name is None or spec is None:
+        yield
+        return
+    before = spec.routing.active
+    spec.routing.active = adapter_name
+    try:
+        yield
+    finally:
+        spec.routing.active = before
 
 
 def _on_rank_zero(trainer: pl.Trainer, work: Callable[[], Any], what: str) -> Any:

@@ -323,9 +323,12 @@ class EpochShuffleSampler(Sampler[int]):
 class _TokenizedDataset(Dataset):
     """Token-id lists and labels; one item is a dict of lists plus an int label."""
 
-    def __init__(self, features: dict[str, list[list[int]]], labels: list[int]) -> None:
+    def __init__(
+        self, features: dict[str, list[list[int]]], labels: list[int], adapters: list[str | None] | None = None
+    ) -> None:
         self.features = features
         self.labels = labels
+        self.adapters = adapters
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -333,6 +336,8 @@ class _TokenizedDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         item: dict[str, Any] = {key: values[index] for key, values in self.features.items()}
         item["labels"] = self.labels[index]
+        if self.adapters is not None:
+            item["adapter"] = self.adapters[index]
         return item
 
 
@@ -378,6 +383,9 @@ class PaddingCollator:
         longest = max(len(item["input_ids"]) for item in items)
         batch: dict[str, Tensor] = {}
         for key in (key for key in items[0] if key != "labels"):
+            if not isinstance(items[0][key], list):  # per-sample values such as a MultiLoRA adapter name
+                batch[key] = [item[key] for item in items]
+                continue
             value = self.pad_token_id if key == "input_ids" else 0
             batch[key] = torch.tensor([self._pad(item[key], longest, value) for item in items])  # (B, T)
         batch["labels"] = torch.tensor([item["labels"] for item in items])  # (B,)
@@ -410,6 +418,9 @@ class BBCNewsDataModule(LightningDataModule):
         seed: Seed of the split and of the training shuffle (see `EpochShuffleSampler`).
         num_workers: DataLoader worker processes.
         limit_per_class: Keep only the first this-many articles of each class (sorted order), for quick runs.
+        adapter_of_class: ``{class name: adapter name}``: every item gets an ``adapter`` entry, the adapter of its
+            class (None for classes left out), so ``MultiLoRA`` routes each sample to it; e.g. two adapters, each
+            trained on its own subset of the classes.
 
     Raises:
         ValueError: If an argument is out of range.
@@ -431,6 +442,7 @@ class BBCNewsDataModule(LightningDataModule):
         seed: int = 0,
         num_workers: int = 0,
         limit_per_class: int | None = None,
+        adapter_of_class: dict[str, str] | None = None,
     ) -> None:
         super().__init__()
         _check_fractions("BBCNewsDataModule", val_fraction, test_fraction)
@@ -452,6 +464,7 @@ class BBCNewsDataModule(LightningDataModule):
         self.seed = seed
         self.num_workers = num_workers
         self.limit_per_class = limit_per_class
+        self.adapter_of_class = dict(adapter_of_class) if adapter_of_class is not None else None
         self._class_names: list[str] | None = None
         self._datasets: dict[str, _TokenizedDataset] = {}
         self._collator: PaddingCollator | None = None
@@ -486,10 +499,24 @@ class BBCNewsDataModule(LightningDataModule):
         texts, labels = self._limit(texts, labels)
         features = dict(tokenizer(texts, truncation=True, max_length=self.max_length))
         splits = stratified_split(labels, self.val_fraction, self.test_fraction, self.seed)
+        adapters = self._adapters(labels)
         for name, indices in zip(("train", "val", "test"), splits):
             subset = {key: [values[i] for i in indices] for key, values in features.items()}
-            self._datasets[name] = _TokenizedDataset(subset, [labels[i] for i in indices])
+            routed = None if adapters is None else [adapters[i] for i in indices]
+            self._datasets[name] = _TokenizedDataset(subset, [labels[i] for i in indices], routed)
         self._collator = PaddingCollator(pad_token_id, tokenizer.padding_side)
+
+    def _adapters(self, labels: list[int]) -> list[str | None] | None:
+        """Each article's adapter under ``adapter_of_class`` (None if no mapping is set)."""
+        if self.adapter_of_class is None:
+            return None
+        unknown = sorted(set(self.adapter_of_class) - set(self.class_names))
+        if unknown:
+            raise ValueError(
+                f"BBCNewsDataModule(adapter_of_class={self.adapter_of_class!r}): {unknown[0]!r} is not a class; "
+                f"the classes are {self.class_names}."
+            )
+        return [self.adapter_of_class.get(self.class_names[label]) for label in labels]
 
     def _limit(self, texts: list[str], labels: list[int]) -> tuple[list[str], list[int]]:
         """Keeps the first ``limit_per_class`` articles of each class, if a limit is set."""

@@ -28,6 +28,8 @@ from lightning_peft.callbacks._checkpoint import restore_adapters
 
 __all__ = ["HFSequenceClassifier", "linear_warmup_decay", "resolve_pretrained"]
 
+_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
 
 def resolve_pretrained(name: str) -> str:
     """Turns a model reference into something ``from_pretrained`` accepts.
@@ -158,8 +160,7 @@ class HFSequenceClassifier(LightningModule):
         return self.model(**inputs).logits
 
     def _logits_and_loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        inputs = {key: value for key, value in batch.items() if key != "labels"}
-        logits = self(**inputs)  # (B, num_labels)
+        logits = self(**_model_inputs(batch))  # (B, num_labels)
         return logits, F.cross_entropy(logits, batch["labels"])
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
@@ -190,8 +191,7 @@ class HFSequenceClassifier(LightningModule):
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
         """Returns ``preds`` ``(B,)`` and class ``probs`` ``(B, num_labels)``; labels, if any, are ignored."""
-        inputs = {key: value for key, value in batch.items() if key != "labels"}
-        probs = self(**inputs).softmax(dim=-1)
+        probs = self(**_model_inputs(batch)).softmax(dim=-1)
         return {"preds": probs.argmax(dim=-1), "probs": probs}
 
     def configure_optimizers(self) -> dict[str, Any]:
@@ -216,6 +216,11 @@ class HFSequenceClassifier(LightningModule):
             optimizer, lambda step: linear_warmup_decay(step, warmup_steps, total_steps)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _model_inputs(batch: dict[str, Any]) -> dict[str, Tensor]:
+    """The batch entries the model takes; the rest (``labels``, a ``MultiLoRA`` routing key, ...) are not inputs."""
+    return {key: batch[key] for key in _INPUTS if key in batch}
 
 
 def _param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

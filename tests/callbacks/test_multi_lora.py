@@ -1,0 +1,192 @@
+"""The MultiLoRA callback under a real Trainer: per-sample routing equals the pure functions in a plain loop, unused
+adapters stay untouched, resume equals a straight run, exports hold every adapter."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning.pytorch as pl
+import peft
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.testing import assert_close
+from torch.utils.data import DataLoader
+
+from lightning_peft.callbacks import MergeOnSave, MultiLoRA
+from lightning_peft.peft import active_adapter, add_adapter, inject_lora, lora_layers, route_adapters, set_adapter
+
+ADAPTERS = {
+    "news": {"rank": 2, "alpha": 4, "target_modules": ["query", "value"]},
+    "sport": {"rank": 4, "alpha": 4, "target_modules": ["query", "key"], "init": "gaussian"},
+}
+ROUTES = [["news", "sport", None, "news"], [1, 0, 0, -1], ["sport", "sport", "news", None]]
+
+
+class Routed(pl.LightningModule):
+    def __init__(self, config) -> None:
+        super().__init__()
+        from transformers import BertForSequenceClassification
+
+        torch.manual_seed(0)
+        self.model = BertForSequenceClassification(config)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.05, weight_decay=0.1)
+
+
+def batches(routes=ROUTES) -> list[dict]:
+    generator = torch.Generator().manual_seed(1)
+    out = []
+    for route in routes:
+        out.append({"input_ids": torch.randint(0, 64, (4, 8), generator=generator),
+                    "labels": torch.randint(0, 3, (4,), generator=generator), "adapter": route})
+    return out
+
+
+def loader(routes=ROUTES) -> DataLoader:
+    return DataLoader(batches(routes), batch_size=None)
+
+
+def trainer(tmp_path, **kwargs) -> pl.Trainer:
+    defaults = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_progress_bar": False,
+                "enable_model_summary": False, "enable_checkpointing": False, "default_root_dir": tmp_path}
+    return pl.Trainer(**{**defaults, **kwargs})
+
+
+def _names(route):
+    return [None if r in (None, -1) else (list(ADAPTERS)[r] if isinstance(r, int) else r) for r in route]
+
+
+def test_routed_training_equals_the_pure_functions_in_a_plain_loop(tiny_bert_config, tmp_path):
+    module = Routed(tiny_bert_config)
+    model = copy.deepcopy(module.model)
+    callback = MultiLoRA(adapters=ADAPTERS, modules_to_save=["classifier"])
+    torch.manual_seed(7)
+    trainer(tmp_path, max_steps=3, callbacks=[callback]).fit(module, loader())
+
+    torch.manual_seed(7)
+    inject_lora(model, adapter_name="news", modules_to_save=["classifier"], **ADAPTERS["news"])
+    add_adapter(model, "sport", modules_to_save=["classifier"], **ADAPTERS["sport"])
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05, weight_decay=0.1)
+    model.train()
+    for batch in batches():
+        with route_adapters(model, _names(batch["adapter"])):
+            model(input_ids=batch["input_ids"], labels=batch["labels"]).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    trained = dict(module.model.named_parameters())
+    for name, param in model.named_parameters():
+        assert_close(trained[name], param, rtol=1e-6, atol=1e-6, msg=name)
+    assert active_adapter(module.model) == "news"
+
+
+def test_an_adapter_no_batch_uses_stays_bit_for_bit_unchanged(tiny_bert_config, tmp_path):
+    module = Routed(tiny_bert_config)
+    callback = MultiLoRA(adapters=ADAPTERS, active="sport", modules_to_save=[])
+    initial = {}
+
+    class Record(pl.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            initial.update({n: p.clone() for n, p in pl_module.named_parameters() if ".news." in n})
+
+    routes = [["sport", None, "sport", "sport"], [None, None, "sport", None]]
+    trainer(tmp_path, max_steps=2, callbacks=[callback, Record()]).fit(module, loader(routes))
+    after = dict(module.named_parameters())
+    assert initial and all(torch.equal(after[n], v) for n, v in initial.items())
+    sport = [p for n, p in after.items() if ".sport." in n and "lora_B" in n]
+    assert all(torch.count_nonzero(p) for p in sport)  # it trained (B starts at zero)
+
+
+def test_batches_without_the_key_use_the_active_adapter_and_counts_are_logged(tiny_bert_config, tmp_path):
+    module = Routed(tiny_bert_config)
+    callback = MultiLoRA(adapters=ADAPTERS, active="sport")
+    unrouted = [{k: v for k, v in b.items() if k != "adapter"} for b in batches()]
+    fit = trainer(tmp_path, max_steps=3, limit_val_batches=2, callbacks=[callback])
+    fit.fit(module, loader(), DataLoader(unrouted, batch_size=None))
+    metrics = fit.callback_metrics
+    assert metrics["train_adapter_samples/news"] == 5 and metrics["train_adapter_samples/sport"] == 4
+    assert "val_adapter_samples/news" not in metrics  # the validation batches had no routing key
+    model = module.model.eval()
+    with torch.no_grad():
+        expected = model(input_ids=unrouted[0]["input_ids"]).logits
+        with route_adapters(model, ["sport"] * 4):
+            assert torch.equal(model(input_ids=unrouted[0]["input_ids"]).logits, expected)
+
+
+def test_resume_of_a_multi_adapter_run_equals_a_straight_run(tiny_bert_config, tmp_path):
+    two = ROUTES[:2]  # epochs of two batches; the checkpoint is written at the end of the first
+    straight = Routed(tiny_bert_config)
+    trainer(tmp_path / "a", max_epochs=2, callbacks=[MultiLoRA(adapters=ADAPTERS)]).fit(straight, loader(two))
+
+    first = Routed(tiny_bert_config)
+    save = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="step2")
+    callbacks = [MultiLoRA(adapters=ADAPTERS, adapter_only_checkpoint=True), save]
+    trainer(tmp_path / "b", max_epochs=1, callbacks=callbacks, enable_checkpointing=True).fit(first, loader(two))
+    resumed = Routed(tiny_bert_config)
+    trainer(tmp_path / "c", max_epochs=2, callbacks=[MultiLoRA(adapters=ADAPTERS, adapter_only_checkpoint=True)]).fit(
+        resumed, loader(two), ckpt_path=tmp_path / "ckpt" / "step2.ckpt"
+    )
+    expected = dict(straight.named_parameters())
+    for name, param in resumed.named_parameters():
+        assert_close(param, expected[name], rtol=1e-6, atol=1e-6, msg=name)
+
+    other = {**ADAPTERS, "sport": {**ADAPTERS["sport"], "rank": 3}}
+    with pytest.raises(ValueError, match=r"the checkpoint's lora adapter on 'model' was trained with sport\.rank=4; "
+                                         r"this run has sport\.rank=3\. Resume with the checkpoint's settings"):
+        trainer(tmp_path / "d", max_epochs=2, callbacks=[MultiLoRA(adapters=other)]).fit(
+            Routed(tiny_bert_config), loader(), ckpt_path=tmp_path / "ckpt" / "step2.ckpt"
+        )
+
+
+def test_merge_on_save_exports_every_adapter_and_the_chosen_merged_model(tiny_bert_config, tmp_path):
+    module = Routed(tiny_bert_config)
+    callbacks = [MultiLoRA(adapters=ADAPTERS), MergeOnSave(dirpath=str(tmp_path / "out"), adapter_name="sport")]
+    trainer(tmp_path, max_steps=3, callbacks=callbacks).fit(module, loader())
+    assert sorted(p.name for p in (tmp_path / "out" / "adapter").iterdir()) == ["news", "sport"]
+
+    from transformers import BertForSequenceClassification
+
+    ids = batches()[0]["input_ids"]
+    model = module.model.eval()
+    set_adapter(model, "sport")
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    merged = BertForSequenceClassification.from_pretrained(tmp_path / "out" / "merged").eval()
+    assert_close(merged(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+    torch.manual_seed(0)
+    base = BertForSequenceClassification(tiny_bert_config).eval()
+    theirs = peft.PeftModel.from_pretrained(base, tmp_path / "out" / "adapter" / "sport").eval()
+    assert_close(theirs(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_routing_entries_and_settings_are_refused(tiny_bert_config, tmp_path):
+    with pytest.raises(ValueError, match=r"MultiLoRA: batch\['adapter'\] holds 'golf', which names no adapter; give one "
+                                         r"of \['news', 'sport'\], an id in 0..1 \(their order\), or -1 / None"):
+        trainer(tmp_path, max_steps=1, callbacks=[MultiLoRA(adapters=ADAPTERS)]).fit(
+            Routed(tiny_bert_config), loader([["news", "golf", None, None]])
+        )
+    with pytest.raises(ValueError, match=r"MultiLoRA: batch\['adapter'\] holds 2, which names no adapter"):
+        MultiLoRA(adapters=ADAPTERS).names_of({"adapter": torch.tensor([0, 2])})
+    with pytest.raises(ValueError, match=r"MultiLoRA\(adapters=\{\}\): give a non-empty dict"):
+        MultiLoRA(adapters={})
+    with pytest.raises(ValueError, match=r"MultiLoRA\(adapters\['a'\]\): modules_to_save is shared by every adapter; "
+                                         r"set MultiLoRA\(modules_to_save=...\)"):
+        MultiLoRA(adapters={"a": {"rank": 2, "modules_to_save": ["classifier"]}})
+    with pytest.raises(TypeError, match=r"MultiLoRA\(adapters\['a'\]\)\(r=2\): lightning-peft calls this argument 'rank'"):
+        MultiLoRA(adapters={"a": {"r": 2}})
+    with pytest.raises(ValueError, match=r"MultiLoRA\(active='golf'\): not one of the adapters \['news', 'sport'\]"):
+        MultiLoRA(adapters=ADAPTERS, active="golf")
+    with pytest.raises(ValueError, match=r"MergeOnSave\(adapter_name='golf'\): the model has no LoRA adapter of that "
+                                         r"name; its LoRA adapters: \['news', 'sport'\]"):
+        trainer(tmp_path, max_steps=1, callbacks=[MultiLoRA(adapters=ADAPTERS),
+                                                  MergeOnSave(dirpath=str(tmp_path), adapter_name="golf")]).fit(
+            Routed(tiny_bert_config), loader()
+        )
+    assert all(not layer.routing.names for layer in lora_layers(Routed(tiny_bert_config).model).values())
