@@ -103,6 +103,9 @@ def test_validate_ignores_test_after_fit(tmp_path: Path, capsys: pytest.CaptureF
     assert "Test metrics" not in capsys.readouterr().out
 
 
+PEFT_CALLBACKS = ("LoRA", "MultiLoRA", "BottleneckAdapters", "PromptTuning", "PrefixTuning")
+
+
 @pytest.mark.parametrize("example", sorted(EXAMPLE.parent.glob("*.yaml")), ids=lambda p: p.name)
 def test_example_config_parses(example: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
@@ -111,7 +114,9 @@ def test_example_config_parses(example: Path, capsys: pytest.CaptureFixture[str]
     config = yaml.safe_load(capsys.readouterr().out)
     assert config["test_after_fit"] is True
     class_paths = [callback["class_path"] for callback in config["trainer"]["callbacks"]]
-    assert {"lightning_peft.callbacks.LoRA", "lightning_peft.callbacks.MergeOnSave"} <= set(class_paths)
+    peft_callbacks = {f"lightning_peft.callbacks.{name}" for name in PEFT_CALLBACKS}
+    assert len(peft_callbacks & set(class_paths)) == 1, class_paths  # one PEFT technique per example
+    assert "lightning_peft.callbacks.MergeOnSave" in class_paths
     assert config["model"]["class_path"] == "lightning_peft.modules.HFSequenceClassifier"
     assert config["data"]["class_path"] == "lightning_peft.data.BBCNewsDataModule"
 

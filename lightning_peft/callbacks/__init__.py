@@ -1,6 +1,7 @@
 """Lightning callbacks: thin glue over the pure-PyTorch techniques in :mod:`lightning_peft.peft`."""
 
 from lightning_peft.callbacks._checkpoint import load_from_checkpoint, restore_adapters
+from lightning_peft.callbacks.bottleneck import BottleneckAdapters
 from lightning_peft.callbacks.curriculum import Curriculum
 from lightning_peft.callbacks.gradient_accumulation import GradientAccumulation
 from lightning_peft.callbacks.gradient_noise import GradientNoise
@@ -8,9 +9,10 @@ from lightning_peft.callbacks.layerwise_lr_decay import LayerwiseLRDecay
 from lightning_peft.callbacks.lora import LoRA
 from lightning_peft.callbacks.merge_on_save import MergeOnSave
 from lightning_peft.callbacks.multi_lora import MultiLoRA
+from lightning_peft.callbacks.prefix_tuning import PrefixTuning
+from lightning_peft.callbacks.prompt_tuning import PromptTuning
 
 __all__ = [
-    "Curriculum", "GradientAccumulation", "GradientNoise", "LayerwiseLRDecay", "LoRA", "MergeOnSave", "MultiLoRA",
-    "load_from_checkpoint",
-    "restore_adapters",
+    "BottleneckAdapters", "Curriculum", "GradientAccumulation", "GradientNoise", "LayerwiseLRDecay", "LoRA",
+    "MergeOnSave", "MultiLoRA", "PrefixTuning", "PromptTuning", "load_from_checkpoint", "restore_adapters",
 ]

@@ -14,6 +14,7 @@ loads them with :func:`load_from_checkpoint`.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from typing import Any, TypeVar
@@ -24,8 +25,9 @@ from torch import Tensor, nn
 from lightning_peft.peft.adapter import ADAPTERS_ATTRIBUTE, adapter_tensors, attached, technique, unwrap
 
 KEY = "lightning_peft"
+_HOOKED = "_lightning_peft_load_hook"
 _PATCH_LOCK = threading.Lock()
-TRAINING_ONLY = ("dropout", "init")
+TRAINING_ONLY = ("dropout", "init", "init_scale")  # settings that only steer training: a resume may change them
 FORMAT = 1
 M = TypeVar("M", bound=pl.LightningModule)
 
@@ -52,13 +54,71 @@ def checkpoint_entry(pl_module: nn.Module, dropped: list[str] | None = None) -> 
 
 
 def record_adapters(pl_module: nn.Module, checkpoint: dict[str, Any], adapter_only: bool) -> None:
-    """Write ``checkpoint["lightning_peft"]``; ``adapter_only`` drops the frozen base parameters from the state dict."""
-    if not adapter_only:
-        checkpoint[KEY] = checkpoint_entry(pl_module)
+    """Write ``checkpoint["lightning_peft"]``; ``adapter_only`` drops the frozen base parameters from the state dict.
+
+    Every PEFT callback calls it: the entry covers every adapter of ``pl_module`` whichever callback writes it, and
+    what an earlier callback already dropped stays recorded (so callbacks can come in any order).
+    """
+    earlier = checkpoint.get(KEY) or {}
+    dropped = set(earlier.get("dropped", []))
+    if adapter_only:
+        dropped |= {k for k in frozen_base(pl_module) if k in checkpoint["state_dict"]}
+    checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in dropped}
+    checkpoint[KEY] = checkpoint_entry(pl_module, dropped=sorted(dropped) if dropped or adapter_only else None)
+
+
+def watch_checkpoint_loads(pl_module: nn.Module, who: str) -> None:
+    """Register (once per LightningModule) the load-state-dict pre-hook that checks and completes checkpoints."""
+    if not getattr(pl_module, _HOOKED, False):
+        pl_module.register_load_state_dict_pre_hook(functools.partial(_load_hook, who=who))
+        setattr(pl_module, _HOOKED, True)
+
+
+def _load_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors, who: str) -> None:
+    """Load-state-dict pre-hook on the LightningModule, run before Lightning copies a checkpoint's weights.
+
+    It refuses a checkpoint whose adapters differ from this run's (naming both values, instead of torch's
+    size-mismatch dump), and completes an adapter-only state dict with the parameters it recorded as left out,
+    taken from the model as built. Outside a Trainer (a manual ``load_state_dict``) a state dict that holds none
+    of the frozen base parameters is taken as adapter-only; a full one with a missing key still fails.
+    """
+    if prefix:
         return
-    frozen = {k for k in frozen_base(pl_module) if k in checkpoint["state_dict"]}
-    checkpoint[KEY] = checkpoint_entry(pl_module, dropped=sorted(frozen))
-    checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
+    # Lightning keeps the checkpoint it is restoring on its checkpoint connector (the trainer is looked up
+    # now, not kept: the module may meet another Trainer, and hooks are copied with the module).
+    connector = getattr(getattr(module, "_trainer", None), "_checkpoint_connector", None)
+    entry = (getattr(connector, "_loaded_checkpoint", None) or {}).get(KEY)
+    if entry is not None:
+        check_same_adapters(entry, module, who)
+        if entry.get("adapter_only"):
+            fill_frozen(module, state_dict, entry.get("dropped", []))
+        return
+    frozen = frozen_base(module)
+    if frozen and not frozen.keys() & state_dict.keys():
+        fill_frozen(module, state_dict, list(frozen))
+
+
+def check_optimizer_holds_adapters(trainer: pl.Trainer, model: nn.Module, who: str) -> None:
+    """Raises if the optimizers hold the model's frozen parameters but none that trains.
+
+    That is an optimizer built before the adapters were injected: LightningCLI's ``optimizer:`` section builds it
+    over ``model.parameters()`` before the Trainer starts, and such a run would train nothing. (Strategies that
+    flatten parameters into their own buffers, as DeepSpeed's ZeRO does, hold none of the model's parameters and are
+    not checked.)
+    """
+    held = {id(p) for optimizer in trainer.optimizers for group in optimizer.param_groups for p in group["params"]}
+    named = list(model.named_parameters())
+    trained = [name for name, p in named if p.requires_grad]
+    if not trained or any(id(p) in held for name, p in named if p.requires_grad):
+        return
+    if any(id(p) in held for _, p in named):
+        raise RuntimeError(
+            f"{who}: the optimizer holds none of the {len(trained)} parameters that train ({trained[0]}, ...): it was "
+            "built before the adapters were injected, so this run would train nothing. LightningCLI's optimizer: "
+            "section does that (it builds the optimizer over model.parameters() before the Trainer starts); build the "
+            "optimizer in the LightningModule's configure_optimizers instead (HFSequenceClassifier has one: drop the "
+            "optimizer: and lr_scheduler: sections)."
+        )
 
 
 def frozen_base(pl_module: nn.Module) -> dict[str, nn.Parameter]:

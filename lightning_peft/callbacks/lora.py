@@ -31,22 +31,18 @@ import lightning.pytorch as pl
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch import nn
 from typing_extensions import override
 
 from lightning_peft._hardware import cpu_bf16_is_native
 from lightning_peft.callbacks._checkpoint import (
-    KEY,
     TRAINING_ONLY,
-    check_same_adapters,
-    fill_frozen,
-    frozen_base,
+    check_optimizer_holds_adapters,
     record_adapters,
+    watch_checkpoint_loads,
 )
 from lightning_peft.callbacks._target import resolve_target
 from lightning_peft.peft.lora import as_config, inject_lora, lora_spec, trainable_parameters
 
-_HOOKED = "_lightning_peft_load_hook"
 
 
 class LoRA(Callback):
@@ -118,19 +114,16 @@ class LoRA(Callback):
                 f"LoRA: {type(model).__name__} already has a LoRA adapter with another config ({spec.config}); "
                 "use one LoRA callback per model, with the config the model was adapted with."
             )
-        if not getattr(pl_module, _HOOKED, False):
-            pl_module.register_load_state_dict_pre_hook(_load_hook)
-            setattr(pl_module, _HOOKED, True)
+        watch_checkpoint_loads(pl_module, "LoRA")
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _, model = resolve_target(pl_module, self.model_attribute, "LoRA")
-        _check_optimizer_holds_adapters(trainer, model)
+        check_optimizer_holds_adapters(trainer, model, "LoRA")
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         record_adapters(pl_module, checkpoint, self.adapter_only_checkpoint)
-
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"config": self.config.to_dict()}
@@ -149,28 +142,6 @@ class LoRA(Callback):
             )
 
 
-def _check_optimizer_holds_adapters(trainer: pl.Trainer, model: nn.Module) -> None:
-    """Raises if the optimizers hold the model's frozen parameters but none that trains.
-
-    That is an optimizer built before LoRA injected its adapters: LightningCLI's ``optimizer:`` section builds it
-    over ``model.parameters()`` before the Trainer starts, and such a run would train nothing. (Strategies that
-    flatten parameters into their own buffers, as DeepSpeed's ZeRO does, hold none of the model's parameters and are
-    not checked.)
-    """
-    held = {id(p) for optimizer in trainer.optimizers for group in optimizer.param_groups for p in group["params"]}
-    named = list(model.named_parameters())
-    trained = [name for name, p in named if p.requires_grad]
-    if not trained or any(id(p) in held for name, p in named if p.requires_grad):
-        return
-    if any(id(p) in held for _, p in named):
-        raise RuntimeError(
-            f"LoRA: the optimizer holds none of the {len(trained)} parameters that train ({trained[0]}, ...): it was "
-            "built before LoRA injected its adapters, so this run would train nothing. LightningCLI's optimizer: "
-            "section does that (it builds the optimizer over model.parameters() before the Trainer starts); build the "
-            "optimizer in the LightningModule's configure_optimizers instead (HFSequenceClassifier has one: drop the "
-            "optimizer: and lr_scheduler: sections)."
-        )
-
 
 def _warn_about_emulated_bf16(trainer: pl.Trainer) -> None:
     precision = str(trainer.precision)
@@ -180,27 +151,3 @@ def _warn_about_emulated_bf16(trainer: pl.Trainer) -> None:
             "emulates it, and a LoRA training step runs many times slower than in float32 (17x measured on such a "
             "CPU). Use precision='32-true' on this machine; bf16 pays on GPUs and on CPUs with AVX512-BF16/AMX."
         )
-
-
-def _load_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
-    """Load-state-dict pre-hook on the LightningModule, run before Lightning copies a checkpoint's weights.
-
-    It refuses a checkpoint whose adapters differ from this run's (naming both values, instead of torch's
-    size-mismatch dump), and completes an adapter-only state dict with the parameters it recorded as left out,
-    taken from the model as built. Outside a Trainer (a manual ``load_state_dict``) a state dict that holds none
-    of the frozen base parameters is taken as adapter-only; a full one with a missing key still fails.
-    """
-    if prefix:
-        return
-    # Lightning keeps the checkpoint it is restoring on its checkpoint connector (the trainer is looked up
-    # now, not kept: the module may meet another Trainer, and hooks are copied with the module).
-    connector = getattr(getattr(module, "_trainer", None), "_checkpoint_connector", None)
-    entry = (getattr(connector, "_loaded_checkpoint", None) or {}).get(KEY)
-    if entry is not None:
-        check_same_adapters(entry, module, "LoRA")
-        if entry.get("adapter_only"):
-            fill_frozen(module, state_dict, entry.get("dropped", []))
-        return
-    frozen = frozen_base(module)
-    if frozen and not frozen.keys() & state_dict.keys():
-        fill_frozen(module, state_dict, list(frozen))

@@ -88,8 +88,9 @@ class MergeOnSave(Callback):
         name, model = resolve_target(pl_module, self.model_attribute, "MergeOnSave")
         if not attached(model):
             raise RuntimeError(
-                f"MergeOnSave: {type(model).__name__} has no adapter when fit starts. Add the LoRA callback to "
-                "Trainer(callbacks=[...]) with the same model_attribute, or call inject_lora in configure_model."
+                f"MergeOnSave: {type(model).__name__} has no adapter when fit starts. Add a PEFT callback (LoRA, "
+                "MultiLoRA, BottleneckAdapters, PromptTuning, PrefixTuning) to Trainer(callbacks=[...]) with the same "
+                "model_attribute, or call its inject function in configure_model."
             )
         _refuse_trained_outside(pl_module, name, model)
         unmergeable = [kind for kind, adapter in attached(model).items() if not adapter.mergeable]

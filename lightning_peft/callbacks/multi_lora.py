@@ -40,9 +40,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_peft.callbacks._checkpoint import record_adapters
+from lightning_peft.callbacks._checkpoint import check_optimizer_holds_adapters, record_adapters, watch_checkpoint_loads
 from lightning_peft.callbacks._target import resolve_target
-from lightning_peft.callbacks.lora import _HOOKED, _check_optimizer_holds_adapters, _load_hook
 from lightning_peft.peft.lora import LoRAConfig, as_config, inject_lora, lora_spec, trainable_parameters
 from lightning_peft.peft.multi_lora import add_adapter, set_adapter
 
@@ -114,14 +113,12 @@ class MultiLoRA(Callback):
                     "adapters the model was built with."
                 )
         self._routing = lora_spec(model).routing
-        if not getattr(pl_module, _HOOKED, False):
-            pl_module.register_load_state_dict_pre_hook(_load_hook)
-            setattr(pl_module, _HOOKED, True)
+        watch_checkpoint_loads(pl_module, "MultiLoRA")
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _, model = resolve_target(pl_module, self.model_attribute, "MultiLoRA")
-        _check_optimizer_holds_adapters(trainer, model)
+        check_optimizer_holds_adapters(trainer, model, "MultiLoRA")
 
     def names_of(self, batch: Any) -> list[str | None] | None:
         """Each sample's adapter from ``batch[routing_key]`` (None when the batch has no such entry).
@@ -204,7 +201,6 @@ class MultiLoRA(Callback):
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         record_adapters(pl_module, checkpoint, self.adapter_only_checkpoint)
-
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"adapters": {name: config.to_dict() for name, config in self.configs.items()}}

@@ -1,7 +1,16 @@
-"""Parameter-efficient fine-tuning in pure PyTorch (no Lightning import): LoRA and named multi-LoRA, the adapter
-protocol, PEFT-format I/O."""
+"""Parameter-efficient fine-tuning in pure PyTorch (no Lightning import): LoRA and named multi-LoRA, bottleneck
+adapters, prompt tuning, prefix tuning; the adapter protocol they share; PEFT-format I/O."""
 
 from .adapter import Adapter, adapter_state_dict, attached, merged_state_dict
+from .bottleneck import (
+    Bottleneck,
+    BottleneckAdapter,
+    BottleneckConfig,
+    BottleneckLayer,
+    bottleneck_layers,
+    inject_bottleneck_adapters,
+    unload_bottleneck_adapters,
+)
 from .io import load_adapter, peft_config, save_adapter
 from .layers import LoRAConv2d, LoRAEmbedding, LoRALayer, LoRALinear, Routing
 from .lora import (
@@ -25,9 +34,29 @@ from .multi_lora import (
     route_adapters,
     set_adapter,
 )
+from .prefix_tuning import (
+    PrefixEncoder,
+    PrefixTuningAdapter,
+    PrefixTuningConfig,
+    fold_prefix_projection,
+    inject_prefix_tuning,
+    prefix_tuning_spec,
+    unload_prefix_tuning,
+)
+from .prompt_tuning import (
+    PromptEmbedding,
+    PromptTuningAdapter,
+    inject_prompt_tuning,
+    prompt_embedding,
+    unload_prompt_tuning,
+)
 
 __all__ = [
     "Adapter",
+    "Bottleneck",
+    "BottleneckAdapter",
+    "BottleneckConfig",
+    "BottleneckLayer",
     "LoRAAdapter",
     "LoRAConfig",
     "LoRAConv2d",
@@ -36,24 +65,39 @@ __all__ = [
     "LoRALinear",
     "ModulesToSave",
     "ParameterReport",
+    "PrefixEncoder",
+    "PrefixTuningAdapter",
+    "PrefixTuningConfig",
+    "PromptEmbedding",
+    "PromptTuningAdapter",
     "Routing",
     "active_adapter",
     "adapter_state_dict",
     "add_adapter",
     "attached",
+    "bottleneck_layers",
     "combine_adapters",
     "delete_adapter",
     "disable_adapters",
+    "fold_prefix_projection",
+    "inject_bottleneck_adapters",
     "inject_lora",
+    "inject_prefix_tuning",
+    "inject_prompt_tuning",
     "load_adapter",
     "lora_layers",
     "merge_lora",
     "merged_state_dict",
     "peft_config",
+    "prefix_tuning_spec",
+    "prompt_embedding",
     "route_adapters",
     "save_adapter",
     "set_adapter",
     "trainable_parameters",
+    "unload_bottleneck_adapters",
     "unload_lora",
+    "unload_prefix_tuning",
+    "unload_prompt_tuning",
     "unmerge_lora",
 ]

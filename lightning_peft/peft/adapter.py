@@ -26,6 +26,10 @@ member                     meaning
 ``unload(model, merge)``   put the plain modules back (merged or not) and forget the adapter
 ``peft_config(model)``     the ``adapter_config.json`` content; ``peft_state(model)`` the tensors under PEFT's keys;
                            ``from_peft(model, config, source)`` injects what a PEFT config describes
+``peft_key_prefix``        what PEFT's files put before those keys (``base_model.model.``; prompt learning: none)
+``names`` (optional)       a technique with several named adapters on one model (LoRA) lists them; its
+                           ``peft_config`` / ``peft_state`` / ``check_peft_config`` / ``from_peft`` then take
+                           ``adapter_name``, and each adapter is saved in PEFT's multi-adapter layout
 =========================  =====================================================================================
 
 Names: a model compiled with ``torch.compile`` keeps its modules under ``_orig_mod``; every name that is
@@ -51,6 +55,7 @@ class Adapter(ABC):
     kind: ClassVar[str]
     peft_type: ClassVar[str | None] = None
     mergeable: ClassVar[bool] = False
+    peft_key_prefix: ClassVar[str] = "base_model.model."
 
     @abstractmethod
     def state(self, model: nn.Module) -> dict[str, Tensor]:

@@ -114,7 +114,7 @@ def _adapter_files(model: nn.Module, adapter: Adapter, directory: Path, name: st
         )
     named = {} if name is None else {"adapter_name": name}
     text = json.dumps(adapter.peft_config(model, **named), indent=2, sort_keys=True) + "\n"
-    tensors = _writable(adapter.peft_state(model, **named), getattr(adapter, "peft_key_prefix", KEY_PREFIX))
+    tensors = _writable(adapter.peft_state(model, **named), adapter.peft_key_prefix)
     return {
         directory / WEIGHTS_NAME: lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}),
         directory / CONFIG_NAME: lambda tmp: Path(tmp).write_text(text),
@@ -160,8 +160,9 @@ def read_adapter_config(directory: Path) -> dict:
     return config
 
 
-def read_adapter_weights(directory: Path) -> dict[str, Tensor]:
-    """Adapter tensors from ``directory``, with the ``base_model.model.`` prefix removed. Never unpickles code."""
+def read_adapter_weights(directory: Path, prefix: str = KEY_PREFIX) -> dict[str, Tensor]:
+    """Adapter tensors from ``directory``, with ``prefix`` (PEFT's ``base_model.model.``) removed. Never unpickles
+    code."""
     path = directory / WEIGHTS_NAME
     if path.exists():
         try:
@@ -189,11 +190,11 @@ def read_adapter_weights(directory: Path) -> dict[str, Tensor]:
             )
     else:
         raise FileNotFoundError(f"load_adapter: {directory} holds neither {WEIGHTS_NAME} nor {LEGACY_WEIGHTS_NAME}.")
-    return {k.removeprefix(KEY_PREFIX): v for k, v in tensors.items()}
+    return {k.removeprefix(prefix): v for k, v in tensors.items()}
 
 
-def _and_more(keys: list[str]) -> str:
-    return f"{KEY_PREFIX}{keys[0]}" + (f" (and {len(keys) - 1} more)" if len(keys) > 1 else "")
+def _and_more(keys: list[str], prefix: str) -> str:
+    return f"{prefix}{keys[0]}" + (f" (and {len(keys) - 1} more)" if len(keys) > 1 else "")
 
 
 def _check_fit(
@@ -209,18 +210,19 @@ def _check_fit(
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         raise ValueError(
-            f"load_adapter: {source} has key {_and_more(unexpected)} that {type(unwrap(model)).__name__} has no "
-            "place for. Was the adapter trained on another model?"
+            f"load_adapter: {source} has key {_and_more(unexpected, adapter.peft_key_prefix)} that "
+            f"{type(unwrap(model)).__name__} has no place for. Was the adapter trained on another model?"
         )
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise ValueError(
-            f"load_adapter: {source} lacks key {_and_more(missing)} that {asker} on {type(unwrap(model)).__name__}."
+            f"load_adapter: {source} lacks key {_and_more(missing, adapter.peft_key_prefix)} that {asker} on "
+            f"{type(unwrap(model)).__name__}."
         )
     for key, value in tensors.items():
         if value.shape != expected[key].shape:
             raise ValueError(
-                f"load_adapter: {source} key {KEY_PREFIX}{key} has shape {tuple(value.shape)}, but the model "
+                f"load_adapter: {source} key {adapter.peft_key_prefix}{key} has shape {tuple(value.shape)}, but the model "
                 f"needs {tuple(expected[key].shape)}. The adapter does not fit this model."
             )
     return expected
@@ -287,7 +289,7 @@ def _load_one(model: nn.Module, directory: Path, adapter_name: str) -> None:
     config = read_adapter_config(directory)
     source = str(directory / CONFIG_NAME)
     cls = technique_for_peft_type(config.get("peft_type"), source)
-    tensors = read_adapter_weights(directory)
+    tensors = read_adapter_weights(directory, cls.peft_key_prefix)
     adapter = attached(model).get(cls.kind)
     multi = hasattr(cls, "names")
     named = {"adapter_name": adapter_name} if multi else {}

@@ -104,6 +104,12 @@ class Routing:
         self._used: tuple[str, ...] = ()
         self._slots: Tensor | None = None  # (B,) position of each sample's adapter in _used; len(_used) = none
         self._cache: dict[tuple, tuple[list[str], Tensor]] = {}
+        self.merged: dict[str, int] = {}  # adapter name -> number of layers holding it merged
+
+    @property
+    def merged_adapter(self) -> str | None:
+        """The adapter merged into base weights somewhere in the model, if any (one at a time)."""
+        return next((name for name, count in self.merged.items() if count > 0), None)
 
     def route_to(self, names: Sequence[str | None] | None) -> None:
         """Give sample ``i`` of the next batches adapter ``names[i]`` (None: the base); ``None`` ends routing."""
@@ -116,16 +122,21 @@ class Routing:
         position = {n: i for i, n in enumerate(self._used)}
         self._slots = torch.tensor([position.get(n, len(self._used)) for n in self.names], dtype=torch.long)
 
-    def select(self, adapters: Sequence[str], device: torch.device) -> tuple[list[str], Tensor] | None:
-        """For a layer holding ``adapters``: the used adapters it has, and each sample's slot among them.
+    def select(
+        self, adapters: Sequence[str], device: torch.device, every: bool = False
+    ) -> tuple[list[str], Tensor] | None:
+        """For a layer holding ``adapters``: the adapters to stack, and each sample's slot among them.
 
-        Slot ``len(names)`` stands for "no adapter here" (a None sample, or an adapter this layer lacks).
-        Returns None when no sample uses an adapter of this layer.
+        The adapters to stack are the used ones this layer has, or with ``every`` all of the layer's (a stack that
+        stays valid from batch to batch, for inference). Slot ``len(names)`` stands for "no adapter here" (a None
+        sample, or an adapter this layer lacks). Returns None when no sample uses an adapter of this layer.
         """
-        key = (tuple(adapters), device)
+        key = (tuple(adapters), device, every)
         if key not in self._cache:
-            here = [n for n in self._used if n in adapters]
-            local = torch.tensor([here.index(n) if n in here else len(here) for n in self._used] + [len(here)])
+            used = [n for n in self._used if n in adapters]
+            here = list(adapters) if every and used else used
+            position = {n: i for i, n in enumerate(here)}
+            local = torch.tensor([position.get(n, len(here)) for n in self._used] + [len(here)])
             self._cache[key] = (here, local[self._slots].to(device))  # (B,)
         here, slots = self._cache[key]
         return (here, slots) if here else None
@@ -176,6 +187,8 @@ class LoRALayer(nn.Module):
         self.routing = Routing(adapter_name)
         self.merged_adapter: str | None = None
         self._remerge_after_load: str | None = None
+        self._stack_cache: tuple | None = None  # inference only: (key, stacked A, stacked s * B)
+        self._factor_cache: dict[str, tuple[nn.Parameter, nn.Parameter]] = {}
         self._init_containers()
         self.add_adapter(adapter_name, rank, alpha, dropout, use_rslora, init)
         self.register_state_dict_post_hook(_unmerged_state)
@@ -195,6 +208,7 @@ class LoRALayer(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         # A cast to half precision (model.half(), Trainer(precision="bf16-true")) reaches the base only: the
         # adapter follows device moves but keeps its dtype, so small updates are not lost.
+        self._forget_cached_tensors()
         probe = fn(torch.zeros((), dtype=torch.float32))
         if not (isinstance(probe, Tensor) and probe.dtype in _HALF) or not recurse:
             return super()._apply(fn, recurse)
@@ -206,6 +220,11 @@ class LoRALayer(nn.Module):
         for name, child in self.named_children():
             child._apply(fn if name == "base_layer" else move)
         return super()._apply(move, recurse=False)
+
+    def _forget_cached_tensors(self) -> None:
+        # After a move, a cast or a load (assign=True replaces the Parameter objects) the caches would be stale.
+        self._factor_cache = {}
+        self._stack_cache = None
 
     @property
     def weight(self) -> Tensor:
@@ -267,6 +286,7 @@ class LoRALayer(nn.Module):
             raise RuntimeError(f"{type(self).__name__}: adapter {name!r} is merged; unmerge it before deleting it.")
         del self.specs[name]
         del self.lora_dropout[name]
+        self._factor_cache.pop(name, None)
         for container in self._containers():
             del container[name]
 
@@ -283,6 +303,13 @@ class LoRALayer(nn.Module):
         """The trainable adapter parameters by their name relative to this layer (one adapter, or all)."""
         names = self.adapter_names if name is None else [name]
         return {k: p for n in names for k, p in self._parameters_of(n).items()}
+
+    def factors(self, name: str) -> tuple[nn.Parameter, nn.Parameter]:
+        """``(A, B)`` of adapter ``name`` (looked up once; a mixed batch reads them on every forward)."""
+        pair = self._factor_cache.get(name)
+        if pair is None:
+            pair = self._factor_cache[name] = tuple(self._parameters_of(name).values())
+        return pair
 
     def _parameters_of(self, name: str) -> dict[str, nn.Parameter]:
         raise NotImplementedError(f"{type(self).__name__} must define _parameters_of()")
@@ -343,6 +370,7 @@ class LoRALayer(nn.Module):
             )
         self.base_layer.weight.copy_(self.merged_weight(name))
         self.merged_adapter = name
+        self.routing.merged[name] = self.routing.merged.get(name, 0) + 1
 
     @torch.no_grad()
     def unmerge(self) -> None:
@@ -356,6 +384,7 @@ class LoRALayer(nn.Module):
         weight = self.base_layer.weight
         restored = weight.to(_compute_dtype(weight.dtype)) - self.delta_weight(self.merged_adapter)
         weight.copy_(restored.to(weight.dtype))
+        self.routing.merged[self.merged_adapter] -= 1
         self.merged_adapter = None
 
     # --- forward -----------------------------------------------------------------------------------------------
@@ -375,7 +404,9 @@ class LoRALayer(nn.Module):
                     f"({self.base_layer}), but {len(routing.names)} adapter names were given; give one name per "
                     "sample (the batch dimension must come first)."
                 )
-            selected = routing.select(self.adapter_names, x.device)
+            # Training stacks only the adapters the batch uses (the others must get no gradient); inference stacks
+            # every adapter of the layer once and reuses the stack while the weights stay unchanged.
+            selected = routing.select(self.adapter_names, x.device, every=not torch.is_grad_enabled())
             return result if selected is None else self._routed(x, result, *selected)
         name = routing.active
         if name not in self.specs:
@@ -395,20 +426,58 @@ class LoRALayer(nn.Module):
             update = update.index_add(0, rows, part)
         return result + update.to(result.dtype)
 
-    def _stacked(self, names: list[str], a: dict[str, Tensor], b: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        """``A`` (k+1, r, in) and ``s * B`` (k+1, out, r) of ``names``, ranks padded to the largest, and a last,
-        all-zero slot for samples without an adapter here."""
-        rank = max(self.specs[n].rank for n in names)
-        a_rows = [F.pad(a[n], (0, 0, 0, rank - self.specs[n].rank)) for n in names]  # each (r, in)
-        b_cols = [F.pad(b[n] * self.specs[n].scaling, (0, rank - self.specs[n].rank)) for n in names]  # each (out, r)
+    def _stacked(self, names: list[str]) -> tuple[Tensor, Tensor]:
+        """``A^T`` (k+1, in, r) and ``(s * B)^T`` (k+1, r, out) of ``names``, ranks padded to the largest, and a
+        last, all-zero slot for samples without an adapter here.
+
+        Without autograd (inference) the stacks are kept until a parameter changes (its version counter moves),
+        so serving pays no per-forward copy.
+        """
+        pairs = [self.factors(n) for n in names]  # each (A (r, in), B (out, r))
+        if not torch.is_grad_enabled():
+            key = (tuple(names), tuple((a._version, b._version, a.data_ptr(), b.data_ptr()) for a, b in pairs))
+            cached = self._stack_cache
+            if cached is not None and cached[0] == key:
+                return cached[1], cached[2]
+        ranks = [self.specs[n].rank for n in names]
+        rank = max(ranks)
+        a_rows = [F.pad(a, (0, 0, 0, rank - r)) if r < rank else a for (a, _), r in zip(pairs, ranks)]
+        b_cols = [F.pad(b, (0, rank - r)) if r < rank else b for (_, b), r in zip(pairs, ranks)]
         a_rows.append(a_rows[0].new_zeros(a_rows[0].shape))
         b_cols.append(b_cols[0].new_zeros(b_cols[0].shape))
-        return torch.stack(a_rows), torch.stack(b_cols)
+        scale = torch.tensor([self.specs[n].scaling for n in names] + [0.0], dtype=b_cols[0].dtype,
+                             device=b_cols[0].device)
+        # Stored transposed and contiguous, the layout the batched matmuls read without a copy.
+        stacked_a = torch.stack(a_rows, dim=-1).transpose(0, -1).contiguous()  # (k+1, in, r)
+        stacked_b = (torch.stack(b_cols, dim=-1) * scale).transpose(0, -1).contiguous()  # (k+1, r, out)
+        if not torch.is_grad_enabled():
+            self._stack_cache = (key, stacked_a, stacked_b)
+        return stacked_a, stacked_b
+
+    def _add_batched(self, result: Tensor, hidden: Tensor, b_t: Tensor) -> Tensor:
+        """``result + hidden @ b_t`` per sample: ``hidden`` (B, T, r), ``b_t`` (B, r, out), ``result`` (B, ..., out).
+
+        One fused ``baddbmm`` when dtypes agree and autocast is off (as :meth:`_add_update` fuses ``addmm``).
+        """
+        fuse = hidden.dtype == result.dtype == b_t.dtype and not torch.is_autocast_enabled(result.device.type)
+        if fuse:
+            result3 = result.reshape(hidden.shape[0], -1, result.shape[-1])  # (B, T, out)
+            if self._may_overwrite(result):
+                return result3.baddbmm_(hidden, b_t).view(result.shape)
+            return torch.baddbmm(result3, hidden, b_t).view(result.shape)
+        return result + torch.bmm(hidden, b_t).view(result.shape).to(result.dtype)
+
+    def _may_overwrite(self, result: Tensor) -> bool:
+        """Whether the base output can take the update in place: without autograd, and when no hook on the base
+        layer may have kept a reference to it (a copy of the output then costs as much as the update itself)."""
+        return not torch.is_grad_enabled() and not self.base_layer._forward_hooks and result.is_contiguous()
 
     def _routed_dropout(self, x: Tensor, names: list[str], slots: Tensor) -> Tensor:
         """Each sample's input with its own adapter's dropout (inverted dropout, as ``nn.Dropout``)."""
+        if not self.training:
+            return x
         probs = [m.p if isinstance(m, nn.Dropout) else 0.0 for m in (self.lora_dropout[n] for n in names)]
-        if not self.training or not any(probs):
+        if not any(probs):
             return x
         keep = 1 - torch.tensor([*probs, 0.0], device=x.device, dtype=x.dtype)[slots]  # (B,)
         keep = keep.view(-1, *([1] * (x.dim() - 1)))
@@ -435,10 +504,11 @@ class LoRALayer(nn.Module):
         """
         fuse = hidden.dtype == result.dtype == lora_b.dtype and not torch.is_autocast_enabled(result.device.type)
         if fuse:
-            out = torch.addmm(
-                result.reshape(-1, result.shape[-1]), hidden.reshape(-1, hidden.shape[-1]), lora_b.t(), alpha=scaling,
-            )  # (N, out)
-            return out.view(result.shape)
+            result2 = result.reshape(-1, result.shape[-1])  # (N, out)
+            hidden2 = hidden.reshape(-1, hidden.shape[-1])  # (N, r)
+            if self._may_overwrite(result):
+                return result2.addmm_(hidden2, lora_b.t(), alpha=scaling).view(result.shape)
+            return torch.addmm(result2, hidden2, lora_b.t(), alpha=scaling).view(result.shape)
         update = F.linear(hidden.to(lora_b.dtype), lora_b) * scaling
         return result + update.to(result.dtype)
 
@@ -499,13 +569,10 @@ class LoRALinear(_ABLayer):
         return self._add_update(result, hidden, self.lora_B[name].weight, self.specs[name].scaling)
 
     def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor) -> Tensor:
-        a, b = self._stacked(
-            names, {n: self.lora_A[n].weight for n in names}, {n: self.lora_B[n].weight for n in names}
-        )  # (k+1, r, in), (k+1, out, r)
-        x3 = self._routed_dropout(x, names, slots).to(a.dtype).reshape(x.shape[0], -1, x.shape[-1])  # (B, T, in)
-        hidden = torch.bmm(x3, a[slots].transpose(1, 2))  # (B, T, r)
-        update = torch.bmm(hidden, b[slots].transpose(1, 2))  # (B, T, out)
-        return result + update.view(result.shape).to(result.dtype)
+        a_t, b_t = self._stacked(names)  # (k+1, in, r), (k+1, r, out)
+        x3 = self._routed_dropout(x, names, slots).to(a_t.dtype).reshape(x.shape[0], -1, x.shape[-1])  # (B, T, in)
+        hidden = torch.bmm(x3, a_t.index_select(0, slots))  # (B, T, r)
+        return self._add_batched(result, hidden, b_t.index_select(0, slots))
 
 
 class LoRAEmbedding(LoRALayer):
@@ -568,17 +635,15 @@ class LoRAEmbedding(LoRALayer):
     def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor) -> Tensor:
         if self.base_layer.max_norm is not None:  # max_norm renormalises the looked-up rows in place
             return super()._routed(x, result, names, slots)
-        a, b = self._stacked(names, dict(self.lora_embedding_A.items()), dict(self.lora_embedding_B.items()))
-        vocab = a.shape[-1]
-        table = a.transpose(1, 2).reshape(-1, a.shape[1])  # ((k+1) V, r): adapter k's rows at [k V, (k+1) V)
+        a_t, b_t = self._stacked(names)  # (k+1, V, r), (k+1, r, d)
+        vocab = a_t.shape[1]
+        table = a_t.reshape(-1, a_t.shape[-1])  # ((k+1) V, r): adapter k's rows at [k V, (k+1) V)
         ids = x + (slots * vocab).view(-1, *([1] * (x.dim() - 1)))  # (B, ...)
         hidden = F.embedding(ids, table, scale_grad_by_freq=self.base_layer.scale_grad_by_freq)  # (B, ..., r)
         padding = self.base_layer.padding_idx
         if padding is not None:  # as padding_idx does: the row is read, but gets no gradient
             hidden = torch.where((x == padding).unsqueeze(-1), hidden.detach(), hidden)
-        h3 = hidden.reshape(x.shape[0], -1, hidden.shape[-1])  # (B, T, r)
-        update = torch.bmm(h3, b[slots].transpose(1, 2))  # (B, T, d)
-        return result + update.view(result.shape).to(result.dtype)
+        return self._add_batched(result, hidden.reshape(x.shape[0], -1, hidden.shape[-1]), b_t.index_select(0, slots))
 
 
 class LoRAConv2d(_ABLayer):
@@ -625,6 +690,7 @@ def _unmerge_before_load(module: LoRALayer, *args) -> None:
 
 
 def _remerge_after_load(module: LoRALayer, incompatible_keys) -> None:
+    module._forget_cached_tensors()
     if module._remerge_after_load is not None:
         name, module._remerge_after_load = module._remerge_after_load, None
         module.merge(name)

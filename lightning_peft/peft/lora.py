@@ -351,8 +351,11 @@ def _adaptable_view(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def _select_modules_to_save(model: nn.Module, config: LoRAConfig, names: list[str]) -> list[str]:
+    spec = lora_spec(model)
+    ours = set(spec.modules_to_save) if spec is not None else set()
     if config.modules_to_save is None:
-        heads = task_heads(model)
+        # A head another technique already trains in full (a ModulesToSave wrapper) stays that technique's.
+        heads = [h for h in task_heads(model) if h in ours or not isinstance(model.get_submodule(h), ModulesToSave)]
         if heads:
             log.info(
                 "LoRA: %s's task head %s is trained and saved in full (modules_to_save); from_pretrained creates "
@@ -365,6 +368,12 @@ def _select_modules_to_save(model: nn.Module, config: LoRAConfig, names: list[st
         raise ValueError(
             f"LoRA(modules_to_save={config.modules_to_save!r}): {missing} matched no module of "
             f"{type(model).__name__}. Check the names with model.named_modules()."
+        )
+    taken = [n for n in to_save if n not in ours and isinstance(model.get_submodule(n), ModulesToSave)]
+    if taken:
+        raise ValueError(
+            f"LoRA(modules_to_save={config.modules_to_save!r}): {taken[0]!r} is already trained in full by another "
+            "technique on this model (its modules_to_save); leave it out here, it trains and is saved once."
         )
     # A module inside another saved module is saved with it.
     return [n for n in to_save if not any(n.startswith(f"{o}.") for o in to_save)]

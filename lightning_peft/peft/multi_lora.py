@@ -65,7 +65,6 @@ from .lora import (
     as_config,
     check_adapter_name,
     exact_targets,
-    lora_layers,
     require_spec,
 )
 from .modules_to_save import set_submodule
@@ -80,7 +79,7 @@ def _known(spec: LoRAAdapter, name: object, who: str) -> str:
 
 
 def _merged(model: nn.Module) -> str | None:
-    return next((layer.merged_adapter for layer in lora_layers(model).values() if layer.merged), None)
+    return require_spec(model, "LoRA").routing.merged_adapter
 
 
 def add_adapter(model: nn.Module, name: str, config: LoRAConfig | Any | None = None, **kwargs) -> dict[str, LoRALayer]:

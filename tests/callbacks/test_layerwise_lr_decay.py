@@ -206,7 +206,7 @@ def test_lora_refuses_an_optimizer_built_before_its_adapters(tiny_bert_config, t
     cli_style(module, scheduler=False)
     with pytest.raises(RuntimeError, match=r"LoRA: the optimizer holds none of the \d+ parameters that train "
                                            r"\(bert\.encoder\.layer\.0\.attention\.self\.query\.lora_A\.default\.weight, \.\.\.\)"
-                                           r": it was built before LoRA injected its adapters"):
+                                           r": it was built before the adapters were injected"):
         trainer(tmp_path, max_steps=1, callbacks=[LoRA(**LORA_ARGS)]).fit(module, loader())
 
 

@@ -127,9 +127,10 @@ def test_plain_model_with_tied_weights_exports(tmp_path):
     assert torch.equal(state["1.weight"], module.net[1].weight)  # the head kept the unadapted tied weight
 
 
-def test_without_lora_it_says_where_the_lora_callback_goes(tiny_bert_config, tmp_path):
+def test_without_an_adapter_it_names_the_peft_callbacks(tiny_bert_config, tmp_path):
     with pytest.raises(RuntimeError, match=r"MergeOnSave: BertForSequenceClassification has no adapter when fit "
-                                           r"starts\. Add the LoRA callback"):
+                                           r"starts\. Add a PEFT callback \(LoRA, MultiLoRA, BottleneckAdapters, "
+                                           r"PromptTuning, PrefixTuning\)"):
         trainer(tmp_path, max_steps=1, callbacks=[MergeOnSave(dirpath=str(tmp_path))]).fit(
             Classifier(tiny_bert_config), loader()
         )
@@ -159,3 +160,49 @@ def test_a_model_adapted_in_configure_model_is_exported(tmp_path):
 def test_empty_dirpath_is_refused():
     with pytest.raises(ValueError, match=r"MergeOnSave\(dirpath=''\): give a directory"):
         MergeOnSave(dirpath="")
+
+
+def test_techniques_that_cannot_merge_export_the_adapter_alone(tiny_bert_config, tmp_path):
+    from lightning_peft.callbacks import BottleneckAdapters
+    from lightning_peft.peft import load_adapter
+
+    adapters = BottleneckAdapters(placement="pfeiffer", reduction_factor=4)
+    with pytest.raises(ValueError, match=r"MergeOnSave: the bottleneck adapter cannot be merged into the base weights, "
+                                         r"so there is no merged model to write\. Export the adapter only: "
+                                         r"MergeOnSave\(save_merged=False\)"):
+        trainer(tmp_path, max_steps=1, callbacks=[adapters, MergeOnSave(dirpath=str(tmp_path / "a"))]).fit(
+            Classifier(tiny_bert_config), loader()
+        )
+    assert not (tmp_path / "a" / "merged").exists()  # refused at fit start, before any training
+    module = Classifier(tiny_bert_config)
+    export = MergeOnSave(dirpath=str(tmp_path / "b"), save_merged=False)
+    trainer(tmp_path, max_steps=2, callbacks=[BottleneckAdapters(placement="pfeiffer", reduction_factor=4), export]).fit(
+        module, loader()
+    )
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["adapter"]
+    from transformers import BertForSequenceClassification
+
+    fresh = load_adapter(BertForSequenceClassification(tiny_bert_config), tmp_path / "b" / "adapter").eval()
+    ids = next(iter(loader()))[0]
+    module.model.eval()
+    with torch.no_grad():
+        fresh.load_state_dict({k: v for k, v in module.model.state_dict().items() if "adapter" not in k}, strict=False)
+        assert_close(fresh(input_ids=ids).logits, module.model(input_ids=ids).logits)
+    with pytest.raises(ValueError, match=r"MergeOnSave\(save_adapter=False, save_merged=False\): nothing to export"):
+        MergeOnSave(save_adapter=False, save_merged=False)
+
+
+def test_lora_after_bottleneck_leaves_the_head_it_already_trains_alone(tiny_bert_config):
+    from transformers import BertForSequenceClassification
+
+    from lightning_peft.peft import ModulesToSave, inject_bottleneck_adapters
+
+    model = BertForSequenceClassification(tiny_bert_config)
+    inject_bottleneck_adapters(model, placement="pfeiffer", reduction_factor=4)  # saves the task head
+    inject_lora(model, rank=2, target_modules=["query"])  # modules_to_save=None: the head is taken already
+    assert isinstance(model.classifier, ModulesToSave) and not isinstance(model.classifier.trained_module, ModulesToSave)
+    other = BertForSequenceClassification(tiny_bert_config)
+    inject_bottleneck_adapters(other, placement="pfeiffer", reduction_factor=4)
+    with pytest.raises(ValueError, match=r"LoRA\(modules_to_save=\['classifier'\]\): 'classifier' is already trained in "
+                                         r"full by another technique"):
+        inject_lora(other, rank=2, target_modules=["query"], modules_to_save=["classifier"])

@@ -105,6 +105,25 @@ def test_mixed_batch_gives_each_sample_its_own_adapters_output_and_gradients():
         assert_close(grad, expected_grads[name], rtol=1e-10, atol=1e-12, msg=name)
 
 
+def test_inference_mixed_batches_reuse_stacked_weights_and_see_every_update():
+    model = _three_adapters().eval()
+    for route in (ROUTE, ["c", "c", None, "a", "a"], ROUTE):  # the stack of every adapter is built once, reused
+        expected, _ = _alone(model, IDS, route)
+        with torch.inference_mode(), route_adapters(model, route):
+            assert_close(model(IDS), expected, rtol=1e-12, atol=1e-12)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    with route_adapters(model, ROUTE):
+        model(IDS).sum().backward()
+    optimizer.step()  # in-place updates: the cached stacks are stale now
+    expected, _ = _alone(model, IDS, ROUTE)
+    with torch.no_grad(), route_adapters(model, ROUTE):
+        assert_close(model(IDS), expected, rtol=1e-12, atol=1e-12)
+    model.load_state_dict({k: v + 1 for k, v in model.state_dict().items()})  # a load: new values again
+    expected, _ = _alone(model, IDS, ROUTE)
+    with torch.no_grad(), route_adapters(model, ROUTE):
+        assert_close(model(IDS), expected, rtol=1e-12, atol=1e-12)
+
+
 def test_gradients_reach_exactly_the_adapters_the_batch_used():
     model = _three_adapters()
     with route_adapters(model, ["a", None, "a"]):
