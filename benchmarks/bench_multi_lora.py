@@ -22,7 +22,9 @@ Contenders alternate inside every repeat (the first one rotates), each repeat ti
   goal, the slowest within 1.15x the fastest;
 - ``set_adapter`` time, ours against PEFT's, with 64 adapters loaded;
 - cost against the number of distinct adapters in a 32 x 16 batch (1 to 32), ours and PEFT, relative to the bare
-  model: a table and a PNG plot (``--plot``, shown on ``docs/multi_lora.md``).
+  model: a table and a PNG plot (``--plot``, shown on ``docs/multi_lora.md``);
+- the trainable-parameter share of each PEFT family on this model, with the 5-label head trained in full
+  (``--shares-only`` prints just this table).
 
 Usage: ``python benchmarks/bench_multi_lora.py [--repeats 7] [--json out.json] [--plot docs/img/multi_lora.png]``.
 """
@@ -48,10 +50,14 @@ from torch import Tensor, nn  # noqa: E402
 from bench_lora import alternate, floor_model, floor_step_fn, load_base, make_batch, print_table, row  # noqa: E402
 from lightning_peft.peft import (  # noqa: E402
     add_adapter,
+    inject_bottleneck_adapters,
     inject_lora,
+    inject_prefix_tuning,
+    inject_prompt_tuning,
     lora_layers,
     route_adapters,
     set_adapter,
+    trainable_parameters,
 )
 
 TARGETS = ["query", "key", "value"]
@@ -152,12 +158,50 @@ def time_switch(model: nn.Module, switch: Callable[[nn.Module, str], None], coun
     return (time.perf_counter() - start) * 1e6 / calls
 
 
+FAMILIES: dict[str, Callable[[nn.Module], object]] = {
+    "LoRA r8 on query/key/value/pooler (the main job)": lambda m: inject_lora(
+        m, rank=8, alpha=16, target_modules=["query", "key", "value", "pooler.dense"], modules_to_save=["classifier"]),
+    "two named LoRA adapters (the multi-adapter example)": lambda m: (
+        inject_lora(m, rank=8, alpha=16, target_modules=["query", "key", "value", "pooler.dense"],
+                    modules_to_save=["classifier"], adapter_name="desk"),
+        add_adapter(m, "features", rank=4, alpha=8, target_modules=["query", "value", "pooler.dense"])),
+    "bottleneck, Houlsby, reduction 16": lambda m: inject_bottleneck_adapters(
+        m, placement="houlsby", reduction_factor=16, modules_to_save=["classifier"]),
+    "bottleneck, Pfeiffer, reduction 16": lambda m: inject_bottleneck_adapters(
+        m, placement="pfeiffer", reduction_factor=16, modules_to_save=["classifier"]),
+    "prompt tuning, 20 virtual tokens": lambda m: inject_prompt_tuning(
+        m, num_virtual_tokens=20, modules_to_save=["classifier"]),
+    "prefix tuning, 20 virtual tokens": lambda m: inject_prefix_tuning(
+        m, num_virtual_tokens=20, modules_to_save=["classifier"]),
+}
+
+
+def parameter_shares(base: nn.Module) -> dict[str, dict]:
+    """Trainable parameters of each family on a fresh copy of ``base``; the total is the plain model's."""
+    total = sum(p.numel() for p in base.parameters())
+    shares = {}
+    for name, inject in FAMILIES.items():
+        model = copy.deepcopy(base)
+        inject(model)
+        trainable = trainable_parameters(model).trainable
+        shares[name] = {"trainable": trainable, "percent": 100 * trainable / total}
+    print(f"\n### Trainable parameters of each family (MiniLM, {total:,} parameters; the 5-label head trains)\n")
+    print("| family | trainable | share |")
+    print("| --- | ---: | ---: |")
+    for name, share in shares.items():
+        print(f"| {name} | {share['trainable']:,} | {share['percent']:.3f}% |")
+    return shares
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.manual_seed(0)
     base = load_base(args.seed).eval()
     vocab = base.config.vocab_size
     report: dict = {"config": vars(args) | {"threads": torch.get_num_threads()}}
+    report["shares"] = parameter_shares(base)
+    if args.shares_only:
+        return report
     ours = build_ours(base, args.loaded, args.seed).eval()
     theirs = build_peft(base, ours, args.loaded).eval()
     bare = copy.deepcopy(base).eval()
@@ -313,6 +357,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--goal-flat", type=float, default=1.15)
     add("--json", default=None)
     add("--plot", default=None)
+    add("--shares-only", action="store_true", help="print the trainable-parameter table and stop")
     return parser.parse_args(argv)
 
 

@@ -66,3 +66,20 @@ def test_bench_training_runs_and_reports_the_overhead_ratio(tmp_path):
     tiny = json.loads(out.read_text())["tiny"]["rows"]
     assert [r["measurement"] for r in tiny] == ["tiny model: GradientAccumulation / accumulate_grad_batches",
                                                 "tiny model: Curriculum / random order"]
+
+
+@pytest.mark.slow
+def test_bench_multi_lora_runs_reports_every_section_and_plots(tmp_path):
+    script = SCRIPT.parent / "bench_multi_lora.py"
+    out, plot = tmp_path / "multi.json", tmp_path / "multi.png"
+    args = ["--shapes", "4x8x2", "--loaded", "4", "--repeats", "1", "--steps", "1", "--warmup", "0",
+            "--json", str(out), "--plot", str(plot)]
+    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert max(report["equivalence"].values()) < 1e-4  # ours and PEFT computed the same mixed batch
+    rows = [*report["inference"]["rows"], *report["training"]["rows"], *report["loaded"]["rows"]]
+    assert len(rows) == 3 + 3 + 3 and all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in rows)
+    assert report["curve"]["counts"] == [1, 2, 4] and len(report["curve"]["ours"]) == 3
+    assert report["switch"]["ours_us"] > 0 and plot.stat().st_size > 1000
+    assert len(report["shares"]) == 6 and all(0 < s["percent"] < 2 for s in report["shares"].values())

@@ -17,6 +17,10 @@ import torch
 model = torch.nn.Sequential(torch.nn.Linear(4, 4))
 p.inject_lora(model, rank=2, target_modules=['0'])
 p.merge_lora(model)
+p.unmerge_lora(model)
+p.add_adapter(model, 'b', rank=1, target_modules=['0'])
+with p.route_adapters(model, ['b', None, 'default']):
+    model(torch.randn(3, 4)).sum().backward()
 import lightning_peft.training as t
 model[0].lora_A["default"].weight.grad = torch.zeros(2, 4)
 t.add_gradient_noise(model.parameters(), 0, 0.1)

@@ -279,6 +279,10 @@ class LoRALayer(nn.Module):
         weight = self.base_layer.weight
         self._create(name, rank, device=weight.device, dtype=_adapter_dtype(weight))
         self.reset_parameters(init, name)
+        # New submodules start in training mode; those of an eval layer must not (dropout would stay on).
+        for module in (self.lora_dropout[name], *(c[name] for c in self._containers())):
+            if isinstance(module, nn.Module):
+                module.train(self.training)
 
     def delete_adapter(self, name: str) -> None:
         """Remove adapter ``name``; its parameters are gone from the module."""

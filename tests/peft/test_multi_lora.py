@@ -213,6 +213,19 @@ def test_eval_mode_mixed_batch_ignores_dropout_and_training_mode_applies_each_ad
     assert not torch.allclose(noisy[0], expected[0])  # a drops 90% of its input
 
 
+def test_an_adapter_added_to_a_model_in_eval_mode_runs_in_eval_mode():
+    model = Tiny().double().eval()
+    inject_lora(model, rank=2, target_modules=["query"], adapter_name="a", dropout=0.5)
+    add_adapter(model, "b", rank=2, target_modules=["query", "value"], dropout=0.5)  # on existing and new layers
+    _randomise(model)
+    assert not any(m.training for m in model.modules())
+    for route in (["a", "b", "b"], ["b", "b", "b"]):
+        with route_adapters(model, route):
+            assert torch.equal(model(IDS[:3]), model(IDS[:3]))  # no dropout left switched on
+    set_adapter(model, "b")
+    assert torch.equal(model(IDS[:3]), model(IDS[:3]))
+
+
 def test_mixed_batch_works_under_torch_compile():
     model = _three_adapters()
     expected, _ = _alone(model, IDS, ROUTE)
