@@ -55,7 +55,7 @@ import math
 import sys
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -144,15 +144,17 @@ class Routing:
 
 @dataclass(frozen=True)
 class AdapterSpec:
-    """One adapter's settings on one layer."""
+    """One adapter's settings on one layer; ``scaling`` is computed once (the forward reads it every call)."""
 
     rank: int
     alpha: float
     use_rslora: bool
+    scaling: float = field(init=False)
 
-    @property
-    def scaling(self) -> float:
-        return self.alpha / math.sqrt(self.rank) if self.use_rslora else self.alpha / self.rank
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "scaling", self.alpha / math.sqrt(self.rank) if self.use_rslora else self.alpha / self.rank
+        )
 
 
 class LoRALayer(nn.Module):
@@ -188,7 +190,7 @@ class LoRALayer(nn.Module):
         self.merged_adapter: str | None = None
         self._remerge_after_load: str | None = None
         self._stack_cache: tuple | None = None  # inference only: (key, stacked A, stacked s * B)
-        self._factor_cache: dict[str, tuple[nn.Parameter, nn.Parameter]] = {}
+        self._factor_cache: dict[str, tuple[tuple[dict, str], tuple[dict, str]]] = {}
         self._init_containers()
         self.add_adapter(adapter_name, rank, alpha, dropout, use_rslora, init)
         self.register_state_dict_post_hook(_unmerged_state)
@@ -309,11 +311,20 @@ class LoRALayer(nn.Module):
         return {k: p for n in names for k, p in self._parameters_of(n).items()}
 
     def factors(self, name: str) -> tuple[nn.Parameter, nn.Parameter]:
-        """``(A, B)`` of adapter ``name`` (looked up once; a mixed batch reads them on every forward)."""
-        pair = self._factor_cache.get(name)
-        if pair is None:
-            pair = self._factor_cache[name] = tuple(self._parameters_of(name).values())
-        return pair
+        """``(A, B)`` of adapter ``name``, read every forward.
+
+        The ``_parameters`` dicts that hold them are found once; the parameters themselves are read from those dicts
+        each time, so a parameter replaced in place (``register_parameter``, as FSDP2 and DTensor parallelism do) is
+        the one used.
+        """
+        refs = self._factor_cache.get(name)
+        if refs is None:
+            refs = self._factor_cache[name] = self._factor_refs(name)
+        (holder_a, key_a), (holder_b, key_b) = refs
+        return holder_a[key_a], holder_b[key_b]
+
+    def _factor_refs(self, name: str) -> tuple[tuple[dict, str], tuple[dict, str]]:
+        raise NotImplementedError(f"{type(self).__name__} must define _factor_refs()")
 
     def _parameters_of(self, name: str) -> dict[str, nn.Parameter]:
         raise NotImplementedError(f"{type(self).__name__} must define _parameters_of()")
@@ -539,6 +550,9 @@ class _ABLayer(LoRALayer):
     def _parameters_of(self, name: str) -> dict[str, nn.Parameter]:
         return {f"lora_A.{name}.weight": self.lora_A[name].weight, f"lora_B.{name}.weight": self.lora_B[name].weight}
 
+    def _factor_refs(self, name: str) -> tuple[tuple[dict, str], tuple[dict, str]]:
+        return (self.lora_A[name]._parameters, "weight"), (self.lora_B[name]._parameters, "weight")
+
     @torch.no_grad()
     def _reset(self, name: str, init: Init) -> None:
         if init == "gaussian":
@@ -568,9 +582,9 @@ class LoRALinear(_ABLayer):
         return delta.t() if self.fan_in_fan_out else delta
 
     def _single(self, x: Tensor, result: Tensor, name: str) -> Tensor:
-        lora_a = self.lora_A[name].weight  # (r, in)
+        lora_a, lora_b = self.factors(name)  # (r, in), (out, r)
         hidden = F.linear(self.lora_dropout[name](x).to(lora_a.dtype), lora_a)  # (..., r)
-        return self._add_update(result, hidden, self.lora_B[name].weight, self.specs[name].scaling)
+        return self._add_update(result, hidden, lora_b, self.specs[name].scaling)
 
     def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor) -> Tensor:
         a_t, b_t = self._stacked(names)  # (k+1, in, r), (k+1, r, out)
@@ -604,6 +618,9 @@ class LoRAEmbedding(LoRALayer):
     def _parameters_of(self, name: str) -> dict[str, nn.Parameter]:
         return {f"lora_embedding_A.{name}": self.lora_embedding_A[name],
                 f"lora_embedding_B.{name}": self.lora_embedding_B[name]}
+
+    def _factor_refs(self, name: str) -> tuple[tuple[dict, str], tuple[dict, str]]:
+        return (self.lora_embedding_A._parameters, name), (self.lora_embedding_B._parameters, name)
 
     @torch.no_grad()
     def _reset(self, name: str, init: Init) -> None:
@@ -686,8 +703,18 @@ def _unmerged_state(module: LoRALayer, state_dict: dict, prefix: str, local_meta
             state_dict[key] = restored.to(weight.dtype)
 
 
-def _unmerge_before_load(module: LoRALayer, *args) -> None:
-    # Load-state-dict pre-hook: load into the unmerged layout, then merge the loaded adapter again.
+_LEGACY_KEYS = ("lora_A.weight", "lora_B.weight", "lora_embedding_A", "lora_embedding_B")
+
+
+def _unmerge_before_load(module: LoRALayer, state_dict: dict, prefix: str, *args) -> None:
+    # Load-state-dict pre-hook. A state dict of the single-adapter layout (lightning-peft before named adapters:
+    # ``lora_A.weight``) loads into the first adapter. Then: load into the unmerged layout, and merge the loaded
+    # adapter again afterwards.
+    first = next(iter(module.specs))
+    for key in _LEGACY_KEYS:
+        if f"{prefix}{key}" in state_dict:
+            container, _, rest = key.partition(".")
+            state_dict[f"{prefix}{container}.{first}" + (f".{rest}" if rest else "")] = state_dict.pop(f"{prefix}{key}")
     if module.merged:
         module._remerge_after_load = module.merged_adapter
         module.unmerge()

@@ -124,6 +124,25 @@ def test_inference_mixed_batches_reuse_stacked_weights_and_see_every_update():
         assert_close(model(IDS), expected, rtol=1e-12, atol=1e-12)
 
 
+def test_a_parameter_replaced_in_place_is_the_one_used():
+    """FSDP2 and DTensor parallelism swap parameters with register_parameter: no stale reference may survive."""
+    model = _three_adapters()
+    with route_adapters(model, ROUTE):
+        model(IDS)  # looks the factors up once
+    layer = lora_layers(model)["blocks.0.query"]
+    for name in ("a", "b"):
+        layer.lora_B[name].weight = nn.Parameter(layer.lora_B[name].weight.detach() * 3)
+    from lightning_peft.peft.adapter import attached, technique
+
+    fresh = Tiny().double()  # the same adapters, built anew: nothing looked up before the swap
+    technique("lora").inject(fresh, attached(model)["lora"].config_dict())
+    fresh.load_state_dict(model.state_dict())
+    expected, _ = _alone(fresh, IDS, ROUTE)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), route_adapters(model, ROUTE):
+            assert_close(model(IDS), expected, rtol=1e-12, atol=1e-12)
+
+
 def test_gradients_reach_exactly_the_adapters_the_batch_used():
     model = _three_adapters()
     with route_adapters(model, ["a", None, "a"]):
@@ -476,3 +495,15 @@ def test_single_adapter_checkpoint_format_of_earlier_versions_still_loads():
     model = Tiny()
     technique("lora").inject(model, old)
     assert active_adapter(model) == "default" and set(lora_layers(model)) == {"blocks.0.query", "blocks.1.query"}
+
+
+def test_a_state_dict_of_the_single_adapter_layout_loads_into_the_first_adapter():
+    model = Tiny().double()
+    inject_lora(model, rank=2, target_modules=["query", "embed"])
+    _randomise(model)
+    old = {k.replace(".default", ""): v for k, v in model.state_dict().items()}  # lora_A.weight, lora_embedding_A
+    assert "blocks.0.query.lora_A.weight" in old and "embed.lora_embedding_A" in old
+    fresh = Tiny().double()
+    inject_lora(fresh, rank=2, target_modules=["query", "embed"])
+    fresh.load_state_dict(old)
+    assert torch.equal(fresh(IDS), model(IDS))
