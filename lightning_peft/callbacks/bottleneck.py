@@ -34,7 +34,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_peft.callbacks._checkpoint import check_optimizer_holds_adapters, record_adapters, watch_checkpoint_loads
+from lightning_peft.callbacks._checkpoint import (
+    check_optimizer_holds_adapters,
+    record_adapters,
+    refuse_changed_settings,
+    watch_checkpoint_loads,
+)
 from lightning_peft.callbacks._target import resolve_target
 from lightning_peft.peft.adapter import attached
 from lightning_peft.peft.bottleneck import BottleneckConfig, inject_bottleneck_adapters
@@ -117,20 +122,13 @@ class BottleneckAdapters(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         record_adapters(pl_module, checkpoint, self.adapter_only_checkpoint)
+
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"config": self.config.to_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = state_dict.get("config") or {}
-        now = self.config.to_dict()
-        differing = [k for k in saved if saved[k] != now.get(k) and k not in _TRAINING_ONLY]
-        if differing:
-            raise ValueError(
-                "BottleneckAdapters: the checkpoint was trained with "
-                + ", ".join(f"{k}={saved[k]!r}" for k in differing)
-                + "; this run has " + ", ".join(f"{k}={now.get(k)!r}" for k in differing)
-                + ". Resume with the checkpoint's settings, or start a new run without ckpt_path."
-            )
+        refuse_changed_settings("BottleneckAdapters", state_dict.get("config") or {}, self.config.to_dict(),
+                                _TRAINING_ONLY)
 

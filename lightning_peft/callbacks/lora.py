@@ -38,6 +38,7 @@ from lightning_peft.callbacks._checkpoint import (
     TRAINING_ONLY,
     check_optimizer_holds_adapters,
     record_adapters,
+    refuse_changed_settings,
     watch_checkpoint_loads,
 )
 from lightning_peft.callbacks._target import resolve_target
@@ -124,22 +125,14 @@ class LoRA(Callback):
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         record_adapters(pl_module, checkpoint, self.adapter_only_checkpoint)
+
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"config": self.config.to_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = state_dict.get("config")
-        now = self.config.to_dict()
-        differing = [k for k in (saved or {}) if saved[k] != now.get(k) and k not in TRAINING_ONLY]
-        if differing:
-            raise ValueError(
-                "LoRA: the checkpoint was trained with "
-                + ", ".join(f"{k}={saved[k]!r}" for k in differing)
-                + "; this run has " + ", ".join(f"{k}={self.config.to_dict()[k]!r}" for k in differing)
-                + ". Resume with the checkpoint's settings, or start a new run without ckpt_path."
-            )
+        refuse_changed_settings("LoRA", state_dict.get("config") or {}, self.config.to_dict(), TRAINING_ONLY)
 
 
 

@@ -40,7 +40,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_peft.callbacks._checkpoint import check_optimizer_holds_adapters, record_adapters, watch_checkpoint_loads
+from lightning_peft.callbacks._checkpoint import (
+    check_optimizer_holds_adapters,
+    record_adapters,
+    refuse_changed_settings,
+    watch_checkpoint_loads,
+)
 from lightning_peft.callbacks._target import resolve_target
 from lightning_peft.peft.lora import LoRAConfig, as_config, inject_lora, lora_spec, trainable_parameters
 from lightning_peft.peft.multi_lora import add_adapter, set_adapter
@@ -201,6 +206,7 @@ class MultiLoRA(Callback):
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         record_adapters(pl_module, checkpoint, self.adapter_only_checkpoint)
+
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"adapters": {name: config.to_dict() for name, config in self.configs.items()}}
@@ -213,11 +219,4 @@ class MultiLoRA(Callback):
             raise ValueError(f"MultiLoRA: the checkpoint was trained with adapters {list(saved)}; this run has "
                              f"{list(now)}. Resume with the checkpoint's adapters, or start a new run without ckpt_path.")
         for name, config in saved.items():
-            differing = [k for k in config if config[k] != now[name].get(k) and k not in ("dropout", "init")]
-            if differing:
-                raise ValueError(
-                    f"MultiLoRA: the checkpoint's adapter {name!r} was trained with "
-                    + ", ".join(f"{k}={config[k]!r}" for k in differing) + "; this run has "
-                    + ", ".join(f"{k}={now[name][k]!r}" for k in differing)
-                    + ". Resume with the checkpoint's settings, or start a new run without ckpt_path."
-                )
+            refuse_changed_settings(f"MultiLoRA (adapter {name!r})", config, now[name], ("dropout", "init"))

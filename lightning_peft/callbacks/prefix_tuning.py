@@ -31,7 +31,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_peft.callbacks._checkpoint import check_optimizer_holds_adapters, record_adapters, watch_checkpoint_loads
+from lightning_peft.callbacks._checkpoint import (
+    check_optimizer_holds_adapters,
+    record_adapters,
+    refuse_changed_settings,
+    watch_checkpoint_loads,
+)
 from lightning_peft.callbacks._target import resolve_target
 from lightning_peft.peft.lora import trainable_parameters
 from lightning_peft.peft.prefix_tuning import (
@@ -107,22 +112,14 @@ class PrefixTuning(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         record_adapters(pl_module, checkpoint, self.adapter_only_checkpoint)
+
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"config": self.config.to_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = state_dict.get("config") or {}
-        now = self.config.to_dict()
-        differing = [k for k in saved if saved[k] != now.get(k)]
-        if differing:
-            raise ValueError(
-                "PrefixTuning: the checkpoint was trained with "
-                + ", ".join(f"{k}={saved[k]!r}" for k in differing)
-                + "; this run has " + ", ".join(f"{k}={now.get(k)!r}" for k in differing)
-                + ". Resume with the checkpoint's settings, or start a new run without ckpt_path."
-            )
+        refuse_changed_settings("PrefixTuning", state_dict.get("config") or {}, self.config.to_dict())
 
 
 def _agrees(existing: PrefixTuningConfig, asked: PrefixTuningConfig) -> bool:

@@ -30,7 +30,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_peft.callbacks._checkpoint import check_optimizer_holds_adapters, record_adapters, watch_checkpoint_loads
+from lightning_peft.callbacks._checkpoint import (
+    check_optimizer_holds_adapters,
+    record_adapters,
+    refuse_changed_settings,
+    watch_checkpoint_loads,
+)
 from lightning_peft.callbacks._target import resolve_target
 from lightning_peft.peft.adapter import attached
 from lightning_peft.peft.lora import trainable_parameters
@@ -129,6 +134,7 @@ class PromptTuning(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         record_adapters(pl_module, checkpoint, self.adapter_only_checkpoint)
+
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"config": self._config()}
@@ -136,11 +142,4 @@ class PromptTuning(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved, now = state_dict.get("config") or {}, self._config()
-        differing = [k for k in _STRUCTURE if k in saved and saved[k] != now[k]]
-        if differing:
-            raise ValueError(
-                "PromptTuning: the checkpoint was trained with "
-                + ", ".join(f"{k}={saved[k]!r}" for k in differing)
-                + "; this run has " + ", ".join(f"{k}={now[k]!r}" for k in differing)
-                + ". Resume with the checkpoint's settings, or start a new run without ckpt_path."
-            )
+        refuse_changed_settings("PromptTuning", saved, now, tuple(k for k in saved if k not in _STRUCTURE))
