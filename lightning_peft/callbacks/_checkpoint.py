@@ -17,10 +17,14 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_peft.callbacks._target import resolve_target
 
 from lightning_peft.peft.adapter import ADAPTERS_ATTRIBUTE, adapter_tensors, attached, technique, unwrap
 
@@ -51,6 +55,26 @@ def checkpoint_entry(pl_module: nn.Module, dropped: list[str] | None = None) -> 
         "models": {path: {kind: a.config_dict() for kind, a in attached(m).items()}
                    for path, m in adapted_models(pl_module).items()},
     }
+
+
+class AdapterCallback(Callback):
+    """The hooks every PEFT callback shares: the optimizer check at train start and the adapter record in every
+    checkpoint. Subclasses set ``who`` and the attributes ``model_attribute`` and ``adapter_only_checkpoint``."""
+
+    who: ClassVar[str]
+    model_attribute: str | None
+    adapter_only_checkpoint: bool
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _, model = resolve_target(pl_module, self.model_attribute, self.who)
+        check_optimizer_holds_adapters(trainer, model, self.who)
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        record_adapters(pl_module, checkpoint, self.adapter_only_checkpoint)
 
 
 def record_adapters(pl_module: nn.Module, checkpoint: dict[str, Any], adapter_only: bool) -> None:

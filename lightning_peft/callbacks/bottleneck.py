@@ -30,13 +30,11 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_peft.callbacks._checkpoint import (
-    check_optimizer_holds_adapters,
-    record_adapters,
+    AdapterCallback,
     refuse_changed_settings,
     watch_checkpoint_loads,
 )
@@ -49,7 +47,7 @@ from lightning_peft.peft.lora import trainable_parameters
 _TRAINING_ONLY = ("dropout", "init_scale")
 
 
-class BottleneckAdapters(Callback):
+class BottleneckAdapters(AdapterCallback):
     """Inject bottleneck adapters into the model at ``setup`` and freeze the rest.
 
     Args:
@@ -70,6 +68,8 @@ class BottleneckAdapters(Callback):
         model_attribute: Dotted path of the model inside the LightningModule; ``""`` for the LightningModule
             itself. Default: the one Hugging Face model inside the LightningModule, else the LightningModule.
     """
+
+    who = "BottleneckAdapters"
 
     def __init__(
         self,
@@ -111,17 +111,6 @@ class BottleneckAdapters(Callback):
                 "adapted with."
             )
         watch_checkpoint_loads(pl_module, "BottleneckAdapters")
-
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        _, model = resolve_target(pl_module, self.model_attribute, "BottleneckAdapters")
-        check_optimizer_holds_adapters(trainer, model, "BottleneckAdapters")
-
-    @override
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        record_adapters(pl_module, checkpoint, self.adapter_only_checkpoint)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -29,15 +29,13 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.accelerators import CPUAccelerator
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_peft._hardware import cpu_bf16_is_native
 from lightning_peft.callbacks._checkpoint import (
+    AdapterCallback,
     TRAINING_ONLY,
-    check_optimizer_holds_adapters,
-    record_adapters,
     refuse_changed_settings,
     watch_checkpoint_loads,
 )
@@ -46,7 +44,7 @@ from lightning_peft.peft.lora import as_config, inject_lora, lora_spec, trainabl
 
 
 
-class LoRA(Callback):
+class LoRA(AdapterCallback):
     """Inject LoRA adapters into the model at ``setup`` and freeze the rest.
 
     Args:
@@ -69,6 +67,8 @@ class LoRA(Callback):
             Hugging Face model inside the LightningModule, else the LightningModule itself. Adapter key paths
             are relative to this model.
     """
+
+    who = "LoRA"
 
     def __init__(
         self,
@@ -116,15 +116,6 @@ class LoRA(Callback):
                 "use one LoRA callback per model, with the config the model was adapted with."
             )
         watch_checkpoint_loads(pl_module, "LoRA")
-
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        _, model = resolve_target(pl_module, self.model_attribute, "LoRA")
-        check_optimizer_holds_adapters(trainer, model, "LoRA")
-
-    @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
-        record_adapters(pl_module, checkpoint, self.adapter_only_checkpoint)
 
     @override
     def state_dict(self) -> dict[str, Any]:

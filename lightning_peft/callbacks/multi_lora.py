@@ -36,13 +36,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_peft.callbacks._checkpoint import (
-    check_optimizer_holds_adapters,
-    record_adapters,
+    AdapterCallback,
     refuse_changed_settings,
     watch_checkpoint_loads,
 )
@@ -51,7 +49,7 @@ from lightning_peft.peft.lora import LoRAConfig, as_config, inject_lora, lora_sp
 from lightning_peft.peft.multi_lora import add_adapter, set_adapter
 
 
-class MultiLoRA(Callback):
+class MultiLoRA(AdapterCallback):
     """Inject several named LoRA adapters at ``setup`` and route every batch per sample.
 
     Args:
@@ -65,6 +63,8 @@ class MultiLoRA(Callback):
         adapter_only_checkpoint: Checkpoints hold only what trains (and buffers), as with ``LoRA``.
         model_attribute: Dotted path of the model inside the LightningModule (as for ``LoRA``).
     """
+
+    who = "MultiLoRA"
 
     def __init__(
         self,
@@ -119,11 +119,6 @@ class MultiLoRA(Callback):
                 )
         self._routing = lora_spec(model).routing
         watch_checkpoint_loads(pl_module, "MultiLoRA")
-
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        _, model = resolve_target(pl_module, self.model_attribute, "MultiLoRA")
-        check_optimizer_holds_adapters(trainer, model, "MultiLoRA")
 
     def names_of(self, batch: Any) -> list[str | None] | None:
         """Each sample's adapter from ``batch[routing_key]`` (None when the batch has no such entry).
@@ -202,10 +197,6 @@ class MultiLoRA(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._end_routing()
-
-    @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
-        record_adapters(pl_module, checkpoint, self.adapter_only_checkpoint)
 
     @override
     def state_dict(self) -> dict[str, Any]:

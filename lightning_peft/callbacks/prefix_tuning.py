@@ -27,13 +27,11 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_peft.callbacks._checkpoint import (
-    check_optimizer_holds_adapters,
-    record_adapters,
+    AdapterCallback,
     refuse_changed_settings,
     watch_checkpoint_loads,
 )
@@ -48,7 +46,7 @@ from lightning_peft.peft.prefix_tuning import (
 
 
 
-class PrefixTuning(Callback):
+class PrefixTuning(AdapterCallback):
     """Give every attention layer of the model a trained prefix at ``setup`` and freeze the rest.
 
     Args:
@@ -62,6 +60,8 @@ class PrefixTuning(Callback):
         model_attribute: Dotted path of the Hugging Face model inside the LightningModule. Default: the one
             Hugging Face model inside it.
     """
+
+    who = "PrefixTuning"
 
     def __init__(
         self,
@@ -101,17 +101,6 @@ class PrefixTuning(Callback):
         if self.config.prefix_projection:
             _, model = resolve_target(pl_module, self.model_attribute, "PrefixTuning")
             fold_prefix_projection(model)
-
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        _, model = resolve_target(pl_module, self.model_attribute, "PrefixTuning")
-        check_optimizer_holds_adapters(trainer, model, "PrefixTuning")
-
-    @override
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        record_adapters(pl_module, checkpoint, self.adapter_only_checkpoint)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -26,13 +26,11 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_peft.callbacks._checkpoint import (
-    check_optimizer_holds_adapters,
-    record_adapters,
+    AdapterCallback,
     refuse_changed_settings,
     watch_checkpoint_loads,
 )
@@ -45,7 +43,7 @@ from lightning_peft.peft.prompt_tuning import check_options, inject_prompt_tunin
 _STRUCTURE = ("num_virtual_tokens", "modules_to_save")
 
 
-class PromptTuning(Callback):
+class PromptTuning(AdapterCallback):
     """Prepend a trainable soft prompt to the model's input embeddings at ``setup`` and freeze the rest.
 
     Args:
@@ -63,6 +61,8 @@ class PromptTuning(Callback):
         model_attribute: Dotted path of the Hugging Face model inside the LightningModule. Default: the one
             Hugging Face model inside it.
     """
+
+    who = "PromptTuning"
 
     def __init__(
         self,
@@ -123,17 +123,6 @@ class PromptTuning(Callback):
                 "datamodule has no `tokenizer` attribute set at setup. Pass tokenizer=<name or directory>."
             )
         return tokenizer
-
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        _, model = resolve_target(pl_module, self.model_attribute, "PromptTuning")
-        check_optimizer_holds_adapters(trainer, model, "PromptTuning")
-
-    @override
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        record_adapters(pl_module, checkpoint, self.adapter_only_checkpoint)
 
     @override
     def state_dict(self) -> dict[str, Any]:

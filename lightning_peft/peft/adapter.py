@@ -160,6 +160,14 @@ def detach(model: nn.Module, kind: str) -> None:
         delattr(model, ADAPTERS_ATTRIBUTE)
 
 
+def remove_adapter(model: nn.Module, adapter: Adapter, merge: bool) -> nn.Module:
+    """Unload ``adapter`` (merged or not), re-freeze for the techniques left, and return the plain model."""
+    adapter.unload(model, merge)
+    if attached(model):  # other techniques remain: freeze for them
+        refreeze(model)
+    return unwrap(model)
+
+
 def adapter_tensors(model: nn.Module) -> dict[str, Tensor]:
     """The union of every attached adapter's :meth:`Adapter.state` (model keys, not detached)."""
     state: dict[str, Tensor] = {}

@@ -94,7 +94,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .adapter import Adapter, attach, attached, clean_key, detach, refreeze, register, unwrap
+from .adapter import Adapter, attach, attached, clean_key, detach, register, remove_adapter, unwrap
 from .lora import name_matches, task_heads, trainable_parameters
 from .modules_to_save import ModulesToSave, plain_key, set_submodule, wrap_modules_to_save
 
@@ -586,10 +586,7 @@ def unload_bottleneck_adapters(model: nn.Module) -> nn.Module:
             f"unload_bottleneck_adapters: {type(unwrap(model)).__name__} has no bottleneck adapter; call "
             "inject_bottleneck_adapters(model, ...) first."
         )
-    adapter.unload(model, merge=False)
-    if attached(model):  # other techniques remain: freeze for them
-        refreeze(model)
-    return unwrap(model)
+    return remove_adapter(model, adapter, merge=False)
 
 
 # --- the adapter protocol ------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ from typing import Any, ClassVar, Literal
 
 from torch import Tensor, nn
 
-from .adapter import Adapter, attach, attached, clean_key, detach, refreeze, register, unwrap
+from .adapter import Adapter, attach, attached, clean_key, detach, register, remove_adapter, unwrap
 from .layers import DEFAULT, Init, LoRAConv2d, LoRAEmbedding, LoRALayer, LoRALinear, Routing, conv1d_type
 from .modules_to_save import ModulesToSave, fold_modules_to_save, plain_key, set_submodule, wrap_modules_to_save
 
@@ -894,10 +894,7 @@ def unload_lora(model: nn.Module, merge: bool = True) -> nn.Module:
     Raises:
         RuntimeError: If ``model`` has no LoRA adapter, or a merge is refused (tied or non-finite weights).
     """
-    require_spec(model, "unload_lora").unload(model, merge)
-    if attached(model):  # other techniques remain: freeze for them
-        refreeze(model)
-    return unwrap(model)
+    return remove_adapter(model, require_spec(model, "unload_lora"), merge)
 
 
 @dataclass(frozen=True)

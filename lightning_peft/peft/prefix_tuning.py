@@ -62,7 +62,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from .adapter import Adapter, attach, attached, clean_key, detach, refreeze, register, unwrap
+from .adapter import Adapter, attach, attached, clean_key, detach, refreeze, register, remove_adapter, unwrap
 from .lora import name_matches, task_heads, trainable_parameters
 from .modules_to_save import plain_key, set_submodule, wrap_modules_to_save
 
@@ -596,7 +596,4 @@ def unload_prefix_tuning(model: nn.Module) -> nn.Module:
     Raises:
         RuntimeError: If ``model`` has no prefix-tuning adapter.
     """
-    _require(model, "unload_prefix_tuning").unload(model, merge=False)
-    if attached(model):  # other techniques remain: freeze for them
-        refreeze(model)
-    return unwrap(model)
+    return remove_adapter(model, _require(model, "unload_prefix_tuning"), merge=False)

@@ -59,7 +59,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
-from .adapter import Adapter, attach, attached, clean_key, detach, refreeze, register, unwrap
+from .adapter import Adapter, attach, attached, clean_key, detach, register, remove_adapter, unwrap
 from .modules_to_save import ModulesToSave, plain_key, set_submodule, wrap_modules_to_save
 
 log = logging.getLogger(__name__)
@@ -494,10 +494,7 @@ def unload_prompt_tuning(model: nn.Module) -> nn.Module:
             f"unload_prompt_tuning: {type(unwrap(model)).__name__} has no soft prompt; call "
             "inject_prompt_tuning(model, ...) first."
         )
-    adapter.unload(model, merge=False)
-    if attached(model):  # other techniques remain: freeze for them
-        refreeze(model)
-    return unwrap(model)
+    return remove_adapter(model, adapter, merge=False)
 
 
 @register
