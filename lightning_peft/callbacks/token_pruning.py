@@ -1,0 +1,274 @@
+"""``TokenPruning`` callback: dynamic token pruning in a ``TransformerEncoder``, annealed during fine-tuning.
+
+The rule lives in :mod:`lightning_peft.nn.token_pruning` (:class:`~lightning_peft.nn.token_pruning.TokenPruner`);
+the encoder applies it. This callback only decides *where* and *how much*:
+
+- ``setup`` (every stage) finds the ``TransformerEncoder`` modules inside the LightningModule (or under
+  ``model_attribute``) and installs a ``TokenPruner`` on each (``encoder.token_pruner``); a LightningModule
+  without one is refused there, before any step. The pruner stays installed after ``fit``, so ``test`` and
+  ``predict`` (and plain inference afterwards) prune with the scale training reached.
+- During ``fit`` the pruner's ``scale`` grows linearly from 0 (no pruning) to 1 (the configured keep ratios)
+  over the first ``anneal_fraction`` of the optimizer steps (``trainer.estimated_stepping_batches``), set
+  before every training batch from ``trainer.global_step``::
+
+      scale(t) = min(1, t / (anneal_fraction * total_steps))        (1 throughout when anneal_fraction = 0)
+      effective keep ratio of layer i = 1 - scale(t) * (1 - r_i)
+
+- The checkpoint holds the settings, the scale reached and the annealing length, so a resumed run anneals
+  exactly as the straight run did (even if it is resumed with a longer ``max_epochs``) and ``test(ckpt_path=...)``
+  prunes as the checkpointed model did. Resuming with other settings is refused.
+
+Logged: ``token_pruning_scale`` and ``kept_token_share`` every training step, ``val_kept_token_share`` and
+``test_kept_token_share`` per epoch. The kept share is the share of the token-layer work left: the real tokens
+leaving each layer, summed over layers and samples, over ``num_layers`` times the real tokens entering the encoder
+(1.0 without pruning; MiniLM at ``keep_ratio=0.5, start_layer=1`` on full 128-token inputs: about 0.33).
+
+YAML::
+
+    - class_path: lightning_peft.callbacks.TokenPruning
+      init_args: {keep_ratio: 0.7, start_layer: 1, importance: mean, anneal_fraction: 0.3}
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
+
+from lightning_peft.callbacks._checkpoint import refuse_changed_settings
+from lightning_peft.callbacks._target import resolve_target
+from lightning_peft.nn.token_pruning import TokenPruner
+from lightning_peft.nn.transformer import TransformerEncoder
+from lightning_peft.peft.adapter import unwrap
+
+__all__ = ["TokenPruning", "anneal_scale"]
+
+_SETTINGS = ("keep_ratio", "start_layer", "importance", "anneal_fraction")
+
+
+def anneal_scale(step: int, anneal_steps: float) -> float:
+    """``min(1, step / anneal_steps)``: the pruner's scale at optimizer step ``step``; 1.0 when ``anneal_steps`` is 0.
+
+    Example:
+        >>> [round(anneal_scale(t, 3.0), 4) for t in range(5)]
+        [0.0, 0.3333, 0.6667, 1.0, 1.0]
+    """
+    return 1.0 if anneal_steps <= 0 else min(1.0, step / anneal_steps)
+
+
+class TokenPruning(Callback):
+    """Install a :class:`~lightning_peft.nn.token_pruning.TokenPruner` in every ``TransformerEncoder`` and anneal it.
+
+    Args:
+        keep_ratio: A float in (0, 1] (each layer from ``start_layer`` on keeps that share of the tokens reaching
+            it), or a list of ratios, one per encoder layer.
+        start_layer: First pruning layer, for a float ``keep_ratio``.
+        importance: ``"mean"`` (attention received: LTP) or ``"cls"`` (attention from the first token: EViT).
+        anneal_fraction: Share of the run's optimizer steps over which pruning is phased in linearly, in [0, 1];
+            0 prunes at the configured ratios from the first step.
+        model_attribute: Dotted path of the submodule to search for encoders (``"encoder"``, ``"model.backbone"``);
+            None searches the whole LightningModule.
+        log: Log the scale and the kept-token share.
+
+    Raises:
+        TypeError: If an argument has the wrong type.
+        ValueError: If a keep ratio is outside (0, 1], ``start_layer`` is negative, ``importance`` unknown, or
+            ``anneal_fraction`` outside [0, 1].
+    """
+
+    def __init__(
+        self,
+        keep_ratio: float | list[float] = 0.5,
+        start_layer: int = 1,
+        importance: str = "mean",
+        anneal_fraction: float = 0.3,
+        model_attribute: str | None = None,
+        log: bool = True,
+    ) -> None:
+        TokenPruner(keep_ratio, start_layer, importance)  # checks the pruner's arguments now, not at setup
+        if isinstance(anneal_fraction, bool) or not isinstance(anneal_fraction, numbers.Real):
+            raise TypeError(f"TokenPruning(anneal_fraction={anneal_fraction!r}): it must be a number in [0, 1].")
+        if not 0.0 <= anneal_fraction <= 1.0:
+            raise ValueError(f"TokenPruning(anneal_fraction={anneal_fraction!r}): it must be in [0, 1] (the share of "
+                             "the optimizer steps over which pruning is phased in; 0: prune fully from step 0).")
+        if model_attribute is not None and not isinstance(model_attribute, str):
+            raise TypeError(f"TokenPruning(model_attribute={model_attribute!r}): give a dotted submodule path or None.")
+        self.keep_ratio = list(keep_ratio) if isinstance(keep_ratio, Sequence) else float(keep_ratio)
+        self.start_layer, self.importance = start_layer, importance
+        self.anneal_fraction = float(anneal_fraction)
+        self.model_attribute, self.log_values = model_attribute, log
+        self.scale = 1.0  # what eval/test/predict use before any fit: the configured ratios
+        self.anneal_steps: float | None = None  # set at the start of training (or restored)
+        self.pruners: dict[str, TokenPruner] = {}  # encoder path -> its pruner
+        self._encoders: dict[str, TransformerEncoder] = {}
+        self._hooks: list[RemovableHandle] = []
+        self._entering: dict[int, tuple[Tensor, int]] = {}  # id(encoder) -> (real tokens, samples) of its last forward
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._install(pl_module)
+        if stage == "fit":
+            self.anneal_steps = None  # a new fit anneals anew, unless a checkpoint restores it
+            self._set_scale(0.0 if self.anneal_fraction > 0 else 1.0)  # step 0's, for the sanity check
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self._entering = [], {}
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")  # Lightning skips teardown hooks after an exception
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.anneal_steps is None:
+            self.anneal_steps = self._anneal_length(trainer)
+        self._set_scale(anneal_scale(trainer.global_step, self.anneal_steps))
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.anneal_steps is None:  # on_train_start sets it; a loop that skipped it still anneals
+            self.anneal_steps = self._anneal_length(trainer)
+        self._set_scale(anneal_scale(trainer.global_step, self.anneal_steps))
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.log_values:
+            pl_module.log("token_pruning_scale", self.scale, on_step=True, on_epoch=False)
+            self._log_share(pl_module, "kept_token_share", on_step=True, on_epoch=False)
+
+    @override
+    def on_validation_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if self.log_values and not trainer.sanity_checking:
+            self._log_share(pl_module, "val_kept_token_share", on_step=False, on_epoch=True)
+
+    @override
+    def on_test_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if self.log_values:
+            self._log_share(pl_module, "test_kept_token_share", on_step=False, on_epoch=True)
+
+    def kept_token_share(self) -> tuple[Tensor, int] | None:
+        """``(share, samples)`` of the encoders' last forward (see the module docstring); None before any forward."""
+        kept: Tensor | float = 0.0
+        entering: Tensor | float = 0.0
+        samples = 0
+        for encoder in self._encoders.values():
+            if id(encoder) not in self._entering:
+                continue
+            tokens, batch = self._entering[id(encoder)]
+            layers = len(encoder.layers)
+            counts = encoder.last_kept_tokens  # empty when no layer pruned
+            kept = kept + (torch.stack([c.sum() for c in counts]).sum() if counts else tokens * layers)
+            entering = entering + tokens * layers
+            samples = max(samples, batch)
+        if not samples:
+            return None
+        return torch.as_tensor(kept, dtype=torch.float32) / entering, samples
+
+    def _log_share(self, pl_module: pl.LightningModule, name: str, on_step: bool, on_epoch: bool) -> None:
+        share = self.kept_token_share()
+        if share is not None:
+            pl_module.log(name, share[0], on_step=on_step, on_epoch=on_epoch, batch_size=share[1])
+
+    def _install(self, pl_module: pl.LightningModule) -> None:
+        """Finds the encoders, installs (or keeps) this callback's pruner on each, hooks their input count."""
+        self.teardown(None, pl_module, "")  # type: ignore[arg-type]  # hooks of an earlier stage
+        encoders = find_encoders(pl_module, self.model_attribute)
+        mine = {id(p) for p in self.pruners.values()}
+        pruners = {}
+        for name, encoder in encoders.items():
+            current = encoder.token_pruner
+            if current is not None and id(current) not in mine:
+                raise ValueError(
+                    f"TokenPruning: the TransformerEncoder at {name or type(pl_module).__name__!r} already has a "
+                    f"token_pruner ({current.extra_repr()}). Use one of the two: drop token_pruner from the encoder's "
+                    "arguments, or the TokenPruning callback."
+                )
+            pruner = current if current is not None else TokenPruner(self.keep_ratio, self.start_layer, self.importance)
+            pruner.check_num_layers(len(encoder.layers))
+            pruner.scale = self.scale
+            encoder.token_pruner = pruner
+            pruners[name] = pruner
+            self._hooks.append(encoder.register_forward_pre_hook(self._count_entering, with_kwargs=True))
+        self.pruners, self._encoders = pruners, encoders
+
+    def _count_entering(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Forward pre-hook on an encoder: records the real tokens entering it and the batch size."""
+        input_ids = args[0] if args else kwargs.get("input_ids")
+        mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
+        if not isinstance(input_ids, Tensor):
+            return
+        tokens = mask.detach().bool().sum() if isinstance(mask, Tensor) else torch.tensor(input_ids.numel())
+        self._entering[id(module)] = (tokens, input_ids.shape[0])
+
+    def _anneal_length(self, trainer: pl.Trainer) -> float:
+        if self.anneal_fraction == 0.0:
+            return 0.0
+        total = trainer.estimated_stepping_batches
+        if not math.isfinite(total):
+            raise ValueError(
+                f"TokenPruning(anneal_fraction={self.anneal_fraction}): the trainer's estimated_stepping_batches is "
+                f"{total}, so the annealing has no length; set Trainer(max_epochs=...) or Trainer(max_steps=...), "
+                "or anneal_fraction=0."
+            )
+        return self.anneal_fraction * total
+
+    def _set_scale(self, scale: float) -> None:
+        self.scale = scale
+        for pruner in self.pruners.values():
+            pruner.scale = scale
+
+    def _settings(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _SETTINGS}
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {**self._settings(), "scale": self.scale, "anneal_steps": self.anneal_steps}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        refuse_changed_settings("TokenPruning", {name: state_dict.get(name) for name in _SETTINGS}, self._settings())
+        self.anneal_steps = state_dict.get("anneal_steps")
+        self._set_scale(float(state_dict["scale"]))
+
+
+def find_encoders(pl_module: nn.Module, model_attribute: str | None = None) -> dict[str, TransformerEncoder]:
+    """The ``TransformerEncoder`` modules inside ``pl_module`` (or under ``model_attribute``), by dotted path.
+
+    Raises:
+        ValueError: If ``model_attribute`` names no submodule, or there is no ``TransformerEncoder`` there.
+    """
+    name, root = resolve_target(pl_module, model_attribute if model_attribute is not None else "", "TokenPruning")
+    found: dict[str, TransformerEncoder] = {}
+    for path, module in root.named_modules():
+        module = unwrap(module)
+        if isinstance(module, TransformerEncoder) and all(id(module) != id(m) for m in found.values()):
+            found[".".join(p for p in (name, path) if p)] = module
+    if not found:
+        where = f"{type(pl_module).__name__}.{name} ({type(root).__name__})" if name else type(pl_module).__name__
+        raise ValueError(
+            f"TokenPruning: {where} holds no lightning_peft.nn.TransformerEncoder, and token pruning runs "
+            "inside that encoder (Hugging Face models are not supported). Use a model built on it, such as "
+            "lightning_peft.modules.EncoderClassifier, or remove the TokenPruning callback."
+        )
+    return found
