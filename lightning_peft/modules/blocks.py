@@ -45,9 +45,9 @@ from lightning_peft.modules.hf import (
     _param_groups,
     linear_warmup_decay,
 )
-from lightning_peft.nn.transformer import TransformerDecoder, TransformerEncoder
+from lightning_peft.nn.transformer import TransformerDecoder, TransformerEncoder, moe_aux_loss, moe_layers
 
-__all__ = ["CausalLM", "EncoderClassifier", "TokenLoss", "shifted_token_losses"]
+__all__ = ["CausalLM", "EncoderClassifier", "TokenLoss", "add_moe_losses", "shifted_token_losses"]
 
 IGNORE_INDEX = -100
 
@@ -94,6 +94,23 @@ def _adamw_with_schedule(module: LightningModule, who: str) -> dict[str, Any]:
         optimizer, lambda step: linear_warmup_decay(step, warmup_steps, total_steps)
     )
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def add_moe_losses(module: LightningModule, model: nn.Module, loss: Tensor, batch_size: int) -> Tensor:
+    """``loss`` plus the auxiliary losses of the `MoE` layers in ``model`` (their last forward), logged with expert
+    utilisation: ``train_moe_aux_loss``, ``train_moe_max_load`` (the busiest expert's share of assignments times the
+    number of experts, averaged over layers: 1.0 is a perfect balance) and ``train_moe_dropped`` (share of assignments
+    over capacity). ``loss`` unchanged for a dense model."""
+    aux = moe_aux_loss(model)
+    if aux is None:
+        return loss
+    stats = [layer.last_stats for layer in moe_layers(model).values() if layer.last_stats]
+    max_load = sum(float(s["load"].max()) * s["load"].numel() for s in stats) / max(1, len(stats))
+    dropped = sum(float(s["dropped_fraction"]) for s in stats) / max(1, len(stats))
+    module.log("train_moe_aux_loss", aux, batch_size=batch_size)
+    module.log("train_moe_max_load", max_load, batch_size=batch_size)
+    module.log("train_moe_dropped", dropped, batch_size=batch_size)
+    return loss + aux
 
 
 class EncoderClassifier(ClassifierSteps):
@@ -172,6 +189,11 @@ class EncoderClassifier(ClassifierSteps):
             ValueError: If they differ.
         """
         _check_num_labels(self.hparams.num_labels, self.trainer.datamodule, "EncoderClassifier")
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        """The cross-entropy (logged as ``train_loss``) plus any MoE auxiliary losses (see `add_moe_losses`)."""
+        loss = super().training_step(batch, batch_idx)
+        return add_moe_losses(self, self.encoder, loss, batch["input_ids"].shape[0])
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
@@ -336,11 +358,11 @@ class CausalLM(LightningModule):
         return shifted_token_losses(self(input_ids, mask), labels)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        """Token-mean cross-entropy of the batch, logged as ``train_loss``."""
+        """Token-mean cross-entropy of the batch (logged as ``train_loss``) plus any MoE auxiliary losses."""
         loss_sum, count = self._token_losses(batch)
         loss = loss_sum / count.clamp(min=1)
         self.log("train_loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
-        return loss
+        return add_moe_losses(self, self.decoder, loss, batch["input_ids"].shape[0])
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         """Accumulates ``val_loss`` and ``val_ppl`` over the validation split."""

@@ -54,7 +54,10 @@ from lightning_peft.nn.attention import FlashAttention
 if TYPE_CHECKING:
     from lightning_peft.nn.token_pruning import TokenPruner
 
-__all__ = ["FeedForward", "RMSNorm", "TransformerBlock", "TransformerDecoder", "TransformerEncoder"]
+__all__ = [
+    "FeedForward", "RMSNorm", "TransformerBlock", "TransformerDecoder", "TransformerEncoder", "moe_aux_loss",
+    "moe_layers",
+]
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
@@ -269,6 +272,72 @@ def _init_weights(module: nn.Module, std: float) -> None:
                 sub.weight[sub.padding_idx].zero_()
 
 
+def _feed_forwards(
+    moe: dict[str, Any] | None, num_layers: int, hidden_size: int, ffn_size: int, defaults: dict[str, Any], who: str
+) -> list[nn.Module | None]:
+    """One feed-forward per layer: a `MoE` built from ``moe`` (its experts ``ffn_size`` wide, ``defaults`` for the
+    expert activation, gating and bias unless ``moe`` sets them), or None for the block's dense feed-forward."""
+    if moe is None:
+        return [None] * num_layers
+    if not isinstance(moe, dict):
+        raise TypeError(f"{who}(moe={moe!r}): give the MoE options as a dict, e.g. {{'num_experts': 8, 'top_k': 2}}.")
+    from lightning_peft.nn.moe import MoE  # moe.py builds its experts from FeedForward: import here, not above
+
+    layers = []
+    for index in range(num_layers):
+        layer = MoE(hidden_size, ffn_size, **{**defaults, **moe})
+        layer.name = f"layers.{index}.mlp"
+        layers.append(layer)
+    return layers
+
+
+def moe_layers(module: nn.Module) -> dict[str, nn.Module]:
+    """The `MoE` feed-forwards inside ``module`` by name (empty without any)."""
+    from lightning_peft.nn.moe import MoE
+
+    return {name: sub for name, sub in module.named_modules() if isinstance(sub, MoE)}
+
+
+def moe_aux_loss(module: nn.Module) -> Tensor | None:
+    """The sum of the auxiliary losses the `MoE` layers inside ``module`` computed in their last forward, or None."""
+    losses = [layer.aux_loss for layer in moe_layers(module).values() if layer.aux_loss is not None]
+    return torch.stack(losses).sum() if losses else None
+
+
+class _Branch(nn.Module):
+    """A block's residual branch as a module for `ReversibleSequence`; the block is held without registering it."""
+
+    def __init__(self, block: TransformerBlock, which: str) -> None:
+        super().__init__()
+        object.__setattr__(self, "_block", block)  # not a submodule: the encoder owns the block
+        self.which = which
+
+    def forward(self, x: Tensor, **kwargs: Any) -> Tensor:
+        if self.which == "attention":
+            return self._block.attention_branch(x, **kwargs)[0]
+        return self._block.feed_forward_branch(x)
+
+
+def _run_reversible(layers: nn.ModuleList, x: Tensor, **kwargs: Any) -> Tensor:
+    """The pre-norm ``layers`` as reversible couplings on ``cat([x, x])`` (Reformer); the mean of the two halves out."""
+    from lightning_peft.nn.reversible import ReversibleSequence
+
+    stack = ReversibleSequence([_Branch(layer, "attention") for layer in layers],
+                               [_Branch(layer, "feed_forward") for layer in layers])
+    y = stack(torch.cat([x, x], dim=-1), **kwargs)  # (B, L, 2H)
+    first, second = y.chunk(2, dim=-1)
+    return (first + second) / 2
+
+
+def _check_reversible(who: str, reversible: bool, norm_first: bool) -> None:
+    if reversible and not norm_first:
+        raise ValueError(
+            f"{who}(reversible=True, norm_first=False): reversible coupling needs pre-norm blocks, whose residual "
+            "branches F and G carry no normalisation after the sum; post-norm blocks (BERT's) cannot be inverted. "
+            "Set norm_first=True (a model trained from scratch) or reversible=False."
+        )
+
+
 def _key_padding_mask(attention_mask: Tensor | None, input_ids: Tensor, who: str) -> Tensor | None:
     """A bool (B, L) mask (True = real) from a 0/1 or bool mask; None when every token is real."""
     if attention_mask is None:
@@ -337,6 +406,11 @@ class TransformerEncoder(nn.Module):
         token_pruner: A `TokenPruner`, or None for no pruning (settable later: ``encoder.token_pruner = ...``).
         backend: Attention backend.
         initializer_range: Std of the normal initialisation.
+        moe: Options of `lightning_peft.nn.MoE` (``{"num_experts": 8, "top_k": 2, ...}``): every layer's
+            feed-forward becomes a mixture of ``ffn_size``-wide experts (GELU, with biases, unless set here).
+        reversible: Run the layers as reversible couplings (`lightning_peft.nn.ReversibleSequence`) on two copies
+            of the hidden state, averaged at the end: activation memory stops growing with depth. Needs
+            ``norm_first=True``; not with token pruning.
 
     Example:
         >>> encoder = TransformerEncoder(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2, ffn_size=32)
@@ -364,8 +438,11 @@ class TransformerEncoder(nn.Module):
         token_pruner: TokenPruner | None = None,
         backend: str = "auto",
         initializer_range: float = 0.02,
+        moe: dict[str, Any] | None = None,
+        reversible: bool = False,
     ) -> None:
         super().__init__()
+        _check_reversible("TransformerEncoder", reversible, norm_first)
         _check_positive(
             "TransformerEncoder", vocab_size=vocab_size, num_layers=num_layers,
             max_position_embeddings=max_position_embeddings,
@@ -376,17 +453,22 @@ class TransformerEncoder(nn.Module):
             "ffn_size": ffn_size, "max_position_embeddings": max_position_embeddings,
             "type_vocab_size": type_vocab_size, "activation": activation, "dropout": dropout,
             "attention_dropout": attention_dropout, "norm_eps": norm_eps, "pad_token_id": pad_token_id,
-            "norm_first": norm_first, "pooler": pooler, "backend": backend,
+            "norm_first": norm_first, "pooler": pooler, "backend": backend, "moe": moe, "reversible": reversible,
         }
+        self.reversible = reversible
+        feed_forwards = _feed_forwards(
+            moe, num_layers, hidden_size, ffn_size, {"activation": activation, "gated": False, "bias": True},
+            "TransformerEncoder",
+        )
         self.embeddings = _Embeddings(
             vocab_size, hidden_size, max_position_embeddings, type_vocab_size, pad_token_id, norm_eps, dropout
         )
         self.layers = nn.ModuleList(
             TransformerBlock(
                 hidden_size, num_heads, ffn_size, norm_first=norm_first, activation=activation, dropout=dropout,
-                attention_dropout=attention_dropout, norm_eps=norm_eps, backend=backend,
+                attention_dropout=attention_dropout, norm_eps=norm_eps, backend=backend, feed_forward=feed_forward,
             )
-            for _ in range(num_layers)
+            for feed_forward in feed_forwards
         )
         self.final_norm = nn.LayerNorm(hidden_size, eps=norm_eps) if norm_first else None
         self.pooler = nn.Linear(hidden_size, hidden_size) if pooler else None
@@ -404,9 +486,17 @@ class TransformerEncoder(nn.Module):
         num_layers = len(self.layers)
         if pruner is None or all(pruner.keep_ratio_at(i, num_layers) >= 1.0 for i in range(num_layers)):
             self.last_kept_tokens = []
-            for layer in self.layers:
-                x = layer(x, key_padding_mask=mask)
+            if self.reversible:
+                x = _run_reversible(self.layers, x, key_padding_mask=mask)
+            else:
+                for layer in self.layers:
+                    x = layer(x, key_padding_mask=mask)
             return x if self.final_norm is None else self.final_norm(x)
+        if self.reversible:
+            raise ValueError(
+                "TransformerEncoder: token pruning and reversible=True do not combine (a reversible stack keeps the "
+                "sequence length fixed); remove the token_pruner or build the encoder with reversible=False."
+            )
         return self._forward_pruned(x, mask, pruner)
 
     def _forward_pruned(self, x: Tensor, mask: Tensor | None, pruner: TokenPruner) -> Tensor:
@@ -450,6 +540,7 @@ class TransformerEncoder(nn.Module):
             ValueError: If the directory or its config is missing, the model type is not BERT, or a weight does
                 not fit (the first such key and both shapes are named).
         """
+        _refuse_new_architecture(f"TransformerEncoder.from_pretrained({str(path)!r})", overrides)
         directory, config = read_config(path, "TransformerEncoder.from_pretrained")
         model_type = config.get("model_type")
         if model_type != "bert":
@@ -508,6 +599,10 @@ class TransformerDecoder(nn.Module):
         backend: Attention backend.
         head_dim: Per-head width; ``None`` = ``hidden_size // num_heads``.
         initializer_range: Std of the normal initialisation.
+        moe: Options of `lightning_peft.nn.MoE`: every layer's feed-forward becomes a mixture of ``ffn_size``-wide
+            SwiGLU experts.
+        reversible: Run the layers as reversible couplings on two copies of the hidden state (see
+            `TransformerEncoder`).
 
     Example:
         >>> decoder = TransformerDecoder(vocab_size=50, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -534,6 +629,8 @@ class TransformerDecoder(nn.Module):
         backend: str = "auto",
         head_dim: int | None = None,
         initializer_range: float = 0.02,
+        moe: dict[str, Any] | None = None,
+        reversible: bool = False,
     ) -> None:
         super().__init__()
         _check_positive(
@@ -547,18 +644,25 @@ class TransformerDecoder(nn.Module):
             "num_kv_heads": num_kv_heads, "ffn_size": ffn_size, "max_position_embeddings": max_position_embeddings,
             "rope_theta": rope_theta, "norm_eps": norm_eps, "tie_word_embeddings": tie_word_embeddings,
             "bias": bias, "mlp_bias": mlp_bias, "dropout": dropout, "attention_dropout": attention_dropout,
-            "backend": backend, "head_dim": head_dim,
+            "backend": backend, "head_dim": head_dim, "moe": moe, "reversible": reversible,
         }
         self.max_position_embeddings = max_position_embeddings
+        self.reversible = reversible
+        feed_forwards = _feed_forwards(
+            moe, num_layers, hidden_size, ffn_size, {"activation": "silu", "gated": True, "bias": mlp_bias},
+            "TransformerDecoder",
+        )
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
         self.layers = nn.ModuleList(
             TransformerBlock(
                 hidden_size, num_heads, ffn_size, num_kv_heads=num_kv_heads, causal=True, norm_first=True,
                 norm="rmsnorm", activation="silu", gated=True, dropout=dropout, attention_dropout=attention_dropout,
                 rotary=True, rope_theta=rope_theta, bias=bias, norm_eps=norm_eps, backend=backend, head_dim=head_dim,
-                feed_forward=FeedForward(hidden_size, ffn_size, activation="silu", gated=True, bias=mlp_bias),
+                feed_forward=feed_forward if feed_forward is not None else FeedForward(
+                    hidden_size, ffn_size, activation="silu", gated=True, bias=mlp_bias
+                ),
             )
-            for _ in range(num_layers)
+            for feed_forward in feed_forwards
         )
         self.norm = RMSNorm(hidden_size, eps=norm_eps)
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
@@ -577,8 +681,11 @@ class TransformerDecoder(nn.Module):
             )
         mask = _key_padding_mask(attention_mask, input_ids, "TransformerDecoder")
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, key_padding_mask=mask, position_ids=position_ids)
+        if self.reversible:
+            x = _run_reversible(self.layers, x, key_padding_mask=mask, position_ids=position_ids)
+        else:
+            for layer in self.layers:
+                x = layer(x, key_padding_mask=mask, position_ids=position_ids)
         return self.lm_head(self.norm(x))
 
     @classmethod
@@ -593,6 +700,7 @@ class TransformerDecoder(nn.Module):
             ValueError: If the directory or its config is missing, the model type is not Llama, the rotary scaling
                 is one this decoder does not implement, or a weight does not fit (first key and shapes named).
         """
+        _refuse_new_architecture(f"TransformerDecoder.from_pretrained({str(path)!r})", overrides)
         directory, config = read_config(path, "TransformerDecoder.from_pretrained")
         if config.get("model_type") != "llama":
             raise ValueError(
@@ -657,6 +765,17 @@ _LLAMA_KEYS: list[tuple[str, str | None]] = [
     (r"^model\.norm\.", "norm."),
     (r"^lm_head\.", "lm_head."),
 ]
+
+
+def _refuse_new_architecture(who: str, overrides: dict[str, Any]) -> None:
+    """``moe`` and ``reversible`` change the function the pretrained weights compute: refused on loading."""
+    for name in ("moe", "reversible"):
+        if overrides.get(name):
+            raise ValueError(
+                f"{who}: {name}={overrides[name]!r} builds another architecture than the checkpoint's (dense, "
+                "plain residual blocks), so its weights would not compute what they were trained for. Build the "
+                f"model with the constructor and {name}=... to train it from scratch."
+            )
 
 
 def _rename(state: dict[str, Tensor], rules: list[tuple[str, str | None]]) -> dict[str, Tensor]:
