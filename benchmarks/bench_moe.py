@@ -18,6 +18,8 @@ Contenders at 16 experts, top-2:
 - ``mixtral_grouped_mm``: the same block with ``experts_implementation="grouped_mm"``, what transformers 5 picks by
   default inside ``from_pretrained`` models when torch has a grouped-matmul kernel: one sort, one
   ``grouped_mm`` per projection over the stacked weights. Reported, no goal.
+- ``floor``: the experts alone, each on a contiguous slice of the sizes ours routed (no router, no gather, no
+  gates): the least any dispatch running the same expert matmuls can cost. Reported, also in the scaling sweep.
 - ``every_expert``: every expert run on every token, combined with the ``(T, E)`` gate matrix that is zero off each
   token's top-k (same weights; the same function): what sparsity saves. Reported.
 - ``dense``: a dense SwiGLU ``FeedForward`` of width ``top_k * ffn_size``: the same active parameters and FLOPs per
@@ -67,12 +69,13 @@ from lightning_peft.nn.moe import MoE  # noqa: E402
 from lightning_peft.nn.transformer import FeedForward  # noqa: E402
 
 MODES = ("forward", "forward+backward")
-MAIN_CONTENDERS = ("ours", "mixtral", "mixtral_grouped_mm", "every_expert", "dense")
-SCALING_CONTENDERS = ("ours", "mixtral", "mixtral_grouped_mm")
+MAIN_CONTENDERS = ("ours", "mixtral", "mixtral_grouped_mm", "floor", "every_expert", "dense")
+SCALING_CONTENDERS = ("ours", "mixtral", "mixtral_grouped_mm", "floor")
 LABELS = {
     "ours": "lightning_peft MoE",
     "mixtral": "transformers Mixtral block (eager)",
     "mixtral_grouped_mm": "transformers Mixtral block (grouped_mm)",
+    "floor": "the experts alone on pre-sorted slices",
     "every_expert": "every expert on every token",
     "dense": "dense FeedForward, top_k x ffn wide",
 }
@@ -105,6 +108,26 @@ class EveryExpert(nn.Module):
         return out.reshape(x.shape)
 
 
+class ExpertFloor(nn.Module):
+    """The experts alone: each on a contiguous slice of the sizes ``moe`` routed, no router, no gather, no gates.
+
+    Input ``(1, T, H)``: its rows repeated ``top_k`` times (one copy) stand in for the dispatched tokens; the output
+    sums the ``top_k`` copies back to ``(1, T, H)``. What any dispatch of the same expert matmuls costs at least.
+    """
+
+    def __init__(self, moe: MoE, counts: list[int]) -> None:
+        super().__init__()
+        self.moe = moe
+        self.counts = counts
+
+    def forward(self, x: Tensor) -> Tensor:
+        moe = self.moe
+        rows = x.reshape(-1, moe.hidden_size)  # (T, H)
+        dispatched = rows.repeat(moe.top_k, 1)  # (k T, H)
+        outputs = [expert(chunk) for expert, chunk in zip(moe.experts, dispatched.split(self.counts), strict=True)]
+        return torch.cat(outputs).view(moe.top_k, *rows.shape).sum(0).view_as(x)
+
+
 def mixtral_block(moe: MoE, implementation: str) -> nn.Module:
     """transformers' ``MixtralSparseMoeBlock`` holding ``moe``'s router and expert weights (copies)."""
     from transformers import MixtralConfig
@@ -135,6 +158,10 @@ def build(args: argparse.Namespace, num_experts: int, names: tuple[str, ...]) ->
             modules[name] = mixtral_block(ours, "grouped_mm")
         elif name == "every_expert":
             modules[name] = EveryExpert(ours)
+        elif name == "floor":
+            with torch.no_grad():
+                ours.eval()(make_input(args))
+            modules[name] = ExpertFloor(ours, ours.last_stats["tokens_per_expert"].tolist())
         elif name == "dense":
             modules[name] = FeedForward(args.hidden_size, args.top_k * args.ffn_size, activation="silu", gated=True,
                                         bias=False)
@@ -151,7 +178,7 @@ def agreement(modules: dict[str, nn.Module], x: Tensor) -> dict[str, float]:
     with torch.no_grad():
         ours = modules["ours"].eval()(x)
         return {name: (module.eval()(x) - ours).abs().max().item()
-                for name, module in modules.items() if name not in ("ours", "dense")}
+                for name, module in modules.items() if name not in ("ours", "floor", "dense")}
 
 
 def call_fn(module: nn.Module, mode: str, x: Tensor, out_grad: Tensor) -> Callable[[], None]:
@@ -259,7 +286,8 @@ def plot(args: argparse.Namespace, scaling: dict, main_times: dict, names: list[
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.6))
-    styles = {"ours": ("tab:blue", "o"), "mixtral": ("tab:red", "s"), "mixtral_grouped_mm": ("tab:orange", "^")}
+    styles = {"ours": ("tab:blue", "o"), "mixtral": ("tab:red", "s"), "mixtral_grouped_mm": ("tab:orange", "^"),
+              "floor": ("tab:green", "v")}
     experts = list(args.scaling_experts)
     for ax, mode in zip(axes, MODES, strict=True):
         for name in names:
@@ -307,7 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
     x = make_input(args)
     report["agreement"] = agreement(modules, x)
     worst = max(report["agreement"].values())
-    say(f"\noutputs agree with ours (max |diff|): " + ", ".join(f"{k} {v:.1e}" for k, v in report["agreement"].items()))
+    say("\noutputs agree with ours (max |diff|): " + ", ".join(f"{k} {v:.1e}" for k, v in report["agreement"].items()))
     if not worst <= TOLERANCE:
         sys.exit(f"bench_moe: a contender disagrees with ours by {worst:.2e} (> {TOLERANCE}); nothing timed.")
     active = sum(p.numel() for p in modules["dense"].parameters())

@@ -38,8 +38,8 @@ Usage (the numbers on ``docs/reversible.md``)::
     python benchmarks/bench_reversible.py --json benchmarks/results/reversible.json \\
         --txt benchmarks/results/reversible.txt --plot docs/img/reversible.png
 
-``--quick``: depths 1 and 2 of 64-wide blocks on 1 x 64 tokens, 1 repeat, 1 thread (a smoke run of well under
-30 s, most of it imports; its numbers mean nothing).
+``--quick``: depths 1 and 2 of 64-wide blocks on 1 x 64 tokens, 1 repeat, 1 thread, the four memory subprocesses
+at once (a smoke run of about 15 s, most of it imports; its numbers mean nothing).
 """
 
 from __future__ import annotations
@@ -201,16 +201,22 @@ def measure_memory(args: argparse.Namespace) -> tuple[dict[str, dict[str, float]
     """Peak RSS growth in MB, memory[contender][str(depth)], and the parameter gradients' MB per depth."""
     memory: dict[str, dict[str, float]] = {name: {} for name in CONTENDERS}
     grads: dict[str, float] = {}
-    for depth in args.depths:
-        for name in CONTENDERS:
+    jobs = [(depth, name) for depth in args.depths for name in CONTENDERS]
+    while jobs:  # --memory-jobs children at a time: each measures its own peak, so they may overlap
+        batch, jobs = jobs[:args.memory_jobs], jobs[args.memory_jobs:]
+        running = []
+        for depth, name in batch:
             command = [sys.executable, str(Path(__file__).resolve()), "--memory-child", name, "--memory-depth",
                        str(depth)]
             for flag in ("batch_size", "seq_len", "hidden", "heads", "ffn", "threads"):
                 command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-            done = subprocess.run(command, capture_output=True, text=True, check=False)
-            if done.returncode != 0:
-                sys.exit(f"bench_reversible: memory child {name} at depth {depth} failed:\n{done.stderr[-3000:]}")
-            result = json.loads(done.stdout.strip().splitlines()[-1])
+            running.append((depth, name, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                          text=True)))
+        for depth, name, child in running:
+            stdout, stderr = child.communicate()
+            if child.returncode != 0:
+                sys.exit(f"bench_reversible: memory child {name} at depth {depth} failed:\n{stderr[-3000:]}")
+            result = json.loads(stdout.strip().splitlines()[-1])
             if not result["peak_was_reset"]:
                 say("bench_reversible: cannot reset the peak RSS here; the memory numbers are upper bounds")
             memory[name][str(depth)] = result["growth_mb"]
@@ -368,12 +374,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--json", default=None)
     add("--txt", default=None, help="write the printed tables here")
     add("--plot", default=None)
+    add("--memory-jobs", type=int, default=1, help="memory subprocesses run at once (each measures its own peak)")
     add("--memory-child", choices=CONTENDERS, default=None, help=argparse.SUPPRESS)
     add("--memory-depth", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.depths, args.batch_size, args.seq_len, args.hidden, args.heads, args.ffn = [1, 2], 1, 64, 64, 2, 128
-        args.repeats, args.steps, args.threads = 1, 1, 1
+        args.repeats, args.steps, args.threads, args.memory_jobs = 1, 1, 1, 4
     args.depths = sorted(args.depths)
     return args
 

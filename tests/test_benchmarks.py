@@ -128,3 +128,19 @@ def test_bench_token_pruning_quick_runs_and_reports_every_keep_ratio(tmp_path):
     assert rows[2]["mac_ratio"] < rows[1]["mac_ratio"] < 1.0
     assert all(math.isfinite(r["speedup"]) and r["speedup"] > 0 and 0 <= r["test_acc"] <= 1 for r in rows)
     assert "| keep ratio |" in txt.read_text() and plot.stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_bench_reversible_quick_runs_reports_memory_time_and_plots(tmp_path):
+    script = SCRIPT.parent / "bench_reversible.py"
+    out, txt, plot = tmp_path / "rev.json", tmp_path / "rev.txt", tmp_path / "rev.png"
+    args = ["--quick", "--json", str(out), "--txt", str(txt), "--plot", str(plot)]
+    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert max(report["gradient_rel_error"].values()) < 1e-3
+    rows = report["rows"]
+    assert len(rows["time"]) == len(rows["memory"]) == 2 and "flatness" in rows
+    assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in rows["time"])
+    assert set(report["memory_mb"]) == {"reversible", "residual"}
+    assert "| depth | reversible (MB)" in txt.read_text() and plot.stat().st_size > 1000

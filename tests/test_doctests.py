@@ -11,6 +11,7 @@ MODULES = ["lightning_peft.peft.lora", "lightning_peft.peft.multi_lora", "lightn
            "lightning_peft.peft.prompt_tuning", "lightning_peft.peft.prefix_tuning", "lightning_peft.modules.hf",
            "lightning_peft.data.bbc_news", "lightning_peft.data.bbc_news_lm",
            "lightning_peft.nn.attention", "lightning_peft.nn.transformer", "lightning_peft.nn.token_pruning",
+           "lightning_peft.nn.moe", "lightning_peft.nn.reversible",
            "lightning_peft.callbacks.token_pruning",
            "lightning_peft.modules.blocks", "lightning_peft._pretrained",
            "lightning_peft.training.gradient_noise", "lightning_peft.training.layerwise_lr",

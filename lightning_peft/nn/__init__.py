@@ -1,7 +1,9 @@
-"""Blocks: attention (flash-attn on CUDA, SDPA otherwise), transformer blocks, encoder and decoder, token pruning.
+"""Blocks: attention (flash-attn on CUDA, SDPA otherwise), transformer blocks, encoder and decoder, token pruning,
+mixture of experts, reversible layers.
 
-Pure PyTorch: nothing here imports Lightning. See `lightning_peft.nn.attention`, `lightning_peft.nn.transformer`
-and `lightning_peft.nn.token_pruning`.
+Pure PyTorch: nothing here imports Lightning. See `lightning_peft.nn.attention`, `lightning_peft.nn.transformer`,
+`lightning_peft.nn.token_pruning`, `lightning_peft.nn.moe` and
+`lightning_peft.nn.reversible`.
 """
 
 from lightning_peft.nn.attention import (
@@ -15,14 +17,26 @@ from lightning_peft.nn.attention import (
     packed_attention,
     select_backend,
 )
+from lightning_peft.nn.moe import MoE
+from lightning_peft.nn.reversible import ReversibleSequence
 from lightning_peft.nn.token_pruning import TokenPruner
-from lightning_peft.nn.transformer import FeedForward, RMSNorm, TransformerBlock, TransformerDecoder, TransformerEncoder
+from lightning_peft.nn.transformer import (
+    FeedForward,
+    RMSNorm,
+    TransformerBlock,
+    TransformerDecoder,
+    TransformerEncoder,
+    moe_aux_loss,
+    moe_layers,
+)
 
 __all__ = [
     "BACKENDS",
     "FeedForward",
     "FlashAttention",
+    "MoE",
     "RMSNorm",
+    "ReversibleSequence",
     "RotaryEmbedding",
     "TokenPruner",
     "TransformerBlock",
@@ -32,6 +46,8 @@ __all__ = [
     "attention",
     "attention_received",
     "flash_attn_available",
+    "moe_aux_loss",
+    "moe_layers",
     "packed_attention",
     "select_backend",
 ]

@@ -29,8 +29,8 @@ With a uniform router ``E * sum_i f_i P_i = 1``, its minimum.
 Dispatch: the ``T k`` assignments are sorted by expert (a stable sort, so the capacity priority above is the order
 inside each expert's run); the kept ones gather their token rows into one ``(A, H)`` tensor, grouped by expert; each
 expert runs once on its contiguous slice (an empty one when no token chose it, so every expert parameter always gets
-a gradient and DDP needs no ``find_unused_parameters``); the outputs, scaled by their gates, are summed back into
-their tokens with one ``index_add``. No per-expert boolean mask over all tokens.
+a gradient and DDP needs no ``find_unused_parameters``); its outputs, scaled by their gates, are added into their
+tokens' rows with ``index_add_`` (only that expert's rows). No per-expert boolean mask over all tokens.
 
 Shapes:
 
@@ -232,13 +232,19 @@ class MoE(nn.Module):
             order = order[slot < capacity]  # (A,)
             kept = routed.clamp(max=capacity)
         token_index = order % num_tokens  # (A,)
-        gate = gates.t().reshape(-1)[order]  # (A,)
-        dispatched = tokens[token_index]  # (A, H), grouped by expert
+        gate = gates.t().reshape(-1).index_select(0, order)  # (A,)
+        dispatched = tokens.index_select(0, token_index)  # (A, H), grouped by expert
         counts = kept.tolist()  # host sync: the slice sizes
-        outputs = [expert(chunk) for expert, chunk in zip(self.experts, dispatched.split(counts), strict=True)]
-        expert_out = torch.cat(outputs)  # (A, H)
-        weighted = expert_out * gate.to(expert_out.dtype).unsqueeze(-1)  # (A, H)
-        out = expert_out.new_zeros(num_tokens, self.hidden_size).index_add(0, token_index, weighted)  # (T, H)
+        out: Tensor | None = None
+        slices = zip(self.experts, dispatched.split(counts), token_index.split(counts), gate.split(counts), strict=True)
+        for expert, chunk, index, weight in slices:
+            y = expert(chunk)  # (n_e, H)
+            if out is None:  # the experts' dtype (autocast may differ from the input's)
+                out = y.new_zeros(num_tokens, self.hidden_size)  # (T, H)
+            # Added expert by expert: no (A, H) concatenation or product is allocated, which costs more than the
+            # adds on a CPU (fresh pages), and each add reads only this expert's rows.
+            out.index_add_(0, index, y * weight.to(y.dtype).unsqueeze(-1))
+        assert out is not None  # num_experts >= 1
 
         load = routed.to(probs.dtype) / max(num_tokens * top_k, 1)  # (E,) f_i
         if num_tokens:

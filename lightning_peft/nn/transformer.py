@@ -305,17 +305,18 @@ def moe_aux_loss(module: nn.Module) -> Tensor | None:
 
 
 class _Branch(nn.Module):
-    """A block's residual branch as a module for `ReversibleSequence`; the block is held without registering it."""
+    """A block's residual branch as a module for `ReversibleSequence` (built per forward, never stored: the
+    encoder or decoder owns the block; the branch registers it so the sequence finds its parameters)."""
 
     def __init__(self, block: TransformerBlock, which: str) -> None:
         super().__init__()
-        object.__setattr__(self, "_block", block)  # not a submodule: the encoder owns the block
+        self.block = block
         self.which = which
 
-    def forward(self, x: Tensor, **kwargs: Any) -> Tensor:
+    def forward(self, x: Tensor, **kwargs: Any) -> Tensor:  # the branch with the block's residual dropout
         if self.which == "attention":
-            return self._block.attention_branch(x, **kwargs)[0]
-        return self._block.feed_forward_branch(x)
+            return self.block.dropout(self.block.attention_branch(x, **kwargs)[0])
+        return self.block.dropout(self.block.feed_forward_branch(x))
 
 
 def _run_reversible(layers: nn.ModuleList, x: Tensor, **kwargs: Any) -> Tensor:
@@ -329,7 +330,13 @@ def _run_reversible(layers: nn.ModuleList, x: Tensor, **kwargs: Any) -> Tensor:
     return (first + second) / 2
 
 
-def _check_reversible(who: str, reversible: bool, norm_first: bool) -> None:
+def _check_reversible(who: str, reversible: bool, norm_first: bool, moe: dict[str, Any] | None) -> None:
+    if reversible and moe is not None:
+        raise ValueError(
+            f"{who}(reversible=True, moe=...): a reversible stack runs its forward without building a graph, so the "
+            "experts' load-balancing and z-losses could not train the router (and the recomputation in backward "
+            "would overwrite them). Use moe with reversible=False, or a dense feed-forward with reversible=True."
+        )
     if reversible and not norm_first:
         raise ValueError(
             f"{who}(reversible=True, norm_first=False): reversible coupling needs pre-norm blocks, whose residual "
@@ -442,7 +449,7 @@ class TransformerEncoder(nn.Module):
         reversible: bool = False,
     ) -> None:
         super().__init__()
-        _check_reversible("TransformerEncoder", reversible, norm_first)
+        _check_reversible("TransformerEncoder", reversible, norm_first, moe)
         _check_positive(
             "TransformerEncoder", vocab_size=vocab_size, num_layers=num_layers,
             max_position_embeddings=max_position_embeddings,
@@ -633,6 +640,7 @@ class TransformerDecoder(nn.Module):
         reversible: bool = False,
     ) -> None:
         super().__init__()
+        _check_reversible("TransformerDecoder", reversible, True, moe)
         _check_positive(
             "TransformerDecoder", vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
             max_position_embeddings=max_position_embeddings,

@@ -383,3 +383,24 @@ def test_causal_lm_fits_on_bbc_news_lm(tmp_path: Path) -> None:
     assert {"train_loss", "val_loss", "val_ppl"} <= set(trainer.logged_metrics)
     assert trainer.logged_metrics["val_ppl"] == pytest.approx(math.exp(trainer.logged_metrics["val_loss"]), rel=1e-5)
     assert math.log(30522) - 1 < float(trainer.logged_metrics["val_loss"]) < math.log(30522) + 1  # near uniform
+
+
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`")
+def test_moe_losses_are_added_and_utilisation_logged() -> None:
+    torch.manual_seed(0)
+    module = CausalLM(VOCAB, {**DECODER, "moe": {"num_experts": 4, "top_k": 2, "capacity_factor": 1.0}})
+    batch = _lm_batch(4, 9, padding=[0, 2, 0, 5], seed=3)
+    logged: dict[str, object] = {}
+    module.log = lambda name, value, **kwargs: logged.__setitem__(name, value)  # no Trainer: record the calls
+    loss = module.training_step(batch, 0)
+    layers = [layer.mlp for layer in module.decoder.layers]
+    aux = sum(layer.aux_loss for layer in layers)
+    torch.testing.assert_close(loss, logged["train_loss"] + aux)  # the task loss plus every layer's aux loss
+    torch.testing.assert_close(logged["train_moe_aux_loss"], aux)
+    loads = [float(layer.last_stats["load"].max()) * 4 for layer in layers]
+    assert logged["train_moe_max_load"] == pytest.approx(sum(loads) / 2) and 1.0 <= logged["train_moe_max_load"] <= 4
+    dropped = sum(float(layer.last_stats["dropped_fraction"]) for layer in layers) / 2
+    assert logged["train_moe_dropped"] == pytest.approx(dropped)
+    dense = _lm()
+    dense.log = lambda *args, **kwargs: None
+    assert not hasattr(dense.decoder.layers[0].mlp, "aux_loss")  # a dense model: the task loss alone

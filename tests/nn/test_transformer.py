@@ -285,3 +285,100 @@ def test_pruned_encoder_gradients_pass_gradcheck():
 
     assert torch.autograd.gradcheck(f, (weight,), eps=1e-6, atol=1e-6)
     assert [k.tolist() for k in encoder.last_kept_tokens] == [[6, 4], [4, 4], [3, 3]]  # K from the batch width: ceil(0.6 * 6), ceil(0.6 * 4)
+
+
+# ---- options of issue 9: MoE feed-forwards and reversible stacks ---------------------------------------------
+
+def test_decoder_with_moe_has_named_expert_layers_and_a_differentiable_aux_loss():
+    from lightning_peft.nn.moe import MoE
+    from lightning_peft.nn.transformer import moe_aux_loss, moe_layers
+
+    decoder = TransformerDecoder(vocab_size=30, hidden_size=16, num_layers=2, num_heads=2, ffn_size=8,
+                                 moe={"num_experts": 4, "top_k": 2})
+    assert list(moe_layers(decoder)) == ["layers.0.mlp", "layers.1.mlp"]
+    assert all(isinstance(layer.mlp, MoE) and layer.mlp.name == f"layers.{i}.mlp"
+               for i, layer in enumerate(decoder.layers))
+    assert decoder.layers[0].mlp.experts[3].gate_proj.weight.shape == (8, 16)  # SwiGLU experts, ffn_size wide
+    assert moe_aux_loss(decoder) is None  # nothing computed yet
+    decoder(torch.randint(0, 30, (2, 5)))
+    aux = moe_aux_loss(decoder)
+    assert aux is not None and aux.ndim == 0 and aux.requires_grad
+    assert torch.autograd.grad(aux, decoder.layers[0].mlp.router.weight)[0].abs().sum() > 0  # reaches the router
+    torch.testing.assert_close(aux, decoder.layers[0].mlp.aux_loss + decoder.layers[1].mlp.aux_loss)
+    assert moe_aux_loss(TransformerDecoder(vocab_size=30, hidden_size=16, num_layers=1, num_heads=2)) is None
+
+
+def _plain_reversible(model, x, mask=None, position_ids=None):
+    """The coupling written out with ordinary autograd: y1 = x1 + F(x2), y2 = x2 + G(y1), mean of the halves."""
+    x1 = x2 = x
+    for layer in model.layers:
+        y1 = x1 + layer.dropout(layer.attention_branch(x2, key_padding_mask=mask, position_ids=position_ids)[0])
+        y2 = x2 + layer.dropout(layer.feed_forward_branch(y1))
+        x1, x2 = y1, y2
+    return (x1 + x2) / 2
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_reversible_decoder_equals_the_coupling_with_ordinary_autograd(dropout):
+    decoder = TransformerDecoder(vocab_size=30, hidden_size=16, num_layers=3, num_heads=4, num_kv_heads=2,
+                                 reversible=True, dropout=dropout).double()
+    ids = torch.randint(0, 30, (2, 6))
+    mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
+    torch.manual_seed(5)
+    logits = decoder(ids, mask)
+    grads = torch.autograd.grad(logits.sum(), list(decoder.parameters()))
+    torch.manual_seed(5)
+    hidden = _plain_reversible(decoder, decoder.embed_tokens(ids), mask.bool())
+    want = decoder.lm_head(decoder.norm(hidden))
+    want_grads = torch.autograd.grad(want.sum(), list(decoder.parameters()))
+    torch.testing.assert_close(logits, want, rtol=1e-10, atol=1e-10)
+    for got, ref in zip(grads, want_grads):
+        torch.testing.assert_close(got, ref, rtol=1e-8, atol=1e-8)
+
+
+def test_reversible_and_moe_errors(tiny_bert_dir):
+    with pytest.raises(ValueError, match=r"reversible=True, norm_first=False\): reversible coupling needs pre-norm"):
+        TransformerEncoder(vocab_size=10, hidden_size=8, num_layers=1, num_heads=2, ffn_size=8, reversible=True)
+    with pytest.raises(ValueError, match="reversible=True builds another architecture than the checkpoint's"):
+        TransformerEncoder.from_pretrained(str(tiny_bert_dir), reversible=True)
+    with pytest.raises(TypeError, match=r"moe=8\): give the MoE options as a dict"):
+        TransformerDecoder(vocab_size=10, hidden_size=8, num_layers=1, num_heads=2, moe=8)
+    from lightning_peft.nn.token_pruning import TokenPruner
+
+    encoder = TransformerEncoder(vocab_size=10, hidden_size=8, num_layers=2, num_heads=2, ffn_size=8,
+                                 norm_first=True, reversible=True, token_pruner=TokenPruner(0.5))
+    with pytest.raises(ValueError, match="token pruning and reversible=True do not combine"):
+        encoder(torch.ones(1, 4, dtype=torch.long))
+
+
+def test_reversible_encoder_equals_the_coupling_and_lora_trains_on_it():
+    from lightning_peft.peft import inject_lora
+
+    encoder = TransformerEncoder(vocab_size=20, hidden_size=8, num_layers=2, num_heads=2, ffn_size=8, dropout=0.0,
+                                 attention_dropout=0.0, norm_first=True, reversible=True)
+    inject_lora(encoder, rank=2, target_modules=["q_proj", "up_proj"])
+    ids = torch.tensor([[1, 2, 3, 4]])
+    out = encoder(ids)
+    torch.testing.assert_close(out, encoder.final_norm(_plain_reversible(encoder, encoder.embeddings(ids, None))))
+    out.sum().backward()
+    trainable = {n: p for n, p in encoder.named_parameters() if p.requires_grad}
+    assert len(trainable) == 8 and all(p.grad is not None for p in trainable.values())
+    assert all(p.grad.abs().sum() > 0 for n, p in trainable.items() if "lora_B" in n)  # A's grads: 0 while B is 0
+
+
+def test_lora_targets_the_experts_by_name():
+    from lightning_peft.peft import inject_lora
+
+    encoder = TransformerEncoder(vocab_size=20, hidden_size=8, num_layers=2, num_heads=2, ffn_size=8,
+                                 moe={"num_experts": 4, "top_k": 1, "dropless": True})
+    inject_lora(encoder, rank=2, target_modules=["up_proj"])
+    trainable = [n for n, p in encoder.named_parameters() if p.requires_grad]
+    assert len(trainable) == 2 * 4 * 2 and all(".mlp.experts." in n and "lora_" in n for n in trainable)
+    encoder(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])).sum().backward()
+    assert any(p.grad is not None for p in encoder.parameters() if p.requires_grad)
+
+
+def test_moe_with_reversible_is_refused():
+    with pytest.raises(ValueError, match=r"reversible=True, moe=...\): a reversible stack runs its forward without"):
+        TransformerDecoder(vocab_size=10, hidden_size=8, num_layers=1, num_heads=2, moe={"num_experts": 2},
+                           reversible=True)
