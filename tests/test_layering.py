@@ -29,6 +29,7 @@ assert len(list(t.CurriculumSampler([2.0, 1.0, 0.0], batch_size=1, duration=2)))
 assert len(t.layerwise_lr_groups(torch.nn.ModuleDict({'layers': torch.nn.ModuleList([torch.nn.Linear(2, 2)])}), 1.0, 0.5)) == 2
 import lightning_peft.nn as n
 assert n.TokenPruner(0.5).token_counts(8, 2) == [8, 4]
+moe = n.MoE(8, 16, 4); assert moe(torch.randn(2, 3, 8)).shape == (2, 3, 8) and moe.aux_loss is not None
 encoder = n.TransformerEncoder(vocab_size=20, hidden_size=8, num_layers=2, num_heads=2, ffn_size=16,
                                token_pruner=n.TokenPruner(0.5))
 assert encoder(torch.tensor([[1, 2, 3, 4]])).shape == (1, 4, 8)
