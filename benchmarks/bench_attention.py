@@ -43,21 +43,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _memory import reset_peak_rss, rss_kb  # noqa: E402
+from _report import say, write_results  # noqa: E402
 from lightning_peft.nn.attention import attention, select_backend  # noqa: E402
 
 LENGTHS = (512, 1024, 2048, 4096)
 CONTENDERS = ("ours", "naive")
 MODES = ("forward", "forward+backward")
 TOLERANCE = 1e-4
-LINES: list[str] = []
-
-
-def say(text: str = "") -> None:
-    """Print a line and keep it for ``--txt``."""
-    print(text, flush=True)
-    LINES.append(text)
-
-
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``softmax(scale * q k^T) v``: the (B, H, L, L) scores and probabilities exist in memory."""
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -269,12 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
         plot(times, memory, list(args.lengths), args.plot, f"attention vs naive: {shape}")
     report["seconds"] = time.perf_counter() - started
     say(f"\nwhole run: {report['seconds']:.0f} s")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    if args.txt:
-        Path(args.txt).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.txt).write_text("\n".join(LINES) + "\n")
+    write_results(args.json, args.txt, report)
     return report
 
 

@@ -49,7 +49,6 @@ seconds after the imports; its numbers mean nothing).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -63,8 +62,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _report import say, write_results  # noqa: E402
 from lightning_peft.nn.moe import MoE  # noqa: E402
 from lightning_peft.nn.transformer import FeedForward  # noqa: E402
 
@@ -80,15 +81,6 @@ LABELS = {
     "dense": "dense FeedForward, top_k x ffn wide",
 }
 TOLERANCE = 1e-4
-LINES: list[str] = []
-
-
-def say(text: str = "") -> None:
-    """Print a line and keep it for ``--txt``."""
-    print(text, flush=True)
-    LINES.append(text)
-
-
 class EveryExpert(nn.Module):
     """Every expert of ``moe`` on every token, combined with the ``(T, E)`` gates that are zero off the top-k."""
 
@@ -366,12 +358,7 @@ def main(argv: list[str] | None = None) -> dict:
         plot(args, scaling, main_times, scale_names, args.plot, f"MoE time vs number of experts: {shape}")
     report["seconds"] = time.perf_counter() - started
     say(f"\nwhole run: {report['seconds']:.0f} s")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    if args.txt:
-        Path(args.txt).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.txt).write_text("\n".join(LINES) + "\n")
+    write_results(args.json, args.txt, report)
     return report
 
 

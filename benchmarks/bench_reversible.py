@@ -60,6 +60,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _report import say, write_results  # noqa: E402
 from _memory import reset_peak_rss, rss_kb  # noqa: E402
 from lightning_peft.nn.reversible import ReversibleSequence  # noqa: E402
 from lightning_peft.nn.transformer import TransformerBlock  # noqa: E402
@@ -67,15 +68,6 @@ from lightning_peft.nn.transformer import TransformerBlock  # noqa: E402
 DEPTHS = (4, 8, 16, 24)
 CONTENDERS = ("reversible", "residual")
 GRADIENT_TOLERANCE = 1e-3
-LINES: list[str] = []
-
-
-def say(text: str = "") -> None:
-    """Print a line and keep it for ``--txt``."""
-    print(text, flush=True)
-    LINES.append(text)
-
-
 class Branch(nn.Module):
     """One residual branch of a block, ``F`` (attention) or ``G`` (feed-forward), the block a submodule."""
 
@@ -347,12 +339,7 @@ def main(argv: list[str] | None = None) -> dict:
         plot(args, times, memory, grads, args.plot, f"reversible vs residual: {shape}")
     report["seconds"] = time.perf_counter() - started
     say(f"\nwhole run: {report['seconds']:.0f} s")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    if args.txt:
-        Path(args.txt).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.txt).write_text("\n".join(LINES) + "\n")
+    write_results(args.json, args.txt, report)
     return report
 
 

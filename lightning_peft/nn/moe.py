@@ -244,7 +244,6 @@ class MoE(nn.Module):
             # Added expert by expert: no (A, H) concatenation or product is allocated, which costs more than the
             # adds on a CPU (fresh pages), and each add reads only this expert's rows.
             out.index_add_(0, index, y * weight.to(y.dtype).unsqueeze(-1))
-        assert out is not None  # num_experts >= 1
 
         load = routed.to(probs.dtype) / max(num_tokens * top_k, 1)  # (E,) f_i
         if num_tokens:
