@@ -6,7 +6,10 @@ the encoder applies it. This callback only decides *where* and *how much*:
 - ``setup`` (every stage) finds the ``TransformerEncoder`` modules inside the LightningModule (or under
   ``model_attribute``) and installs a ``TokenPruner`` on each (``encoder.token_pruner``); a LightningModule
   without one is refused there, before any step. The pruner stays installed after ``fit``, so ``test`` and
-  ``predict`` (and plain inference afterwards) prune with the scale training reached.
+  ``predict`` (and plain inference with the same module object afterwards) prune with the scale training reached.
+  The pruner is not part of the model's weights: a module rebuilt with ``load_from_checkpoint`` does not prune
+  until a Trainer with this callback runs it (its checkpointed scale is restored) or ``encoder.token_pruner`` is
+  set by hand.
 - During ``fit`` the pruner's ``scale`` grows linearly from 0 (no pruning) to 1 (the configured keep ratios)
   over the first ``anneal_fraction`` of the optimizer steps (``trainer.estimated_stepping_batches``), set
   before every training batch from ``trainer.global_step``::

@@ -525,9 +525,8 @@ class TransformerEncoder(nn.Module):
                 x = layer.feed_forward_sublayer(x)
             kept.append(mask.sum(1) if mask is not None else torch.full((batch,), x.shape[1], device=x.device))
         self.last_kept_tokens = kept
-        if self.final_norm is not None:
-            x = self.final_norm(x)
-        return out.scatter_(1, positions.unsqueeze(-1).expand(-1, -1, hidden), x)
+        out.scatter_(1, positions.unsqueeze(-1).expand(-1, -1, hidden), x)
+        return out if self.final_norm is None else self.final_norm(out)  # every token, dropped ones included
 
     def pooled(self, hidden: Tensor) -> Tensor:
         """``(B, H)``: BERT's pooled first token, ``tanh(pooler(hidden[:, 0]))``, or ``hidden[:, 0]`` without pooler."""

@@ -382,3 +382,16 @@ def test_moe_with_reversible_is_refused():
     with pytest.raises(ValueError, match=r"reversible=True, moe=...\): a reversible stack runs its forward without"):
         TransformerDecoder(vocab_size=10, hidden_size=8, num_layers=1, num_heads=2, moe={"num_experts": 2},
                            reversible=True)
+
+
+def test_pre_norm_pruned_encoder_normalises_dropped_tokens_too():
+    from lightning_peft.nn.token_pruning import TokenPruner
+
+    encoder = TransformerEncoder(vocab_size=50, hidden_size=16, num_layers=3, num_heads=2, ffn_size=32, dropout=0.0,
+                                 attention_dropout=0.0, norm_first=True, token_pruner=TokenPruner(0.5)).eval()
+    nn.init.constant_(encoder.final_norm.weight, 5.0)
+    ids = torch.randint(1, 50, (1, 8))
+    out = encoder(ids)
+    final_norm, encoder.final_norm = encoder.final_norm, None  # the states before the final norm
+    torch.testing.assert_close(out, final_norm(encoder(ids)))
+    torch.testing.assert_close(out.pow(2).mean(-1), torch.full((1, 8), 25.0), rtol=1e-3, atol=1e-3)
