@@ -75,3 +75,7 @@ class FailsOnRankZero(MergeOnSave):
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    # Tear the gloo group down before the interpreter exits: left to interpreter shutdown, its threads were seen
+    # to abort the process ("terminate called without an active exception") after all work had finished.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
