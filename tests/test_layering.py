@@ -1,4 +1,4 @@
-"""The pure-PyTorch layers (peft/, nn/, training/) never import Lightning: they must work without `lightning`."""
+"""The pure-PyTorch layers (peft/, nn/, training/, and _gather) never import Lightning: they must work without `lightning`."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ encoder = n.TransformerEncoder(vocab_size=20, hidden_size=8, num_layers=2, num_h
                                token_pruner=n.TokenPruner(0.5))
 assert encoder(torch.tensor([[1, 2, 3, 4]])).shape == (1, 4, 8)
 assert n.TransformerDecoder(vocab_size=20, hidden_size=8, num_layers=1, num_heads=2)(torch.tensor([[1, 2]])).shape == (1, 2, 20)
+import lightning_peft._gather as g
+with g.gathered(model) as same:  # no sharded parameter: nothing to gather
+    assert same is model
 assert not any(m.split('.')[0] in ('lightning', 'pytorch_lightning') for m in sys.modules)
 print('ok')
 """

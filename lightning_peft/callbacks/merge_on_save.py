@@ -39,11 +39,13 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from safetensors.torch import save_file
+from torch import nn
 from typing_extensions import override
 
 from lightning_peft._atomic import write_dir
+from lightning_peft._gather import gathered
 from lightning_peft.callbacks._target import is_hf_model, resolve_target
-from lightning_peft.peft.adapter import attached, merged_state_dict
+from lightning_peft.peft.adapter import adapter_tensors, attached, merged_state_dict
 from lightning_peft.peft.io import check_saveable, unshared
 from lightning_peft.peft.io import save_adapter as write_adapter
 from lightning_peft.peft.lora import lora_spec
@@ -106,7 +108,8 @@ class MergeOnSave(Callback):
                 raise ValueError(f"MergeOnSave(adapter_name={self.adapter_name!r}): the model has no LoRA adapter of "
                                  f"that name; its LoRA adapters: {names}.")
         if self.save_adapter:
-            check_saveable(model)
+            with _gathered(trainer, model, adapter_parameters(model)):
+                check_saveable(model)
         _on_rank_zero(trainer, self._check_writable, "the check of dirpath")
 
     def _check_writable(self) -> None:
@@ -133,9 +136,14 @@ class MergeOnSave(Callback):
     def export(self, trainer: pl.Trainer, pl_module: pl.LightningModule, directory: Path) -> dict[str, Path]:
         """Write ``merged/`` (and ``adapter/``) under ``directory`` on global rank 0; returns the paths.
 
-        Every rank must call it: a failure on rank 0 is sent to the others, which raise too.
+        Every rank must call it: under a sharding strategy every rank takes part in gathering the parameters
+        (only the adapter's, unless the merged model is written too), and a failure on rank 0 is sent to the
+        others, which raise too.
         """
-        return _on_rank_zero(trainer, lambda: self._write(trainer, pl_module, directory), "the export") or {}
+        _, model = resolve_target(pl_module, self.model_attribute, "MergeOnSave")
+        needed = None if self.save_merged else adapter_parameters(model)
+        with _gathered(trainer, model, needed):
+            return _on_rank_zero(trainer, lambda: self._write(trainer, pl_module, directory), "the export") or {}
 
     def _write(self, trainer: pl.Trainer, pl_module: pl.LightningModule, directory: Path) -> dict[str, Path]:
         _, model = resolve_target(pl_module, self.model_attribute, "MergeOnSave")
@@ -172,6 +180,18 @@ def _merging(model, adapter_name: str | None):
         yield
     finally:
         spec.routing.active = before
+
+
+def _gathered(trainer: pl.Trainer, model, params):
+    """The strategy's own gathering if it has one (a pipeline's ranks hold different layers), else the generic one
+    (ZeRO-3 partitions, DTensor shards); for unsharded models it does nothing."""
+    own = getattr(trainer.strategy, "gathered_parameters", None)
+    return own(model, params) if callable(own) else gathered(model, params)
+
+
+def adapter_parameters(model) -> list:
+    """The adapter's parameters (what an adapter-only export needs gathered)."""
+    return [t for t in adapter_tensors(model).values() if isinstance(t, nn.Parameter)]
 
 
 def _on_rank_zero(trainer: pl.Trainer, work: Callable[[], Any], what: str) -> Any:

@@ -1,0 +1,10 @@
+"""Lightning strategies over real engines (DeepSpeed, torch.distributed), PEFT-aware.
+
+Importing this package registers the short names in Lightning's strategy registry, so
+``Trainer(strategy="zero3")`` and ``--trainer.strategy zero3`` work (the ``lightning-peft`` command imports it).
+"""
+
+from lightning_peft.strategies.checkpoint import convert_checkpoint
+from lightning_peft.strategies.zero import ZeROStrategy
+
+__all__ = ["ZeROStrategy", "convert_checkpoint"]

