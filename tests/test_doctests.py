@@ -15,7 +15,8 @@ MODULES = ["lightning_peft.peft.lora", "lightning_peft.peft.multi_lora", "lightn
            "lightning_peft.callbacks.token_pruning",
            "lightning_peft.modules.blocks", "lightning_peft._pretrained",
            "lightning_peft.training.gradient_noise", "lightning_peft.training.layerwise_lr",
-           "lightning_peft.training.accumulation", "lightning_peft.training.curriculum"]
+           "lightning_peft.training.accumulation", "lightning_peft.training.curriculum",
+           "lightning_peft.strategies.device_map"]
 
 
 @pytest.mark.parametrize("name", MODULES)

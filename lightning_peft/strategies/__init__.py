@@ -5,6 +5,7 @@ Importing this package registers the short names in Lightning's strategy registr
 """
 
 from lightning_peft.strategies.checkpoint import convert_checkpoint
+from lightning_peft.strategies.device_map import DeviceMapStrategy
 from lightning_peft.strategies.zero import ZeROStrategy
 
-__all__ = ["ZeROStrategy", "convert_checkpoint"]
+__all__ = ["DeviceMapStrategy", "ZeROStrategy", "convert_checkpoint"]
