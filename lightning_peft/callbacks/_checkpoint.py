@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import functools
 import os
+import tempfile
 import threading
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import lightning.pytorch as pl
@@ -267,9 +269,19 @@ def load_from_checkpoint(module_class: type[M], checkpoint_path: str | os.PathLi
     checkpoints written by LightningCLI in subclass mode. While it runs, ``module_class.on_load_checkpoint`` calls
     :func:`restore_adapters` first (the class is patched under a lock and restored afterwards).
 
+    A sharded checkpoint directory (``ZeROStrategy``, FSDP2, tensor parallelism: one shard per rank) is assembled
+    first in a temporary file (:func:`~lightning_peft.strategies.convert_checkpoint`), so one process loads what N
+    ranks saved.
+
     Example:
         ``model = load_from_checkpoint(MyModule, "checkpoints/last.ckpt", map_location="cpu")``
     """
+    if Path(checkpoint_path).is_dir():
+        from lightning_peft.strategies.checkpoint import convert_checkpoint
+
+        with tempfile.TemporaryDirectory(prefix="lightning-peft-") as scratch:
+            single = convert_checkpoint(checkpoint_path, Path(scratch) / "assembled.ckpt")
+            return load_from_checkpoint(module_class, single, **kwargs)
     with _PATCH_LOCK:
         own = module_class.__dict__.get("on_load_checkpoint")
         inherited = module_class.on_load_checkpoint

@@ -56,7 +56,7 @@ def convert_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike)
     if (source / "meta.pt").is_file():
         state = _from_distributed_checkpoint(source)
     elif (source / "latest").is_file():
-        state = _from_deepspeed(source)
+        state = deepspeed_checkpoint(source)
     else:
         found = ", ".join(sorted(p.name for p in source.iterdir())[:6]) or "nothing"
         raise ValueError(f"convert_checkpoint({str(source)!r}): not a sharded checkpoint (neither DeepSpeed's "
@@ -66,7 +66,8 @@ def convert_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike)
     return target
 
 
-def _from_deepspeed(directory: Path) -> dict[str, Any]:
+def deepspeed_checkpoint(directory: Path) -> dict[str, Any]:
+    """A DeepSpeed checkpoint directory as one Lightning checkpoint dict: full float32 weights, no optimizer."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, get_model_state_files
 
     tag = (directory / "latest").read_text().strip()

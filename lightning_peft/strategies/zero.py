@@ -45,6 +45,7 @@ import importlib.util
 import inspect
 import sys
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -63,6 +64,7 @@ from typing_extensions import override
 from lightning_peft.callbacks._checkpoint import KEY as CHECKPOINT_KEY
 from lightning_peft.callbacks._checkpoint import AdapterCallback
 from lightning_peft.peft.layers import LoRALayer
+from lightning_peft.strategies.checkpoint import deepspeed_checkpoint
 
 __all__ = ["ZeROStrategy"]
 
@@ -319,6 +321,26 @@ class _DeepSpeedZeRO(ZeROStrategy, DeepSpeedStrategy):
         )
         return engine, deepspeed_optimizer
 
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if fitting or not self.zero_stage_3 or not path.is_dir() or self.load_full_weights:
+            return super().load_checkpoint(path, weights_only)
+        # validate/test/predict from a ZeRO-3 checkpoint: DeepSpeed's engine without an optimizer cannot load one
+        # (it asks the optimizer it lacks to restore), so assemble the full weights as zero_to_fp32 does and load
+        # them module by module into the partitions (load_model_state_dict below).
+        self._assembled = True
+        return deepspeed_checkpoint(path)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if getattr(self, "_assembled", False):
+            self._assembled = False
+            self._restore_zero_state(checkpoint, strict=strict)
+            return
+        super().load_model_state_dict(checkpoint, strict)
+
     def _deepspeed_args(self) -> argparse.Namespace:
         # Lightning passes root_device.index, which a CPU device does not have.
         return argparse.Namespace(
@@ -334,7 +356,12 @@ class _DeepSpeedZeRO(ZeROStrategy, DeepSpeedStrategy):
         config.update({k: self.config[k] for k in ("fp16", "bf16") if k in self.config})
         if self.zero_stage_3:
             config.update({k: self.config[k] for k in ("zero_allow_untested_optimizer", "zero_optimization")})
+        # Lightning drops every hook of every module here (the training engine's ZeRO-3 hooks must go); the
+        # state-dict hooks stay: LoRA's layout hooks and the adapter-only checkpoint hook are not DeepSpeed's.
+        kept = {id(m): (m._state_dict_hooks.copy(), m._load_state_dict_pre_hooks.copy()) for m in model.modules()}
         remove_module_hooks(model)
+        for module in model.modules():
+            module._state_dict_hooks, module._load_state_dict_pre_hooks = kept[id(module)]
         self.model, _, _, _ = deepspeed.initialize(
             args=self._deepspeed_args(), config=config, model=model, optimizer=None, lr_scheduler=None,
             model_parameters=[], dist_init_required=False,

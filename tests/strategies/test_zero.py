@@ -25,6 +25,8 @@ peft = pytest.importorskip("peft")
 
 import lightning.pytorch as pl  # noqa: E402
 
+from transformers import BertForSequenceClassification  # noqa: E402
+
 from lightning_peft.callbacks import load_from_checkpoint  # noqa: E402
 from lightning_peft.peft import save_adapter  # noqa: E402
 from lightning_peft.strategies import ZeROStrategy, convert_checkpoint  # noqa: E402
@@ -87,6 +89,23 @@ def test_lora_steps_match_ddp(runs: Path, name: str) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ddp", *ZERO])
+def test_evaluation_from_a_checkpoint_uses_its_weights(runs: Path, name: str) -> None:
+    """``trainer.test(ckpt_path=...)`` after fit loads the (adapter-only) checkpoint: the loss of the 5-step adapter,
+    as PEFT computes it in one process, not that of the final weights."""
+    from_checkpoint, final = json.loads((runs / name / "test-losses.json").read_text())
+    torch.manual_seed(0)
+    base = BertForSequenceClassification(config())
+    model = peft.PeftModel.from_pretrained(base, runs / "ddp" / "lora" / "export" / "step=5" / "adapter").eval()
+    with torch.no_grad():
+        ids, labels = zero_script.data().tensors
+        expected = torch.stack([model(input_ids=i, labels=y).loss for i, y in zip(ids.split(4), labels.split(4))])
+    assert from_checkpoint == pytest.approx(expected.mean().item(), abs=1e-5)
+    assert abs(final - from_checkpoint) > 1e-3
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ddp", *ZERO])
 def test_resume_equals_straight_run(runs: Path, name: str) -> None:
     straight = adapter(runs / name / "lora" / "export" / "adapter")
     resumed = adapter(runs / name / "resumed" / "export" / "adapter")
@@ -138,8 +157,6 @@ def test_two_nodes_equal_two_devices(runs: Path, name: str) -> None:
 @pytest.mark.parametrize("name", ["deepspeed3", "native3"])
 def test_peft_loads_the_stage3_adapter(runs: Path, name: str) -> None:
     """PeftModel on the adapter a stage-3 run exported gives the outputs the sharded model computed."""
-    from transformers import BertForSequenceClassification
-
     torch.manual_seed(0)
     base = BertForSequenceClassification(config())  # the base as Classifier builds it
     model = peft.PeftModel.from_pretrained(base, runs / name / "lora" / "export" / "adapter").eval()
@@ -169,9 +186,11 @@ def test_sharded_checkpoints_convert_for_one_process(runs: Path, name: str, tmp_
     module = load_from_checkpoint(Classifier, tmp_path / "lora.ckpt", lora=True)
     expected = adapter(runs / name / "lora" / "export" / "step=5" / "adapter")
     got = adapter(save_adapter(module.model, tmp_path / "adapter"))
-    assert got.keys() == expected.keys()
+    # load_from_checkpoint takes the sharded directory itself too (it assembles it in a temporary file).
+    direct = adapter(save_adapter(load_from_checkpoint(Classifier, lora, lora=True).model, tmp_path / "direct"))
+    assert got.keys() == expected.keys() == direct.keys()
     for key in expected:
-        assert torch.equal(got[key], expected[key]), key
+        assert torch.equal(got[key], expected[key]) and torch.equal(direct[key], expected[key]), key
 
 
 def test_convert_refuses_what_is_not_sharded(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ RANK, LOCAL_RANK and NODE_RANK set as torchrun sets them. A case is a strategy n
 - ``lora/``: LoRA for 2 epochs of 5 optimizer steps, an adapter-only checkpoint after each epoch and
   ``MergeOnSave(every_checkpoint=True)`` exports (``export/step=5``, ``step=10``, then the final one);
 - ``resumed/``: the same run resumed from the first epoch's checkpoint, its final export;
+- ``test-losses.json``: ``trainer.test`` of the first epoch's checkpoint and of the final weights;
 - ``logits.pt``: the straight LoRA run's outputs on ``PROBE``, computed by the sharded model;
 - ``full/``: full fine-tuning for one epoch, a full checkpoint at the end; ``full-weights.pt``: its weights,
   gathered;
@@ -17,6 +18,7 @@ RANK, LOCAL_RANK and NODE_RANK set as torchrun sets them. A case is a strategy n
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -78,8 +80,15 @@ class Classifier(pl.LightningModule):
         ids, labels = batch
         return self.model(input_ids=ids, labels=labels).loss
 
+    def test_step(self, batch, batch_idx):
+        ids, labels = batch
+        self.log("test_loss", self.model(input_ids=ids, labels=labels).loss, sync_dist=True)
+
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(data(), batch_size=BATCH)  # every rank tests on everything: the mean is the same
 
     def train_dataloader(self) -> DataLoader:
         # Unshuffled round robin: rank r gets samples r, r + 2, ...: the same split under every strategy.
@@ -126,18 +135,24 @@ def lora_callbacks(out: Path) -> list:
 
 
 def run_case(out: Path, name: str, **trainer_kwargs) -> None:
-    make, rank = STRATEGIES[name], int(__import__("os").environ["RANK"])
+    make, rank = STRATEGIES[name], int(os.environ["RANK"])
     # LoRA: two epochs, a checkpoint (and an export) after each.
     checkpoints = ModelCheckpoint(dirpath=out / "lora" / "ckpt", save_top_k=-1, every_n_epochs=1)
     probe = MemoryProbe(out / f"memory-lora-rank{rank}.json")
     module = Classifier(lora=True)
-    trainer(make(), out / "lora", 2, [*lora_callbacks(out / "lora"), checkpoints, probe],
-            **trainer_kwargs).fit(module)
+    fit = trainer(make(), out / "lora", 2, [*lora_callbacks(out / "lora"), checkpoints, probe], **trainer_kwargs)
+    fit.fit(module)
     # The trained model's outputs, computed by the sharded model itself (every rank takes part).
     with torch.no_grad(), gathered(module):
         logits = module.model.eval()(input_ids=PROBE).logits
     if rank == 0:
         torch.save(logits, out / "logits.pt")
+    if not trainer_kwargs:  # evaluation from the first epoch's checkpoint, and from the final weights
+        first = sorted((out / "lora" / "ckpt").glob("epoch=0*"))[0]
+        # Final weights first: testing a checkpoint loads it into the module.
+        losses = [fit.test(module, ckpt_path=path, verbose=False)[0]["test_loss"] for path in (None, first)][::-1]
+        if rank == 0:
+            (out / "test-losses.json").write_text(json.dumps(losses))
     if trainer_kwargs:  # the multi-node launch checks the straight run only
         return
     # Resumed from the first epoch's checkpoint (adapter-only: the frozen base comes from the module as built).
