@@ -1,8 +1,8 @@
 """One-file checkpoints from sharded ones: what a multi-rank run saved, loadable by one process for inference.
 
-A ZeRO or FSDP2 run saves a directory with one shard per rank: DeepSpeed's layout (``checkpoint/`` with
-``zero_pp_rank_<r>_..._states.pt`` files and a ``latest`` tag) or torch's distributed checkpoint (``.distcp`` files
-and Lightning's ``meta.pt``). :func:`convert_checkpoint` assembles the full float32 weights, as DeepSpeed's
+A ZeRO, FSDP2, tensor-parallel or pipeline run saves a directory with one shard per rank: DeepSpeed's layout
+(``checkpoint/`` with ``zero_pp_rank_<r>_..._states.pt`` files and a ``latest`` tag), torch's distributed checkpoint
+(``.distcp`` files and Lightning's ``meta.pt``) or ``PipelineStrategy``'s ``stage-<rank>.ckpt`` files. :func:`convert_checkpoint` assembles the full float32 weights, as DeepSpeed's
 ``zero_to_fp32`` does, and writes one Lightning checkpoint file with everything else the run recorded (hyper-
 parameters, callback states, the adapter record of ``checkpoint["lightning_peft"]``), without the optimizer state
 (which only the sharded run can use)::
@@ -57,10 +57,16 @@ def convert_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike)
         state = _from_distributed_checkpoint(source)
     elif (source / "latest").is_file():
         state = deepspeed_checkpoint(source)
+    elif any(source.glob("stage-*.ckpt")):
+        from lightning_peft.strategies.pipeline import consolidate_checkpoint
+
+        state = consolidate_checkpoint(source)
+        state.pop("optimizer_states", None)  # weights only, as for the other layouts
     else:
         found = ", ".join(sorted(p.name for p in source.iterdir())[:6]) or "nothing"
         raise ValueError(f"convert_checkpoint({str(source)!r}): not a sharded checkpoint (neither DeepSpeed's "
-                         f"'latest' + checkpoint/ nor a distributed checkpoint's meta.pt); it holds: {found}.")
+                         "'latest' + checkpoint/, a distributed checkpoint's meta.pt nor a pipeline's stage-<r>.ckpt "
+                         f"files); it holds: {found}.")
     target.parent.mkdir(parents=True, exist_ok=True)
     write_files({target: lambda tmp: torch.save(state, tmp)})
     return target

@@ -84,8 +84,8 @@ class ZeROStrategy(Strategy):
             offloads gradients and the optimizer step too). On a GPU only.
         **engine_options: Passed through. DeepSpeed: any ``DeepSpeedStrategy`` argument (``config``,
             ``allgather_bucket_size``, ...) or ``zero_optimization`` key (``stage3_param_persistence_threshold``,
-            ...). Native stage 1: ``DDPStrategy`` arguments and ``ZeroRedundancyOptimizer`` ones
-            (``parameters_as_bucket_view``). Native stages 2 and 3: ``ModelParallelStrategy`` arguments
+            ...). Native stage 1: ``DDPStrategy`` arguments, ``DistributedDataParallel`` ones
+            (``find_unused_parameters``) and ``ZeroRedundancyOptimizer`` ones (``parameters_as_bucket_view``). Native stages 2 and 3: ``ModelParallelStrategy`` arguments
             (``save_distributed_checkpoint``, ``timeout``) and ``fully_shard`` ones (``mp_policy``).
     """
 
