@@ -41,6 +41,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -225,7 +226,7 @@ def plot(args: argparse.Namespace, rows: dict, path: str, title: str) -> None:
     ax.set_ylim(0, 1.1)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 80), fontsize=9)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

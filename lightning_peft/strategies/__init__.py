@@ -7,6 +7,7 @@ Importing this package registers the short names in Lightning's strategy registr
 from lightning_peft.strategies.checkpoint import convert_checkpoint
 from lightning_peft.strategies.device_map import DeviceMapStrategy
 from lightning_peft.strategies.pipeline import PipelineStrategy
+from lightning_peft.strategies.tensor_parallel import TensorParallelStrategy
 from lightning_peft.strategies.zero import ZeROStrategy
 
-__all__ = ["DeviceMapStrategy", "PipelineStrategy", "ZeROStrategy", "convert_checkpoint"]
+__all__ = ["DeviceMapStrategy", "PipelineStrategy", "TensorParallelStrategy", "ZeROStrategy", "convert_checkpoint"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 from torch.testing import assert_close
 
+from tests.strategies._launch import free_port, run_lm_example
 from lightning_peft.nn.transformer import TransformerDecoder, TransformerEncoder
 from lightning_peft.strategies import PipelineStrategy, convert_checkpoint
 from lightning_peft.strategies.pipeline import _LogRecorder, consolidate_checkpoint, pipeline_pieces, split_pieces
@@ -231,16 +231,10 @@ def test_checkpoints_of_another_split_are_refused(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- two processes
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("pipeline")
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in (0, 1):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2", "RANK": str(rank),
@@ -345,17 +339,6 @@ def test_measured_bubble_follows_the_prediction(runs):
 
 @pytest.mark.multiprocess
 def test_example_config_runs_on_two_processes(tmp_path):
-    config = ROOT / "examples" / "configs" / "causal_lm_pipeline_bbc_news.yaml"
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_peft.cli", "fit", "--config", str(config), "--trainer.devices", "2",
-         "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1", "--trainer.limit_test_batches", "1",
-         "--trainer.num_sanity_val_steps", "0", "--data.init_args.limit_per_class", "6",
-         "--data.init_args.block_size", "16", "--data.init_args.batch_size", "4",
-         "--model.init_args.decoder.hidden_size", "32", "--model.init_args.decoder.num_layers", "2"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)},
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "test_ppl" in result.stdout + result.stderr
+    assert "test_ppl" in run_lm_example("causal_lm_pipeline_bbc_news.yaml", tmp_path)
     last = tmp_path / "artifacts" / "causal_lm_pipeline_bbc" / "checkpoints" / "last.ckpt"
     assert sorted(p.name for p in last.iterdir()) == ["stage-0.ckpt", "stage-1.ckpt"]

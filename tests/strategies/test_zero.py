@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ from lightning_peft.peft import save_adapter  # noqa: E402
 from lightning_peft.strategies import ZeROStrategy, convert_checkpoint  # noqa: E402
 from lightning_peft.strategies import zero as zero_module  # noqa: E402
 from tests.strategies import zero_script  # noqa: E402
+from tests.strategies._launch import free_port  # noqa: E402
 from tests.strategies.zero_script import PROBE, STRATEGIES, Classifier, config  # noqa: E402
 
 SCRIPT = Path(zero_script.__file__)
@@ -42,9 +42,7 @@ STAGE = {name: int(name[-1]) for name in ZERO}
 
 def launch(out: Path, cases: list[str], nodes: bool = False) -> None:
     """Start 2 ranks as torchrun (one node, 2 devices) or a 2-node cluster (one device per node) would."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     procs = []
     for rank in range(2):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
