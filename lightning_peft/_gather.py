@@ -4,8 +4,8 @@ Under ZeRO-3 (DeepSpeed) a parameter's ``.data`` is an empty placeholder and its
 ranks; under FSDP2 and DTensor tensor parallelism a parameter is a ``DTensor`` holding one shard. Exports
 (``MergeOnSave``, ``save_adapter``) need the full values. Inside :func:`gathered` every chosen parameter of the
 module is a plain tensor holding its full values, on every rank; on exit the sharded parameters are put back
-unchanged (values written inside are discarded). Only the chosen parameters are gathered, so exporting an
-adapter never gathers the frozen base.
+unchanged (do not write to them inside: values written are discarded, and DeepSpeed refuses it). Only the chosen
+parameters are gathered, so exporting an adapter never gathers the frozen base.
 
 Every rank must enter the context (it runs collectives, in the same order on every rank). Parameters that are
 neither partitioned nor ``DTensor`` (plain DDP, one process) are left as they are: then the context costs nothing.
@@ -34,9 +34,22 @@ def gathered(module: nn.Module, params: Iterable[nn.Parameter] | None = None) ->
         ``module``.
     """
     chosen = None if params is None else {id(p) for p in params}
+    _reshard(module)
     wanted = [p for p in module.parameters() if chosen is None or id(p) in chosen]
     with _deepspeed_gathered([p for p in wanted if hasattr(p, "ds_id")]), _dtensors_gathered(module, chosen):
         yield module
+
+
+def _reshard(module: nn.Module) -> None:
+    """FSDP2 units left gathered (stage 2 after an evaluation forward) hold plain parameters whose state dict hooks
+    would put the shards back mid-export: reshard them first, so every FSDP2 parameter is the DTensor swapped below."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
 
 
 @contextlib.contextmanager
@@ -66,7 +79,10 @@ def _dtensors_gathered(module: nn.Module, chosen: set[int] | None) -> Iterator[N
                 if not isinstance(param, DTensor) or (chosen is not None and id(param) not in chosen):
                     continue
                 if id(param) not in full:
-                    full[id(param)] = nn.Parameter(param.full_tensor().detach(), requires_grad=param.requires_grad)
+                    # A shard offloaded to CPU memory travels to the mesh's device for the collective.
+                    mesh_device = param.device_mesh.device_type
+                    local = param if param.device.type == mesh_device else param.to(mesh_device)
+                    full[id(param)] = nn.Parameter(local.full_tensor().detach(), requires_grad=param.requires_grad)
                 swapped.append((owner, name, param))
                 owner._parameters[name] = full[id(param)]
         yield

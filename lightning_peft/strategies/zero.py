@@ -62,7 +62,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_peft.callbacks._checkpoint import KEY as CHECKPOINT_KEY
-from lightning_peft.callbacks._checkpoint import AdapterCallback
+from lightning_peft.callbacks._checkpoint import AdapterCallback, check_same_adapters
 from lightning_peft.peft.layers import LoRALayer
 from lightning_peft.strategies.checkpoint import deepspeed_checkpoint
 
@@ -237,6 +237,10 @@ class _DeepSpeedZeRO(ZeROStrategy, DeepSpeedStrategy):
         )
         given = strategy_options.get("config")
         self._explicit = set(engine_options) | set((self.config.get("zero_optimization") or {}) if given else ())
+        told = (self.config.get("zero_optimization") or {}).get("stage") if given else None
+        if told is not None and told != stage:
+            raise ValueError(f"{self._name()}: the DeepSpeed config says zero_optimization.stage={told}; say the stage "
+                             f"once, as ZeROStrategy(stage={told}, config=...).")
         if zero_options:
             self.config.setdefault("zero_optimization", {}).update(zero_options)
         self.config.setdefault("zero_optimization", {})["stage"] = stage
@@ -293,8 +297,9 @@ class _DeepSpeedZeRO(ZeROStrategy, DeepSpeedStrategy):
         A bucket larger than all the gradients (or parameters) it collects is never filled, so capping it there
         changes nothing else. Sizes given explicitly are kept.
         """
-        trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in module.parameters())
+        # A model built under deepspeed.zero.Init is partitioned already: count its parameters' full sizes.
+        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if p.requires_grad)
+        total = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
         zero = self.config.setdefault("zero_optimization", {})
         caps = {"reduce_bucket_size": (trainable, 500_000_000), "allgather_bucket_size": (total, 500_000_000)}
         if self.stage == 3:
@@ -310,6 +315,13 @@ class _DeepSpeedZeRO(ZeROStrategy, DeepSpeedStrategy):
 
         if optimizer is not None:
             drop_frozen([optimizer])
+            empty = [i for i, g in enumerate(optimizer.param_groups) if not g["params"]]
+            if empty:
+                raise ValueError(
+                    f"{self._name()}: parameter group {empty[0]} of the optimizer holds no parameter that trains "
+                    "(e.g. a no-decay group of frozen biases under LoRA); DeepSpeed cannot partition an empty group. "
+                    "Build the groups from the parameters with requires_grad=True in configure_optimizers."
+                )
         engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
             args=self._deepspeed_args(),
             config=self.config,
@@ -324,19 +336,39 @@ class _DeepSpeedZeRO(ZeROStrategy, DeepSpeedStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
+        self._assembled = False
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if fitting or not self.zero_stage_3 or not path.is_dir() or self.load_full_weights:
             return super().load_checkpoint(path, weights_only)
         # validate/test/predict from a ZeRO-3 checkpoint: DeepSpeed's engine without an optimizer cannot load one
         # (it asks the optimizer it lacks to restore), so assemble the full weights as zero_to_fp32 does and load
         # them module by module into the partitions (load_model_state_dict below).
+        checkpoint = deepspeed_checkpoint(path)
+        self._check_assembled(checkpoint, path)  # on every rank: the load below runs on rank 0 only
         self._assembled = True
-        return deepspeed_checkpoint(path)
+        return checkpoint
+
+    def _check_assembled(self, checkpoint: Mapping[str, Any], path: Path) -> None:
+        """Refuse, on every rank alike, a checkpoint whose adapters, keys or shapes do not fit the model."""
+        module = self.lightning_module
+        entry = checkpoint.get(CHECKPOINT_KEY) or {}
+        if entry:
+            check_same_adapters(entry, module, self._name())
+        shapes = {k: tuple(getattr(p, "ds_shape", p.shape)) for k, p in module.named_parameters()}
+        saved = checkpoint["state_dict"]
+        lacking = sorted(set(shapes) - set(saved) - set(entry.get("dropped", [])))
+        unexpected = sorted(k for k in saved if k not in shapes and k not in dict(module.named_buffers()))
+        misfit = [k for k in saved if k in shapes and tuple(saved[k].shape) != shapes[k]]
+        if lacking or unexpected or misfit:
+            key = (lacking or unexpected or misfit)[0]
+            what = "lacks" if lacking else "has an unknown key" if unexpected else "has another shape for"
+            raise RuntimeError(f"{self._name()}: the checkpoint {str(path)!r} {what} {key!r}; it was written for "
+                               "another model.")
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if getattr(self, "_assembled", False):
-            self._assembled = False
+        assembled, self._assembled = getattr(self, "_assembled", False), False
+        if assembled:
             self._restore_zero_state(checkpoint, strict=strict)
             return
         super().load_model_state_dict(checkpoint, strict)
@@ -387,7 +419,8 @@ class _NativeZeRO1(ZeROStrategy, DDPStrategy):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel
 
-        for key in ("params", "optimizer_class", "process_group", "module", "device_ids", "output_device"):
+        for key in ("params", "optimizer_class", "process_group", "module", "device_ids", "output_device",
+                    "overlap_with_ddp"):
             if key in engine_options:
                 raise TypeError(f"{self._name()}: {key} is set by the strategy.")
         strategy_options, self._zero_options, ddp_options = _split_options(
@@ -408,7 +441,7 @@ class _NativeZeRO1(ZeROStrategy, DDPStrategy):
         drop_frozen(self.optimizers)
         wrapped = {id(o): self._partitioned(o) for o in self.optimizers}
         for config in self.lr_scheduler_configs:
-            config.scheduler.optimizer = wrapped[id(config.scheduler.optimizer)]
+            _rebind(config.scheduler, wrapped)
         self.optimizers = [wrapped[id(o)] for o in self.optimizers]
 
     def _partitioned(self, optimizer: Optimizer) -> Optimizer:
@@ -416,23 +449,21 @@ class _NativeZeRO1(ZeROStrategy, DDPStrategy):
 
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             return optimizer
-        groups = [dict(g) for g in optimizer.param_groups]
-        # ``defaults`` may hold keys the constructor does not take (AdamW records decoupled_weight_decay).
+        # ``defaults`` may hold keys the constructor does not take (AdamW records decoupled_weight_decay). The
+        # groups go in whole: per-group settings and a scheduler's initial_lr survive, and a group left empty by
+        # drop_frozen (a no-decay group of frozen biases) is kept, so the schedulers' per-group lists still fit.
         accepted = inspect.signature(type(optimizer).__init__).parameters
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-        partitioned = ZeroRedundancyOptimizer(
-            groups[0]["params"], optimizer_class=type(optimizer),
-            **{**defaults, **{k: v for k, v in _hyper(groups[0]).items() if k in accepted}}, **self._zero_options,
-        )
-        # Per-group settings (and a scheduler's initial_lr) survive: the first group is rebuilt, the others added.
-        partitioned.param_groups[0].update(_hyper(groups[0]))
-        for group in groups[1:]:
-            partitioned.add_param_group(group)
-        return partitioned
+        return ZeroRedundancyOptimizer([dict(g) for g in optimizer.param_groups], optimizer_class=type(optimizer),
+                                       **defaults, **self._zero_options)
 
 
-def _hyper(group: dict) -> dict:
-    return {k: v for k, v in group.items() if k != "params"}
+def _rebind(scheduler: Any, wrapped: dict[int, Optimizer]) -> None:
+    """Point a scheduler, and the schedulers it chains (SequentialLR, ChainedScheduler), at the new optimizer."""
+    if id(getattr(scheduler, "optimizer", None)) in wrapped:
+        scheduler.optimizer = wrapped[id(scheduler.optimizer)]
+    for child in getattr(scheduler, "_schedulers", []):
+        _rebind(child, wrapped)
 
 
 # --- native stages 2 and 3: FSDP2 ---------------------------------------------------------------------------------
@@ -571,12 +602,14 @@ def _units(module: nn.Module) -> list[nn.Module]:
         if isinstance(layer, LoRALayer) and any(True for _ in layer.base_layer.parameters()):
             units.append(layer.base_layer)
             seen.add(id(layer.base_layer))
-    for container in module.modules():
-        if isinstance(container, nn.ModuleList):
-            for block in container:
-                if id(block) not in seen and any(p.numel() for p in block.parameters()):
-                    units.append(block)
-                    seen.add(id(block))
+    blocks = [(name.count("."), block) for name, container in module.named_modules()
+              if isinstance(container, nn.ModuleList) for block in container]
+    # Deepest first: an inner block list (MoE experts in a layer, T5's layer in a block) is sharded before the
+    # block around it, as fully_shard needs.
+    for _, block in sorted(blocks, key=lambda item: -item[0]):
+        if id(block) not in seen and any(p.numel() for p in block.parameters()):
+            units.append(block)
+            seen.add(id(block))
     return units
 
 

@@ -58,7 +58,7 @@ def launch(out: Path, cases: list[str], nodes: bool = False) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("zero")
-    launch(out, list(STRATEGIES))
+    launch(out, [*STRATEGIES, "regressions"])
     launch(out, [f"multinode:{name}" for name in MULTINODE], nodes=True)
     return out
 
@@ -135,6 +135,20 @@ def test_measured_memory_per_rank(runs: Path, name: str, kind: str) -> None:
         # DeepSpeed steps float32 copies of its partition; at stage 3 they are the partition itself.
         master = rank_bytes["master_weights"] / ddp["parameters"]
         assert (0.4 < master < 0.6) if name in ("deepspeed1", "deepspeed2") and kind == "full" else master < 0.6
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_native_stages_keep_chained_schedulers_empty_groups_and_nested_blocks(runs: Path) -> None:
+    """ZeroRedundancyOptimizer under SequentialLR, with a first group left empty by the frozen base, follows DDP's
+    learning rates and adapter; FSDP2 shards a decoder whose layers hold an inner ModuleList (MoE experts)."""
+    result = torch.load(runs / "regressions" / "regressions.pt", weights_only=False)
+    assert result["native1"]["rates"] == result["ddp"]["rates"]
+    assert result["ddp"]["rates"][0] < result["ddp"]["rates"][-1]  # the warm-up moved the rate
+    for key, value in result["ddp"]["adapter"].items():
+        assert_close(result["native1"]["adapter"][key], value, rtol=0, atol=1e-6, msg=key)
+    for key, value in result["moe-ddp"].items():
+        assert_close(result["moe-native3"][key], value, rtol=0, atol=1e-6, msg=key)
 
 
 @pytest.mark.multiprocess
@@ -248,6 +262,8 @@ def test_engine_options_reach_the_engine() -> None:
     ({"stage": 1, "backend": "native", "mesh": None}, TypeError, "unknown option 'mesh'"),
     ({"stage": 3, "backend": "native", "reshard_after_forward": False}, TypeError, "reshard_after_forward is set"),
     ({"stage": 3, "backend": "native", "tensor_parallel_size": 2}, TypeError, "TensorParallelStrategy"),
+    ({"stage": 1, "backend": "native", "overlap_with_ddp": True}, TypeError, "overlap_with_ddp is set by the strategy"),
+    ({"stage": 2, "config": {"zero_optimization": {"stage": 3}}}, ValueError, r"says zero_optimization.stage=3"),
 ])
 def test_bad_arguments_are_refused(kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
@@ -270,9 +286,11 @@ def test_missing_deepspeed_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> N
     (lambda: ZeROStrategy(stage=2), {"gradient_clip_val": 0.5, "gradient_clip_algorithm": "value"}, "by norm only"),
     (lambda: ZeROStrategy(stage=2, config={"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0}),
      {"gradient_clip_val": 0.5}, r"gradient_clipping=1.0 but Trainer\(gradient_clip_val=0.5\)"),
+    (lambda: ZeROStrategy(stage=2), {"empty_group": True}, "parameter group 0 of the optimizer holds no parameter that"),
 ])
 def test_trainer_settings_it_cannot_honour_fail_before_training(strategy, trainer_kwargs: dict, match: str) -> None:
-    module = Classifier(lora=True)
+    module = zero_script.GroupedClassifier(lora=True) if trainer_kwargs.get("empty_group") else Classifier(lora=True)
+    trainer_kwargs = {k: v for k, v in trainer_kwargs.items() if k != "empty_group"}
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy(), max_steps=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, **trainer_kwargs)
     with pytest.raises(ValueError, match=match):

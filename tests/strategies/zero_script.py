@@ -32,7 +32,7 @@ from transformers import BertConfig, BertForSequenceClassification  # noqa: E402
 
 from lightning_peft._gather import gathered  # noqa: E402
 from lightning_peft.callbacks import LoRA, MergeOnSave  # noqa: E402
-from lightning_peft.peft import LoRAConfig, inject_lora  # noqa: E402
+from lightning_peft.peft import LoRAConfig, adapter_state_dict, inject_lora  # noqa: E402
 from lightning_peft.strategies import ZeROStrategy  # noqa: E402
 from lightning_peft.strategies._memory import rank_bytes  # noqa: E402
 
@@ -169,9 +169,74 @@ def run_case(out: Path, name: str, **trainer_kwargs) -> None:
         torch.save(state, out / "full-weights.pt")
 
 
+class GroupedClassifier(Classifier):
+    """Warm-up then constant LR (SequentialLR chains two schedulers) over two groups, the first all frozen
+    parameters under LoRA (a no-decay group of biases and norms): both must survive ZeroRedundancyOptimizer."""
+
+    def configure_optimizers(self):
+        frozen = [p for n, p in self.named_parameters() if n.endswith("bias") and not p.requires_grad]
+        rest = [p for p in self.parameters() if all(p is not q for q in frozen)]
+        optimizer = torch.optim.AdamW([{"params": frozen, "weight_decay": 0.0}, {"params": rest}], lr=self.lr)
+        warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=3)
+        constant = torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0, total_iters=1)
+        scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, constant], milestones=[3])
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class LearningRates(Callback):
+    def __init__(self) -> None:
+        self.rates: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.rates.append(trainer.optimizers[0].param_groups[-1]["lr"])
+
+
+class MoEModule(pl.LightningModule):
+    """A decoder whose layers hold an inner ModuleList (the experts): FSDP2 units must be sharded deepest first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from lightning_peft.nn import TransformerDecoder
+
+        torch.manual_seed(0)
+        self.decoder = TransformerDecoder(vocab_size=128, hidden_size=32, num_layers=2, num_heads=2,
+                                          moe={"num_experts": 2, "top_k": 1})
+
+    def training_step(self, batch, batch_idx):
+        ids, _ = batch
+        logits = self.decoder(ids)
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    train_dataloader = Classifier.train_dataloader
+
+
+def run_regressions(out: Path) -> None:
+    """Native ZeRO-1 with chained schedulers and an empty group, native ZeRO-3 with nested ModuleLists: each as
+    DDP gives (learning rates and adapter; weights)."""
+    rank = int(os.environ["RANK"])
+    result = {}
+    for name in ("ddp", "native1"):
+        rates, module = LearningRates(), GroupedClassifier(lora=True)
+        trainer(STRATEGIES[name](), out / name, 1, [LoRA(**LORA), rates], enable_checkpointing=False).fit(module)
+        result[name] = {"rates": rates.rates, "adapter": adapter_state_dict(module.model)}
+    for name in ("ddp", "native3"):
+        module = MoEModule()
+        trainer(STRATEGIES[name](), out / name, 1, [], enable_checkpointing=False, max_steps=2).fit(module)
+        with gathered(module):
+            result[f"moe-{name}"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(result, out / "regressions.pt")
+
+
 def main(out: Path, cases: list[str]) -> None:
     for case in cases:
-        if case.startswith("multinode:"):
+        if case == "regressions":
+            run_regressions(out / case)
+        elif case.startswith("multinode:"):
             run_case(out / case.replace(":", "-"), case.split(":", 1)[1], devices=1, num_nodes=2)
         else:
             run_case(out / case, case)
