@@ -82,6 +82,8 @@ class ZeROStrategy(Strategy):
         offload_optimizer: Keep the optimizer state (and its step) in CPU memory; DeepSpeed only, on a GPU.
         offload_parameters: Keep parameters in CPU memory (DeepSpeed stage 3; FSDP2 stages 2 and 3, where it
             offloads gradients and the optimizer step too). On a GPU only.
+        options: The engine options as one dict: what YAML can give (LightningCLI takes only named arguments),
+            e.g. ``init_args: {stage: 3, options: {stage3_param_persistence_threshold: 0}}``.
         **engine_options: Passed through. DeepSpeed: any ``DeepSpeedStrategy`` argument (``config``,
             ``allgather_bucket_size``, ...) or ``zero_optimization`` key (``stage3_param_persistence_threshold``,
             ...). Native stage 1: ``DDPStrategy`` arguments, ``DistributedDataParallel`` ones
@@ -98,6 +100,7 @@ class ZeROStrategy(Strategy):
         backend: Backend = "deepspeed",
         offload_optimizer: bool = False,
         offload_parameters: bool = False,
+        options: dict[str, Any] | None = None,
         **engine_options: Any,
     ) -> ZeROStrategy:
         if cls is ZeROStrategy:
@@ -110,17 +113,22 @@ class ZeROStrategy(Strategy):
         backend: Backend = "deepspeed",
         offload_optimizer: bool = False,
         offload_parameters: bool = False,
+        options: dict[str, Any] | None = None,
         **engine_options: Any,
     ) -> None:
         # Never runs: __new__ returns a backend class, whose own __init__ Python calls. This signature is the one
         # LightningCLI reads to build the strategy from YAML.
-        del stage, backend, offload_optimizer, offload_parameters, engine_options
+        del stage, backend, offload_optimizer, offload_parameters, options, engine_options
 
     def _arguments(self, *args: Any, **kwargs: Any) -> tuple[int, str, bool, bool, dict[str, Any]]:
         """The front's arguments (a backend's ``__init__`` gets what ``ZeROStrategy(...)`` was called with)."""
         bound = inspect.signature(ZeROStrategy.__init__).bind(self, *args, **kwargs)
         bound.apply_defaults()
-        _, stage, backend, offload_optimizer, offload_parameters, engine_options = bound.arguments.values()
+        _, stage, backend, offload_optimizer, offload_parameters, options, engine_options = bound.arguments.values()
+        both = sorted(set(options or {}) & set(engine_options))
+        if both:
+            raise TypeError(f"ZeROStrategy: {both[0]!r} is given twice, in options and as a keyword; give it once.")
+        engine_options = {**(options or {}), **engine_options}
         self.stage, self.backend = stage, backend
         self.offload_optimizer, self.offload_parameters = offload_optimizer, offload_parameters
         return stage, backend, offload_optimizer, offload_parameters, engine_options

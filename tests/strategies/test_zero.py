@@ -243,6 +243,20 @@ def test_registered_names_build_the_strategies() -> None:
     assert offload.offload_optimizer and offload.offload_parameters
 
 
+def test_engine_options_reach_the_engine_from_yaml(tmp_path: Path) -> None:
+    """LightningCLI passes only named arguments: ``options`` carries the engine's, and a typo is refused."""
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    strategy = {"class_path": "lightning_peft.strategies.ZeROStrategy",
+                "init_args": {"stage": 3, "options": {"stage3_param_persistence_threshold": 0}}}
+    args = {"trainer": {"strategy": strategy, "accelerator": "cpu", "logger": False}}
+    cli = LightningCLI(BoringModel, args=args, run=False)
+    assert cli.trainer.strategy.config["zero_optimization"]["stage3_param_persistence_threshold"] == 0
+    with pytest.raises(TypeError, match="given twice"):
+        ZeROStrategy(stage=3, options={"allgather_bucket_size": 1}, allgather_bucket_size=2)
+
+
 def test_engine_options_reach_the_engine() -> None:
     deepspeed = ZeROStrategy(stage=3, stage3_param_persistence_threshold=0, allgather_bucket_size=1024)
     assert deepspeed.config["zero_optimization"]["stage3_param_persistence_threshold"] == 0
