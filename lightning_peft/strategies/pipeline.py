@@ -75,6 +75,8 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_peft.strategies.device_map import _balanced_cuts
+
 __all__ = ["SCHEDULES", "Piece", "PipelineStrategy", "consolidate_checkpoint", "pipeline_pieces", "split_pieces"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -234,26 +236,9 @@ def split_pieces(
 
 
 def _balanced_starts(sizes: list[int], num_stages: int) -> list[int]:
-    """Start indices of stages 1..k-1 minimising the largest stage's total size (dynamic programming)."""
-    n = len(sizes)
-    prefix = [0]
-    for s in sizes:
-        prefix.append(prefix[-1] + s)
-    # best[k][i]: smallest max-stage size cutting the first i pieces into k stages; cut[k][i]: where the last starts
-    best = [[math.inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0
-    for k in range(1, num_stages + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                cost = max(best[k - 1][j], prefix[i] - prefix[j])
-                if cost < best[k][i]:
-                    best[k][i], cut[k][i] = cost, j
-    starts, i = [], n
-    for k in range(num_stages, 1, -1):
-        i = cut[k][i]
-        starts.append(i)
-    return starts[::-1]
+    """Start indices of stages 1..k-1 minimising the largest stage's total size (the device map's partition)."""
+    owner = _balanced_cuts(sizes, num_stages)  # stage of each piece
+    return [i for i in range(1, len(owner)) if owner[i] != owner[i - 1]]
 
 
 class _StageModule(nn.Module):
