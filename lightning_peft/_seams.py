@@ -1,0 +1,79 @@
+"""What a callback must know about the running strategy: one answer, asked of the strategy, never guessed.
+
+Callbacks meet strategies at three seams, and each has one function here:
+
+- :func:`data_parallel` -- the data-parallel size and rank. Not ``trainer.world_size`` / ``global_rank``: under
+  :class:`~lightning_peft.strategies.PipelineStrategy` every rank reads the same batch (size 1), under
+  :class:`~lightning_peft.strategies.TensorParallelStrategy` the ranks of one tensor-parallel group do (size
+  ``world / tp``). Lightning's ``strategy.distributed_sampler_kwargs`` is the existing answer; a strategy without
+  it (one device, the device map) is ``(1, 0)``.
+- :func:`strategy_family` -- where gradients live, as a short name: ``"plain"`` (``p.grad``, replicated: one
+  device, DDP, native ZeRO-1, the pipeline's stages, the device map), ``"dtensor"`` (DTensor shards: FSDP2, tensor
+  parallelism), ``"deepspeed"`` (the engine's own partitions; ``p.grad`` is None at stages 2 and 3). The pure half,
+  reading and changing those gradients, is :mod:`lightning_peft._grads`.
+- :func:`refuse` -- what a strategy cannot run is refused at setup, naming the callback, the strategy and why,
+  never run as a no-op that logs as if it had worked.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+__all__ = ["Family", "data_parallel", "refuse", "strategy_family", "strategy_name"]
+
+Family = Literal["plain", "dtensor", "deepspeed"]
+
+
+def data_parallel(strategy: Any) -> tuple[int, int]:
+    """``(size, rank)`` of the data-parallel group this process belongs to: how many distinct batches one
+    optimizer step sees, and which of them this process reads.
+
+    Args:
+        strategy: The trainer's strategy (``trainer.strategy``), after its environment is set up (from a
+            callback's ``setup`` hook on).
+
+    Example:
+        >>> from lightning.pytorch.strategies import SingleDeviceStrategy
+        >>> data_parallel(SingleDeviceStrategy("cpu"))
+        (1, 0)
+    """
+    kwargs = getattr(strategy, "distributed_sampler_kwargs", None)
+    if not kwargs:  # None for single-device strategies (the device map too)
+        return 1, 0
+    size, rank = int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+    if size < 1 or not 0 <= rank < size:
+        raise RuntimeError(
+            f"{type(strategy).__name__}.distributed_sampler_kwargs = {kwargs}: expected 0 <= rank < num_replicas."
+        )
+    return size, rank
+
+
+def strategy_name(strategy: Any) -> str:
+    """The strategy as a user names it in an error: ``ZeROStrategy(stage=3, backend='deepspeed')``, ``DDPStrategy``."""
+    describe = getattr(strategy, "_name", None)
+    if callable(describe):
+        return str(describe())
+    return type(strategy).__name__
+
+
+def strategy_family(strategy: Any) -> Family:
+    """Where the trainable gradients live under ``strategy`` (see the module docstring)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
+
+    if isinstance(strategy, DeepSpeedStrategy):
+        return "deepspeed"
+    if isinstance(strategy, ModelParallelStrategy):  # FSDP2 (native ZeRO 2/3) and tensor parallelism
+        return "dtensor"
+    return "plain"
+
+
+def refuse(who: str, strategy: Any, why: str, fix: str) -> RuntimeError:
+    """The error a callback raises at setup for a strategy it cannot run under (raise what this returns).
+
+    Example:
+        >>> from lightning.pytorch.strategies import SingleDeviceStrategy
+        >>> str(refuse("GradientNoise", SingleDeviceStrategy("cpu"), "it cannot", "remove one of them"))
+        'GradientNoise under SingleDeviceStrategy: it cannot. Remove one of them.'
+    """
+    fix = fix[:1].upper() + fix[1:]
+    return RuntimeError(f"{who} under {strategy_name(strategy)}: {why}. {fix}.")
