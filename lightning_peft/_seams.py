@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-__all__ = ["Family", "data_parallel", "refuse", "strategy_family", "strategy_name"]
+__all__ = ["Family", "data_parallel", "refuse", "splits_layers", "strategy_family", "strategy_name"]
 
 Family = Literal["plain", "dtensor", "deepspeed"]
 
@@ -65,6 +65,12 @@ def strategy_family(strategy: Any) -> Family:
     if isinstance(strategy, ModelParallelStrategy):  # FSDP2 (native ZeRO 2/3) and tensor parallelism
         return "dtensor"
     return "plain"
+
+
+def splits_layers(strategy: Any) -> bool:
+    """Whether ``strategy`` keeps only some layers of the model on each rank (pipeline parallelism), so that no
+    rank can run the whole model's forward by itself. Such a strategy sets ``splits_layers = True``."""
+    return bool(getattr(strategy, "splits_layers", False))
 
 
 def refuse(who: str, strategy: Any, why: str, fix: str) -> RuntimeError:

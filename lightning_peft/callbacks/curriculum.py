@@ -46,8 +46,10 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
+from lightning_peft._seams import data_parallel, refuse, splits_layers, strategy_family
 from lightning_peft.callbacks._target import resolve_target
 from lightning_peft.callbacks.gradient_accumulation import GradientAccumulation
+from lightning_peft.training.accumulation import AccumulationSchedule
 from lightning_peft.training.curriculum import (
     CurriculumSampler,
     LengthScorer,
@@ -155,7 +157,8 @@ class Curriculum(Callback):
                 "dataloader, through which the callback replaces the train sampler; use Lightning 2.x "
                 "(tested: 2.6)."
             )
-        _check_constant_accumulation(trainer)
+        _check_accumulation(trainer)
+        _check_scoring(self, trainer)
         original = source.dataloader
         self._trainer, self._source = trainer, source
         self.scores, self.sampler, self._loader = None, None, None
@@ -208,6 +211,9 @@ class Curriculum(Callback):
             return restored
         if self.scores is not None and len(self.scores) == count:
             return self.scores
+        if self._scores_on_every_rank(trainer):  # a sharded model's forward runs collectives on every rank
+            return compute_scores(loader.dataset, self._scorer(loader, pl_module),
+                                  cache_dir=self.cache_dir if trainer.global_rank == 0 else None)
         result: tuple[Tensor | None, str | None] = (None, None)
         error: Exception | None = None
         if trainer.global_rank == 0:
@@ -225,6 +231,14 @@ class Curriculum(Callback):
             )
         return scores
 
+    def _scores_on_every_rank(self, trainer: pl.Trainer) -> bool:
+        """Self-paced scoring under a strategy that shards the model: every rank must run the forward."""
+        return self._self_paced and strategy_family(trainer.strategy) != "plain"
+
+    @property
+    def _self_paced(self) -> bool:
+        return self.scoring_function is None and self.scorer == "loss" and self.teacher is None
+
     def _scorer(self, loader: DataLoader, pl_module: pl.LightningModule) -> Callable[[Any], float]:
         if self.scoring_function is not None:
             return self.scoring_function
@@ -237,11 +251,12 @@ class Curriculum(Callback):
         return LossScorer(model, collate_fn=loader.collate_fn, batch_size=loader.batch_size)
 
     def _make_sampler(self, scores: Tensor, loader: DataLoader, trainer: pl.Trainer) -> CurriculumSampler:
+        replicas, rank = data_parallel(trainer.strategy)  # not the world: pipeline stages share one batch
         settings = {
             "batch_size": loader.batch_size, "duration": self.duration, "pacing": self.pacing,
             "start_fraction": self.start_fraction, "stairs": self.stairs, "seed": self.seed,
-            "num_replicas": trainer.world_size, "rank": trainer.global_rank, "drop_last": loader.drop_last,
-            "accumulate_grad_batches": _accumulation_count(trainer, loader.batch_size),
+            "num_replicas": replicas, "rank": rank, "drop_last": loader.drop_last,
+            "accumulate_grad_batches": _accumulation(trainer, loader.batch_size),
         }
         sampler = CurriculumSampler(scores, **settings)
         limited = _limited_batches(sampler.full_batches, trainer.limit_train_batches)
@@ -283,7 +298,8 @@ class Curriculum(Callback):
         position = None
         if self.sampler is not None and self._trainer is not None:
             done = self._trainer.fit_loop.epoch_loop.batch_progress.current.ready
-            position = {"epoch": self.sampler.epoch, "batches": min(done, self.sampler.batches_per_epoch)}
+            position = {"epoch": self.sampler.epoch, "batches": min(done, self.sampler.batches_per_epoch),
+                        "step": self._trainer.global_step, "epoch_step": self.sampler.step(self.sampler.epoch, 0)}
         return {**self._settings(), "scores": self.scores, "position": position}
 
     @override
@@ -367,36 +383,43 @@ def _limited_batches(batches: int, limit: float) -> int:
     return max(1, int(batches * limit))
 
 
-def _check_constant_accumulation(trainer: pl.Trainer) -> None:
-    """Raises if the accumulation count can change: the pacing maps batches to optimizer steps with one count."""
+def _check_accumulation(trainer: pl.Trainer) -> None:
+    """Raises for Lightning's epoch-keyed accumulation scheduler, whose windows the pacing cannot follow."""
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        schedule = getattr(callback, "schedule", None)
-        if isinstance(callback, GradientAccumulation) and schedule is not None and not schedule.is_constant:
-            raise ValueError(
-                f"Curriculum: GradientAccumulation(schedule={schedule.schedule}) changes the number of micro-batches "
-                "per optimizer step, but the curriculum paces by optimizer step with one count; use a constant "
-                "count with it (schedule=K or global_batch_size=...)."
-            )
         if isinstance(callback, GradientAccumulationScheduler):
             raise ValueError(
                 f"Curriculum: GradientAccumulationScheduler(scheduling={callback.scheduling}) changes the number of "
-                "micro-batches per optimizer step between epochs, but the curriculum paces by optimizer step with "
-                "one count; use Trainer(accumulate_grad_batches=K) or GradientAccumulation(global_batch_size=...)."
+                "micro-batches per optimizer step between epochs, and the curriculum paces by the optimizer step of "
+                "each batch; use lightning_peft.callbacks.GradientAccumulation(schedule={step: count}) instead, "
+                "keyed by the first optimizer step of each epoch (the curriculum follows its windows)."
             )
 
 
-def _accumulation_count(trainer: pl.Trainer, micro_batch_size: int) -> int:
-    """Micro-batches per optimizer step: a ``GradientAccumulation`` callback's constant count, else the trainer's.
+def _accumulation(trainer: pl.Trainer, micro_batch_size: int) -> int | AccumulationSchedule:
+    """Micro-batches per optimizer step: a ``GradientAccumulation`` callback's schedule, else the trainer's count.
 
     (While ``GradientAccumulation`` runs, ``trainer.accumulate_grad_batches`` holds the current window's length,
-    which at an epoch's end is shorter; its own count is the one to pace by.)
+    which at an epoch's end is shorter; its own schedule is the one to pace by.)
     """
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, GradientAccumulation):
-            count = callback.count_for(micro_batch_size, trainer.world_size)
+            if callback.schedule is not None:
+                return callback.schedule
+            count = callback.count_for(micro_batch_size, data_parallel(trainer.strategy)[0])
             if count is not None:
                 return count
     return trainer.accumulate_grad_batches
+
+
+def _check_scoring(curriculum: Curriculum, trainer: pl.Trainer) -> None:
+    """Raises for self-paced scoring under a strategy that puts different layers on different ranks."""
+    if curriculum._self_paced and splits_layers(trainer.strategy):
+        raise refuse(
+            "Curriculum(scorer='loss')", trainer.strategy,
+            "self-paced scoring runs the whole model on each sample, and this strategy keeps only some layers on "
+            "each rank", "score with a teacher (Curriculum(scorer='loss', teacher=<a saved model directory>)), "
+            "with scorer='length' or a function, or pass the scores through a cached run on one process",
+        )
 
 
 def _check_teacher(teacher: object, scorer: object) -> None:

@@ -358,6 +358,8 @@ class PipelineStrategy(DDPStrategy):
         0.2
     """
 
+    splits_layers = True  # each rank holds only its stages (lightning_peft._seams.splits_layers)
+
     strategy_name = "pipeline"
 
     def __init__(

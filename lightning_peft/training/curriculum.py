@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import logging
 import math
 import numbers
@@ -61,6 +62,7 @@ from torch import Tensor, nn
 from torch.utils.data import Sampler, default_collate
 
 from lightning_peft._atomic import write_files
+from lightning_peft.training.accumulation import AccumulationSchedule
 
 __all__ = [
     "PACINGS", "CurriculumSampler", "LengthScorer", "LossScorer", "classification_loss", "compute_scores",
@@ -275,7 +277,8 @@ class LossScorer:
             digest.update(name.encode())
             _feed_tensor(digest, tensor)
         return (f"LossScorer(model={type(self.model).__qualname__}:{digest.hexdigest()}, "
-                f"loss_fn={_fingerprint(self.loss_fn)})")
+                f"loss_fn={_fingerprint(self.loss_fn)}, collate_fn={_fingerprint(self.collate_fn)}, "
+                f"batch_size={self.batch_size})")
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
@@ -444,11 +447,13 @@ def _fingerprint(scorer: Any) -> str:
     if isinstance(scorer, functools.partial):
         keywords = sorted(scorer.keywords.items())
         return f"partial({_fingerprint(scorer.func)}, args={scorer.args!r}, keywords={keywords!r})"
+    if inspect.ismethod(scorer):  # what the method reads of its object is keyed too
+        return f"{_fingerprint(scorer.__func__)}:self={_object_key(scorer.__self__)}"
     code = getattr(scorer, "__code__", None)
     if isinstance(code, CodeType):
         digest = hashlib.blake2b(digest_size=16)
         _feed_code(digest, code)
-        defaults = getattr(scorer, "__defaults__", None)
+        defaults = (getattr(scorer, "__defaults__", None), sorted((getattr(scorer, "__kwdefaults__", None) or {}).items()))
         # What the code reads besides its arguments: closure cells and the module globals it names. Plain data is
         # keyed by value (a threshold captured by a closure, a MAX_LEN constant); anything else by its type only.
         cells = [_data_key(cell.cell_contents) for cell in (getattr(scorer, "__closure__", None) or ())
@@ -463,6 +468,40 @@ def _fingerprint(scorer: Any) -> str:
         "fingerprint; give it a fingerprint() method returning a string that changes when its scores would, "
         "use a plain function, or pass cache_dir=None."
     )
+
+
+def _object_key(value: Any) -> str:
+    """A key of an object's state, for the object a scoring method is bound to: its own ``fingerprint()`` if it
+    has one; tensors and modules by content; plain data by value; other objects by their attributes.
+
+    Raises:
+        TypeError: For state that cannot be keyed (an object without ``__dict__`` nor a fingerprint).
+    """
+    own = getattr(value, "fingerprint", None)
+    if callable(own):
+        return str(own())
+    if isinstance(value, Tensor):
+        digest = hashlib.blake2b(digest_size=16)
+        _feed_tensor(digest, value)
+        return f"tensor:{digest.hexdigest()}"
+    if isinstance(value, nn.Module):
+        return f"{type(value).__qualname__}({_object_key(dict(value.state_dict()))}, training={value.training})"
+    if value is None or isinstance(value, bool | int | float | complex | str | bytes):
+        return repr(value)
+    if isinstance(value, tuple | list):
+        return f"{type(value).__name__}({[_object_key(v) for v in value]})"
+    if isinstance(value, Mapping):
+        return f"dict({sorted((repr(k), _object_key(v)) for k, v in value.items())})"
+    if callable(value) and hasattr(value, "__code__"):
+        return _fingerprint(value)
+    state = getattr(value, "__dict__", None)
+    if state is None:
+        raise TypeError(
+            f"compute_scores: cannot key the score cache by the state of a {type(value).__qualname__} (a scoring "
+            "method's object); give its class a fingerprint() method returning a string that changes when its "
+            "scores would, or pass cache_dir=None."
+        )
+    return f"{type(value).__module__}.{type(value).__qualname__}({_object_key(dict(state))})"
 
 
 def _data_key(value: Any) -> str:
@@ -522,16 +561,20 @@ class CurriculumSampler(Sampler[int]):
     """Draws each batch from the easiest ``ceil(g(t) * N)`` samples (``g`` the pacing, ``t`` the step).
 
     See the module docstring for the draw rule. Use it as a DataLoader's ``sampler`` with the same
-    ``batch_size``; under DDP give every rank the same arguments but its own ``rank``. The step of batch ``k``
-    of epoch ``e`` is the optimizer step a trainer reaches there: ``e * ceil(batches_per_epoch / a) + k // a``
-    with ``a = accumulate_grad_batches`` (a trainer steps at the end of an epoch even with an unfinished
-    accumulation).
+    ``batch_size``; under DDP give every rank the same arguments but its own ``rank`` (the data-parallel rank:
+    under pipeline or tensor parallelism the ranks that read one batch share it). The step of batch ``k`` of
+    epoch ``e`` is the optimizer step a trainer reaches there: windows of ``accumulate_grad_batches``
+    micro-batches (a count, or a step-keyed :class:`~lightning_peft.training.AccumulationSchedule`) are laid from
+    each epoch's first batch, one optimizer step each, and a trainer steps at the end of an epoch even inside a
+    window; for a constant count ``a`` that is ``e * ceil(batches_per_epoch / a) + k // a``.
 
-    Resuming: ``state_dict()`` is ``{"epoch", "batches"}`` (batches of that epoch handed out, counted when a
-    batch's first index is; right for a DataLoader without workers), and ``load_state_dict`` makes the next
-    iteration go on from there. DataLoader workers fetch ahead of training; then save
-    ``{"epoch": e, "batches": <batches trained in epoch e>}`` yourself (the ``Curriculum`` callback takes it
-    from the trainer).
+    Resuming: ``state_dict()`` is ``{"epoch", "batches", "step", "epoch_step"}`` (batches of that epoch handed
+    out, counted when a batch's first index is; the optimizer step there and at the epoch's start), and
+    ``load_state_dict`` makes the next iteration go on from there, pacing from that *step*: a run resumed with
+    another accumulation count, number of ranks or ``limit_train_batches`` keeps pacing by the optimizer step
+    it is really at. DataLoader workers fetch ahead of training; then save ``{"epoch": e, "batches": <batches
+    trained in epoch e>, "step": <optimizer steps done>}`` yourself (the ``Curriculum`` callback takes them from
+    the trainer).
 
     Args:
         scores: One score per sample, shape ``(N,)``; low is easy; ties are broken by a shuffle drawn
@@ -546,7 +589,8 @@ class CurriculumSampler(Sampler[int]):
         rank: This process's rank, in ``[0, R)``.
         drop_last: Drop the samples that would make an incomplete last batch (set it as the DataLoader's).
             Else every rank gets ``ceil(N / R)`` samples (the extra ones drawn like the others).
-        accumulate_grad_batches: Batches per optimizer step: the pool changes only between optimizer steps.
+        accumulate_grad_batches: Batches per optimizer step (a count or a step-keyed schedule): the pool changes
+            only between optimizer steps.
         batches_per_epoch: Batches actually trained per epoch when a trainer cuts epochs short
             (``limit_train_batches``); None: all of them.
 
@@ -576,10 +620,12 @@ class CurriculumSampler(Sampler[int]):
         num_replicas: int = 1,
         rank: int = 0,
         drop_last: bool = False,
-        accumulate_grad_batches: int = 1,
+        accumulate_grad_batches: int | AccumulationSchedule = 1,
         batches_per_epoch: int | None = None,
     ) -> None:
         who = "CurriculumSampler"
+        accumulation = (accumulate_grad_batches if isinstance(accumulate_grad_batches, AccumulationSchedule)
+                        else None)
         check_pacing(pacing, start_fraction, duration, stairs, who)
         scores = torch.as_tensor(scores, dtype=torch.float64).detach().cpu()
         if scores.ndim != 1 or scores.numel() == 0:
@@ -593,9 +639,10 @@ class CurriculumSampler(Sampler[int]):
                 "checks this)."
             )
         for name, value, minimum in (("batch_size", batch_size, 1), ("seed", seed, 0),
-                                     ("num_replicas", num_replicas, 1), ("rank", rank, 0),
-                                     ("accumulate_grad_batches", accumulate_grad_batches, 1)):
+                                     ("num_replicas", num_replicas, 1), ("rank", rank, 0)):
             _check_int(who, name, value, minimum)
+        if accumulation is None:
+            _check_int(who, "accumulate_grad_batches", accumulate_grad_batches, minimum=1)
         if rank >= num_replicas:
             raise ValueError(
                 f"{who}(rank={rank}, num_replicas={num_replicas}): rank must be in [0, num_replicas)."
@@ -625,21 +672,51 @@ class CurriculumSampler(Sampler[int]):
         self.batch_size, self.duration, self.pacing = batch_size, duration, pacing
         self.start_fraction, self.stairs, self.seed = start_fraction, stairs, seed
         self.num_replicas, self.rank, self.drop_last = num_replicas, rank, drop_last
-        self.accumulate_grad_batches = accumulate_grad_batches
+        self.accumulation = accumulation or AccumulationSchedule(accumulate_grad_batches, who=who)
+        self.accumulate_grad_batches = self.accumulation.min_count if self.accumulation.is_constant else None
         self.num_samples = per_rank
         self.full_batches = full_batches
         self.batches_per_epoch = batches_per_epoch or full_batches
-        self.steps_per_epoch = -(-self.batches_per_epoch // accumulate_grad_batches)
         self.epoch = 0
         self._start = 0  # the batch the next iteration of self.epoch begins with
         self._delivered = 0  # batches of self.epoch handed out so far
+        # (epoch, batch, step, epoch_step): batch `batch` of `epoch` starts a window that produces optimizer step
+        # `step`, and the epoch's first batch produced `epoch_step`. Steps are walked from here.
+        self._anchor = (0, 0, 0, 0)
+        self._steps: tuple[int, list[int]] | None = None  # (epoch, the step of each of its batches)
 
     def __len__(self) -> int:
         return self.num_samples
 
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps of a whole epoch (from step 0 for a changing schedule)."""
+        return self.accumulation.steps_in_epochs(self.batches_per_epoch, 1)
+
     def step(self, epoch: int, batch: int) -> int:
-        """The optimizer step at batch ``batch`` of epoch ``epoch``."""
-        return epoch * self.steps_per_epoch + batch // self.accumulate_grad_batches
+        """The optimizer step at batch ``batch`` of epoch ``epoch`` (at or after the loaded position's epoch)."""
+        return self._epoch_steps(epoch)[batch]
+
+    def _epoch_steps(self, epoch: int) -> list[int]:
+        """The optimizer step of every batch of epoch ``epoch``, shape ``(full_batches,)``."""
+        if self._steps is not None and self._steps[0] == epoch:
+            return self._steps[1]
+        anchor_epoch, first, step, epoch_step = self._anchor
+        if epoch < anchor_epoch:
+            raise ValueError(
+                f"CurriculumSampler.step(epoch={epoch}): the sampler continues from epoch {anchor_epoch}; earlier "
+                "epochs are not paced any more."
+            )
+        if epoch > anchor_epoch:
+            if first < self.batches_per_epoch:  # the rest of the anchor's epoch
+                step += self.accumulation.steps_in_epochs(self.batches_per_epoch - first, 1, step)
+            step += self.accumulation.steps_in_epochs(self.batches_per_epoch, epoch - anchor_epoch - 1, step)
+            first, epoch_step = 0, step
+        # Batches before the anchor (replayed, not trained) as the run that wrote it laid them; the rest from it.
+        steps = _window_steps(self.accumulation, first, epoch_step)
+        steps += _window_steps(self.accumulation, self.full_batches - first, step)
+        self._steps = (epoch, steps)
+        return steps
 
     def pool_size(self, step: int) -> int:
         """How many of the easiest samples step ``step`` draws from: ``ceil(g(step) * N)``, at least 1."""
@@ -664,8 +741,16 @@ class CurriculumSampler(Sampler[int]):
             self.epoch, self._start, self._delivered = epoch, 0, 0
 
     def state_dict(self) -> dict[str, int]:
-        """``{"epoch": e, "batches": k}``: ``k`` batches of epoch ``e`` were handed out."""
-        return {"epoch": self.epoch, "batches": self._delivered}
+        """``{"epoch": e, "batches": k, "step": t, "epoch_step": t0}``: ``k`` batches of epoch ``e`` were handed
+        out; the next one is paced at optimizer step ``t``, and the epoch's first one was at ``t0``."""
+        return {"epoch": self.epoch, "batches": self._delivered, "step": self._step_after(self.epoch, self._delivered),
+                "epoch_step": self.step(self.epoch, 0)}
+
+    def _step_after(self, epoch: int, batches: int) -> int:
+        """The optimizer step of the batch after ``batches`` batches of ``epoch`` (the next epoch's first)."""
+        if batches < self.batches_per_epoch:
+            return self.step(epoch, batches)
+        return self.step(epoch, 0) + self.accumulation.steps_in_epochs(self.batches_per_epoch, 1, self.step(epoch, 0))
 
     def load_state_dict(self, state_dict: Mapping[str, int]) -> None:
         """Continue after batch ``batches`` of epoch ``epoch`` (at the next epoch if that one is complete).
@@ -687,8 +772,15 @@ class CurriculumSampler(Sampler[int]):
                 f"{who}(batches={batches}): an epoch has {self.batches_per_epoch} batches here; was the "
                 "state saved with another batch size, data set or number of ranks?"
             )
+        # An older state without steps: the steps this sampler's own settings give there.
+        self._anchor, self._steps = (0, 0, 0, 0), None
+        step = state_dict.get("step", self._step_after(epoch, batches))
+        epoch_step = state_dict.get("epoch_step", self.step(epoch, 0))
+        _check_int(who, "step", step, minimum=0)
+        _check_int(who, "epoch_step", epoch_step, minimum=0)
         if batches == self.batches_per_epoch:
-            epoch, batches = epoch + 1, 0
+            epoch, batches, epoch_step = epoch + 1, 0, step
+        self._anchor, self._steps = (epoch, batches, step, epoch_step), None
         self.epoch, self._start, self._delivered = epoch, batches, batches
 
     def __iter__(self) -> Iterator[int]:
@@ -698,9 +790,10 @@ class CurriculumSampler(Sampler[int]):
         replicas = self.num_replicas
         swaps: dict[int, int] = {}  # Fisher-Yates over positions of self.order; only moved ones are stored
         drawn = 0  # draws so far in the current pass
+        steps = self._epoch_steps(epoch)
         for batch in range(self.full_batches):
             size = min(self.batch_size, self.num_samples - batch * self.batch_size)  # the same on every rank
-            pool = self.pool_size(self.step(epoch, batch))
+            pool = self.pool_size(steps[batch])
             uniforms = torch.rand(replicas * size, generator=generator, dtype=torch.float64)  # (R * b,)
             picks = []
             for uniform in uniforms.tolist():
@@ -716,6 +809,14 @@ class CurriculumSampler(Sampler[int]):
             self._delivered = batch + 1
             for pick in picks[self.rank :: replicas]:
                 yield self.order[pick]
+
+
+def _window_steps(accumulation: AccumulationSchedule, batches: int, step: int) -> list[int]:
+    """The optimizer step of each of ``batches`` micro-batches laid in windows from ``step``."""
+    if batches == 0:
+        return []
+    sizes = accumulation.windows(batches, step)
+    return [step + index for index, size in enumerate(sizes) for _ in range(size)]
 
 
 # ------------------------------------------------------------------------------------ sequence-length warm-up

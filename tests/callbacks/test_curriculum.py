@@ -181,7 +181,7 @@ def test_a_resumed_run_continues_the_schedule_of_the_straight_run(tiny_bert_conf
             assert torch.equal(adapter_state_dict(resumed.model)[key], value), (checkpoint, key)
     state = torch.load(tmp_path / "straight" / "steps" / "step=6.ckpt", weights_only=False)["callbacks"]
     (saved,) = [v for k, v in state.items() if k.startswith("Curriculum")]
-    assert saved["position"] == {"epoch": 1, "batches": 2}
+    assert saved["position"] == {"epoch": 1, "batches": 2, "step": 6, "epoch_step": 4}
 
 
 def test_self_paced_scores_are_the_losses_of_the_model_before_training(tiny_bert_config, tmp_path):
@@ -364,3 +364,50 @@ def test_a_dotted_path_names_the_scorer():
 def test_bad_settings_fail_when_the_callback_is_made(kwargs, error, match):
     with pytest.raises(error, match=match):
         Curriculum(**{"duration": 4, **kwargs})
+
+
+class RecordPools(Callback):
+    """The sample indices of every batch and the optimizer step it trained at."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.steps.append(trainer.global_step)
+
+
+def test_a_changing_accumulation_schedule_paces_every_batch_by_the_step_it_trains(tiny_bert_config, tmp_path):
+    """GradientAccumulation(schedule={0: 1, 2: 3}) beside the curriculum (refused before): each batch comes from
+    the pool of the optimizer step Lightning is really at."""
+    from lightning_peft.callbacks import GradientAccumulation
+
+    torch.manual_seed(0)
+    module = Indexed(tiny_bert_config)
+    curriculum, pools = Curriculum(duration=6, scorer=token_sum, start_fraction=0.25), RecordPools()
+    callbacks = [LoRA(**LORA_ARGS), GradientAccumulation(schedule={0: 1, 2: 3}), curriculum, pools]
+    trainer(tmp_path, max_epochs=2, callbacks=callbacks).fit(module, DataLoader(indexed_data(), batch_size=2))
+    assert pools.steps == [0, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4, 5, 5, 5, 6, 6]  # windows 1 1 3 3 | 3 3 2 (epoch ends)
+    sampler = curriculum.sampler
+    for step, seen in zip(pools.steps, module.seen):
+        assert set(seen) <= set(sampler.order[: sampler.pool_size(step)]), (step, seen)
+    assert [sampler.step(1, k) for k in range(8)] == pools.steps[8:]
+
+
+def test_lightnings_epoch_keyed_accumulation_scheduler_is_refused_with_the_replacement(tiny_bert_config, tmp_path):
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    run = trainer(tmp_path, max_steps=1, callbacks=[Curriculum(duration=4), GradientAccumulationScheduler({0: 1, 1: 2})])
+    with pytest.raises(ValueError, match=r"Curriculum: GradientAccumulationScheduler\(scheduling=\{0: 1, 1: 2\}\).*"
+                                         r"GradientAccumulation\(schedule=\{step: count\}\)"):
+        run.fit(Indexed(tiny_bert_config), DataLoader(indexed_data(), batch_size=2))
+
+
+def test_self_paced_scoring_is_refused_under_a_strategy_that_splits_the_layers():
+    from lightning_peft.callbacks.curriculum import _check_scoring
+    from lightning_peft.strategies import PipelineStrategy
+
+    run = types.SimpleNamespace(strategy=PipelineStrategy(num_stages=2, num_microbatches=2))
+    with pytest.raises(RuntimeError, match=r"Curriculum\(scorer='loss'\) under PipelineStrategy: self-paced scoring "
+                                           r"runs the whole model.*Score with a teacher"):
+        _check_scoring(Curriculum(duration=4, scorer="loss"), run)
+    _check_scoring(Curriculum(duration=4, scorer="length"), run)  # no model needed: accepted

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_peft.training import curriculum
+from lightning_peft.training import AccumulationSchedule, curriculum
 from lightning_peft.training.curriculum import (
     CurriculumSampler,
     LengthScorer,
@@ -186,6 +186,27 @@ def test_gradient_accumulation_holds_the_pool_for_a_whole_optimizer_step():
     assert limited.steps_per_epoch == 3 and limited.step(1, 0) == 3
 
 
+def test_a_changing_accumulation_schedule_paces_each_batch_by_its_windows_step():
+    sampler = CurriculumSampler(shuffled_scores(40), batch_size=4, duration=6,
+                                accumulate_grad_batches=AccumulationSchedule({0: 1, 2: 3}))
+    assert [sampler.step(0, k) for k in range(10)] == [0, 1, 2, 2, 2, 3, 3, 3, 4, 4]  # windows 1, 1, 3, 3, 2
+    assert sampler.step(1, 0) == 5 and sampler.steps_per_epoch == 5
+    for step, drawn in zip([sampler.step(0, k) for k in range(10)], batches(sampler)):
+        assert set(drawn) <= set(sampler.order[: sampler.pool_size(step)])
+
+
+def test_a_resumed_sampler_paces_from_the_saved_optimizer_step_whatever_its_count():
+    """Saved after 4 steps of 1 batch, resumed with 2 batches a step: batch 4 is still step 4, not 4 // 2."""
+    sampler = CurriculumSampler(shuffled_scores(40), batch_size=4, duration=8, accumulate_grad_batches=2)
+    sampler.load_state_dict({"epoch": 0, "batches": 4, "step": 4, "epoch_step": 0})
+    assert [sampler.step(0, k) for k in range(4, 10)] == [4, 4, 5, 5, 6, 6]
+    assert sampler.step(1, 0) == 7  # the rest of epoch 0 took steps 4-6
+    assert sampler.state_dict() == {"epoch": 0, "batches": 4, "step": 4, "epoch_step": 0}
+    limited = CurriculumSampler(shuffled_scores(40), batch_size=4, duration=8, batches_per_epoch=5)
+    limited.load_state_dict({"epoch": 1, "batches": 2, "step": 12, "epoch_step": 10})  # saved with 10 a epoch
+    assert limited.step(1, 2) == 12 and limited.step(2, 0) == 15
+
+
 def test_a_restored_sampler_continues_the_same_draws():
     def make():
         return CurriculumSampler(shuffled_scores(32), batch_size=4, duration=6, start_fraction=0.25)
@@ -198,7 +219,7 @@ def test_a_restored_sampler_continues_the_same_draws():
     loader = iter(DataLoader(range(32), batch_size=4, sampler=first))
     taken = [next(loader).tolist() for _ in range(3)]
     state = first.state_dict()
-    assert state == {"epoch": 1, "batches": 3} and taken == reference[:3]
+    assert state == {"epoch": 1, "batches": 3, "step": 11, "epoch_step": 8} and taken == reference[:3]
     assert first.admitted_fraction == first.pool_size(first.step(1, 2)) / 32
     resumed = make()
     resumed.load_state_dict(state)
@@ -207,7 +228,7 @@ def test_a_restored_sampler_continues_the_same_draws():
     assert [b.tolist() for b in DataLoader(range(32), batch_size=4, sampler=resumed)] == reference  # afresh
     done = make()
     done.load_state_dict({"epoch": 1, "batches": 8})  # a complete epoch: go on with the next
-    assert done.state_dict() == {"epoch": 2, "batches": 0}
+    assert done.state_dict() == {"epoch": 2, "batches": 0, "step": 16, "epoch_step": 16}
 
 
 @pytest.mark.parametrize(("args", "kwargs", "error", "match"), [
@@ -334,6 +355,45 @@ def test_what_a_function_reads_besides_its_argument_is_in_the_key(monkeypatch):
     before = fingerprint(capped)
     monkeypatch.setitem(capped.__globals__, "MAX_TOKEN", 3)
     assert fingerprint(capped) != before  # the module-level constant it reads
+
+
+def scaled(sample, *, weight=1.0):
+    return weight * float(sample["input_ids"][0])
+
+
+class Scaler:
+    def __init__(self, weight: float) -> None:
+        self.weight = weight
+
+    def score(self, sample) -> float:
+        return self.weight * float(sample["input_ids"][0])
+
+
+def test_keyword_defaults_bound_objects_and_loss_scorer_settings_are_in_the_key():
+    fingerprint = curriculum._fingerprint
+    before = fingerprint(scaled)
+    scaled.__kwdefaults__ = {"weight": 2.0}  # a keyword-only default changed: other scores
+    try:
+        assert fingerprint(scaled) != before
+    finally:
+        scaled.__kwdefaults__ = {"weight": 1.0}
+    assert fingerprint(Scaler(1.0).score) == fingerprint(Scaler(1.0).score)
+    assert fingerprint(Scaler(1.0).score) != fingerprint(Scaler(2.0).score)  # the method's object
+    model = nn.Linear(4, 3)
+    keys = {fingerprint(LossScorer(model, batch_size=2)), fingerprint(LossScorer(model, batch_size=4)),
+            fingerprint(LossScorer(model, batch_size=2, collate_fn=lambda samples: samples))}
+    assert len(keys) == 3  # batch size and collate function change padding, hence the losses
+
+
+def test_a_method_of_an_object_without_state_to_key_is_refused():
+    class Slots:
+        __slots__ = ("weight",)
+
+        def score(self, sample) -> float:
+            return 0.0
+
+    with pytest.raises(TypeError, match=r"cannot key the score cache by the state of a .*Slots .*fingerprint\(\)"):
+        curriculum._fingerprint(Slots().score)
 
 
 def test_an_interrupted_cache_write_leaves_no_file(tmp_path, monkeypatch):
