@@ -23,18 +23,23 @@ __all__ = ["gathered"]
 
 
 @contextlib.contextmanager
-def gathered(module: nn.Module, params: Iterable[nn.Parameter] | None = None) -> Iterator[nn.Module]:
+def gathered(
+    module: nn.Module, params: Iterable[nn.Parameter] | None = None, root: nn.Module | None = None
+) -> Iterator[nn.Module]:
     """Inside, the chosen parameters of ``module`` (default: all) hold their full values on every rank.
 
     Args:
         module: The model whose parameters to gather.
         params: The parameters to gather (a subset of ``module``'s); the others stay as they are.
+        root: The outermost module that FSDP2 sharded, when ``module`` is inside it (a LightningModule is the root
+            unit; its own parameters, e.g. a head, stay gathered after an evaluation forward at stage 2 until it
+            is resharded).
 
     Yields:
         ``module``.
     """
     chosen = None if params is None else {id(p) for p in params}
-    _reshard(module)
+    _reshard(module if root is None else root)
     wanted = [p for p in module.parameters() if chosen is None or id(p) in chosen]
     with _deepspeed_gathered([p for p in wanted if hasattr(p, "ds_id")]), _dtensors_gathered(module, chosen):
         yield module

@@ -186,7 +186,7 @@ def _gathered(trainer: pl.Trainer, model, params):
     """The strategy's own gathering if it has one (a pipeline's ranks hold different layers), else the generic one
     (ZeRO-3 partitions, DTensor shards); for unsharded models it does nothing."""
     own = getattr(trainer.strategy, "gathered_parameters", None)
-    return own(model, params) if callable(own) else gathered(model, params)
+    return own(model, params) if callable(own) else gathered(model, params, root=trainer.lightning_module)
 
 
 def adapter_parameters(model) -> list:

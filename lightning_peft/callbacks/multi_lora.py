@@ -36,9 +36,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_peft._seams import data_parallel, refuse, strategy_family
 from lightning_peft.callbacks._checkpoint import (
     AdapterCallback,
     refuse_changed_settings,
@@ -119,6 +121,7 @@ class MultiLoRA(AdapterCallback):
                 )
         self._routing = lora_spec(model).routing
         watch_checkpoint_loads(pl_module, "MultiLoRA")
+        _check_strategy(trainer.strategy)
 
     def names_of(self, batch: Any) -> list[str | None] | None:
         """Each sample's adapter from ``batch[routing_key]`` (None when the batch has no such entry).
@@ -211,3 +214,26 @@ class MultiLoRA(AdapterCallback):
                              f"{list(now)}. Resume with the checkpoint's adapters, or start a new run without ckpt_path.")
         for name, config in saved.items():
             refuse_changed_settings(f"MultiLoRA (adapter {name!r})", config, now[name], ("dropout", "init"))
+
+
+def _check_strategy(strategy: object) -> None:
+    """Refuses sharded data parallelism; lets DDP reduce the adapters a rank's batch did not use."""
+    if strategy_family(strategy) != "plain" and data_parallel(strategy)[0] > 1:
+        raise refuse(
+            "MultiLoRA", strategy,
+            "a rank whose batch routes no sample to an adapter has no gradient for that adapter's parameters, and "
+            "this strategy reduces gradients as buffers of the same size on every rank (gloo aborts the process on "
+            "the mismatch)", "use DDP, ZeROStrategy(stage=1, backend='native'), tensor or pipeline parallelism "
+            "without data parallelism, or one process for several adapters; or train one adapter at a time with LoRA",
+        )
+    _let_unused_adapters_through(strategy)
+
+
+def _let_unused_adapters_through(strategy: object) -> None:
+    """Under DDP, a rank whose batch routes no sample to an adapter leaves that adapter's parameters without a
+    gradient; DDP's reducer then waits for them forever (the other ranks hang in backward). With
+    ``find_unused_parameters`` it reduces them as zeros: the average is the one-process gradient."""
+    kwargs = getattr(strategy, "_ddp_kwargs", None)
+    if isinstance(strategy, DDPStrategy) and isinstance(kwargs, dict) and not kwargs.get("find_unused_parameters"):
+        kwargs["find_unused_parameters"] = True
+        rank_zero_info("MultiLoRA: DDP set to find_unused_parameters=True (a rank's batch may leave an adapter unused).")

@@ -1,0 +1,38 @@
+"""Run on 2 ranks by ``tests/matrix/test_matrix.py``: every row of the matrix under every 2-process column, then
+the resume check of the all-in-one cell per strategy family, in one process group (a launch costs more than a
+tiny fit).
+
+Usage: ``python matrix_script.py OUT [COLUMN ...]`` on each rank, with MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK
+and LOCAL_RANK set as torchrun sets them. Each cell writes ``OUT/<row>/<column>/<model>/result.json``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from tests.matrix.cells import COLUMNS, ROWS, run_cell, run_resume  # noqa: E402
+
+
+def main(out: Path, names: list[str]) -> None:
+    columns = [c for c in COLUMNS if c.devices == 2 and (not names or c.name in names)]
+    for column in columns:
+        for row in ROWS:
+            start = time.perf_counter()
+            result = run_cell(out, row, column)
+            print(f"[matrix] {column.name} | {row.name}: {result['outcome']} in {time.perf_counter() - start:.1f} s",
+                  flush=True)
+        if column.family:
+            run_resume(out, column)
+            print(f"[matrix] {column.name} | resume done", flush=True)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

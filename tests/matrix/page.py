@@ -1,0 +1,84 @@
+"""Writes ``docs/compatibility.md`` from the matrix's outcomes (never by hand).
+
+``python -m tests.matrix.page RESULTS.json`` writes the page from a results file that ``test_matrix.py`` left
+(``MATRIX_RESULTS=path`` makes it keep one); ``test_matrix.py`` checks that the committed page is what this
+writes from the outcomes of its own run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+from tests.matrix.cells import COLUMNS, REFERENCE, ROWS
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "compatibility.md"
+
+HEADER = """# Compatibility: every callback under every strategy
+
+Written by `tests/matrix/page.py` from the outcomes of `tests/matrix/test_matrix.py`, which CI runs; a test fails
+when this page and the outcomes differ. Do not edit it by hand.
+
+Each cell trains a few optimizer steps of a tiny model (a Hugging Face BERT; the project's `TransformerEncoder`
+where the pipeline cuts it and for token pruning) written the way existing projects write a LightningModule:
+every parameter grouped by name in `configure_optimizers` (frozen ones too), a linear warm-up schedule over
+`trainer.estimated_stepping_batches` stepped per step, torchmetrics accuracy, `sync_dist` logging. Training-dynamics
+rows run with LoRA. A cell has two allowed outcomes:
+
+- **equal** — the exported adapter (and merged model) and the validation metrics equal the one-process run on the
+  same global batch, within {tolerance} (tensor parallelism: {tp_tolerance}). Data-parallel strategies split the
+  batch over 2 ranks; tensor and pipeline parallelism give both ranks of a group the same batch.
+- **refused** — an error at setup, before the first batch, naming both parts and why.
+
+A third outcome, running and differing, fails the test. The all-in-one row is LoRA + LayerwiseLRDecay +
+GradientAccumulation (global batch of 2 micro-batches) + Curriculum + GradientNoise + MergeOnSave. Below the grid,
+the resume check: the all-in-one cell with dropout on (the model's and LoRA's), resumed from a checkpoint after the
+first optimizer step, equals the straight run, for each strategy family.
+"""
+
+
+def write(results: dict[str, dict[str, dict[str, object]]], tolerances: dict[str, float]) -> str:
+    """The page for ``results[row][column] = {"outcome": "equal" | "refused", "reason": ...}``."""
+    lines = [HEADER.format(tolerance=tolerances["default"], tp_tolerance=tolerances["tensor parallel"]), ""]
+    columns = [c.name for c in COLUMNS]
+    lines.append("| callback | " + " | ".join(columns) + " |")
+    lines.append("| --- | " + " | ".join(":---:" for _ in columns) + " |")
+    reasons: list[str] = []
+    for row in ROWS:
+        cells = []
+        for column in columns:
+            cell = results[row.name][column]
+            if column == REFERENCE.name and cell["outcome"] == "equal":
+                cells.append("reference")
+            elif cell["outcome"] == "equal":
+                cells.append("equal")
+            else:
+                reason = _reason(str(cell["reason"]))
+                if reason not in reasons:
+                    reasons.append(reason)
+                cells.append(f"refused [{reasons.index(reason) + 1}]")
+        lines.append(f"| {row.name} | " + " | ".join(cells) + " |")
+    lines += ["", "## Why a cell is refused", ""]
+    lines += [f"{i}. {reason}" for i, reason in enumerate(reasons, 1)]
+    resume = results.get("resume", {})
+    if resume:
+        lines += ["", "## Resume (all-in-one, dropout on)", "", "| strategy | resumed == straight |", "| --- | :---: |"]
+        lines += [f"| {name} | {'yes' if ok else 'no'} |" for name, ok in resume.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _reason(error: str) -> str:
+    """The error message without what changes from run to run (paths, addresses)."""
+    error = re.sub(r"/\S+", "<path>", error)
+    return error.replace("|", "\\|").replace("\n", " ")
+
+
+def main(path: str) -> None:
+    data = json.loads(Path(path).read_text())
+    PAGE.write_text(write(data["results"], data["tolerances"]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
