@@ -26,10 +26,12 @@ Contract with the LightningModule (nothing to change in it):
    the batch) while the sequential model answers every call with the pipeline's output for the micro-batch; the
    loss it returns is what the schedule differentiates. So heads outside the sequential model (a classifier, a
    pooler) and the module's own loss work unchanged; their parameters belong to the last stage.
-4. What that ``training_step`` logs is averaged over the micro-batches (weighted by batch size), broadcast from the
-   last stage and logged on every rank; ``training_step`` returns the mean micro-batch loss on every rank. The
-   gradient is that of the mean micro-batch loss, as with gradient accumulation (equal to the whole batch's for a
-   per-sample mean loss and equal micro-batches).
+4. What that ``training_step`` logs is combined over the micro-batches as one process would log it for the whole
+   batch (per ``reduce_fx``: the mean weighted by batch size, the sum, the max or min), broadcast from the last
+   stage and logged on every rank with the whole batch's size; ``training_step`` returns the mean micro-batch loss
+   on every rank. The gradient is that of the mean micro-batch loss, as with gradient accumulation (equal to the
+   whole batch's for a per-sample mean loss and equal micro-batches); under a ``GradScaler`` the schedule
+   differentiates the scaled loss, so Lightning's unscale gives it.
 5. Validation and test run the pipeline forward (no micro-batch backward) and call ``validation_step`` /
    ``test_step`` on the last stage with the whole batch's output; logged metrics are replayed the same way
    (``torchmetrics`` states, zero on the other ranks, sum correctly when synced).
@@ -47,7 +49,8 @@ several ranks' stages (tied input and output embeddings) stays on each of them; 
 Checkpoints. A checkpoint is a directory with one file per rank, ``stage-<rank>.ckpt``: a complete Lightning
 checkpoint whose ``state_dict`` and optimizer states hold that rank's parameters only (keys as in the unsplit
 model). It resumes into the same split; `consolidate_checkpoint` merges the files into one ordinary checkpoint (the
-unsplit model's ``state_dict`` and optimizer states) that loads into the unsplit model. Exports (`MergeOnSave`) use
+unsplit model's ``state_dict`` and optimizer states) that loads into the unsplit model. Buffers (BatchNorm
+statistics) are saved by the rank whose stage runs their module only. Exports (`MergeOnSave`) use
 `PipelineStrategy.gathered_parameters`, which brings every stage's parameters to rank 0.
 
 Shapes: ``input_ids`` (B, L) with B divisible by ``num_microbatches``; a micro-batch is (B / m, L); between stages
@@ -61,6 +64,7 @@ import inspect
 import math
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,15 +246,36 @@ def _balanced_starts(sizes: list[int], num_stages: int) -> list[int]:
 
 
 class _StageModule(nn.Module):
-    """The pieces of one stage run in order; the last stage returns the hidden states / logits alone."""
+    """The pieces of one stage run in order; the last stage returns the hidden states / logits alone.
 
-    def __init__(self, pieces: list[Piece], is_last: bool) -> None:
+    A new schedule first runs every stage once to infer the shapes it sends, on uninitialised inputs (all but the
+    first stage). That first call runs in eval mode and restores the random generators, so it leaves no trace: no
+    BatchNorm statistics of garbage, no dropout draws that the real micro-batches would otherwise have had.
+    """
+
+    def __init__(self, pieces: list[Piece], is_last: bool, device: torch.device) -> None:
         super().__init__()
         self.pieces = nn.ModuleList(p.module for p in pieces)
         self._runs = [p.run for p in pieces]
         self._is_last = is_last
+        self._device = device
+        self._inferring = True  # the schedule's shape inference is this module's first call
 
     def forward(self, *carry: Tensor) -> Tensor | tuple[Tensor, ...]:
+        if not self._inferring:
+            return self._run(carry)
+        self._inferring = False
+        modes = [(m, m.training) for m in self.modules()]
+        devices = [self._device] if self._device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices):
+                self.eval()
+                return self._run(carry)
+        finally:
+            for module, training in modes:
+                module.training = training
+
+    def _run(self, carry: tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
         for run in self._runs:
             carry = run(tuple(carry))
         return carry[0] if self._is_last or len(carry) == 1 else tuple(carry)
@@ -266,28 +291,61 @@ def _answering(model: nn.Module, output: Any) -> Iterator[None]:
         del model.forward
 
 
+_REDUCTIONS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
+
+
+def _reduction(reduce_fx: Any) -> str:
+    """Lightning's ``reduce_fx`` (a name or ``torch.mean`` / ``sum`` / ``max`` / ``min``) as one of those names."""
+    name = reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", "mean")
+    return _REDUCTIONS.get(name, "mean")
+
+
 class _LogRecorder:
-    """Stands in for ``LightningModule.log`` while the last stage runs the module's steps; replays the mean."""
+    """Stands in for ``LightningModule.log`` while the last stage runs the module's steps; replays one value per
+    name: what one process would log for the whole batch.
+
+    Each call is weighted by its ``batch_size`` (or, as Lightning does, the size of the batch the step was given:
+    ``self.batch``). Per ``reduce_fx``: ``mean`` gives the weighted mean of the calls, ``sum`` their sum, ``max`` /
+    ``min`` their maximum / minimum; the replayed call carries the total batch size, so Lightning's epoch mean is
+    weighted by samples, as on one process.
+    """
 
     def __init__(self, module: pl.LightningModule) -> None:
         self.module = module
+        self.batch: Any = None  # the (micro-)batch the step being recorded was given
         self.calls: dict[str, dict[str, Any]] = {}
         self._names = {id(m): n for n, m in module.named_modules()}
 
     def __call__(self, name: str, value: Any, *args: Any, batch_size: int | None = None, **kwargs: Any) -> None:
         if args:
             raise TypeError(f"PipelineStrategy: log({name!r}, ...) got positional options {args!r}; pass them by name.")
-        entry = self.calls.setdefault(name, {"kwargs": kwargs, "sum": 0.0, "weight": 0, "metric": None})
+        kind = _reduction(kwargs.get("reduce_fx", "mean"))
+        entry = self.calls.setdefault(name, {"kwargs": kwargs, "value": None, "weight": 0, "metric": None,
+                                             "kind": kind})
         if isinstance(value, nn.Module):  # a torchmetrics Metric: replayed as the same-named metric of every rank
             entry["metric"] = self._names[id(value)]
             return
-        weight = batch_size if batch_size is not None else 1
-        entry["sum"] += float(value.detach().float() if isinstance(value, Tensor) else value) * weight
-        entry["weight"] += weight
-        entry["kwargs"] = kwargs
+        weight = batch_size if batch_size is not None else self._inferred_batch_size()
+        number = float(value.detach().float() if isinstance(value, Tensor) else value)
+        previous = entry["value"]
+        if kind == "mean":
+            number *= weight
+        if previous is not None:
+            number = {"mean": previous + number, "sum": previous + number, "max": max(previous, number),
+                      "min": min(previous, number)}[kind]
+        entry.update(value=number, weight=entry["weight"] + weight, kwargs=kwargs)
+
+    def _inferred_batch_size(self) -> int:
+        from lightning.pytorch.utilities.data import extract_batch_size
+
+        try:
+            return int(extract_batch_size(self.batch))
+        except Exception:  # noqa: BLE001 -- no tensor to read a size from: Lightning's fallback, 1
+            return 1
 
     @contextlib.contextmanager
-    def recording(self) -> Iterator[None]:
+    def recording(self, batch: Any = None) -> Iterator[None]:
+        self.batch = batch
         self.module.log = self  # type: ignore[method-assign]
         try:
             yield
@@ -300,13 +358,18 @@ class _LogRecorder:
             if entry["metric"] is not None:
                 out.append((name, ("metric", entry["metric"]), entry["kwargs"], 0))
             else:
-                out.append((name, entry["sum"] / max(entry["weight"], 1), entry["kwargs"], entry["weight"]))
+                value = entry["value"] / max(entry["weight"], 1) if entry["kind"] == "mean" else entry["value"]
+                out.append((name, value, entry["kwargs"], entry["weight"]))
         return out
 
 
 def _replay(module: pl.LightningModule, calls: list[tuple[str, Any, dict[str, Any], int]]) -> None:
+    """Logs the recorded values on every rank. They are the same on every rank (broadcast from the last stage), and
+    the ranks of a pipeline are one data-parallel replica: ``sync_dist`` is dropped (it would sum a ``reduce_fx="sum"``
+    value over the stages)."""
     modules = dict(module.named_modules())
     for name, value, kwargs, weight in calls:
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("sync_dist", "sync_dist_group")}
         if isinstance(value, tuple):
             module.log(name, modules[value[1]], **kwargs)
         else:
@@ -348,6 +411,9 @@ class PipelineStrategy(DDPStrategy):
         model_attribute: The LightningModule's attribute holding the sequential model (``"decoder"``); ``None``
             finds it.
         process_group_backend: ``"gloo"`` or ``"nccl"``; ``None`` picks the accelerator's.
+        max_schedules: How many schedules (one per batch shape: training or evaluation, micro-batches, input
+            shapes) are kept; the least recently used is dropped beyond that, so dynamic padding does not grow
+            memory without bound (pad to a few lengths to avoid rebuilding them).
 
     Raises:
         ValueError: If an argument is out of range or the schedule unknown.
@@ -370,10 +436,12 @@ class PipelineStrategy(DDPStrategy):
         split_points: list[str] | None = None,
         model_attribute: str | None = None,
         process_group_backend: str | None = None,
+        max_schedules: int = 8,
         **kwargs: Any,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, **kwargs)
-        for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+        for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
+                            ("max_schedules", max_schedules)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"PipelineStrategy({name}={value!r}): must be a positive integer.")
         if num_stages < 2:
@@ -397,12 +465,15 @@ class PipelineStrategy(DDPStrategy):
         self.num_microbatches = num_microbatches
         self.split_points = None if split_points is None else list(split_points)
         self.model_attribute = model_attribute
+        self.max_schedules = max_schedules
         self._sequential: nn.Module | None = None
         self._attribute = model_attribute
         self._split_names: list[list[str]] = []
         self._owned: set[int] = set()
+        self._foreign_buffers: set[str] = set()  # state-dict keys of buffers other ranks' stages update
+        self._foreign_buffer_ids: set[int] = set()
         self._shared_groups: list[tuple[list[int], list[nn.Parameter], Any]] = []
-        self._schedules: dict[Any, Any] = {}
+        self._schedules: OrderedDict[Any, Any] = OrderedDict()  # most recently used last
         self._stashed: dict[nn.Parameter, Tensor] | None = None
         self._inference_calls = 0
         self._current_microbatches = num_microbatches
@@ -443,6 +514,29 @@ class PipelineStrategy(DDPStrategy):
 
             _optimizers_to_device(self.optimizers, self.root_device)
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        self._agree_on_overflow()
+
+    def _agree_on_overflow(self) -> None:
+        """Under a ``GradScaler`` (``16-mixed``), every rank skips the step (and lowers the scale) when any stage's
+        gradients overflowed, as DDP's all-reduced gradients make it; else the stages would drift apart."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is None or getattr(scaler, "_lightning_peft_pipeline", False) or not dist.is_initialized():
+            return
+        unscale = scaler.unscale_
+        device = self.root_device
+
+        def unscale_on_every_rank(optimizer: Any) -> None:
+            unscale(optimizer)
+            found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+            overflow = torch.zeros(1, device=device)
+            for flag in found.values():
+                overflow = torch.maximum(overflow, flag.to(device))
+            dist.all_reduce(overflow, op=dist.ReduceOp.MAX)
+            for key, flag in list(found.items()) or [(device, overflow)]:
+                found[key] = overflow.to(flag.device)
+
+        scaler.unscale_ = unscale_on_every_rank
+        scaler._lightning_peft_pipeline = True
 
     def _check_world(self) -> None:
         world = self.world_size
@@ -511,6 +605,17 @@ class PipelineStrategy(DDPStrategy):
         for p in module.parameters():  # heads outside the sequence (a classifier, a pooler) run on the last stage
             owners.setdefault(id(p), {last})
         self._owned = {i for i, rs in owners.items() if self.global_rank in rs}
+        # Buffers (BatchNorm statistics) stay on every rank, but only the stages that run a module update its
+        # buffers: only they save them (and a consolidated checkpoint takes each from its owner).
+        buffer_owners: dict[int, set[int]] = {}
+        for index, stage in enumerate(stages):
+            for piece in stage:
+                for b in piece.module.buffers():
+                    buffer_owners.setdefault(id(b), set()).add(ranks[index])
+        foreign = [(name, b) for name, b in module.named_buffers(remove_duplicate=False)
+                   if self.global_rank not in buffer_owners.get(id(b), {last})]
+        self._foreign_buffers = {name for name, _ in foreign}
+        self._foreign_buffer_ids = {id(b) for _, b in foreign}
         _free_parameters(module, self._owned)
         params = {id(p): p for p in module.parameters()}
         groups: dict[tuple[int, ...], list[int]] = {}
@@ -522,7 +627,7 @@ class PipelineStrategy(DDPStrategy):
             group = dist.new_group(list(rs)) if dist.is_initialized() else None  # every rank creates every group
             if self.global_rank in rs:
                 self._shared_groups.append((list(rs), [params[i] for i in pids], group))
-        self._schedules = {}
+        self._schedules = OrderedDict()
 
     def _relative(self, points: list[str] | None) -> list[str] | None:
         if points is None or not self._attribute:
@@ -571,12 +676,16 @@ class PipelineStrategy(DDPStrategy):
         inputs = self._inputs(batch, names)
         key = (training, microbatches, tuple(names), tuple((tuple(t.shape), t.dtype) for t in inputs))
         if key in self._schedules:
+            self._schedules.move_to_end(key)
             return self._schedules[key]
+        while len(self._schedules) >= self.max_schedules:  # every rank sees the same shapes: the same evictions
+            self._schedules.popitem(last=False)
         pieces = pipeline_pieces(self._sequential, names)
         by_name = {p.name: p for p in pieces}
         stages = []
         for index in self._local_stages():
-            module = _StageModule([by_name[n] for n in self._split_names[index]], index == self.num_stages - 1)
+            module = _StageModule([by_name[n] for n in self._split_names[index]], index == self.num_stages - 1,
+                                  self.root_device)
             stages.append(PipelineStage(module, index, self.num_stages, self.root_device))
         loss_fn = self._loss_fn if training else None
         if len(stages) > 1:
@@ -586,8 +695,8 @@ class PipelineStrategy(DDPStrategy):
             kind = Schedule1F1B if one_f_one_b else ScheduleGPipe
             schedule = kind(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
         self._schedules[key] = (schedule, stages)
-        # A new schedule first infers the shapes of gradients by calling the loss once on the last stage; that call
-        # is not a micro-batch of the step and is neither counted nor logged.
+        # A new schedule first infers the shapes of gradients by calling the loss once on the last stage, on an
+        # uninitialised output; that call is not a micro-batch of the step and does not reach training_step.
         self._inference_calls = int(training and self._is_last_rank())
         return schedule, stages
 
@@ -637,12 +746,13 @@ class PipelineStrategy(DDPStrategy):
     def _loss_fn(self, output: Tensor, rows: Tensor) -> Tensor:
         """The LightningModule's ``training_step`` on one micro-batch (``rows`` index the batch), with the sequential
         model answering the pipeline's ``output``; returns the loss scaled for the mean over micro-batches."""
+        if self._inference_calls > 0:  # shape inference: any loss that depends on the output will do
+            self._inference_calls -= 1
+            return sum(t.float().sum() * 0.0 for t in torch.utils._pytree.tree_leaves(output)
+                       if isinstance(t, Tensor) and t.is_floating_point())
         start, stop = int(rows[0]), int(rows[-1]) + 1
         micro = _take(self._batch, start, stop, self._size)
-        inference = self._inference_calls > 0
-        self._inference_calls -= inference
-        recorder = _LogRecorder(self.lightning_module) if inference else self._recorder
-        with _answering(self._sequential, output), recorder.recording():
+        with _answering(self._sequential, output), self._recorder.recording(micro):
             out = self.lightning_module.training_step(micro, self._batch_idx)
         loss = out["loss"] if isinstance(out, dict) else out
         if not isinstance(loss, Tensor):
@@ -650,9 +760,10 @@ class PipelineStrategy(DDPStrategy):
                 "PipelineStrategy: training_step must return the loss tensor (or a dict with 'loss') on every "
                 f"micro-batch; it returned {type(out).__name__}."
             )
-        if not inference:
-            self._losses.append(loss.detach().float())
-        return loss / (self._current_microbatches * self.lightning_module.trainer.accumulate_grad_batches)
+        self._losses.append(loss.detach().float())
+        loss = loss / (self._current_microbatches * self.lightning_module.trainer.accumulate_grad_batches)
+        scaler = getattr(self.precision_plugin, "scaler", None)  # a GradScaler unscales what the schedule computes
+        return scaler.scale(loss) if scaler is not None else loss
 
     @property
     @override
@@ -741,7 +852,7 @@ class PipelineStrategy(DDPStrategy):
         recorder = _LogRecorder(self.lightning_module)
         result = None
         if self._is_last_rank():
-            with _answering(self._sequential, output), recorder.recording():
+            with _answering(self._sequential, output), recorder.recording(batch):
                 result = getattr(self.lightning_module, step)(*args, **kwargs)
         payload = [recorder.summary()]
         if dist.is_initialized():
@@ -769,43 +880,54 @@ class PipelineStrategy(DDPStrategy):
     def gathered_parameters(
         self, module: nn.Module, params: Sequence[nn.Parameter] | None = None
     ) -> Iterator[nn.Module]:
-        """Inside, the chosen parameters of ``module`` (default: all) hold their full values on global rank 0.
+        """Inside, the chosen parameters of ``module`` (default: all, and then its buffers too) hold their full
+        values on global rank 0.
 
         Every rank must enter (it runs collectives). The other ranks' parameters are sent to rank 0 and swapped in
-        for its ``meta`` placeholders; on exit the placeholders are put back.
+        for its ``meta`` placeholders, and the buffers of the stages rank 0 does not run for its stale copies; on
+        exit the placeholders and copies are put back.
         """
         chosen = None if params is None else {id(p) for p in params}
         ordered = [p for _, p in module.named_parameters() if chosen is None or id(p) in chosen]
-        mine = {i: p.detach().cpu() for i, p in enumerate(ordered) if p.device.type != "meta"}
+        buffers = [b for _, b in module.named_buffers()] if chosen is None else []
+        mine = ({i: p.detach().cpu() for i, p in enumerate(ordered) if p.device.type != "meta"},
+                {i: b.detach().cpu() for i, b in enumerate(buffers) if id(b) not in self._foreign_buffer_ids})
         gathered: list[Any] = [None] * self.world_size if self.global_rank == 0 else None
         if dist.is_initialized():
             dist.gather_object(mine, gathered, dst=0)
         else:
             gathered = [mine]
-        swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+        swapped: list[tuple[dict[str, Any], str, Tensor]] = []
         try:
             if self.global_rank == 0:
-                full: dict[int, nn.Parameter] = {}
-                for part in gathered:
+                full: dict[int, Tensor] = {}
+                for part, buffer_part in gathered:
                     for i, tensor in part.items():
                         p = ordered[i]
                         if p.device.type == "meta" and id(p) not in full:
                             full[id(p)] = nn.Parameter(tensor.to(self.root_device), p.requires_grad)
+                    for i, tensor in buffer_part.items():
+                        b = buffers[i]
+                        if id(b) in self._foreign_buffer_ids and id(b) not in full:
+                            full[id(b)] = tensor.to(b.device)
                 for owner in module.modules():
-                    for name, p in list(owner._parameters.items()):
-                        if p is not None and id(p) in full:
-                            swapped.append((owner, name, p))
-                            owner._parameters[name] = full[id(p)]
+                    for store in (owner._parameters, owner._buffers):
+                        for name, t in list(store.items()):
+                            if t is not None and id(t) in full:
+                                swapped.append((store, name, t))
+                                store[name] = full[id(t)]
             yield module
         finally:
-            for owner, name, p in reversed(swapped):
-                owner._parameters[name] = p
+            for store, name, t in reversed(swapped):
+                store[name] = t
 
     # ------------------------------------------------------------------ checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This rank's parameters and the buffers of the stages it runs (the other stages' are stale copies)."""
         state = self.lightning_module.state_dict()
-        return {k: v for k, v in state.items() if not (isinstance(v, Tensor) and v.device.type == "meta")}
+        return {k: v for k, v in state.items()
+                if not (isinstance(v, Tensor) and v.device.type == "meta") and k not in self._foreign_buffers}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -857,7 +979,7 @@ class PipelineStrategy(DDPStrategy):
         meta = {k for k, v in module.state_dict().items() if isinstance(v, Tensor) and v.device.type == "meta"}
         state = {k: v for k, v in checkpoint["state_dict"].items() if k not in meta}
         missing, unexpected = module.load_state_dict(state, strict=False)
-        missing = [k for k in missing if k not in meta]
+        missing = [k for k in missing if k not in meta and k not in self._foreign_buffers]
         if strict and (missing or unexpected):
             raise RuntimeError(
                 f"PipelineStrategy: the checkpoint does not fit this stage: missing {missing[:5]}, unexpected "
@@ -874,7 +996,7 @@ class PipelineStrategy(DDPStrategy):
         """Lightning's teardown, except that only this rank's parameters move to the CPU (the others are meta)."""
         from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
-        self._schedules = {}
+        self._schedules = OrderedDict()
         _optimizers_to_device(self.optimizers, torch.device("cpu"))
         if self.lightning_module is not None:
             _move_real_tensors(self.lightning_module, torch.device("cpu"))
@@ -925,7 +1047,8 @@ def _select_optimizer_state(state: dict[str, Any], positions: list[list[int]]) -
 def consolidate_checkpoint(path: str | os.PathLike[str], weights_only: bool = True) -> dict[str, Any]:
     """Merges a pipeline checkpoint directory into one ordinary Lightning checkpoint of the unsplit model.
 
-    The ``state_dict`` is the union of the stage files' (keys as in the unsplit model); optimizer states are put back
+    The ``state_dict`` is the union of the stage files' (keys as in the unsplit model; each buffer from the stage
+    that runs its module, the only one that saves it); optimizer states are put back
     at the unsplit model's parameter positions, so ``Trainer(...).fit(ckpt_path=...)`` on one process (or DDP)
     resumes from the result. Everything else is taken from stage 0's file.
 

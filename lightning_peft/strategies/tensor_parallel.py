@@ -43,7 +43,9 @@ Shapes (t = tensor-parallel size):
 
 Data parallelism (a 2-D mesh ``(data_parallel, tensor_parallel)``): the ranks of one tensor-parallel group see the
 same batch; the gradients of the trainable parameters are averaged over the data-parallel group after each
-backward (as DDP does, unbucketed), and the model is broadcast from the first data-parallel replica at setup.
+backward (as DDP does, unbucketed: a parameter one replica's batch did not reach counts as a zero gradient there,
+one that no replica's batch reached keeps no gradient), and the model is broadcast from the first data-parallel
+replica at setup.
 """
 
 from __future__ import annotations
@@ -647,20 +649,45 @@ def _broadcast_module(module: nn.Module, mesh: Any) -> None:
 
 @torch.no_grad()
 def _average_gradients(params: Iterable[nn.Parameter], mesh: Any) -> None:
-    """Averages the gradients of the trainable parameters over the data-parallel group (one flat all-reduce)."""
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for param in params:
-        if param.requires_grad and param.grad is not None:
-            grad = _local(param.grad)
-            by_dtype.setdefault(grad.dtype, []).append(grad)
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        torch.distributed.all_reduce(flat, group=mesh.get_group())
+    """Averages the gradients of the trainable parameters over the data-parallel group, as DDP does.
+
+    Every rank puts every trainable parameter into the flat buffers, in the same order: its gradient, or zeros where
+    this rank's batch did not reach it (``None``: a ``MultiLoRA`` adapter another replica's batch used). A presence
+    mask is reduced first, so that a parameter no replica reached keeps ``None`` (an optimizer then leaves it alone,
+    as under DDP) and one that some replica reached gets the average, zeros counted, on every rank.
+    """
+    group = mesh.get_group()
+    trainable = [p for p in params if p.requires_grad]
+    if not trainable:
+        return
+    present = torch.tensor([p.grad is not None for p in trainable], dtype=torch.int32,
+                           device=_local(trainable[0]).device)  # NCCL reduces device tensors only
+    torch.distributed.all_reduce(present, group=group)
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for param, count in zip(trainable, present.tolist(), strict=True):
+        if count:
+            by_dtype.setdefault(param.dtype, []).append(param)
+    for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+        members = by_dtype[dtype]
+        flat = torch.cat([
+            (_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))).reshape(-1) for p in members
+        ])
+        torch.distributed.all_reduce(flat, group=group)
         flat /= mesh.size()
         offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+        for param in members:
+            local = _local(param)
+            average = flat[offset : offset + local.numel()].view_as(local)
+            offset += local.numel()
+            if param.grad is not None:
+                _local(param.grad).copy_(average)
+            elif local is param:
+                param.grad = average.clone()
+            else:  # a DTensor parameter: its gradient is a DTensor of the same placement
+                from torch.distributed.tensor import DTensor
+
+                param.grad = DTensor.from_local(average.clone(), param.device_mesh, param.placements,
+                                                shape=param.shape, stride=param.stride(), run_check=False)
 
 
 StrategyRegistry.register(

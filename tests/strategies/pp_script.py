@@ -296,6 +296,154 @@ def case_bubble(out: Path, rank: int) -> None:
     torch.save(results, out / f"bubble-rank{rank}.pt")
 
 
+def case_scaler(out: Path, rank: int) -> None:
+    """16-mixed with a GradScaler (explicit: on the CPU Lightning turns "16-mixed" into bf16 without one): the unscaled
+    gradients equal one process's, which scales the loss, differentiates and unscales (autocast on the CPU: float16)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    batches = make_batches(1, padded=True)
+    grab, model = Grabber(), make_model()
+    precision = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    t = trainer(out / "scaler", PipelineStrategy(num_stages=2, schedule="1f1b", num_microbatches=4), [grab],
+                plugins=[precision], max_steps=2)
+    t.fit(model, loader(batches * 2))
+    reference = make_model()
+    scaler = torch.amp.GradScaler("cpu")
+    size = BATCH // 4
+    with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+        losses = [reference.training_step({k: v[i * size:(i + 1) * size] for k, v in batches[0].items()}, 0)
+                  for i in range(4)]
+    scaler.scale(torch.stack(losses).mean()).backward()
+    ref_grads = {n: p.grad / scaler.get_scale() for n, p in reference.named_parameters() if p.grad is not None}
+    torch.save({"grads": grab.grads, "ref_grads": {n: ref_grads[n] for n in grab.grads},
+                "scale": precision.scaler.get_scale(), "stepped": own_state(model), "initial": own_state(make_model())},
+               out / f"scaler-rank{rank}.pt")
+
+
+class Counting(CausalLM):
+    """A module as many projects write it: a counter and a torchmetrics metric updated in training_step, values
+    logged with reduce_fx="sum" and sync_dist=True, a mean logged without batch_size (Lightning infers it)."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        super().__init__(vocab_size=VOCAB, decoder=DECODER, learning_rate=1e-2, warmup_fraction=0.0)
+        from torchmetrics import SumMetric
+
+        self.train_rows = SumMetric()
+        self.calls = 0
+
+    def training_step(self, batch, batch_idx):
+        self.calls += 1
+        self.train_rows.update(batch["input_ids"].shape[0])
+        self.log("train_rows", self.train_rows, on_step=False, on_epoch=True)
+        mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
+        self.log("train_tokens", mask.sum().float(), on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        super().validation_step(batch, batch_idx)
+        mask = batch["attention_mask"]
+        self.log("val_mean_length", mask.sum(1).float().mean())
+        self.log("val_tokens", mask.sum().float(), reduce_fx="sum", sync_dist=True)
+
+
+class ListOfBatches(torch.utils.data.Dataset):
+    def __init__(self, batches) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        return self.batches[i]
+
+
+class Schedules(Callback):
+    """The most schedules the strategy held at once."""
+
+    most = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.most = max(self.most, len(trainer.strategy._schedules))
+
+
+def case_logging(out: Path, rank: int) -> None:
+    """Logged epoch metrics equal one process (sum summed, mean weighted by samples: validation batches of 3, 3, 2);
+    training_step runs once per micro-batch, never on the schedule's shape inference; batches of 5 lengths under
+    max_schedules=2 keep at most 2 schedules and train as one process does."""
+    train = loader(make_batches(2, padded=True))
+    val = DataLoader(Batches(make_batches(1, padded=True)), batch_size=3, shuffle=False)  # batches of 3, 3, 2
+    keys = ("train_rows", "train_tokens", "val_mean_length", "val_tokens")  # the data's, not the training's
+    model = Counting()
+    t = trainer(out / "logging", PipelineStrategy(num_stages=2, schedule="1f1b", num_microbatches=4), max_steps=-1,
+                max_epochs=1, limit_val_batches=None, num_sanity_val_steps=0)
+    t.fit(model, train, val)
+    single = Counting()
+    single.train_rows.sync_on_compute = single.train_rows._to_sync = False  # both ranks run this reference
+    ts, _ = single_process(single, out / "logging-single", train, max_epochs=1)
+    single_metrics = {k: float(v) for k, v in ts.callback_metrics.items()}
+    ts.validate(single, val, verbose=False)
+    single_metrics.update({k: float(v) for k, v in ts.callback_metrics.items()})
+    result = {"metrics": {k: float(t.callback_metrics[k]) for k in keys}, "calls": model.calls,
+              "single": {k: single_metrics[k] for k in keys}}
+    generator = torch.Generator().manual_seed(2)
+    lengths = [3, 5, 4, 6, 3, 7]
+    padded = [{"input_ids": torch.randint(1, VOCAB, (BATCH, n), generator=generator)} for n in lengths]
+    dynamic = DataLoader(ListOfBatches(padded), batch_size=None)
+    grab, model, cached = Grabber(), Counting(), Schedules()
+    strategy = PipelineStrategy(num_stages=2, schedule="gpipe", num_microbatches=2, max_schedules=2)
+    trainer(out / "dynamic", strategy, [grab, cached], max_steps=-1, max_epochs=1).fit(model, dynamic)
+    single_grab, single = Grabber(), Counting()
+    single_process(single, out / "dynamic-single", dynamic, max_epochs=1, callbacks=[single_grab])
+    result.update(schedules=cached.most, dynamic_calls=model.calls, losses=grab.losses,
+                  single_losses=single_grab.losses)
+    torch.save(result, out / f"logging-rank{rank}.pt")
+
+
+class BatchNormRegression(pl.LightningModule):
+    """An nn.Sequential with a BatchNorm on each stage (split at "3"); batches are (x, y) tuples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(),
+            torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1),
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def case_buffers(out: Path, rank: int) -> None:
+    """BatchNorm statistics: each stage's, in the consolidated checkpoint and gathered on rank 0, equal one process
+    running the same micro-batches (none from the schedule's shape inference, none from a rank that never ran them)."""
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 4, generator=generator), torch.randn(16, 1, generator=generator)
+    model = BatchNormRegression()
+    t = trainer(out / "buffers", PipelineStrategy(num_stages=2, schedule="gpipe", num_microbatches=4,
+                                                  split_points=["3"]), max_steps=2)
+    t.fit(model, DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8))
+    t.save_checkpoint(out / "buffers.ckpt")
+    with t.strategy.gathered_parameters(model):
+        gathered = {k: v.clone() for k, v in model.state_dict().items()} if rank == 0 else None
+    reference = BatchNormRegression()
+    optimizer = reference.configure_optimizers()
+    for step in range(2):
+        xs, ys = x[step * 8:(step + 1) * 8], y[step * 8:(step + 1) * 8]
+        losses = [reference.training_step((xs[i * 2:(i + 1) * 2], ys[i * 2:(i + 1) * 2]), 0) for i in range(4)]
+        torch.stack(losses).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    merged = consolidate_checkpoint(out / "buffers.ckpt")["state_dict"] if rank == 0 else None
+    torch.save({"merged": merged, "gathered": gathered, "reference": dict(reference.state_dict())},
+               out / f"buffers-rank{rank}.pt")
+
+
 def main(out: Path, cases: list[str]) -> None:
     rank = int(__import__("os").environ["RANK"])
     for case in cases:

@@ -27,7 +27,7 @@ from lightning_peft.strategies.pipeline import _LogRecorder, consolidate_checkpo
 
 SCRIPT = Path(__file__).with_name("pp_script.py")
 ROOT = Path(__file__).resolve().parents[2]
-CASES = "gradients,resume,lora_export,clip_tied,bubble"
+CASES = "gradients,resume,lora_export,clip_tied,bubble,scaler,logging,buffers"
 
 
 def _decoder(**kwargs) -> TransformerDecoder:
@@ -118,6 +118,7 @@ def test_unsupported_models_are_refused():
         ({"num_stages": 1}, r"num_stages=1\): a pipeline needs at least 2 stages"),
         ({"num_microbatches": 0}, r"num_microbatches=0\): must be a positive integer"),
         ({"split_points": "layers.2"}, r"give a list of module names"),
+        ({"max_schedules": 0}, r"max_schedules=0\): must be a positive integer"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs, message):
@@ -209,6 +210,20 @@ def test_training_step_must_return_the_loss():
 def test_log_options_must_be_given_by_name():
     with pytest.raises(TypeError, match=r"log\('train_loss', ...\) got positional options \(True,\); pass them by name"):
         _LogRecorder(_Regression())("train_loss", 1.0, True)
+
+
+def test_recorded_logs_reduce_as_one_process_would():
+    """Two micro-batches of 3 and 1 rows: a mean weighted by rows (inferred from the batch, as Lightning does), a sum
+    summed, a max the largest; each replayed with the whole batch's size."""
+    recorder = _LogRecorder(_Regression())
+    for rows, value in ((3, 1.0), (1, 5.0)):
+        with recorder.recording((torch.zeros(rows, 2), torch.zeros(rows, 1))):
+            recorder.module.log("mean", value)
+            recorder.module.log("sum", value, reduce_fx="sum", sync_dist=True)
+            recorder.module.log("max", torch.tensor(value), reduce_fx=torch.max)
+    assert [(name, value, weight) for name, value, _, weight in recorder.summary()] == [
+        ("mean", 2.0, 4), ("sum", 6.0, 4), ("max", 5.0, 4)
+    ]
 
 
 def test_predict_is_refused():
@@ -335,6 +350,58 @@ def test_measured_bubble_follows_the_prediction(runs):
             assert -0.03 < value["measured"] - value["predicted"] < 0.08, (name, value)
         measured = [bubble[f"gpipe-{m}"]["measured"] for m in (1, 2, 4)]
         assert measured == sorted(measured, reverse=True)
+
+
+@pytest.mark.multiprocess
+def test_grad_scaler_gradients_equal_one_process_unscaled(runs):
+    """16-mixed with a GradScaler: the schedule differentiates the scaled loss, so Lightning's unscale gives the
+    gradients of one process (before the fix every gradient was 65536 times too small)."""
+    for rank in (0, 1):
+        result = _load(runs, "scaler", rank)
+        assert result["grads"] and result["scale"] == 65536.0  # no overflow: the scale is the same on both ranks
+        for key, grad in result["grads"].items():
+            assert_close(grad, result["ref_grads"][key], rtol=1e-4, atol=1e-7, msg=key)
+        assert max((result["stepped"][k] - result["initial"][k]).abs().max() for k in result["stepped"]) > 1e-3
+
+
+@pytest.mark.multiprocess
+def test_logged_epoch_metrics_equal_one_process(runs):
+    """Sums are summed over the micro-batches (not averaged, not summed again over the stages by sync_dist); a mean
+    logged without batch_size is weighted by samples over validation batches of 3, 3 and 2 (not by calls); a
+    torchmetrics metric updated in training_step counts every sample once."""
+    for rank in (0, 1):
+        result = _load(runs, "logging", rank)
+        assert result["single"] == {"train_rows": 16.0, "train_tokens": 86.0, "val_mean_length": 5.375,
+                                    "val_tokens": 43.0}
+        for key, value in result["single"].items():
+            assert result["metrics"][key] == pytest.approx(value, rel=1e-6), key
+
+
+@pytest.mark.multiprocess
+def test_training_step_runs_once_per_micro_batch_and_schedules_stay_bounded(runs):
+    """No call on the schedule's uninitialised shape-inference output: 2 batches x 4 micro-batches = 8 calls on the
+    last stage; six batches of five lengths under max_schedules=2: 6 x 2 calls, at most 2 schedules held, and the
+    losses of one process."""
+    ranks = [_load(runs, "logging", r) for r in (0, 1)]
+    assert [r["calls"] for r in ranks] == [0, 8]  # training_step runs on the last stage only
+    assert [r["dynamic_calls"] for r in ranks] == [0, 12]
+    for result in ranks:
+        assert 1 <= result["schedules"] <= 2
+        assert result["losses"] == pytest.approx(result["single_losses"], rel=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_batch_norm_statistics_come_from_the_stage_that_runs_them(runs):
+    """A BatchNorm on each stage: the consolidated checkpoint and the parameters gathered on rank 0 hold each
+    stage's running statistics, equal to one process running the same micro-batches (before the fix: the last
+    rank's never-updated copy of stage 0's, and statistics of the shape-inference call on uninitialised inputs)."""
+    result = _load(runs, "buffers", 0)
+    reference = result["reference"]
+    assert reference["net.1.num_batches_tracked"] == reference["net.4.num_batches_tracked"] == 8  # 2 steps x 4
+    for name in ("merged", "gathered"):
+        assert result[name].keys() == reference.keys(), name
+        for key, value in reference.items():
+            assert_close(result[name][key], value, rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
 
 
 @pytest.mark.multiprocess

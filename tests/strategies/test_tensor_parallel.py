@@ -26,7 +26,7 @@ from lightning_peft.strategies.tensor_parallel import auto_plan, clip_grad_norm,
 
 SCRIPT = Path(__file__).with_name("tp_script.py")
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = "pure,peft,trainer"
+SECTIONS = "pure,peft,trainer,multilora"
 
 
 def _decoder(**kwargs) -> TransformerDecoder:
@@ -287,6 +287,30 @@ def test_data_parallel_dimension_equals_one_process_on_the_joint_batch(runs):
         result = _load(runs, "trainer", rank)
         assert result["dp_sizes"] == (2, 1)
         assert result["dp_error"] < 1e-5
+
+
+@pytest.mark.multiprocess
+def test_data_parallel_size_and_rank_come_from_the_mesh(runs):
+    for rank in (0, 1):
+        seams = _load(runs, "trainer", rank)["seams"]
+        assert seams == {"dp": (2, rank), "tp": (1, 0)}  # the ranks of one tensor-parallel group read one batch
+
+
+@pytest.mark.multiprocess
+def test_data_parallel_replicas_routing_different_multilora_adapters_equal_one_process(runs):
+    """Rank 0's batches train adapter a, rank 1's adapter b: each gradient is averaged with the other replica's zeros
+    (not with the other adapter's gradient), and adapter c, which no batch uses, gets no gradient and no step."""
+    for rank in (0, 1):
+        result = _load(runs, "multilora", rank)
+        reference, initial = result["reference"], result["initial"]
+        assert result["replicas"].keys() == reference.keys() and len(reference) == 24  # 3 adapters x 2 x 2 x 2
+        for name, value in result["replicas"].items():
+            assert_close(value, reference[name], rtol=0, atol=1e-5, msg=name)
+            moved = (reference[name] - initial[name]).abs().max()
+            if ".c." in name:
+                assert moved == 0, name
+            else:
+                assert moved > 1e-3, name
 
 
 @pytest.mark.multiprocess

@@ -12,7 +12,10 @@ Sections:
             the single-process reference logits for the test to load with peft.PeftModel.
   trainer   Lightning: CausalLM + LoRA and MergeOnSave callbacks under TensorParallelStrategy (tp=2, gradient clipping)
             against a plain loop; a resumed run against a straight one; the exported adapter; (dp=2, tp=1),
-            resumed from an adapter-only checkpoint, against one process on the joint batch.
+            resumed from an adapter-only checkpoint, against one process on the joint batch; the data-parallel
+            (size, rank) each strategy reports.
+  multilora (dp=2, tp=1) with MultiLoRA, the replicas routing different adapters, against one process on the
+            joint batch (the final trainable parameters of both).
 """
 
 from __future__ import annotations
@@ -275,6 +278,7 @@ def section_trainer(out: Path, mesh) -> dict:
     result: dict = {}
     reference = reference_run(epochs=2, batch_size=4)
     straight, strategy = fit(out / "straight", epochs=2, batch_size=4, tensor_parallel_size=2)
+    straight_strategy = strategy
     result["plan"] = strategy.applied_plan
     result["trainer_error"] = max_error(reference, straight)
     result["trainer_moved"] = max_error(reference, reference_run(epochs=0, batch_size=4))
@@ -305,7 +309,70 @@ def section_trainer(out: Path, mesh) -> dict:
     result["dp_checkpoint_keys"] = sorted(k for k in metadata.state_dict_metadata if k.startswith("state_dict."))
     result["dp_sizes"] = (strategy.data_parallel_size, strategy.tensor_parallel_size)
     result["dp_error"] = max_error(reference, replicas)
+    from lightning_peft._seams import data_parallel
+
+    result["seams"] = {"dp": data_parallel(strategy), "tp": data_parallel(straight_strategy)}
     return result
+
+
+# Each replica's batches use one adapter ("a" on rank 0, "b" on rank 1); "c" is used by none.
+ADAPTERS = {name: {"rank": 2, "alpha": 4.0, "target_modules": ["q_proj", "v_proj"]} for name in ("a", "b", "c")}
+
+
+def routed_data(n: int = 16) -> torch.utils.data.TensorDataset:
+    return torch.utils.data.TensorDataset(token_data(n).tensors[0], torch.arange(n))
+
+
+def routed_collate(rows):
+    return {"input_ids": torch.stack([r[0] for r in rows]), "adapter": ["ab"[int(r[1]) % 2] for r in rows]}
+
+
+def multilora_fit(out: Path, devices: int):
+    """CausalLM + MultiLoRA + AdamW (weight decay: a zero gradient would move a parameter, no gradient does not):
+    (dp=2, tp=1) on 2 ranks with batches of 2, or one process on the joint batches of 4 (the same rows)."""
+    import lightning.pytorch as pl
+
+    from lightning_peft.callbacks import MultiLoRA
+    from lightning_peft.modules import CausalLM
+    from lightning_peft.strategies import TensorParallelStrategy
+
+    _, seed = lightning_classes()
+
+    class AdamCausalLM(CausalLM):
+        def configure_optimizers(self):
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+
+    torch.manual_seed(0)
+    module = AdamCausalLM(vocab_size=32, decoder=DECODER)
+    data = routed_data()
+    if devices == 2:
+        strategy = TensorParallelStrategy(tensor_parallel_size=1)
+        sampler = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=RANK, shuffle=False)
+        loader = torch.utils.data.DataLoader(data, batch_size=2, collate_fn=routed_collate, sampler=sampler)
+    else:
+        strategy = "auto"
+        loader = torch.utils.data.DataLoader(data, batch_size=4, collate_fn=routed_collate)
+    def trainable() -> dict[str, torch.Tensor]:
+        return {n: full(p).detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+
+    class Initial(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.values = trainable()
+
+    initial = Initial()
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         default_root_dir=out, use_distributed_sampler=False,
+                         callbacks=[seed(), MultiLoRA(ADAPTERS, modules_to_save=[]), initial])
+    trainer.fit(module, train_dataloaders=loader)
+    return trainable(), initial.values
+
+
+def section_multilora(out: Path, mesh) -> dict:
+    """Suspected defect 14: replicas that route different adapters average their gradients as DDP would."""
+    replicas, initial = multilora_fit(out / "multilora_dp", devices=2)
+    reference, _ = multilora_fit(out / "multilora_single", devices=1)
+    return {"replicas": replicas, "reference": reference, "initial": initial}
 
 
 def main(out: Path, sections: list[str]) -> None:
