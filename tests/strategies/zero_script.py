@@ -243,24 +243,42 @@ class ScheduledClassifier(Classifier):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": decay, "interval": "step"}}
 
 
+class Stream:
+    """The rank's micro-batches without a len(): an epoch of unknown length."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader = loader
+
+    def __iter__(self):
+        return iter(self.loader)
+
+
+class StreamingClassifier(ScheduledClassifier):
+    def train_dataloader(self):
+        return Stream(super().train_dataloader())
+
+
 # Accumulation runs: 2 epochs of 5 micro-batches per rank. Lightning's count 2 gives windows 2, 2, 1 per epoch (the
-# last one short, not aligned with the epoch); the changing schedule 1, 1, then 2 from step 2, then 3 from step 4.
+# last one short, not aligned with the epoch); the changing schedule 1, 1, then 2 from step 2, then 3 from step 4;
+# the stream (count 3) 3, then 2 cut short by the stream's end (the first two micro-batches rescaled by 3 / 2).
 ACCUMULATION = {
-    "lightning": lambda: ({"accumulate_grad_batches": 2}, []),
-    "schedule": lambda: ({}, [GradientAccumulation(schedule={0: 1, 2: 2, 4: 3}, log=False)]),
-    "global-batch": lambda: ({}, [GradientAccumulation(global_batch_size=16, log=False)]),
+    "lightning": lambda: ({"accumulate_grad_batches": 2}, [], ScheduledClassifier),
+    "schedule": lambda: ({}, [GradientAccumulation(schedule={0: 1, 2: 2, 4: 3}, log=False)], ScheduledClassifier),
+    "global-batch": lambda: ({}, [GradientAccumulation(global_batch_size=16, log=False)], ScheduledClassifier),
+    "stream": lambda: ({}, [GradientAccumulation(schedule=3, log=False)], StreamingClassifier),
 }
 
 
 def run_accumulation(out: Path) -> None:
-    """Every strategy with accumulation (Lightning's count, a changing schedule, a target global batch): the adapter,
+    """Every strategy with accumulation (Lightning's count, a changing schedule, a target global batch, a stream whose
+    end cuts a window short): the adapter,
     the learning rate of every micro-batch and the number of optimizer steps; or the error a strategy refuses with."""
     rank = int(os.environ["RANK"])
     result: dict[str, dict] = {}
     for name, make in STRATEGIES.items():
         for kind, settings in ACCUMULATION.items():
-            kwargs, callbacks = settings()
-            rates, module = LearningRates(), ScheduledClassifier(lora=True)
+            kwargs, callbacks, module_class = settings()
+            rates, module = LearningRates(), module_class(lora=True)
             fit = trainer(make(), out / name / kind, 2, [*callbacks, rates], enable_checkpointing=False, **kwargs)
             try:
                 fit.fit(module)
