@@ -19,6 +19,11 @@ and, if the stream ends inside a window, Lightning steps on the last micro-batch
 the gradient accumulated so far (:func:`~lightning_peft.training.accumulation.shorten_window`), so that step too
 averages over the micro-batches it had.
 
+Resumed from a checkpoint saved inside a window (a ``trainer.save_checkpoint`` in a batch hook; Lightning's own
+checkpoints fall at optimizer steps), the run keeps the straight run's windows, but the gradient of that window's
+micro-batches before the checkpoint is not in the checkpoint: the rest of the window is divided by the number of
+micro-batches it has left, so that step averages over the micro-batches it got, like every other step.
+
 YAML::
 
     - class_path: lightning_peft.callbacks.GradientAccumulation
@@ -36,6 +41,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_peft._seams import data_parallel, refuse, strategy_family
 from lightning_peft.training.accumulation import AccumulationSchedule, Window, shorten_window
 
 _MISSING = object()
@@ -47,8 +53,10 @@ class GradientAccumulation(Callback):
     Args:
         schedule: ``{optimizer step: accumulation count}`` (step 0 is 1 when absent), or one count.
         global_batch_size: The number of samples per optimizer step over all devices; the count is
-            ``global_batch_size / (micro-batch size * trainer.world_size)``, the micro-batch size read from the
-            train dataloader's ``batch_size``.
+            ``global_batch_size / (micro-batch size * data-parallel size)``, the micro-batch size read from the
+            train dataloader's ``batch_size``, the data-parallel size from the strategy (the number of distinct
+            batches one pass sees: all processes under DDP and ZeRO, 1 under ``PipelineStrategy``, ``world / tp``
+            under ``TensorParallelStrategy``).
         log: Log the number of micro-batches of each optimizer step as ``grad_accumulation``.
 
     Give exactly one of ``schedule`` and ``global_batch_size``. For a schedule whose count changes,
@@ -82,12 +90,16 @@ class GradientAccumulation(Callback):
         self._anchor: tuple[int, int, int] | None = None
         self._patched: list[tuple[object, str, object]] = []
         self._saved_count: int | None = None
+        # A checkpoint was loaded; (epoch, batch) where the resumed run started (a window there may lack its head).
+        self._restored = False
+        self._resumed_at: tuple[int, int] | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         self._check_conflicts(trainer, pl_module)
+        self._restored, self._resumed_at = False, None  # a checkpoint's state, if any, is loaded after setup
         strategy = trainer.strategy
         self._saved_count = trainer.accumulate_grad_batches
         if self.global_batch_size is not None:
@@ -103,7 +115,8 @@ class GradientAccumulation(Callback):
             raise RuntimeError(
                 f"GradientAccumulation(schedule={schedule.schedule}): {type(strategy).__name__} accumulates "
                 "gradients itself and reads the count once, at setup, so it cannot change during a run. Use a "
-                "constant count (schedule=K or global_batch_size=...) with this strategy."
+                "constant count (schedule=K or global_batch_size=...) with this strategy, or, for DeepSpeed, "
+                "lightning_peft.strategies.ZeROStrategy(backend='deepspeed'), whose engine follows the schedule."
             )
         # Set before configure_optimizers: trainer.estimated_stepping_batches is then exact for a constant count
         # and, with the smallest count of a changing schedule, an upper bound (a OneCycleLR never runs past it).
@@ -117,12 +130,13 @@ class GradientAccumulation(Callback):
         target global batch has been turned into a count."""
         return self._active.min_count if self._active is not None and self._active.is_constant else None
 
-    def count_for(self, micro_batch_size: int, world_size: int) -> int | None:
-        """The constant count this callback uses with loaders of ``micro_batch_size`` on ``world_size`` devices."""
+    def count_for(self, micro_batch_size: int, data_parallel_size: int) -> int | None:
+        """The constant count this callback uses with loaders of ``micro_batch_size`` on ``data_parallel_size``
+        data-parallel replicas (``lightning_peft._seams.data_parallel(trainer.strategy)[0]``)."""
         if self.global_batch_size is None:
             return self.count
         return AccumulationSchedule.for_global_batch(
-            self.global_batch_size, micro_batch_size, world_size, who="GradientAccumulation").min_count
+            self.global_batch_size, micro_batch_size, data_parallel_size, who="GradientAccumulation").min_count
 
     def _schedule(self) -> AccumulationSchedule:
         """The schedule in use; for a target global batch, known once Lightning has asked for the train loader."""
@@ -134,14 +148,15 @@ class GradientAccumulation(Callback):
         return self._active
 
     def _derive(self, trainer: pl.Trainer, micro: int) -> None:
+        replicas, _ = data_parallel(trainer.strategy)
         self._active = AccumulationSchedule.for_global_batch(
-            int(self.global_batch_size or 0), micro, trainer.world_size, who="GradientAccumulation"
+            int(self.global_batch_size or 0), micro, replicas, who="GradientAccumulation"
         )
         # Before estimated_stepping_batches reads it: exact for the user's learning-rate schedule.
         trainer.accumulate_grad_batches = self._active.min_count
         rank_zero_info(
             f"GradientAccumulation: global batch {self.global_batch_size} = micro-batch {micro} x "
-            f"{trainer.world_size} device(s) x {self._active.min_count} accumulated micro-batches."
+            f"{replicas} data-parallel replica(s) x {self._active.min_count} accumulated micro-batches."
         )
 
     def _derive_on_first_request(self, trainer: pl.Trainer) -> None:
@@ -171,6 +186,7 @@ class GradientAccumulation(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._check_stream(trainer)
         if not self._schedule().is_constant:
             rank_zero_info(
                 f"GradientAccumulation: the schedule {self._active.schedule} gives {self.total_steps(trainer)} "
@@ -184,14 +200,25 @@ class GradientAccumulation(Callback):
         if not self._patched:
             return
         window = self._window(trainer, batch_idx, anchor=True)
-        size = window.size
-        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch and batch_idx + 1 < window.start + window.size:
+        if self._restored:  # the first micro-batch after a checkpoint was loaded
+            self._restored, self._resumed_at = False, (trainer.current_epoch, batch_idx)
+        first = window.start
+        if self._resumed_at is not None and self._resumed_at[0] == trainer.current_epoch and (
+            window.start < self._resumed_at[1] < window.start + window.size
+        ):
+            # Resumed inside this window: the gradient of its micro-batches before the checkpoint is not in the
+            # checkpoint, so the step averages over the ones this run has.
+            first = self._resumed_at[1]
+        end = window.start + window.size
+        size = end - first
+        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch and batch_idx + 1 < end:
             # The stream ended inside the window (only a loader without len() can): Lightning steps after this
-            # micro-batch, so make the ones before count 1 / size instead of 1 / window.size.
-            size = batch_idx + 1 - window.start
-            if size > 1:
+            # micro-batch, so make the ones before count 1 / actual instead of 1 / size.
+            actual = batch_idx + 1 - first
+            if actual > 1:
                 params = [p for group in trainer.optimizers[0].param_groups for p in group["params"]]
-                shorten_window(params, window.size, size)
+                shorten_window(params, size, actual)
+            size = actual
         trainer.accumulate_grad_batches = size
 
     @override
@@ -255,6 +282,7 @@ class GradientAccumulation(Callback):
             )
         anchor = state_dict.get("anchor")
         self._anchor = None if anchor is None else (int(anchor[0]), int(anchor[1]), int(anchor[2]))
+        self._restored, self._resumed_at = True, None
 
     def _settings(self) -> dict[str, Any]:
         return {
@@ -280,6 +308,24 @@ class GradientAccumulation(Callback):
                 f"GradientAccumulation: {type(pl_module).__name__} uses manual optimization, where Lightning does not "
                 "accumulate; remove the callback and accumulate in training_step (AccumulationSchedule.micro_batches "
                 "gives each micro-batch's window size and step)."
+            )
+
+    def _check_stream(self, trainer: pl.Trainer) -> None:
+        """Refuse, before the first step, what cannot cut a window short: a stream without len() under DeepSpeed.
+
+        The first point where the loader is known: Lightning loads it after the callbacks' ``setup``.
+        """
+        counts = self._schedule().schedule.values()
+        if trainer.num_training_batches != math.inf or max(counts) == 1:
+            return
+        if strategy_family(trainer.strategy) == "deepspeed":
+            raise refuse(
+                "GradientAccumulation", trainer.strategy,
+                "the train loader has no len(), so a window may be cut short by the stream's end, and then the "
+                "gradient accumulated so far must be rescaled (shorten_window, on p.grad); DeepSpeed accumulates in "
+                "its own buffers, out of reach there (p.grad is None from stage 2; measured wrong at stages 1 to 3)",
+                "give the train loader a len(), or use ZeROStrategy(backend='native'), where a cut window is "
+                "rescaled as under DDP",
             )
 
     def _take_over_window_decisions(self, trainer: pl.Trainer) -> None:

@@ -41,11 +41,12 @@ YAML::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import inspect
 import sys
 from pathlib import Path
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -316,6 +317,57 @@ class _DeepSpeedZeRO(ZeROStrategy, DeepSpeedStrategy):
             if key not in self._explicit:
                 # Rounded up: DeepSpeed wants bucket sizes aligned for its collectives.
                 zero[key] = int(min(zero.get(key, deepspeed_default), -(-max(cap, 1) // 256) * 256))
+
+    @property
+    @override
+    def handles_gradient_accumulation(self) -> bool:
+        """False: Lightning decides the windows, as under DDP, and the engine follows (see :meth:`backward`).
+
+        With True (``DeepSpeedStrategy``'s answer) Lightning calls ``engine.step()`` after every micro-batch and the
+        engine steps after every ``gradient_accumulation_steps``-th of the whole run: its windows run across epoch
+        ends, where Lightning (and DDP) step a short last window, so steps, learning rates and the count of
+        optimizer steps drift from DDP's, and the count cannot change during a run.
+        """
+        return False
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Any:
+        """``engine.backward`` of a loss that Lightning has already divided by the window's size.
+
+        The engine would divide it by ``gradient_accumulation_steps`` again (``scale_wrt_gas``): the gradient of a
+        window of ``k`` would be ``sum g_i / k**2``. And the engine is told whether this micro-batch ends a window
+        (Lightning's decision, the one DDP follows): that is when ZeRO reduces the gradients and when
+        ``engine.step()`` applies them, whatever the engine's own micro-step counter says.
+        """
+        module = self.lightning_module
+        if module is not None and module.automatic_optimization and module.trainer.training:
+            self._follow_window(module.trainer)
+        kwargs.setdefault("scale_wrt_gas", False)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _follow_window(self, trainer: pl.Trainer) -> None:
+        """Tell the engine the size of the current window (its bookkeeping) and whether this micro-batch ends it."""
+        engine = self.deepspeed_engine
+        size = int(trainer.accumulate_grad_batches)
+        if engine.gradient_accumulation_steps() != size:
+            engine.set_train_batch_size(engine.train_micro_batch_size_per_gpu() * engine.dp_world_size * size)
+        engine.set_gradient_accumulation_boundary(not trainer.fit_loop._should_accumulate())
+
+    @override
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        # Lightning would enter engine.no_sync() for the micro-batches inside a window (the engine looks like a
+        # DistributedDataParallel to it); ZeRO 2 and 3 refuse that. The engine skips the reduction itself there:
+        # it is told that the micro-batch does not end a window (backward).
+        yield None
+
+    @override
+    def _format_batch_size_and_grad_accum_config(self) -> None:
+        # The micro-batch size first: reading it asks for the train loader, which is when a GradientAccumulation
+        # (global_batch_size=...) derives its count; the engine's gradient_accumulation_steps is read after it.
+        if self.lightning_module is not None and "train_micro_batch_size_per_gpu" not in self.config:
+            self.config["train_micro_batch_size_per_gpu"] = self._auto_select_batch_size()
+        super()._format_batch_size_and_grad_accum_config()
 
     @override
     def _setup_model_and_optimizer(self, model: nn.Module, optimizer: Optimizer | None, lr_scheduler: Any = None):

@@ -19,8 +19,10 @@ over exactly the micro-batches it got. ``windows(10, 0)`` for a constant count 4
 Shapes: none of this touches tensors except :func:`shorten_window`, which scales every ``.grad`` in place
 (any shape, dtype or device).
 
-Target global batch: ``global = micro_batch_size * world_size * count``;
-:meth:`AccumulationSchedule.for_global_batch` derives the constant ``count``.
+Target global batch: ``global = micro_batch_size * data_parallel_size * count``, where ``data_parallel_size`` is
+the number of distinct batches one optimizer step sees (the number of processes under plain data parallelism; 1
+under pipeline parallelism, ``world / tp`` under tensor parallelism); :meth:`AccumulationSchedule.for_global_batch`
+derives the constant ``count``.
 """
 
 from __future__ import annotations
@@ -119,30 +121,36 @@ class AccumulationSchedule:
 
     @classmethod
     def for_global_batch(
-        cls, global_batch_size: int, micro_batch_size: int, world_size: int = 1, *, who: str = "AccumulationSchedule"
+        cls, global_batch_size: int, micro_batch_size: int, data_parallel_size: int = 1, *,
+        who: str = "AccumulationSchedule",
     ) -> AccumulationSchedule:
-        """The constant schedule that makes ``micro_batch_size * world_size * count == global_batch_size``.
+        """The constant schedule that makes ``micro_batch_size * data_parallel_size * count == global_batch_size``.
+
+        ``data_parallel_size`` counts the distinct batches of one pass, not the processes: the ranks of one pipeline
+        or one tensor-parallel group read the same batch.
 
         Raises:
             ValueError: If a size is not a positive integer, or ``global_batch_size`` is not a multiple of
-                ``micro_batch_size * world_size``.
+                ``micro_batch_size * data_parallel_size``.
 
         Example:
-            >>> AccumulationSchedule.for_global_batch(64, micro_batch_size=8, world_size=2).schedule
+            >>> AccumulationSchedule.for_global_batch(64, micro_batch_size=8, data_parallel_size=2).schedule
             {0: 4}
         """
-        sizes = {"global_batch_size": global_batch_size, "micro_batch_size": micro_batch_size, "world_size": world_size}
+        sizes = {"global_batch_size": global_batch_size, "micro_batch_size": micro_batch_size,
+                 "data_parallel_size": data_parallel_size}
         for name, value in sizes.items():
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{who}({name}={value!r}): {name} must be a positive integer.")
-        per_pass = micro_batch_size * world_size
+        per_pass = micro_batch_size * data_parallel_size
         if global_batch_size % per_pass:
             below = global_batch_size // per_pass * per_pass
             nearest = f"{below} or {below + per_pass}" if below else f"{per_pass}"
             raise ValueError(
                 f"{who}(global_batch_size={global_batch_size}): the global batch size must be a multiple of "
-                f"micro_batch_size * world_size = {micro_batch_size} * {world_size} = {per_pass}; the nearest valid "
-                f"global batch sizes are {nearest} (or change the micro-batch size or the number of devices)."
+                f"micro_batch_size * data_parallel_size = {micro_batch_size} * {data_parallel_size} = {per_pass}; the "
+                f"nearest valid global batch sizes are {nearest} (or change the micro-batch size or the number of "
+                "data-parallel replicas)."
             )
         return cls(global_batch_size // per_pass, who=who)
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -14,6 +17,7 @@ from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler,
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
+from torch.testing import assert_close
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_peft.callbacks import GradientAccumulation, GradientNoise, LoRA
@@ -187,7 +191,7 @@ def test_target_global_batch_derives_the_count_before_configure_optimizers(tmp_p
     run = trainer(tmp_path, max_epochs=2, precision="64-true", callbacks=[GradientAccumulation(global_batch_size=12)])
     with caplog.at_level(logging.INFO):
         run.fit(module, DataLoader(TensorDataset(x, y), batch_size=3))  # 10 micro-batches of 3: windows 4, 4, 2
-    assert "GradientAccumulation: global batch 12 = micro-batch 3 x 1 device(s) x 4 accumulated micro-batches" in (
+    assert "GradientAccumulation: global batch 12 = micro-batch 3 x 1 data-parallel replica(s) x 4 accumulated micro-batches" in (
         caplog.text)
     assert module.count_at_configure == 4
     assert module.estimated == module.total == run.global_step == 6
@@ -245,21 +249,23 @@ class SaveAfter(Callback):
             trainer.save_checkpoint(self.path)
 
 
-def test_a_run_resumed_inside_a_window_keeps_the_windows_of_the_straight_run(tmp_path):
-    """Windows 1, 3, 3, 3 (micro-batches 0 | 1-3 | 4-6 | 7-9), saved after micro-batch 5: the run goes on with 6 as the
-    end of the window 4-6 (its micro-batches 4 and 5 are lost, as under Lightning), not with a new window 6-8."""
+def test_a_run_resumed_inside_a_window_keeps_its_windows_and_averages_over_what_is_left(tmp_path):
+    """Windows 1, 3, 3, 3 (micro-batches 0 | 1-3 | 4-6 | 7-9), saved after micro-batch 4: the run goes on with 6 as the
+    end of the window 4-6, not with a new window 5-7. Micro-batch 4's gradient is not in the checkpoint, so that step
+    is the mean over micro-batches 5 and 6 (each divided by 2, not by 3: the old code stepped with 2/3 of a mean)."""
     _, _, batches = regression_batches()
-    callbacks = [GradientAccumulation({0: 1, 1: 3}), SaveAfter(tmp_path / "mid.ckpt", 5)]
+    callbacks = [GradientAccumulation({0: 1, 1: 3}), SaveAfter(tmp_path / "mid.ckpt", 4)]
     trainer(tmp_path, max_epochs=1, precision="64-true", callbacks=callbacks).fit(Regression(), ResumableLoader(batches))
     capture = CaptureSteps()
     resumed = trainer(tmp_path, max_epochs=1, precision="64-true", callbacks=[GradientAccumulation({0: 1, 1: 3}), capture])
     resumed.fit(Regression(), ResumableLoader(batches), ckpt_path=tmp_path / "mid.ckpt")
-    assert [step[-1] for step in capture.steps] == [3, 3] and resumed.global_step == 4
-    weight, bias, weight_grad, _, _ = capture.steps[0]
-    linear = nn.Linear(5, 2, dtype=torch.float64)
-    linear.weight.data, linear.bias.data = weight, bias
-    (nn.functional.mse_loss(linear(batches[6][0]), batches[6][1]) / 3).backward()  # micro-batch 6 alone, over 3
-    torch.testing.assert_close(weight_grad, linear.weight.grad, rtol=1e-12, atol=1e-14)
+    assert [step[-1] for step in capture.steps] == [2, 3] and resumed.global_step == 4
+    for (weight, bias, weight_grad, bias_grad, size), window in zip(capture.steps, ([5, 6], [7, 8, 9])):
+        linear = nn.Linear(5, 2, dtype=torch.float64)
+        linear.weight.data, linear.bias.data = weight, bias
+        torch.stack([nn.functional.mse_loss(linear(batches[i][0]), batches[i][1]) for i in window]).mean().backward()
+        torch.testing.assert_close(weight_grad, linear.weight.grad, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(bias_grad, linear.bias.grad, rtol=1e-12, atol=1e-14)
 
 
 def test_resuming_with_another_schedule_is_refused(tiny_bert_config, tmp_path):
@@ -297,7 +303,7 @@ class Manual(Regression):
       r"and reads the count once, at setup, so it cannot change during a run")),
     (lambda tmp: trainer(tmp, callbacks=[GradientAccumulation(global_batch_size=20)]), ValueError,
      (r"GradientAccumulation\(global_batch_size=20\): the global batch size must be a multiple of "
-      r"micro_batch_size \* world_size = 3 \* 1 = 3; the nearest valid global batch sizes are 18 or 21")),
+      r"micro_batch_size \* data_parallel_size = 3 \* 1 = 3; the nearest valid global batch sizes are 18 or 21")),
 ])
 def test_conflicting_settings_are_refused_before_training(make, error, match, tmp_path):
     run = make(tmp_path)
@@ -399,3 +405,40 @@ def test_the_yaml_form_parses_with_integer_steps(init_args, expected, tmp_path, 
     schedule = None if callback.schedule is None else callback.schedule.schedule
     assert (schedule, callback.global_batch_size) == expected
     assert schedule is None or all(type(k) is int for k in schedule)
+
+
+# ------------------------------------------------------------------ data-parallel size (2 processes, gloo)
+
+ACCUMULATION_SCRIPT = Path(__file__).with_name("accumulation_script.py")
+
+
+@pytest.fixture(scope="module")
+def model_parallel_runs(tmp_path_factory) -> Path:
+    from tests.strategies._launch import ROOT, free_port
+
+    out = tmp_path_factory.mktemp("accumulation")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+           "NODE_RANK": "0", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("PL_GLOBAL_SEED", None)
+    procs = [subprocess.Popen([sys.executable, str(ACCUMULATION_SCRIPT), str(out)],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, output in zip(procs, outputs):
+        assert p.returncode == 0, output[-4000:]
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["pipeline", "tensor"])
+def test_a_global_batch_counts_data_parallel_replicas_not_processes(model_parallel_runs: Path, case: str) -> None:
+    """global_batch_size=32, batches of 8, 2 processes that read the same batch (2 pipeline stages; one
+    tensor-parallel group of 2): 4 micro-batches per step, as one process with accumulate_grad_batches=4 (the count
+    from trainer.world_size was 2: 4 steps of 16 samples while the log said 32)."""
+    for rank in (0, 1):
+        result = torch.load(model_parallel_runs / f"{case}-rank{rank}.pt", weights_only=False)
+        assert result["counts"] == [4, 4] and result["steps"] == 2
+        assert result["weights"]
+        for name, value in result["expected"].items():
+            assert_close(result["weights"][name], value, rtol=0, atol=1e-5, msg=f"{case} rank {rank} {name}")

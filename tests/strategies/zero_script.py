@@ -13,6 +13,8 @@ RANK, LOCAL_RANK and NODE_RANK set as torchrun sets them. A case is a strategy n
 - ``full/``: full fine-tuning for one epoch, a full checkpoint at the end; ``full-weights.pt``: its weights,
   gathered;
 - ``memory-{lora,full}-rank<r>.json``: :func:`rank_bytes` of each rank during the 3rd step (see ``MemoryProbe``).
+
+The case ``accumulation`` runs every strategy with accumulation (``ACCUMULATION``) into ``OUT/accumulation/``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # no
 from transformers import BertConfig, BertForSequenceClassification  # noqa: E402
 
 from lightning_peft._gather import gathered  # noqa: E402
-from lightning_peft.callbacks import LoRA, MergeOnSave  # noqa: E402
+from lightning_peft.callbacks import GradientAccumulation, LoRA, MergeOnSave  # noqa: E402
 from lightning_peft.peft import LoRAConfig, adapter_state_dict, inject_lora  # noqa: E402
 from lightning_peft.strategies import ZeROStrategy  # noqa: E402
 from lightning_peft.strategies._memory import rank_bytes  # noqa: E402
@@ -232,10 +234,71 @@ def run_regressions(out: Path) -> None:
         torch.save(result, out / "regressions.pt")
 
 
+class ScheduledClassifier(Classifier):
+    """AdamW under a per-step linear decay: the learning rate tells whose steps the scheduler follows."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        decay = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.1, total_iters=10)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": decay, "interval": "step"}}
+
+
+class Stream:
+    """The rank's micro-batches without a len(): an epoch of unknown length."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader = loader
+
+    def __iter__(self):
+        return iter(self.loader)
+
+
+class StreamingClassifier(ScheduledClassifier):
+    def train_dataloader(self):
+        return Stream(super().train_dataloader())
+
+
+# Accumulation runs: 2 epochs of 5 micro-batches per rank. Lightning's count 2 gives windows 2, 2, 1 per epoch (the
+# last one short, not aligned with the epoch); the changing schedule 1, 1, then 2 from step 2, then 3 from step 4;
+# the stream (count 3) 3, then 2 cut short by the stream's end (the first two micro-batches rescaled by 3 / 2).
+ACCUMULATION = {
+    "lightning": lambda: ({"accumulate_grad_batches": 2}, [], ScheduledClassifier),
+    "schedule": lambda: ({}, [GradientAccumulation(schedule={0: 1, 2: 2, 4: 3}, log=False)], ScheduledClassifier),
+    "global-batch": lambda: ({}, [GradientAccumulation(global_batch_size=16, log=False)], ScheduledClassifier),
+    "stream": lambda: ({}, [GradientAccumulation(schedule=3, log=False)], StreamingClassifier),
+}
+
+
+def run_accumulation(out: Path) -> None:
+    """Every strategy with accumulation (Lightning's count, a changing schedule, a target global batch, a stream whose
+    end cuts a window short): the adapter,
+    the learning rate of every micro-batch and the number of optimizer steps; or the error a strategy refuses with."""
+    rank = int(os.environ["RANK"])
+    result: dict[str, dict] = {}
+    for name, make in STRATEGIES.items():
+        for kind, settings in ACCUMULATION.items():
+            kwargs, callbacks, module_class = settings()
+            rates, module = LearningRates(), module_class(lora=True)
+            fit = trainer(make(), out / name / kind, 2, [*callbacks, rates], enable_checkpointing=False, **kwargs)
+            try:
+                fit.fit(module)
+            except RuntimeError as error:  # refused at setup (on every rank alike)
+                result[f"{name}/{kind}"] = {"error": str(error)}
+                continue
+            with gathered(module):
+                state = {k: v.detach().clone() for k, v in adapter_state_dict(module.model).items()}
+            result[f"{name}/{kind}"] = {"adapter": state, "rates": rates.rates, "steps": fit.global_step}
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(result, out / "accumulation.pt")
+
+
 def main(out: Path, cases: list[str]) -> None:
     for case in cases:
         if case == "regressions":
             run_regressions(out / case)
+        elif case == "accumulation":
+            run_accumulation(out / case)
         elif case.startswith("multinode:"):
             run_case(out / case.replace(":", "-"), case.split(":", 1)[1], devices=1, num_nodes=2)
         else:

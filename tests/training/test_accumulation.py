@@ -136,12 +136,12 @@ def test_the_count_for_a_target_global_batch(global_batch, micro, world, count):
 
 @pytest.mark.parametrize(("global_batch", "match"), [
     (60, (r"AccumulationSchedule\(global_batch_size=60\): the global batch size must be a multiple of "
-          r"micro_batch_size \* world_size = 8 \* 2 = 16; the nearest valid global batch sizes are 48 or 64")),
+          r"micro_batch_size \* data_parallel_size = 8 \* 2 = 16; the nearest valid global batch sizes are 48 or 64")),
     (10, r"AccumulationSchedule\(global_batch_size=10\): .* = 16; the nearest valid global batch sizes are 16 \("),
 ])
 def test_a_global_batch_that_is_not_a_multiple_is_refused_with_the_nearest_valid_ones(global_batch, match):
     with pytest.raises(ValueError, match=match):
-        AccumulationSchedule.for_global_batch(global_batch, micro_batch_size=8, world_size=2)
+        AccumulationSchedule.for_global_batch(global_batch, micro_batch_size=8, data_parallel_size=2)
 
 
 @pytest.mark.parametrize(("call", "error", "match"), [
