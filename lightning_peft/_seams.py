@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-__all__ = ["Family", "data_parallel", "refuse", "splits_layers", "strategy_family", "strategy_name"]
+__all__ = ["Family", "data_parallel", "refuse", "splits_layers", "strategy_family", "strategy_name",
+           "tensor_parallel_size"]
 
 Family = Literal["plain", "dtensor", "deepspeed"]
 
@@ -71,6 +72,11 @@ def splits_layers(strategy: Any) -> bool:
     """Whether ``strategy`` keeps only some layers of the model on each rank (pipeline parallelism), so that no
     rank can run the whole model's forward by itself. Such a strategy sets ``splits_layers = True``."""
     return bool(getattr(strategy, "splits_layers", False))
+
+
+def tensor_parallel_size(strategy: Any) -> int:
+    """How many ranks split each layer's weights (attention heads, feed-forward columns); 1 when none do."""
+    return int(getattr(strategy, "tensor_parallel_size", 1) or 1)
 
 
 def refuse(who: str, strategy: Any, why: str, fix: str) -> RuntimeError:

@@ -40,7 +40,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_peft._seams import data_parallel, refuse, strategy_family
+from lightning_peft._seams import data_parallel, refuse, splits_layers, strategy_family, tensor_parallel_size
 from lightning_peft.callbacks._checkpoint import (
     AdapterCallback,
     refuse_changed_settings,
@@ -217,7 +217,16 @@ class MultiLoRA(AdapterCallback):
 
 
 def _check_strategy(strategy: object) -> None:
-    """Refuses sharded data parallelism; lets DDP reduce the adapters a rank's batch did not use."""
+    """Refuses sharded data parallelism, tensor and pipeline parallelism; lets DDP reduce the adapters a rank's
+    batch did not use."""
+    if tensor_parallel_size(strategy) > 1:
+        raise refuse("MultiLoRA", strategy, "the routed path stacks every adapter's factors into one tensor per layer, "
+                     "and the tensor-parallel plan shards some of them (DTensor) but not others",
+                     "use LoRA (one adapter) under tensor parallelism, or MultiLoRA under DDP or one process")
+    if splits_layers(strategy):
+        raise refuse("MultiLoRA", strategy, "the adapter of each sample is set for the whole batch, while the pipeline "
+                     "runs the layers on micro-batches of it", "use LoRA (one adapter) under the pipeline, or "
+                     "MultiLoRA under DDP or one process")
     if strategy_family(strategy) != "plain" and data_parallel(strategy)[0] > 1:
         raise refuse(
             "MultiLoRA", strategy,

@@ -30,6 +30,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_peft._seams import refuse, tensor_parallel_size
 from lightning_peft.callbacks._checkpoint import (
     AdapterCallback,
     refuse_changed_settings,
@@ -78,6 +79,10 @@ class PrefixTuning(AdapterCallback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if tensor_parallel_size(trainer.strategy) > 1:
+            raise refuse("PrefixTuning", trainer.strategy, "the prefix holds every attention head's keys and values, "
+                         "while tensor parallelism gives each rank a share of the heads", "use LoRA or prompt tuning "
+                         "under tensor parallelism, or prefix tuning under DDP or ZeRO")
         _, model = resolve_target(pl_module, self.model_attribute, "PrefixTuning")
         spec = prefix_tuning_spec(model)
         if spec is None:

@@ -280,6 +280,11 @@ class _DeepSpeedZeRO(ZeROStrategy, DeepSpeedStrategy):
         self._init_deepspeed_distributed()
 
     @override
+    def teardown(self) -> None:
+        super().teardown()
+        _restore_torch_linear()
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.gradient_clip_algorithm == "value" and trainer.gradient_clip_val:
             raise ValueError(f"{self._name()} with Trainer(gradient_clip_algorithm='value'): DeepSpeed clips "
@@ -458,6 +463,16 @@ class _DeepSpeedZeRO(ZeROStrategy, DeepSpeedStrategy):
             args=self._deepspeed_args(), config=config, model=model, optimizer=None, lr_scheduler=None,
             model_parameters=[], dist_init_required=False,
         )
+
+
+def _restore_torch_linear() -> None:
+    """DeepSpeed's ZeRO-3 replaces ``torch.nn.functional.linear`` for the whole process ("This will persist unless
+    manually reset"): every later ``F.linear`` would run DeepSpeed's autograd function, which fails on the DTensors
+    of a native strategy run later in the same process. Put torch's own back when the fit ends."""
+    module = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    original = getattr(getattr(module, "InsertPostInitMethodToModuleSubClasses", None), "linear_bk", None)
+    if original is not None and torch.nn.functional.linear is not original:
+        torch.nn.functional.linear = original
 
 
 def _skip_shared_memory_op() -> None:
