@@ -58,14 +58,18 @@ def local_grad(param: Tensor) -> Tensor | None:
 
     Plain and DeepSpeed stages 1-2: the whole gradient, ``(*shape)`` (DeepSpeed's is assembled by an all-reduce: every
     rank must call this for the same parameters in the same order); DTensor: the local block (``grad.to_local()``, a
-    view); DeepSpeed stage 3: the flat local partition ``(n,)``. Change the first two in place, or write any of them
+    view; a ``Partial`` gradient, which tensor parallelism leaves on replicated parameters until the optimizer meets
+    it, is reduced to ``Replicate`` first, as the optimizer would: a collective too); DeepSpeed stage 3: the flat local partition ``(n,)``. Change the first two in place, or write any of them
     back with :func:`set_local_grad`.
     """
     kind = grad_kind(param)
     if kind == "plain":
         return param.grad
     if kind == "dtensor":
-        return None if param.grad is None else param.grad.to_local()
+        if param.grad is None:
+            return None
+        _reduce_partial(param)
+        return param.grad.to_local()
     from deepspeed.utils import safe_get_full_grad, safe_get_local_grad
 
     return safe_get_local_grad(param) if kind == "deepspeed3" else safe_get_full_grad(param)
@@ -152,6 +156,15 @@ def _is_dtensor(tensor: object) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
+
+
+def _reduce_partial(param: Tensor) -> None:
+    """Replaces a DTensor gradient with pending sums (``Partial``) by its reduced, replicated value."""
+    from torch.distributed.tensor import Replicate
+
+    grad = param.grad
+    if any(p.is_partial() for p in grad.placements):
+        param.grad = grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements])
 
 
 def _block(dtensor: Tensor, full: Tensor) -> Tensor:
