@@ -4,8 +4,17 @@ The math lives in :mod:`lightning_peft.training.gradient_noise`; this callback d
 ``on_before_optimizer_step``, which Lightning runs once per optimizer step (after the last micro-batch under
 gradient accumulation), after AMP has unscaled the gradients and before gradient clipping. Only trainable
 parameters get noise, with ``t`` = the optimizer step (``trainer.global_step``). The noise of step ``t`` comes from
-a generator seeded with ``(seed, t)``, so every DDP rank adds the same noise (replicas stay identical) and a resumed
-run draws what the straight run drew. The standard deviation is logged as ``grad_noise_std``.
+a generator seeded with ``(seed, t)`` and is drawn for each parameter's full shape in the LightningModule's
+parameter order, so every rank adds the same noise to every element, a resumed run draws what the straight run
+drew, and the strategies agree: the gradient is changed where the strategy keeps it (``p.grad``, DTensor shards
+under FSDP2 and tensor parallelism, DeepSpeed's partitions at every ZeRO stage; :mod:`lightning_peft._grads`),
+so a sharded run adds what DDP adds. The standard deviation is logged as ``grad_noise_std``.
+
+Under DeepSpeed, Lightning calls the hook at every micro-batch when accumulating; the noise goes in only at the
+engine's accumulation boundary, after the reduction, onto the reduced gradient (as under DDP), before the engine
+clips and steps. With a ``GradScaler`` and an optimizer that unscales inside its step (``fused=True``), Lightning
+does not unscale before the hook: the noise is multiplied by the current scale, so it comes out unscaled. DeepSpeed's
+own fp16 loss scaling is refused at setup (untested: fp16 does not run on CPUs).
 
 YAML::
 
@@ -19,9 +28,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_peft._seams import refuse, strategy_family
 from lightning_peft.training.gradient_noise import add_gradient_noise, noise_variance, step_generator
 
 
@@ -42,10 +53,25 @@ class GradientNoise(Callback):
         self.eta, self.gamma, self.seed, self.log_std = eta, gamma, seed, log
 
     @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        strategy = trainer.strategy
+        if stage == "fit" and strategy_family(strategy) == "deepspeed" and _deepspeed_fp16(strategy):
+            raise refuse(
+                "GradientNoise", strategy,
+                "DeepSpeed's fp16 keeps the gradients multiplied by its dynamic loss scale until the engine's step, "
+                "so noise added before it would shrink by that scale (this pair is untested: fp16 does not run on "
+                "CPUs)", "use precision='bf16-mixed' or '32-true' with DeepSpeed, or GradientNoise under DDP or native "
+                "ZeRO (ZeROStrategy(backend='native'))",
+            )
+
+    @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
+        family = strategy_family(trainer.strategy)
+        if family == "deepspeed" and not trainer.strategy.model.is_gradient_accumulation_boundary():
+            return  # Lightning calls the hook at every micro-batch; the engine reduces and steps at the boundary
         step = trainer.global_step
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        std = add_gradient_noise(params, step, self.eta, self.gamma, generator=step_generator(self.seed, step))
+        std = add_gradient_noise(_noised(pl_module, optimizer, family), step, self.eta, self.gamma,
+                                 generator=step_generator(self.seed, step), grad_scale=_grad_scale(trainer, optimizer))
         if self.log_std:
             pl_module.log("grad_noise_std", std, on_step=True, on_epoch=False)
 
@@ -62,3 +88,32 @@ class GradientNoise(Callback):
                 f"GradientNoise: the checkpoint was trained with {saved}; this run has {now}. Resume with the "
                 "checkpoint's settings, or start a new run without ckpt_path."
             )
+
+
+def _noised(pl_module: nn.Module, optimizer: Optimizer, family: str) -> list[nn.Parameter]:
+    """The trainable parameters ``optimizer`` steps, in the LightningModule's order (the same under every strategy;
+    the groups' order is not: layer-wise decay regroups them)."""
+    trainable = [p for p in pl_module.parameters() if p.requires_grad]
+    if family == "deepspeed":  # the engine's optimizer holds flat copies; DeepSpeed runs one optimizer
+        return trainable
+    held = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    ids = {id(p) for p in held}
+    ordered = [p for p in trainable if id(p) in ids]
+    inside = {id(p) for p in ordered}
+    return ordered + [p for p in held if id(p) not in inside]  # any the optimizer holds outside the module
+
+
+def _grad_scale(trainer: pl.Trainer, optimizer: Optimizer) -> float:
+    """The scale the gradients still carry at the hook: a GradScaler's, when the optimizer unscales inside its step
+    (Lightning unscales before the hook otherwise)."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled() or not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return 1.0
+    return float(scaler.get_scale())
+
+
+def _deepspeed_fp16(strategy: Any) -> bool:
+    """Whether DeepSpeed runs with fp16 (and so with its own loss scaler)."""
+    precision = str(getattr(strategy.precision_plugin, "precision", ""))
+    fp16 = (getattr(strategy, "config", None) or {}).get("fp16") or {}
+    return precision.startswith("16") or bool(fp16.get("enabled"))

@@ -38,6 +38,14 @@ from lightning_peft.callbacks._target import resolve_target
 from lightning_peft.training.layerwise_lr import check_decay, depth_label, layer_depths, lr_scale, split_by_depth
 
 _ORIGINAL = "_lightning_peft_llrd_original"
+# Each group the split makes carries, under this key, {"scale": the factor its lr must keep, "origin": which of the
+# user's groups it came from, "label": its depth's name}. In the group itself, so that it survives what strategies
+# do to optimizers (ZeroRedundancyOptimizer copies the groups into a new optimizer, DeepSpeed wraps the optimizer)
+# and what a checkpoint does to them (loading replaces the group dicts with the saved ones, which carry it too).
+GROUP_KEY = "layerwise_lr"
+# Set on a ReduceLROnPlateau whose min_lrs the callback has scaled (saved with the scheduler's state: a resumed run
+# must not scale them again).
+_PLATEAU_FITTED = "_lightning_peft_llrd_fitted"
 
 
 class LayerwiseLRDecay(Callback):
@@ -74,10 +82,6 @@ class LayerwiseLRDecay(Callback):
         self.decay, self.layer_patterns, self.embedding_patterns = decay, layer_patterns, embedding_patterns
         self.model_attribute, self.bias_and_norm_weight_decay, self.log_lr = (
             model_attribute, bias_and_norm_weight_decay, log)
-        # By id(optimizer), per param group (by position: loading a checkpoint replaces the group dicts):
-        # (the factor its lr must keep, which of the user's groups it came from, its depth's label); None for a
-        # group added outside configure_optimizers.
-        self._groups: dict[int, list[tuple[float, int, str] | None]] = {}
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -120,28 +124,32 @@ class LayerwiseLRDecay(Callback):
 
     @contextmanager
     def _splitting(self, pl_module: pl.LightningModule) -> Iterator[Callable[[Optimizer, dict[str, Any]], None]]:
-        """While active, ``Optimizer.add_param_group`` receives each group split by depth."""
+        """While active, ``Optimizer.add_param_group`` receives each group split by depth (``split_add.origins``:
+        how many of the user's groups each optimizer, by id, has taken)."""
         names, depths, num_layers = self._depths(pl_module)
         add_param_group = Optimizer.add_param_group
         callback = self
+        origins: dict[int, int] = {}  # id(optimizer) -> how many of the user's groups it has taken
 
         def split_add(optimizer: Optimizer, group: dict[str, Any]) -> None:
-            params = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
-            options = {k: v for k, v in group.items() if k != "params"}
+            params, given_names = _unpack(group)
+            options = {k: v for k, v in group.items() if k not in ("params", "param_names", GROUP_KEY)}
             lr = options.pop("lr", optimizer.defaults.get("lr"))
             if not isinstance(lr, float | int | torch.Tensor) or isinstance(lr, bool):
                 raise TypeError(f"LayerwiseLRDecay: {type(optimizer).__name__} has no numeric learning rate "
                                 f"(lr={lr!r}) to decay; give the optimizer an lr.")
-            info = callback._groups.setdefault(id(optimizer), [])
-            origin = len({entry[1] for entry in info if entry is not None})
-            for part in split_by_depth(params, names, depths, num_layers, callback.decay, lr, options,
-                                       callback.bias_and_norm_weight_decay):
-                depth = depths.get(part["names"][0], num_layers + 1)
+            origin = origins.setdefault(id(optimizer), 0)
+            origins[id(optimizer)] += 1
+            for depth, part in split_by_depth(params, names, depths, num_layers, callback.decay, lr, options,
+                                              callback.bias_and_norm_weight_decay):
+                if given_names is not None:  # AdamW(named_parameters()): the optimizer keeps the names it was given
+                    part["params"] = [(given_names[id(p)], p) for p in part["params"]]
+                if depth is not None:
+                    part[GROUP_KEY] = {"scale": lr_scale(depth, num_layers, callback.decay), "origin": origin,
+                                       "label": depth_label(depth, num_layers)}
                 add_param_group(optimizer, part)
-                info += [None] * (len(optimizer.param_groups) - 1 - len(info))
-                info.append((lr_scale(depth, num_layers, callback.decay), origin, depth_label(depth, num_layers)))
 
-        self._groups = {}
+        split_add.origins = origins  # type: ignore[attr-defined]
         Optimizer.add_param_group = split_add  # type: ignore[method-assign]
         try:
             yield split_add
@@ -157,7 +165,7 @@ class LayerwiseLRDecay(Callback):
         """
         optimizers, schedulers = _collect(result)
         for optimizer in optimizers:
-            if id(optimizer) in self._groups:
+            if id(optimizer) in split_add.origins:  # type: ignore[attr-defined]
                 continue
             users = [type(s).__name__ for s in schedulers if getattr(s, "optimizer", None) is optimizer]
             if users or optimizer.state:
@@ -175,7 +183,7 @@ class LayerwiseLRDecay(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not any(id(optimizer) in self._groups for optimizer in trainer.optimizers):
+        if not any(_split(optimizer) for optimizer in trainer.optimizers):
             raise RuntimeError(
                 "LayerwiseLRDecay: no optimizer of this run was built inside the LightningModule's "
                 "configure_optimizers, so no learning rate was decayed; build the optimizer there (or in "
@@ -189,44 +197,50 @@ class LayerwiseLRDecay(Callback):
 
         Plateau clamps every group at ``min_lr`` (one value unless given per group) and skips a group's cut when it
         is below ``eps``; both hit the decayed groups earlier than the top one. A scaled ``min_lr`` clamps all
-        groups at the same moment, and without ``eps`` no group skips a cut the others make. (Idempotent, so a
-        resumed run, whose scheduler state already holds the scaled values, is left as it is.)
+        groups at the same moment, and without ``eps`` no group skips a cut the others make. Once only: the
+        scheduler remembers it in its state, so a resumed run, whose restored ``min_lrs`` are scaled already, does
+        not scale them again.
         """
         for config in trainer.lr_scheduler_configs:
             scheduler = config.scheduler
-            entries = self._groups.get(id(getattr(scheduler, "optimizer", None)))
-            if not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) or not entries:
+            if not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                continue
+            entries = [group.get(GROUP_KEY) for group in scheduler.optimizer.param_groups]
+            if not any(entries) or getattr(scheduler, _PLATEAU_FITTED, False):
                 continue
             scheduler.eps = 0.0
-            for origin in {entry[1] for entry in entries if entry is not None}:
-                members = [(i, entry[0]) for i, entry in enumerate(entries) if entry is not None and entry[1] == origin]
+            for origin in {entry["origin"] for entry in entries if entry}:
+                members = [(i, entry["scale"]) for i, entry in enumerate(entries) if entry and entry["origin"] == origin]
                 floors = [scheduler.min_lrs[i] for i, _ in members]
                 if all(math.isclose(f, floors[0], rel_tol=1e-9, abs_tol=0.0) for f in floors):  # one min_lr: scale it
                     for i, scale in members:
                         scheduler.min_lrs[i] = floors[0] * scale
+            setattr(scheduler, _PLATEAU_FITTED, True)
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
         self._check(trainer, [optimizer])
         if self.log_lr:
             logged: dict[str, float] = {}
-            for group, entry in zip(optimizer.param_groups, self._groups.get(id(optimizer), [])):
-                if entry is not None and f"lr/{entry[2]}" not in logged:
-                    logged[f"lr/{entry[2]}"] = float(group["lr"])
+            for group in optimizer.param_groups:
+                entry = group.get(GROUP_KEY)
+                if entry and f"lr/{entry['label']}" not in logged:
+                    logged[f"lr/{entry['label']}"] = float(group["lr"])
             pl_module.log_dict(logged, on_step=True, on_epoch=False)
 
     def _check(self, trainer: pl.Trainer, optimizers: list[Optimizer] | None = None) -> None:
         """Raises if a scheduler broke the decay: within one user group, ``lr / scale`` must be one value."""
         for optimizer in optimizers or trainer.optimizers:
             base: dict[int, tuple[float, str]] = {}
-            for group, entry in zip(optimizer.param_groups, self._groups.get(id(optimizer), [])):
-                if entry is None:
+            for group in optimizer.param_groups:
+                entry = group.get(GROUP_KEY)
+                if not entry:
                     continue
-                scale, origin, label = entry
-                unscaled = float(group["lr"]) / scale
-                first = base.setdefault(origin, (unscaled, label))
+                unscaled = float(group["lr"]) / entry["scale"]
+                first = base.setdefault(entry["origin"], (unscaled, entry["label"]))
                 if not math.isclose(unscaled, first[0], rel_tol=1e-6, abs_tol=1e-30):
-                    raise RuntimeError(_broken_message(trainer, optimizer, first, (unscaled, label), self.decay))
+                    raise RuntimeError(_broken_message(trainer, optimizer, first, (unscaled, entry["label"]),
+                                                       self.decay))
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -248,7 +262,9 @@ class LayerwiseLRDecay(Callback):
 
 def _broken_message(trainer: pl.Trainer, optimizer: Optimizer, first: tuple[float, str], other: tuple[float, str],
                     decay: float) -> str:
-    schedulers = [type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs if c.scheduler.optimizer is optimizer]
+    inner = getattr(optimizer, "optimizer", None)  # DeepSpeed's ZeRO optimizer wraps the one the scheduler holds
+    schedulers = [type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs
+                  if c.scheduler.optimizer is optimizer or (inner is not None and c.scheduler.optimizer is inner)]
     who = f"the scheduler {', '.join(schedulers)}" if schedulers else "something outside LayerwiseLRDecay"
     return (
         f"LayerwiseLRDecay(decay={decay}): at step {trainer.global_step}, {who} set the learning rates of "
@@ -258,6 +274,26 @@ def _broken_message(trainer: pl.Trainer, optimizer: Optimizer, first: tuple[floa
         "max_lr=[group['lr'] for group in optimizer.param_groups]; ReduceLROnPlateau is adjusted by the callback "
         "unless given a per-group min_lr list that breaks the ratios."
     )
+
+
+def _split(optimizer: Any) -> bool:
+    """Whether the callback split ``optimizer``'s groups (also through a strategy's wrapper of it)."""
+    return any(GROUP_KEY in group for group in optimizer.param_groups)
+
+
+def _unpack(group: dict[str, Any]) -> tuple[list[torch.Tensor], dict[int, str] | None]:
+    """A group's parameters, and the names it was given by id (None if unnamed).
+
+    ``AdamW(model.named_parameters())`` (torch >= 2.5) hands ``(name, tensor)`` pairs to ``add_param_group``; an
+    optimizer built before the run holds its ``param_names`` beside the tensors.
+    """
+    given = group["params"]
+    items = [given] if isinstance(given, torch.Tensor) else list(given)
+    if "param_names" in group:
+        items = list(zip(group["param_names"], items))
+    if items and all(isinstance(item, tuple) for item in items):
+        return [p for _, p in items], {id(p): name for name, p in items}
+    return items, None
 
 
 def _collect(result: Any) -> tuple[list[Optimizer], list[Any]]:

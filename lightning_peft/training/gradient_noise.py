@@ -11,9 +11,12 @@ with ``gamma = 0.55`` and ``eta`` from {0.01, 0.3, 1.0} in the paper. (Several p
 expression as the standard deviation; here it is the variance, as in the paper, and a test checks it
 statistically.)
 
-Shapes: the noise has each gradient's shape, dtype and device. It is drawn on the CPU from the given generator
-(or a fresh one seeded from ``seed`` and ``t``: :func:`step_generator`), so that two processes, or a run and
-its resumption, that agree on the seed draw the same noise.
+Shapes: the noise of a parameter has the parameter's **full** shape, whatever part of its gradient this process
+holds (a DTensor shard under FSDP2 or tensor parallelism, a DeepSpeed partition): it is drawn on the CPU, in
+float32, from the given generator (or a fresh one seeded from ``seed`` and ``t``: :func:`step_generator`), one
+parameter after the other in the order given, and each process adds the block of it that its gradient holds
+(:mod:`lightning_peft._grads`). So two processes, a run and its resumption, and a sharded run and a replicated one
+that agree on the seed and the parameter order add the same noise to every element.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+
+from lightning_peft._grads import add_to_grad
 
 
 def noise_variance(step: int, eta: float, gamma: float = 0.55, who: str = "add_gradient_noise") -> float:
@@ -49,15 +54,23 @@ def add_gradient_noise(
     eta: float,
     gamma: float = 0.55,
     generator: torch.Generator | None = None,
+    grad_scale: float = 1.0,
 ) -> float:
-    """Add ``N(0, eta / (1 + step)^gamma)`` noise in place to the ``.grad`` of every parameter that has one.
+    """Add ``N(0, eta / (1 + step)^gamma)`` noise in place to the gradient of every parameter that has one.
+
+    The gradient may live wherever a strategy keeps it (``p.grad``, a DTensor, DeepSpeed's partitions: see
+    :mod:`lightning_peft._grads`); under a sharded strategy every process must call this with the same parameters in
+    the same order (DeepSpeed's stages 1-2 assemble each gradient with a collective).
 
     Args:
-        parameters: The parameters (their order fixes which noise each one gets).
+        parameters: The parameters (their order fixes which noise each one gets); one without a gradient gets none
+            and draws nothing.
         step: The optimizer step ``t``, counted from 0.
         eta: The noise scale (variance at step 0); the paper uses 0.01, 0.3 or 1.0.
         gamma: The decay exponent.
         generator: A CPU generator to draw from; None draws from ``torch``'s global CPU generator.
+        grad_scale: The factor the gradients carry now and lose before the update (a ``GradScaler``'s scale, when
+            the optimizer unscales inside its step): the noise is multiplied by it, so that it comes out unscaled.
 
     Returns:
         The standard deviation used, ``sqrt(eta / (1 + step)^gamma)``.
@@ -67,14 +80,17 @@ def add_gradient_noise(
         TypeError: If a gradient is sparse.
     """
     std = math.sqrt(noise_variance(step, eta, gamma))
+    if isinstance(grad_scale, bool) or not isinstance(grad_scale, numbers.Real) or not (
+        grad_scale > 0 and math.isfinite(grad_scale)
+    ):
+        raise ValueError(f"add_gradient_noise(grad_scale={grad_scale!r}): grad_scale must be a positive, finite number "
+                         "(1 for unscaled gradients).")
+
+    def draw(shape: torch.Size) -> torch.Tensor:
+        return torch.randn(shape, generator=generator, dtype=torch.float32)  # (*shape): the full parameter's
+
     for param in parameters:
-        grad = param.grad
-        if grad is None:
-            continue
-        if grad.is_sparse:
-            raise TypeError("add_gradient_noise: a sparse gradient cannot take dense noise; use a dense gradient.")
-        noise = torch.randn(grad.shape, generator=generator, dtype=torch.float32)  # (*grad.shape)
-        grad.add_(noise.to(device=grad.device, dtype=grad.dtype), alpha=std)
+        add_to_grad(param, draw, alpha=std * grad_scale, who="add_gradient_noise")
     return std
 
 

@@ -126,8 +126,13 @@ def split_by_depth(
     lr: float,
     options: dict[str, Any],
     bias_and_norm_weight_decay: float | None = 0.0,
-) -> list[dict[str, Any]]:
+) -> list[tuple[int | None, dict[str, Any]]]:
     """Splits one parameter group into groups of equal depth (and, optionally, decayed or not).
+
+    Only parameters that train make groups: a parameter with ``requires_grad=False`` joins the group of its depth
+    (and decay) if one trains, else the group's first; so no group holds only frozen parameters (DeepSpeed cannot
+    take such a group once the frozen ones are dropped, and it would be one more group with nothing to train). A
+    group with no parameter that trains stays one group, as given.
 
     Args:
         params: The group's parameters.
@@ -141,21 +146,32 @@ def split_by_depth(
             group's.
 
     Returns:
-        Groups ``{**options, "params", "lr", "names"}`` ordered by depth, each depth's decayed group first.
+        ``(depth, group)`` pairs, groups ``{**options, "params", "lr", "names"}`` ordered by depth, each depth's
+        decayed group first; ``depth`` is None for a group left whole (nothing in it trains; its ``lr`` is ``lr``).
     """
-    buckets: dict[tuple[int, bool], list[tuple[str, nn.Parameter]]] = {}
+    params = list(params)
+    buckets: dict[tuple[int, bool], list[nn.Parameter]] = {}
+    frozen: list[tuple[tuple[int, bool], nn.Parameter]] = []
     for param in params:
-        name = names.get(id(param), "")
-        depth = depths.get(name, num_layers + 1)
-        exempt = bias_and_norm_weight_decay is not None and param.ndim < 2
-        buckets.setdefault((depth, exempt), []).append((name, param))
+        depth = depths.get(names.get(id(param), ""), num_layers + 1)
+        key = (depth, bias_and_norm_weight_decay is not None and param.ndim < 2)
+        if param.requires_grad:
+            buckets.setdefault(key, []).append(param)
+        else:
+            frozen.append((key, param))
+    if not buckets:  # nothing here trains: one group, as given
+        return [(None, {**options, "params": params, "lr": lr, "names": [names.get(id(p), "") for p in params]})]
+    keys = sorted(buckets)
+    for key, param in frozen:
+        buckets[key if key in buckets else keys[0]].append(param)
     groups = []
-    for (depth, exempt), members in sorted(buckets.items(), key=lambda item: item[0]):
-        group = {**options, "params": [p for _, p in members], "lr": lr * lr_scale(depth, num_layers, decay),
-                 "names": [n for n, _ in members]}
+    for depth, exempt in keys:
+        members = buckets[(depth, exempt)]
+        group = {**options, "params": members, "lr": lr * lr_scale(depth, num_layers, decay),
+                 "names": [names.get(id(p), "") for p in members]}
         if exempt:
             group["weight_decay"] = bias_and_norm_weight_decay
-        groups.append(group)
+        groups.append((depth, group))
     return groups
 
 
@@ -206,8 +222,8 @@ def layerwise_lr_groups(
         raise ValueError(f"{who}: no parameter of {type(model).__name__} requires gradients, so there is nothing "
                          "to group; unfreeze some, or inject adapters first.")
     names = {id(p): name for name, p in trainable}
-    return split_by_depth([p for _, p in trainable], names, depths, num_layers, decay, lr,
-                          {"weight_decay": weight_decay})
+    return [group for _, group in split_by_depth([p for _, p in trainable], names, depths, num_layers, decay, lr,
+                                                 {"weight_decay": weight_decay})]
 
 
 def _compile(patterns: Sequence[str] | None, default: Sequence[str], field: str, who: str,

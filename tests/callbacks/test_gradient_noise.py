@@ -87,3 +87,125 @@ def test_resuming_with_other_noise_settings_is_refused(tiny_bert_config, tmp_pat
 def test_bad_settings_fail_when_the_callback_is_made(kwargs, error, match):
     with pytest.raises(error, match=match):
         GradientNoise(**kwargs)
+
+
+class Fused(Classifier):
+    def __init__(self, config, fused: bool):
+        super().__init__(config, lr=0.01)
+        self.fused = fused
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr, fused=self.fused)
+
+
+def scaled_fit(config, tmp_path, fused: bool, eta: float):
+    """3 steps under an explicit CPU GradScaler (Lightning's own 16-mixed on the CPU is bf16, without a scaler)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    torch.manual_seed(0)
+    module = Fused(config, fused)
+    record = RecordStart()
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12))
+    trainer(tmp_path, max_steps=3, plugins=[plugin],
+            callbacks=[LoRA(**LORA_ARGS), GradientNoise(eta=eta, seed=7), record]).fit(module, loader())
+    return module, record.state, plugin.scaler.get_scale()
+
+
+def test_under_a_grad_scaler_the_noise_is_added_unscaled_also_when_the_optimizer_unscales(tiny_bert_config, tmp_path):
+    """Lightning unscales before ``on_before_optimizer_step``, except for an optimizer that unscales inside its step
+    (``fused=True``): there the gradients still carry the scale, and noise added as is would shrink by it (2^12).
+    Both equal a plain loop that adds the noise to the unscaled gradients."""
+    unfused, start, scale = scaled_fit(tiny_bert_config, tmp_path / "unfused", fused=False, eta=0.3)
+    fused, _, _ = scaled_fit(tiny_bert_config, tmp_path / "fused", fused=True, eta=0.3)
+    assert scale == 2.0**12  # no step was skipped: the scale never moved
+
+    from transformers import BertForSequenceClassification
+
+    from lightning_peft.peft import inject_lora
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(tiny_bert_config)
+    inject_lora(model, **LORA_ARGS)
+    model.load_state_dict(start, strict=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    model.train()
+    for step, (ids, labels) in zip(range(3), loader()):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(input_ids=ids, labels=labels).loss
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        add_gradient_noise(params, step, 0.3, generator=step_generator(7, step))
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    plain = adapter_state_dict(model)
+    for module in (unfused, fused):
+        ours = adapter_state_dict(module.model)
+        for key in plain:
+            torch.testing.assert_close(ours[key], plain[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+class Probe(Callback):
+    """Reads the (DeepSpeed-held) gradients at ``on_before_optimizer_step``; one before GradientNoise and one after
+    it bracket what the noise added."""
+
+    def __init__(self, records: list) -> None:
+        self.records = records
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        from lightning_peft._grads import local_grad
+
+        engine = trainer.strategy.model
+        boundary = engine.is_gradient_accumulation_boundary()
+        grads = ([local_grad(p).clone() for p in pl_module.parameters() if p.requires_grad] if boundary else None)
+        self.records.append((trainer.global_step, boundary, grads))
+
+
+@pytest.mark.slow
+def test_under_deepspeed_the_noise_goes_in_once_per_optimizer_step_onto_the_gradient_it_steps_with(
+        tiny_bert_config, tmp_path):
+    """Lightning calls ``on_before_optimizer_step`` at every micro-batch under DeepSpeed (the engine accumulates);
+    the noise goes in at the accumulation boundary only, after the engine's reduction, onto the partitioned
+    gradient it steps with (``p.grad`` is None at stage 2: it used to add nothing, and log as if it had)."""
+    pytest.importorskip("deepspeed")
+    from lightning_peft.strategies import ZeROStrategy
+    from lightning_peft.training import noise_variance
+
+    before, after = [], []
+    torch.manual_seed(0)
+    module = Classifier(tiny_bert_config, lr=0.01)
+    trainer(tmp_path, max_steps=2, accumulate_grad_batches=2, strategy=ZeROStrategy(stage=2),
+            callbacks=[LoRA(**LORA_ARGS), Probe(before), GradientNoise(eta=0.3, seed=7), Probe(after)]).fit(
+        module, loader())
+    assert [(step, boundary) for step, boundary, _ in before] == [(0, False), (0, True), (1, False), (1, True)]
+    for (step, boundary, grads), (_, _, noised) in zip(before, after):
+        if not boundary:
+            continue
+        generator = step_generator(7, step)
+        std = noise_variance(step, 0.3) ** 0.5
+        shapes = [p.shape for p in module.parameters() if p.requires_grad]
+        assert len(grads) == len(shapes) and all(g.shape == s for g, s in zip(grads, shapes))  # full gradients
+        for grad, new, shape in zip(grads, noised, shapes):
+            torch.testing.assert_close(new - grad, std * torch.randn(shape, generator=generator), rtol=0, atol=1e-5)
+
+
+def test_deepspeed_fp16_is_refused_at_setup():
+    """DeepSpeed's fp16 keeps loss-scaled gradients until its step. fp16 does not run on CPUs (ZeROStrategy refuses
+    it there before any callback's setup), so this checks the callback's own refusal on the strategy as configured."""
+    pytest.importorskip("deepspeed")
+    from types import SimpleNamespace
+
+    from lightning.pytorch.plugins.precision import DeepSpeedPrecision
+
+    from lightning_peft.strategies import ZeROStrategy
+
+    strategy = ZeROStrategy(stage=2)
+    strategy.precision_plugin = DeepSpeedPrecision("16-mixed")
+    with pytest.raises(RuntimeError, match=r"GradientNoise under ZeROStrategy\(stage=2, backend='deepspeed'\): "
+                                           r"DeepSpeed's fp16 keeps the gradients multiplied by its dynamic loss scale .*"
+                                           r"untested.*Use precision='bf16-mixed' or '32-true' with DeepSpeed"):
+        GradientNoise().setup(SimpleNamespace(strategy=strategy), None, "fit")
+    strategy.precision_plugin = DeepSpeedPrecision("bf16-mixed")
+    GradientNoise().setup(SimpleNamespace(strategy=strategy), None, "fit")  # no loss scale: accepted

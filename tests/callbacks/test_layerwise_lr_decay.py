@@ -232,3 +232,78 @@ def test_reduce_on_plateau_keeps_the_ratios_down_to_a_scaled_min_lr(tiny_bert_co
     assert lrs["classifier.weight"] == pytest.approx(1e-4)
     assert lrs["bert.encoder.layer.0.output.dense.weight"] == pytest.approx(1e-4 / 4)
     assert lrs["bert.embeddings.word_embeddings.weight"] == pytest.approx(1e-4 / 8)
+
+
+class Named(Classifier):
+    """``AdamW(self.named_parameters())`` (torch >= 2.5), frozen base included, under a per-step LambdaLR."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.named_parameters(), lr=self.lr, weight_decay=0.01)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def test_named_parameters_are_split_by_depth_and_keep_their_names(tiny_bert_config, tmp_path):
+    """Defect 6: the (name, tensor) pairs used to reach the split as tuples ('tuple' object has no attribute
+    'ndim'); they are split by depth as plain tensors are, and the optimizer keeps the names it was given."""
+    torch.manual_seed(0)
+    module = Named(tiny_bert_config, lr=0.01)
+    base = {k: v.clone() for k, v in module.model.state_dict().items()}
+    torch.manual_seed(1)
+    trainer(tmp_path, max_steps=4, callbacks=[LoRA(**LORA_ALL), LayerwiseLRDecay(decay=0.5)]).fit(module, loader())
+
+    from transformers import BertForSequenceClassification
+
+    model = BertForSequenceClassification(tiny_bert_config)
+    model.load_state_dict(base)
+    torch.manual_seed(1)
+    inject_lora(model, **LORA_ALL)
+    optimizer = torch.optim.AdamW(layerwise_lr_groups(model, lr=0.01, decay=0.5, weight_decay=0.01), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+    model.train()
+    for step, (ids, labels) in zip(range(4), loader()):
+        model(input_ids=ids, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    ours, plain = adapter_state_dict(module.model), adapter_state_dict(model)
+    for key in plain:
+        torch.testing.assert_close(ours[key], plain[key], rtol=1e-6, atol=1e-7)
+    for group in module.trainer.optimizers[0].param_groups:
+        assert group["param_names"] == [f"model.{n}" for n in group["names"]]  # the names AdamW was given
+        assert any(p.requires_grad for p in group["params"])  # no group of frozen parameters only
+
+
+class TwoGroupPlateau(Plateau):
+    """The embeddings in a group of their own (one depth), the rest in another; a cut at every step."""
+
+    def configure_optimizers(self):
+        embeddings = list(self.model.bert.embeddings.parameters())
+        rest = [p for p in self.parameters() if all(p is not e for e in embeddings)]
+        optimizer = torch.optim.SGD([{"params": embeddings}, {"params": rest}], lr=0.1)
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.1, patience=0, min_lr=1e-4)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "monitor": "flat", "interval": "step"}}
+
+
+def test_reduce_on_plateau_resumed_scales_min_lr_once(tiny_bert_config, tmp_path):
+    """Suspected defect 17, confirmed: a user group at one depth (the embeddings) had its restored, already scaled
+    min_lr scaled again on resume (1e-4 / 8 / 8), so the resumed run cut its rate below the straight run's."""
+
+    def fit(epochs, path, ckpt_path=None):
+        torch.manual_seed(0)
+        module = TwoGroupPlateau(tiny_bert_config)
+        checkpoint = ModelCheckpoint(dirpath=path, filename="{epoch}", save_top_k=-1)
+        trainer(path, max_epochs=epochs, enable_checkpointing=True,
+                callbacks=[LayerwiseLRDecay(decay=0.5), checkpoint]).fit(module, loader(), ckpt_path=ckpt_path)
+        return module
+
+    straight = fit(2, tmp_path / "straight")
+    fit(1, tmp_path / "first")
+    resumed = fit(2, tmp_path / "resumed", ckpt_path=tmp_path / "first" / "epoch=0.ckpt")
+    expected = [g["lr"] for g in straight.trainer.optimizers[0].param_groups]
+    assert expected[0] == pytest.approx(1e-4 / 8)  # L = 2: the embeddings' floor, scaled once
+    assert [g["lr"] for g in resumed.trainer.optimizers[0].param_groups] == pytest.approx(expected, rel=1e-12)
+    plateau = resumed.trainer.lr_scheduler_configs[0].scheduler
+    assert plateau.min_lrs == pytest.approx(straight.trainer.lr_scheduler_configs[0].scheduler.min_lrs, rel=1e-12)
+    for key, value in straight.state_dict().items():
+        assert torch.equal(resumed.state_dict()[key], value), key

@@ -66,5 +66,5 @@ def test_bad_settings_are_refused(kwargs, match):
 def test_a_sparse_gradient_is_refused():
     p = nn.Parameter(torch.zeros(4, 2))
     p.grad = torch.zeros(4, 2).to_sparse()
-    with pytest.raises(TypeError, match=r"add_gradient_noise: a sparse gradient cannot take dense noise"):
+    with pytest.raises(TypeError, match=r"add_gradient_noise: a sparse gradient cannot take a dense update"):
         add_gradient_noise([p], 0, 0.1)

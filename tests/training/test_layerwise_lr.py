@@ -130,3 +130,27 @@ def test_a_fully_frozen_model_is_refused():
     with pytest.raises(ValueError, match=r"layerwise_lr_groups: no parameter of BertForSequenceClassification requires "
                                          r"gradients"):
         layerwise_lr_groups(model, lr=1.0, decay=0.8)
+
+
+def test_the_split_makes_no_group_of_frozen_parameters_only():
+    """Frozen parameters join a group that trains (their depth's if one does), so DeepSpeed, which drops them, never
+    meets an empty group of ours; a user's group where nothing trains stays one group, as given."""
+    from lightning_peft.training.layerwise_lr import split_by_depth
+
+    model = bert(layers=2)
+    inject_lora(model, rank=2, target_modules=["query"])  # freezes the base: biases train nowhere
+    depths, num_layers = layer_depths(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = list(model.parameters())
+    parts = split_by_depth(params, names, depths, num_layers, 0.5, 1.0, {"weight_decay": 0.01})
+    assert all(any(p.requires_grad for p in group["params"]) for _, group in parts)
+    assert sorted(id(p) for _, g in parts for p in g["params"]) == sorted(id(p) for p in params)  # each once
+    for depth, group in parts:  # every group holds LoRA matrices of one layer (2-D: the decayed group)
+        trained = [n for n, p in zip(group["names"], group["params"]) if p.requires_grad]
+        assert {depths[n] for n in trained} == {depth} and group["lr"] == 0.5 ** (num_layers + 1 - depth)
+    layer_0 = next(g for d, g in parts if d == 1)
+    assert "bert.encoder.layer.0.attention.self.query.base_layer.weight" in layer_0["names"]  # its own depth's
+    assert "bert.embeddings.word_embeddings.weight" in parts[0][1]["names"]  # no embedding group trains: the first
+    biases = [p for n, p in model.named_parameters() if n.endswith(".bias") and not p.requires_grad]
+    [(depth, whole)] = split_by_depth(biases, names, depths, num_layers, 0.5, 1.0, {"weight_decay": 0.0})
+    assert depth is None and whole["params"] == biases and whole["lr"] == 1.0
