@@ -19,35 +19,34 @@ from collections.abc import Iterable, Iterator
 
 from torch import nn
 
-__all__ = ["gathered"]
+__all__ = ["gathered", "reshard"]
 
 
 @contextlib.contextmanager
-def gathered(
-    module: nn.Module, params: Iterable[nn.Parameter] | None = None, root: nn.Module | None = None
-) -> Iterator[nn.Module]:
+def gathered(module: nn.Module, params: Iterable[nn.Parameter] | None = None) -> Iterator[nn.Module]:
     """Inside, the chosen parameters of ``module`` (default: all) hold their full values on every rank.
 
     Args:
         module: The model whose parameters to gather.
         params: The parameters to gather (a subset of ``module``'s); the others stay as they are.
-        root: The outermost module that FSDP2 sharded, when ``module`` is inside it (a LightningModule is the root
-            unit; its own parameters, e.g. a head, stay gathered after an evaluation forward at stage 2 until it
-            is resharded).
 
     Yields:
         ``module``.
     """
     chosen = None if params is None else {id(p) for p in params}
-    _reshard(module if root is None else root)
+    reshard(module)
     wanted = [p for p in module.parameters() if chosen is None or id(p) in chosen]
     with _deepspeed_gathered([p for p in wanted if hasattr(p, "ds_id")]), _dtensors_gathered(module, chosen):
         yield module
 
 
-def _reshard(module: nn.Module) -> None:
+def reshard(module: nn.Module) -> None:
     """FSDP2 units left gathered (stage 2 after an evaluation forward) hold plain parameters whose state dict hooks
-    would put the shards back mid-export: reshard them first, so every FSDP2 parameter is the DTensor swapped below."""
+    would put the shards back mid-export: reshard them first, so every FSDP2 parameter is the DTensor swapped below.
+
+    Call it on the outermost sharded module (the LightningModule, FSDP2's root unit) *before* choosing the
+    parameters to gather: resharding replaces the gathered parameter objects by their DTensor shards.
+    """
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:

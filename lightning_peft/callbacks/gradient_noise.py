@@ -24,6 +24,7 @@ YAML::
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning.pytorch as pl
@@ -33,7 +34,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_peft._seams import refuse, strategy_family
-from lightning_peft.training.gradient_noise import add_gradient_noise, noise_variance, step_generator
+from lightning_peft.training.gradient_noise import add_gradient_noise, noise_variance, parameter_generator
 
 
 class GradientNoise(Callback):
@@ -69,9 +70,11 @@ class GradientNoise(Callback):
         family = strategy_family(trainer.strategy)
         if family == "deepspeed" and not trainer.strategy.model.is_gradient_accumulation_boundary():
             return  # Lightning calls the hook at every micro-batch; the engine reduces and steps at the boundary
-        step = trainer.global_step
-        std = add_gradient_noise(_noised(pl_module, optimizer, family), step, self.eta, self.gamma,
-                                 generator=step_generator(self.seed, step), grad_scale=_grad_scale(trainer, optimizer))
+        step, scale = trainer.global_step, _grad_scale(trainer, optimizer)
+        std = math.sqrt(noise_variance(step, self.eta, self.gamma))
+        for index, param in _noised(pl_module, optimizer, family):
+            add_gradient_noise([param], step, self.eta, self.gamma, grad_scale=scale,
+                               generator=parameter_generator(self.seed, step, index))
         if self.log_std:
             pl_module.log("grad_noise_std", std, on_step=True, on_epoch=False)
 
@@ -90,17 +93,19 @@ class GradientNoise(Callback):
             )
 
 
-def _noised(pl_module: nn.Module, optimizer: Optimizer, family: str) -> list[nn.Parameter]:
-    """The trainable parameters ``optimizer`` steps, in the LightningModule's order (the same under every strategy;
-    the groups' order is not: layer-wise decay regroups them)."""
+def _noised(pl_module: nn.Module, optimizer: Optimizer, family: str) -> list[tuple[int, nn.Parameter]]:
+    """The trainable parameters ``optimizer`` steps with their positions among the LightningModule's trainable
+    parameters: the same under every strategy (the groups' order is not: layer-wise decay regroups them; a pipeline
+    stage's optimizer holds only its stage's), so each parameter draws its own noise wherever it lives."""
     trainable = [p for p in pl_module.parameters() if p.requires_grad]
     if family == "deepspeed":  # the engine's optimizer holds flat copies; DeepSpeed runs one optimizer
-        return trainable
+        return list(enumerate(trainable))
     held = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     ids = {id(p) for p in held}
-    ordered = [p for p in trainable if id(p) in ids]
-    inside = {id(p) for p in ordered}
-    return ordered + [p for p in held if id(p) not in inside]  # any the optimizer holds outside the module
+    ordered = [(i, p) for i, p in enumerate(trainable) if id(p) in ids]
+    inside = {id(p) for _, p in ordered}
+    outside = [p for p in held if id(p) not in inside]  # any the optimizer holds outside the module
+    return ordered + list(enumerate(outside, start=len(trainable)))
 
 
 def _grad_scale(trainer: pl.Trainer, optimizer: Optimizer) -> float:

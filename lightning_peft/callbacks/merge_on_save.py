@@ -43,7 +43,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_peft._atomic import write_dir
-from lightning_peft._gather import gathered
+from lightning_peft._gather import gathered, reshard
 from lightning_peft.callbacks._target import is_hf_model, resolve_target
 from lightning_peft.peft.adapter import adapter_tensors, attached, merged_state_dict
 from lightning_peft.peft.io import check_saveable, unshared
@@ -141,6 +141,7 @@ class MergeOnSave(Callback):
         others, which raise too.
         """
         _, model = resolve_target(pl_module, self.model_attribute, "MergeOnSave")
+        reshard(pl_module)  # FSDP2 units an evaluation forward left gathered: their parameters are swapped back now
         needed = None if self.save_merged else adapter_parameters(model)
         with _gathered(trainer, model, needed):
             return _on_rank_zero(trainer, lambda: self._write(trainer, pl_module, directory), "the export") or {}
@@ -186,7 +187,7 @@ def _gathered(trainer: pl.Trainer, model, params):
     """The strategy's own gathering if it has one (a pipeline's ranks hold different layers), else the generic one
     (ZeRO-3 partitions, DTensor shards); for unsharded models it does nothing."""
     own = getattr(trainer.strategy, "gathered_parameters", None)
-    return own(model, params) if callable(own) else gathered(model, params, root=trainer.lightning_module)
+    return own(model, params) if callable(own) else gathered(model, params)
 
 
 def adapter_parameters(model) -> list:

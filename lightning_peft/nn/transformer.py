@@ -255,8 +255,15 @@ class TransformerBlock(nn.Module):
         key_padding_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         cu_seqlens: Tensor | None = None,
+        between: Callable[[Tensor, Tensor | None], Tensor] | None = None,
+        need_importance: bool | str = False,
     ) -> Tensor:
-        x, _ = self.attention_sublayer(x, key_padding_mask, position_ids, cu_seqlens)
+        """Both residual sublayers; ``between(x, importance) -> x`` runs between them (token pruning selects the
+        tokens there), so the whole block is one call of the module: the hooks that gather its parameters (FSDP2)
+        or move its inputs (a device map) see all of it."""
+        x, importance = self.attention_sublayer(x, key_padding_mask, position_ids, cu_seqlens, need_importance)
+        if between is not None:
+            x = between(x, importance)
         return self.feed_forward_sublayer(x)
 
 
@@ -516,13 +523,16 @@ class TransformerEncoder(nn.Module):
             if ratio >= 1.0:
                 x = layer(x, key_padding_mask=mask)
             else:
-                x, importance = layer.attention_sublayer(x, mask, need_importance=pruner.importance)
-                keep = pruner.select(importance, mask, ratio)  # (B, K')
-                out.scatter_(1, positions.unsqueeze(-1).expand(-1, -1, hidden), x)  # the dropped keep this
-                positions = positions.gather(1, keep)
-                x = x.gather(1, keep.unsqueeze(-1).expand(-1, -1, hidden))
-                mask = None if mask is None else mask.gather(1, keep)
-                x = layer.feed_forward_sublayer(x)
+
+                def prune(h: Tensor, importance: Tensor | None, ratio: float = ratio) -> Tensor:
+                    nonlocal positions, mask
+                    keep = pruner.select(importance, mask, ratio)  # (B, K')
+                    out.scatter_(1, positions.unsqueeze(-1).expand(-1, -1, hidden), h)  # the dropped keep this
+                    positions = positions.gather(1, keep)
+                    mask = None if mask is None else mask.gather(1, keep)
+                    return h.gather(1, keep.unsqueeze(-1).expand(-1, -1, hidden))
+
+                x = layer(x, key_padding_mask=mask, between=prune, need_importance=pruner.importance)
             kept.append(mask.sum(1) if mask is not None else torch.full((batch,), x.shape[1], device=x.device))
         self.last_kept_tokens = kept
         out.scatter_(1, positions.unsqueeze(-1).expand(-1, -1, hidden), x)

@@ -11,11 +11,11 @@ from .curriculum import (
     truncate_batch,
     warmup_length,
 )
-from .gradient_noise import add_gradient_noise, noise_variance, step_generator
+from .gradient_noise import add_gradient_noise, noise_variance, parameter_generator, step_generator
 from .layerwise_lr import layer_depths, layerwise_lr_groups, lr_scale
 
 __all__ = [
     "AccumulationSchedule", "CurriculumSampler", "LengthScorer", "LossScorer", "add_gradient_noise", "compute_scores",
     "layer_depths", "layerwise_lr_groups", "lr_scale", "noise_variance", "pacing_fraction", "shorten_window",
-    "step_generator", "truncate_batch", "warmup_length",
+    "parameter_generator", "step_generator", "truncate_batch", "warmup_length",
 ]

@@ -47,6 +47,13 @@ def step_generator(seed: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63))
 
 
+def parameter_generator(seed: int, step: int, index: int) -> torch.Generator:
+    """A CPU generator for parameter ``index`` (its position among the model's trainable parameters) at ``step``:
+    each parameter's noise depends on nothing else, so a process that holds only some parameters (a pipeline
+    stage) draws for them what one process holding all of them draws."""
+    return step_generator((seed * 1_000_003 + index) % (2**63), step)
+
+
 @torch.no_grad()
 def add_gradient_noise(
     parameters: Iterable[nn.Parameter] | Iterable[torch.Tensor],

@@ -8,7 +8,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_peft.callbacks import GradientNoise, LoRA
 from lightning_peft.peft import adapter_state_dict
-from lightning_peft.training import add_gradient_noise, step_generator
+from lightning_peft.training import add_gradient_noise, parameter_generator
 
 from .test_lora import LORA_ARGS, Classifier, loader, trainer
 
@@ -44,7 +44,8 @@ def test_noise_once_per_optimizer_step_equals_the_pure_function_in_a_plain_loop(
         for micro in range(2):  # Lightning divides each micro-batch loss by the accumulation count
             ids, labels = batches[(2 * step + micro) % len(batches)]
             (model(input_ids=ids, labels=labels).loss / 2).backward()
-        add_gradient_noise(params, step, 0.3, generator=step_generator(7, step))
+        for index, param in enumerate(params):  # each parameter its own draw (a pipeline stage holds only some)
+            add_gradient_noise([param], step, 0.3, generator=parameter_generator(7, step, index))
         optimizer.step()
     ours, plain = adapter_state_dict(module.model), adapter_state_dict(model)
     for key in plain:
@@ -136,7 +137,8 @@ def test_under_a_grad_scaler_the_noise_is_added_unscaled_also_when_the_optimizer
             loss = model(input_ids=ids, labels=labels).loss
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)
-        add_gradient_noise(params, step, 0.3, generator=step_generator(7, step))
+        for index, param in enumerate(params):  # each parameter its own draw (a pipeline stage holds only some)
+            add_gradient_noise([param], step, 0.3, generator=parameter_generator(7, step, index))
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()
@@ -166,9 +168,10 @@ class Probe(Callback):
 @pytest.mark.slow
 def test_under_deepspeed_the_noise_goes_in_once_per_optimizer_step_onto_the_gradient_it_steps_with(
         tiny_bert_config, tmp_path):
-    """Lightning calls ``on_before_optimizer_step`` at every micro-batch under DeepSpeed (the engine accumulates);
-    the noise goes in at the accumulation boundary only, after the engine's reduction, onto the partitioned
-    gradient it steps with (``p.grad`` is None at stage 2: it used to add nothing, and log as if it had)."""
+    """Lightning decides the accumulation windows under ``ZeROStrategy`` too, so ``on_before_optimizer_step`` runs
+    once per optimizer step, at the engine's accumulation boundary, after its reduction; the noise goes onto the
+    partitioned gradient the engine steps with (``p.grad`` is None at stage 2: it used to add nothing, and log as if
+    it had)."""
     pytest.importorskip("deepspeed")
     from lightning_peft.strategies import ZeROStrategy
     from lightning_peft.training import noise_variance
@@ -179,16 +182,16 @@ def test_under_deepspeed_the_noise_goes_in_once_per_optimizer_step_onto_the_grad
     trainer(tmp_path, max_steps=2, accumulate_grad_batches=2, strategy=ZeROStrategy(stage=2),
             callbacks=[LoRA(**LORA_ARGS), Probe(before), GradientNoise(eta=0.3, seed=7), Probe(after)]).fit(
         module, loader())
-    assert [(step, boundary) for step, boundary, _ in before] == [(0, False), (0, True), (1, False), (1, True)]
+    assert [(step, boundary) for step, boundary, _ in before] == [(0, True), (1, True)]
     for (step, boundary, grads), (_, _, noised) in zip(before, after):
         if not boundary:
             continue
-        generator = step_generator(7, step)
         std = noise_variance(step, 0.3) ** 0.5
         shapes = [p.shape for p in module.parameters() if p.requires_grad]
         assert len(grads) == len(shapes) and all(g.shape == s for g, s in zip(grads, shapes))  # full gradients
-        for grad, new, shape in zip(grads, noised, shapes):
-            torch.testing.assert_close(new - grad, std * torch.randn(shape, generator=generator), rtol=0, atol=1e-5)
+        for index, (grad, new, shape) in enumerate(zip(grads, noised, shapes)):
+            noise = torch.randn(shape, generator=parameter_generator(7, step, index))
+            torch.testing.assert_close(new - grad, std * noise, rtol=0, atol=1e-5)
 
 
 def test_deepspeed_fp16_is_refused_at_setup():

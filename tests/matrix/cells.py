@@ -26,8 +26,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from lightning_peft._seams import data_parallel
 from lightning_peft.callbacks import (
     BottleneckAdapters,
     Curriculum,
@@ -136,7 +137,12 @@ class PeerClassifier(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def train_dataloader(self):
-        return DataLoader(Batches(SAMPLES, 1), batch_size=self.batch_size)
+        # Lightning gives a data-parallel run a shuffling DistributedSampler: the same one on one process too, so
+        # that every strategy trains on the same global batches.
+        replicas, rank = data_parallel(self.trainer.strategy)
+        dataset = Batches(SAMPLES, 1)
+        sampler = DistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=True, seed=0)
+        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler)
 
     def val_dataloader(self):
         return DataLoader(Batches(VAL_SAMPLES, 2), batch_size=self.batch_size)
