@@ -95,7 +95,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .adapter import Adapter, attach, attached, clean_key, detach, register, remove_adapter, unwrap
-from .lora import name_matches, task_heads, trainable_parameters
+from .lora import name_matches, refuse_unmatched, task_heads, trainable_parameters
 from .modules_to_save import ModulesToSave, plain_key, set_submodule, wrap_modules_to_save
 
 log = logging.getLogger(__name__)
@@ -436,6 +436,8 @@ def _select(model: nn.Module, config: BottleneckConfig) -> tuple[list[str], list
         chosen = _placement_targets(model, config.placement, names)
     else:
         chosen = [n for n in names if name_matches(n, config.target_modules)]
+        if chosen:
+            refuse_unmatched("BottleneckAdapters", config.target_modules, names, model, _describe_modules)
     chosen = [n for n in chosen if not saved(n)]
     if not chosen:
         hint = ""

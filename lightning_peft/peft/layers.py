@@ -122,19 +122,17 @@ class Routing:
         position = {n: i for i, n in enumerate(self._used)}
         self._slots = torch.tensor([position.get(n, len(self._used)) for n in self.names], dtype=torch.long)
 
-    def select(
-        self, adapters: Sequence[str], device: torch.device, every: bool = False
-    ) -> tuple[list[str], Tensor] | None:
-        """For a layer holding ``adapters``: the adapters to stack, and each sample's slot among them.
+    def select(self, adapters: Sequence[str], device: torch.device) -> tuple[list[str], Tensor] | None:
+        """For a layer holding ``adapters``: the used adapters it has (the ones to stack), and each sample's slot
+        among them.
 
-        The adapters to stack are the used ones this layer has, or with ``every`` all of the layer's (a stack that
-        stays valid from batch to batch, for inference). Slot ``len(names)`` stands for "no adapter here" (a None
-        sample, or an adapter this layer lacks). Returns None when no sample uses an adapter of this layer.
+        Slot ``len(names)`` stands for "no adapter here" (a None sample, or an adapter this layer lacks). Returns
+        None when no sample uses an adapter of this layer. The slots depend only on the routing, so they are
+        computed once per :meth:`route_to` and layer signature.
         """
-        key = (tuple(adapters), device, every)
+        key = (tuple(adapters), device)
         if key not in self._cache:
-            used = [n for n in self._used if n in adapters]
-            here = list(adapters) if every and used else used
+            here = [n for n in self._used if n in adapters]
             position = {n: i for i, n in enumerate(here)}
             local = torch.tensor([position.get(n, len(here)) for n in self._used] + [len(here)])
             self._cache[key] = (here, local[self._slots].to(device))  # (B,)
@@ -189,7 +187,6 @@ class LoRALayer(nn.Module):
         self.routing = Routing(adapter_name)
         self.merged_adapter: str | None = None
         self._remerge_after_load: str | None = None
-        self._stack_cache: tuple | None = None  # inference only: (key, stacked A, stacked s * B)
         self._factor_cache: dict[str, tuple[tuple[dict, str], tuple[dict, str]]] = {}
         self._init_containers()
         self.add_adapter(adapter_name, rank, alpha, dropout, use_rslora, init)
@@ -224,9 +221,8 @@ class LoRALayer(nn.Module):
         return super()._apply(move, recurse=False)
 
     def _forget_cached_tensors(self) -> None:
-        # After a move, a cast or a load (assign=True replaces the Parameter objects) the caches would be stale.
+        # After a move, a cast or a load (assign=True replaces the Parameter objects) the references would be stale.
         self._factor_cache = {}
-        self._stack_cache = None
 
     @property
     def weight(self) -> Tensor:
@@ -419,9 +415,8 @@ class LoRALayer(nn.Module):
                     f"({self.base_layer}), but {len(routing.names)} adapter names were given; give one name per "
                     "sample (the batch dimension must come first)."
                 )
-            # Training stacks only the adapters the batch uses (the others must get no gradient); inference stacks
-            # every adapter of the layer once and reuses the stack while the weights stay unchanged.
-            selected = routing.select(self.adapter_names, x.device, every=not torch.is_grad_enabled())
+            # Only the adapters the batch uses are stacked (the others must get no gradient), every forward.
+            selected = routing.select(self.adapter_names, x.device)
             return result if selected is None else self._routed(x, result, *selected)
         name = routing.active
         if name not in self.specs:
@@ -445,15 +440,11 @@ class LoRALayer(nn.Module):
         """``A^T`` (k+1, in, r) and ``(s * B)^T`` (k+1, r, out) of ``names``, ranks padded to the largest, and a
         last, all-zero slot for samples without an adapter here.
 
-        Without autograd (inference) the stacks are kept until a parameter changes (its version counter moves),
-        so serving pays no per-forward copy.
+        Built anew every forward, in inference too: no cache keyed on the parameters can tell that they changed
+        (a fused optimizer step and writes through ``.data`` move neither the version counter nor the storage), and
+        the copy costs little next to the base layer (``benchmarks/bench_multi_lora.py``).
         """
         pairs = [self.factors(n) for n in names]  # each (A (r, in), B (out, r))
-        if not torch.is_grad_enabled():
-            key = (tuple(names), tuple((a._version, b._version, a.data_ptr(), b.data_ptr()) for a, b in pairs))
-            cached = self._stack_cache
-            if cached is not None and cached[0] == key:
-                return cached[1], cached[2]
         ranks = [self.specs[n].rank for n in names]
         rank = max(ranks)
         a_rows = [F.pad(a, (0, 0, 0, rank - r)) if r < rank else a for (a, _), r in zip(pairs, ranks)]
@@ -462,11 +453,9 @@ class LoRALayer(nn.Module):
         b_cols.append(b_cols[0].new_zeros(b_cols[0].shape))
         scale = torch.tensor([self.specs[n].scaling for n in names] + [0.0], dtype=b_cols[0].dtype,
                              device=b_cols[0].device)
-        # Stored transposed and contiguous, the layout the batched matmuls read without a copy.
-        stacked_a = torch.stack(a_rows, dim=-1).transpose(0, -1).contiguous()  # (k+1, in, r)
-        stacked_b = (torch.stack(b_cols, dim=-1) * scale).transpose(0, -1).contiguous()  # (k+1, r, out)
-        if not torch.is_grad_enabled():
-            self._stack_cache = (key, stacked_a, stacked_b)
+        # Stacked straight into the transposed, contiguous layout the batched matmuls read: one copy each.
+        stacked_a = torch.stack([a.t() for a in a_rows])  # (k+1, in, r)
+        stacked_b = torch.stack([b.t() for b in b_cols]).mul_(scale.view(-1, 1, 1))  # (k+1, r, out)
         return stacked_a, stacked_b
 
     def _add_batched(self, result: Tensor, hidden: Tensor, b_t: Tensor) -> Tensor:

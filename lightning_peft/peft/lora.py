@@ -243,6 +243,28 @@ def name_matches(name: str, targets: Targets) -> bool:
     return any(name == t or name.endswith(f".{t}") for t in targets)
 
 
+def unmatched(targets: Targets, names: Iterable[str]) -> list[str]:
+    """The entries of a ``target_modules`` list that match none of ``names`` (a regex string: none)."""
+    if isinstance(targets, str):
+        return []
+    names = list(names)
+    return [t for t in targets if not any(name_matches(n, [t]) for n in names)]
+
+
+def refuse_unmatched(who: str, targets: Targets, names: Iterable[str], model: nn.Module, describe) -> None:
+    """Raise if an entry of a ``target_modules`` list matches no module: a typo would silently adapt fewer modules.
+
+    ``describe(model)`` lists the modules the technique can adapt, for the message.
+    """
+    missing = unmatched(targets, names)
+    if missing:
+        raise ValueError(
+            f"{who}(target_modules={targets!r}): {', '.join(repr(m) for m in missing)} matched no module of "
+            f"{type(model).__name__} (an entry matches a module whose name equals it or ends with '.' + it). "
+            f"Fix or remove {'it' if len(missing) == 1 else 'them'}; modules it can adapt: {describe(model)}."
+        )
+
+
 def _linear_types() -> tuple[type, ...]:
     conv1d = conv1d_type()
     return (nn.Linear,) if conv1d is None else (nn.Linear, conv1d)
@@ -307,6 +329,8 @@ def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]
         chosen = [n for n in names if isinstance(modules[n], linear) and n != head and n not in inside_fused]
     else:
         chosen = [n for n in names if name_matches(n, config.target_modules)]
+        if chosen:
+            refuse_unmatched("LoRA", config.target_modules, names, model, _describe_modules)
     chosen = [n for n in chosen if not saved(n)]
     if not chosen:
         hint = ""
@@ -683,6 +707,13 @@ class LoRAAdapter(Adapter):
         # PEFT's SEQ_CLS task writes ["classifier", "score"] whatever the model calls its head: drop the absent.
         present = [m for m in dict.fromkeys(ours.modules_to_save or []) if any(name_matches(n, [m]) for n in names)]
         ours = dataclasses.replace(ours, modules_to_save=present)
+        missing = unmatched(ours.target_modules, names)
+        if missing and len(missing) < len(ours.target_modules):
+            # PEFT accepts entries that match nothing when others match; its files are read as it reads them.
+            warnings.warn(f"load_adapter: {source} lists target_modules {missing} that match no module of "
+                          f"{type(unwrap(model)).__name__}; they are ignored, as PEFT ignores them.",
+                          UserWarning, stacklevel=4)
+            ours = dataclasses.replace(ours, target_modules=[t for t in ours.target_modules if t not in missing])
         if lora_spec(model) is None:
             inject_lora(model, ours, adapter_name=adapter_name)
         else:
@@ -775,7 +806,8 @@ def _inject(
     """Add adapter ``adapter_name`` to exactly ``targets`` and wrap ``to_save`` (full names, already checked)."""
     spec = lora_spec(model)
     routing = spec.routing if spec is not None else Routing(adapter_name)
-    wrap_modules_to_save(model, to_save)
+    for wrapper in wrap_modules_to_save(model, to_save).values():
+        wrapper.routing = routing  # disabled adapters and base samples use the original module
     replaced = {}
     for name in targets:
         module = model.get_submodule(name)
