@@ -27,6 +27,8 @@ member                     meaning
 ``peft_config(model)``     the ``adapter_config.json`` content; ``peft_state(model)`` the tensors under PEFT's keys;
                            ``from_peft(model, config, source)`` injects what a PEFT config describes
 ``peft_key_prefix``        what PEFT's files put before those keys (``base_model.model.``; prompt learning: none)
+``peft_fields``            the ``adapter_config.json`` fields PEFT's config class has (None: the technique checks
+                           its own); :func:`~lightning_peft.peft.load_adapter` warns about any other field
 ``names`` (optional)       a technique with several named adapters on one model (LoRA) lists them; its
                            ``peft_config`` / ``peft_state`` / ``check_peft_config`` / ``from_peft`` then take
                            ``adapter_name``, and each adapter is saved in PEFT's multi-adapter layout
@@ -56,6 +58,7 @@ class Adapter(ABC):
     peft_type: ClassVar[str | None] = None
     mergeable: ClassVar[bool] = False
     peft_key_prefix: ClassVar[str] = "base_model.model."
+    peft_fields: ClassVar[frozenset[str] | None] = None
 
     @abstractmethod
     def state(self, model: nn.Module) -> dict[str, Tensor]:

@@ -510,6 +510,15 @@ class LoRAAdapter(Adapter):
 
     kind: ClassVar[str] = "lora"
     peft_type: ClassVar[str] = "LORA"
+    peft_fields: ClassVar[frozenset[str]] = frozenset((  # peft 0.21.2's LoraConfig
+        "alora_invocation_tokens", "alpha_pattern", "arrow_config", "auto_mapping", "base_model_name_or_path", "bias",
+        "corda_config", "ensure_weight_tying", "eva_config", "exclude_modules", "fan_in_fan_out", "inference_mode",
+        "init_lora_weights", "kasa_config", "layer_replication", "layers_pattern", "layers_to_transform",
+        "loftq_config", "lora_alpha", "lora_bias", "lora_dropout", "lora_ga_config", "megatron_config",
+        "megatron_core", "modules_to_save", "monteclora_config", "peft_type", "peft_version", "qalora_group_size",
+        "r", "rank_pattern", "revision", "runtime_config", "target_modules", "target_parameters", "task_type",
+        "trainable_token_indices", "use_bdlora", "use_dora", "use_qalora", "use_rslora", "velora_config",
+    ))
     mergeable: ClassVar[bool] = True
 
     def __init__(

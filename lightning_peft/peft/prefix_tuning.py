@@ -352,6 +352,11 @@ class PrefixTuningAdapter(Adapter):
 
     kind: ClassVar[str] = "prefix_tuning"
     peft_type: ClassVar[str] = "PREFIX_TUNING"
+    peft_fields: ClassVar[frozenset[str]] = frozenset((  # peft 0.21.2's PrefixTuningConfig
+        "auto_mapping", "base_model_name_or_path", "encoder_hidden_size", "inference_mode", "init_weights",
+        "modules_to_save", "num_attention_heads", "num_layers", "num_transformer_submodules", "num_virtual_tokens",
+        "peft_type", "peft_version", "prefix_projection", "revision", "task_type", "token_dim",
+    ))
     mergeable: ClassVar[bool] = False
     peft_key_prefix: ClassVar[str] = ""
 

@@ -510,6 +510,12 @@ class PromptTuningAdapter(Adapter):
 
     kind: ClassVar[str] = "prompt_tuning"
     peft_type: ClassVar[str] = "PROMPT_TUNING"
+    peft_fields: ClassVar[frozenset[str]] = frozenset((  # peft 0.21.2's PromptTuningConfig
+        "auto_mapping", "base_model_name_or_path", "inference_mode", "modules_to_save", "num_attention_heads",
+        "num_layers", "num_transformer_submodules", "num_virtual_tokens", "peft_type", "peft_version",
+        "prompt_tuning_init", "prompt_tuning_init_text", "revision", "task_type", "token_dim", "tokenizer_kwargs",
+        "tokenizer_name_or_path",
+    ))
     mergeable: ClassVar[bool] = False
     #: PEFT's file keys for prompt learning are full keys (``prompt_embeddings``, ``base_model.<path>.<param>``):
     #: the generic I/O adds no ``base_model.model.`` prefix and strips none.
