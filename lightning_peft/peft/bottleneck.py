@@ -94,7 +94,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .adapter import Adapter, attach, attached, clean_key, detach, register, remove_adapter, unwrap
+from .adapter import Adapter, attach, attached, base_model_name, clean_key, detach, register, remove_adapter, unwrap
 from .lora import name_matches, refuse_unmatched, task_heads, trainable_parameters
 from .modules_to_save import ModulesToSave, plain_key, set_submodule, wrap_modules_to_save
 
@@ -655,11 +655,10 @@ class BottleneckAdapter(Adapter):
 
     def peft_config(self, model: nn.Module) -> dict[str, Any]:
         config = self.config
-        name_or_path = getattr(getattr(unwrap(model), "config", None), "_name_or_path", None)
         return {
             "peft_type": PEFT_TYPE,
             "format_version": FORMAT_VERSION,
-            "base_model_name_or_path": name_or_path or None,
+            "base_model_name_or_path": base_model_name(model),
             "placement": config.placement,
             "target_modules": [clean_key(n) for n in self.targets],
             "reduction_factor": config.reduction_factor,

@@ -103,6 +103,7 @@ class Routing:
         self.names: tuple[str | None, ...] | None = None
         self._used: tuple[str, ...] = ()
         self._slots: Tensor | None = None  # (B,) position of each sample's adapter in _used; len(_used) = none
+        self._positions: list[int] = []  # the same as a list
         self._cache: dict[tuple, tuple[list[str], Tensor]] = {}
         self.merged: dict[str, int] = {}  # adapter name -> number of layers holding it merged
 
@@ -115,16 +116,19 @@ class Routing:
         """Give sample ``i`` of the next batches adapter ``names[i]`` (None: the base); ``None`` ends routing."""
         self._cache = {}
         if names is None:
-            self.names, self._used, self._slots = None, (), None
+            self.names, self._used, self._slots, self._positions = None, (), None, []
             return
         self.names = tuple(names)
         self._used = tuple(dict.fromkeys(n for n in self.names if n is not None))
         position = {n: i for i, n in enumerate(self._used)}
-        self._slots = torch.tensor([position.get(n, len(self._used)) for n in self.names], dtype=torch.long)
+        self._positions = [position.get(n, len(self._used)) for n in self.names]  # (B,) as a list
+        self._slots = torch.tensor(self._positions, dtype=torch.long)
 
-    def select(self, adapters: Sequence[str], device: torch.device) -> tuple[list[str], Tensor] | None:
-        """For a layer holding ``adapters``: the used adapters it has (the ones to stack), and each sample's slot
-        among them.
+    def select(
+        self, adapters: Sequence[str], device: torch.device
+    ) -> tuple[list[str], Tensor, list[int]] | None:
+        """For a layer holding ``adapters``: the used adapters it has, and each sample's slot among them (a tensor
+        on ``device`` and the same as a list, so that layers gather without reading the device back).
 
         Slot ``len(names)`` stands for "no adapter here" (a None sample, or an adapter this layer lacks). Returns
         None when no sample uses an adapter of this layer. The slots depend only on the routing, so they are
@@ -134,10 +138,11 @@ class Routing:
         if key not in self._cache:
             here = [n for n in self._used if n in adapters]
             position = {n: i for i, n in enumerate(here)}
-            local = torch.tensor([position.get(n, len(here)) for n in self._used] + [len(here)])
-            self._cache[key] = (here, local[self._slots].to(device))  # (B,)
-        here, slots = self._cache[key]
-        return (here, slots) if here else None
+            local = [position.get(n, len(here)) for n in self._used] + [len(here)]
+            host = [local[s] for s in self._positions]
+            self._cache[key] = (here, torch.tensor(host, dtype=torch.long, device=device), host)  # (B,)
+        here, slots, host = self._cache[key]
+        return (here, slots, host) if here else None
 
 
 @dataclass(frozen=True)
@@ -426,8 +431,9 @@ class LoRALayer(nn.Module):
     def _single(self, x: Tensor, result: Tensor, name: str) -> Tensor:
         raise NotImplementedError(f"{type(self).__name__} must define _single()")
 
-    def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor) -> Tensor:
-        """The update for a mixed batch; default: one segment per adapter (subclasses batch it)."""
+    def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor, host: list[int]) -> Tensor:
+        """The update for a mixed batch; default: one segment per adapter (subclasses batch it). ``slots`` (B,)
+        and ``host`` (the same on the host) give each sample's position in ``names`` (``len(names)``: none)."""
         update = None
         for position, name in enumerate(names):
             rows = (slots == position).nonzero().squeeze(1)  # (b,)
@@ -440,9 +446,7 @@ class LoRALayer(nn.Module):
         """``A^T`` (k+1, in, r) and ``(s * B)^T`` (k+1, r, out) of ``names``, ranks padded to the largest, and a
         last, all-zero slot for samples without an adapter here.
 
-        Built anew every forward, in inference too: no cache keyed on the parameters can tell that they changed
-        (a fused optimizer step and writes through ``.data`` move neither the version counter nor the storage), and
-        the copy costs little next to the base layer (``benchmarks/bench_multi_lora.py``).
+        Built every forward (see :meth:`_gathered`): only the adapters the batch uses.
         """
         pairs = [self.factors(n) for n in names]  # each (A (r, in), B (out, r))
         ranks = [self.specs[n].rank for n in names]
@@ -457,6 +461,28 @@ class LoRALayer(nn.Module):
         stacked_a = torch.stack([a.t() for a in a_rows])  # (k+1, in, r)
         stacked_b = torch.stack([b.t() for b in b_cols]).mul_(scale.view(-1, 1, 1))  # (k+1, r, out)
         return stacked_a, stacked_b
+
+    def _gathered(self, names: list[str], host: list[int]) -> tuple[Tensor, Tensor]:
+        """Each sample's ``A^T`` (B, in, r) and ``(s * B)^T`` (B, r, out), gathered straight from the parameters
+        (ranks padded to the largest; zeros for a sample without an adapter here).
+
+        Built every forward, in inference too: no cache keyed on the parameters can tell that they changed (a fused
+        optimizer step and writes through ``.data`` move neither the version counter nor the storage). One copy
+        per sample, as large as the gather from a stack would be, and nothing is stacked for adapters no sample
+        uses here.
+        """
+        pairs = [self.factors(n) for n in names]  # each (A (r, in), B (out, r))
+        ranks = [self.specs[n].rank for n in names]
+        rank = max(ranks)
+        a_rows = [F.pad(a, (0, 0, 0, rank - r)) if r < rank else a for (a, _), r in zip(pairs, ranks)]
+        b_cols = [F.pad(b, (0, rank - r)) if r < rank else b for (_, b), r in zip(pairs, ranks)]
+        a_rows.append(a_rows[0].new_zeros(a_rows[0].shape))
+        b_cols.append(b_cols[0].new_zeros(b_cols[0].shape))
+        scales = [self.specs[n].scaling for n in names] + [0.0]
+        scale = torch.tensor([scales[s] for s in host], dtype=b_cols[0].dtype, device=b_cols[0].device)  # (B,)
+        a_t = torch.stack([a_rows[s].t() for s in host])  # (B, in, r)
+        b_t = torch.stack([b_cols[s].t() for s in host]).mul_(scale.view(-1, 1, 1))  # (B, r, out)
+        return a_t, b_t
 
     def _add_batched(self, result: Tensor, hidden: Tensor, b_t: Tensor) -> Tensor:
         """``result + hidden @ b_t`` per sample: ``hidden`` (B, T, r), ``b_t`` (B, r, out), ``result`` (B, ..., out).
@@ -575,11 +601,11 @@ class LoRALinear(_ABLayer):
         hidden = F.linear(self.lora_dropout[name](x).to(lora_a.dtype), lora_a)  # (..., r)
         return self._add_update(result, hidden, lora_b, self.specs[name].scaling)
 
-    def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor) -> Tensor:
-        a_t, b_t = self._stacked(names)  # (k+1, in, r), (k+1, r, out)
+    def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor, host: list[int]) -> Tensor:
+        a_t, b_t = self._gathered(names, host)  # (B, in, r), (B, r, out)
         x3 = self._routed_dropout(x, names, slots).to(a_t.dtype).reshape(x.shape[0], -1, x.shape[-1])  # (B, T, in)
-        hidden = torch.bmm(x3, a_t.index_select(0, slots))  # (B, T, r)
-        return self._add_batched(result, hidden, b_t.index_select(0, slots))
+        hidden = torch.bmm(x3, a_t)  # (B, T, r)
+        return self._add_batched(result, hidden, b_t)
 
 
 class LoRAEmbedding(LoRALayer):
@@ -642,9 +668,9 @@ class LoRAEmbedding(LoRALayer):
         hidden = self._lookup(x, self.lora_embedding_A[name].t())  # (..., r)
         return self._add_update(result, hidden, self.lora_embedding_B[name], self.specs[name].scaling)
 
-    def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor) -> Tensor:
+    def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor, host: list[int]) -> Tensor:
         if self.base_layer.max_norm is not None:  # max_norm renormalises the looked-up rows in place
-            return super()._routed(x, result, names, slots)
+            return super()._routed(x, result, names, slots, host)
         a_t, b_t = self._stacked(names)  # (k+1, V, r), (k+1, r, d)
         vocab = a_t.shape[1]
         table = a_t.reshape(-1, a_t.shape[-1])  # ((k+1) V, r): adapter k's rows at [k V, (k+1) V)

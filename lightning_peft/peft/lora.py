@@ -47,7 +47,7 @@ from typing import Any, ClassVar, Literal
 
 from torch import Tensor, nn
 
-from .adapter import Adapter, attach, attached, clean_key, detach, register, remove_adapter, unwrap
+from .adapter import Adapter, attach, attached, base_model_name, clean_key, detach, register, remove_adapter, unwrap
 from .layers import DEFAULT, Init, LoRAConv2d, LoRAEmbedding, LoRALayer, LoRALinear, Routing, conv1d_type
 from .modules_to_save import ModulesToSave, fold_modules_to_save, plain_key, set_submodule, wrap_modules_to_save
 
@@ -657,11 +657,10 @@ class LoRAAdapter(Adapter):
         config, targets = self.adapters[name]
         layers = {clean_key(n): unwrap(model).get_submodule(n) for n in targets}
         specs = {n: layer.specs[name] for n, layer in layers.items()}
-        name_or_path = getattr(getattr(unwrap(model), "config", None), "_name_or_path", None)
         return {
             "peft_type": "LORA",
             "task_type": None,
-            "base_model_name_or_path": name_or_path or None,
+            "base_model_name_or_path": base_model_name(model),
             "inference_mode": True,
             "r": config.rank,
             "lora_alpha": config.alpha,

@@ -62,7 +62,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from .adapter import Adapter, attach, attached, clean_key, detach, refreeze, register, remove_adapter, unwrap
+from .adapter import (
+    Adapter, attach, attached, base_model_name, clean_key, detach, refreeze, register, remove_adapter, unwrap,
+)
 from .lora import name_matches, task_heads, trainable_parameters
 from .modules_to_save import plain_key, set_submodule, wrap_modules_to_save
 
@@ -427,11 +429,10 @@ class PrefixTuningAdapter(Adapter):
         model = unwrap(model)
         g = _geometry(model)
         transform = self.encoder(model).transform
-        name_or_path = getattr(getattr(model, "config", None), "_name_or_path", None)
         return {
             "peft_type": self.peft_type,
             "task_type": _task_type(model),
-            "base_model_name_or_path": name_or_path or None,
+            "base_model_name_or_path": base_model_name(model),
             "revision": None,
             "inference_mode": True,
             "num_virtual_tokens": self.config.num_virtual_tokens,

