@@ -629,6 +629,7 @@ class LoRAAdapter(Adapter):
             wrapper = model.get_submodule(name)
             set_submodule(model, name, wrapper.trained_module if merge else wrapper.original_module)
         detach(model, self.kind)
+        _point_peft_methods(model, present=False)
 
     def _name(self, adapter_name: str | None) -> str:
         name = adapter_name or self.routing.active or self.names[0]
@@ -834,9 +835,44 @@ def _inject(
         spec = LoRAAdapter({}, to_save, routing)
     spec.adapters[adapter_name] = (config, tuple(targets))
     attach(model, spec)
+    _point_peft_methods(model, present=True)
     log.info("LoRA: adapter %r on %d modules of %s; %s", adapter_name, len(replaced), type(model).__name__,
              trainable_parameters(model))
     return replaced
+
+
+# Hugging Face PEFT's PeftModel methods a user may call on a model adapted here, and what does it in lightning-peft.
+_PEFT_METHODS = {
+    "merge_and_unload": "lightning_peft.peft.unload_lora(model) returns the plain model with the active adapter "
+                        "merged (merge_lora(model) merges in place and keeps the LoRA layers)",
+    "unload": "lightning_peft.peft.unload_lora(model, merge=False) returns the plain model without the adapter",
+    "merge_adapter": "lightning_peft.peft.merge_lora(model) merges the active adapter in place",
+    "unmerge_adapter": "lightning_peft.peft.unmerge_lora(model) subtracts it again",
+}
+
+
+class _PeftMethod:
+    """Stands, on an adapted model, for a PEFT ``PeftModel`` method the model's class lacks: says what to call."""
+
+    def __init__(self, owner: str, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def __call__(self, *args, **kwargs):
+        raise AttributeError(
+            f"{self.owner}.{self.name}() is a method of Hugging Face PEFT's PeftModel; this {self.owner} carries "
+            f"lightning-peft LoRA layers instead: {_PEFT_METHODS[self.name]}."
+        )
+
+
+def _point_peft_methods(model: nn.Module, present: bool) -> None:
+    """Add (or remove) the :class:`_PeftMethod` pointers on ``model``, for names its class does not define."""
+    for name in _PEFT_METHODS:
+        if hasattr(type(model), name):
+            continue
+        if present and name not in model.__dict__:
+            model.__dict__[name] = _PeftMethod(type(model).__name__, name)
+        elif not present and isinstance(model.__dict__.get(name), _PeftMethod):
+            del model.__dict__[name]
 
 
 def merge_lora(model: nn.Module, adapter_name: str | None = None) -> list[str]:

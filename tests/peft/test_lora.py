@@ -763,3 +763,20 @@ def test_a_fresh_task_head_is_saved_by_default_and_kept_frozen_with_an_empty_lis
     frozen = BertForSequenceClassification(tiny_bert_config)
     inject_lora(frozen, rank=2, target_modules=["query"], modules_to_save=[])
     assert lora_spec(frozen).modules_to_save == () and not frozen.classifier.weight.requires_grad
+
+
+def test_peft_s_merge_and_unload_on_our_model_points_to_unload_lora(tiny_bert_config):
+    from transformers import BertForSequenceClassification
+
+    model = BertForSequenceClassification(tiny_bert_config)
+    inject_lora(model, target_modules=["query"])
+    with pytest.raises(AttributeError, match=r"BertForSequenceClassification\.merge_and_unload\(\) is a method of "
+                       r"Hugging Face PEFT's PeftModel; .*lightning_peft\.peft\.unload_lora\(model\) returns the plain "
+                       "model"):
+        model.merge_and_unload()
+    with pytest.raises(AttributeError, match=r"unload_lora\(model, merge=False\)"):
+        model.unload()
+    from lightning_peft.peft import unload_lora
+
+    plain = unload_lora(model)
+    assert not hasattr(plain, "merge_and_unload")  # the plain model is plain again
