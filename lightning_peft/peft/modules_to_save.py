@@ -94,6 +94,12 @@ def saved_modules(model: nn.Module) -> dict[str, ModulesToSave]:
     return {n: m for n, m in model.named_modules() if isinstance(m, ModulesToSave)}
 
 
+def saved_elsewhere(model: nn.Module, name: str) -> bool:
+    """Whether module ``name`` of ``model`` is (or holds) a :class:`ModulesToSave` wrapper: another technique already
+    trains and saves it in full, so a second technique must leave it out of its own ``modules_to_save``."""
+    return any(isinstance(m, ModulesToSave) for m in model.get_submodule(name).modules())
+
+
 def plain_key(key: str) -> str:
     """The plain model's key for a state-dict key of a wrapped model (``x.trained_module.w`` -> ``x.w``)."""
     return key.replace(f".{TRAINED}.", ".") if f".{TRAINED}." in key else key
