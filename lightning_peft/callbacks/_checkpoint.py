@@ -2,9 +2,13 @@
 
 Every checkpoint written while a PEFT callback runs carries ``checkpoint["lightning_peft"]``::
 
-    {"format": 1, "adapter_only": bool, "models": {"<path of the adapted model>": {"<kind>": <config_dict>}}}
+    {"format": 1, "adapter_only": bool, "models": {"<path of the adapted model>": {"<kind>": <config_dict>}},
+     "load_with": "<how to load it, in words>"}
 
-(the path is ``""`` for the LightningModule itself). :func:`restore_adapters` re-applies those adapters to a
+(the path is ``""`` for the LightningModule itself). ``load_with`` is for a person who opens the file: a plain
+``MyModule.load_from_checkpoint(path)`` builds the module without adapters and fails with torch's missing or
+unexpected keys (Lightning gives no hook that a callback could install on a class not yet built), so the entry says
+what to call instead. :func:`restore_adapters` re-applies those adapters to a
 freshly built LightningModule before its weights are loaded and, for an adapter-only checkpoint, takes the frozen
 base weights from the model as built. ``LightningModule.load_from_checkpoint`` builds the module and calls its
 ``on_load_checkpoint`` before loading the weights, so a module whose ``on_load_checkpoint`` calls
@@ -23,6 +27,7 @@ from typing import Any, ClassVar, TypeVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -35,6 +40,11 @@ _HOOKED = "_lightning_peft_load_hook"
 _PATCH_LOCK = threading.Lock()
 TRAINING_ONLY = ("dropout", "init", "init_scale")  # settings that only steer training: a resume may change them
 FORMAT = 1
+LOAD_WITH = (
+    "This checkpoint holds lightning-peft adapters: its state dict has the adapted model's keys (an adapter-only one "
+    "lacks the frozen base). Load it with lightning_peft.callbacks.load_from_checkpoint(MyModule, path), which "
+    "re-applies the adapters first; MyModule.load_from_checkpoint(path) alone fails with missing or unexpected keys."
+)
 M = TypeVar("M", bound=pl.LightningModule)
 
 
@@ -56,6 +66,7 @@ def checkpoint_entry(pl_module: nn.Module, dropped: list[str] | None = None) -> 
         "dropped": sorted(dropped or []),
         "models": {path: {kind: a.config_dict() for kind, a in attached(m).items()}
                    for path, m in adapted_models(pl_module).items()},
+        "load_with": LOAD_WITH,
     }
 
 
@@ -67,16 +78,42 @@ class AdapterCallback(Callback):
     model_attribute: str | None
     adapter_only_checkpoint: bool
 
+    def own_dropout(self) -> float:
+        """The dropout probability this callback's adapter uses (the largest, for several adapters)."""
+        return float(getattr(getattr(self, "config", None), "dropout", 0.0) or 0.0)
+
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _, model = resolve_target(pl_module, self.model_attribute, self.who)
         check_optimizer_holds_adapters(trainer, model, self.who)
+        warn_about_eval_dropout(model, self.who, self.own_dropout())
 
     @override
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         record_adapters(pl_module, checkpoint, self.adapter_only_checkpoint)
+
+
+def warn_about_eval_dropout(model: nn.Module, who: str, own: float) -> None:
+    """Warn if dropout modules of ``model`` are in eval mode when training starts (every dropout then stays off).
+
+    ``from_pretrained`` returns a model in eval mode, and Lightning 2.6 keeps the modes of submodules, so a model
+    built in ``__init__`` trains without dropout, the adapter's own included: a different training than asked for,
+    with no error. The modes are the user's to set; this only says so, once, before the first step.
+    """
+    off = [m for m in model.modules() if isinstance(m, nn.Dropout) and m.p > 0 and not m.training]
+    if not off:
+        return
+    ours = f"{who}'s own dropout={own} included" if own > 0 else f"{who}'s adapter has dropout=0"
+    rank_zero_warn(
+        f"{who}: {len(off)} dropout module(s) of {type(model).__name__} are in eval mode as training starts, so it "
+        f"trains with them off ({ours}). from_pretrained returns models in eval mode and Lightning keeps submodules' "
+        "modes. If you want dropout, call self.model.train() in your LightningModule's __init__ after from_pretrained "
+        "(or in its on_train_start); to train without dropout on purpose, set the model's and the adapter's dropout "
+        "probabilities to 0.",
+        category=UserWarning,
+    )
 
 
 def record_adapters(pl_module: nn.Module, checkpoint: dict[str, Any], adapter_only: bool) -> None:

@@ -100,6 +100,9 @@ class MultiLoRA(AdapterCallback):
         self.adapter_only_checkpoint = adapter_only_checkpoint
         self.model_attribute = model_attribute
 
+    def own_dropout(self) -> float:
+        return max((config.dropout for config in self.configs.values()), default=0.0)
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         _, model = resolve_target(pl_module, self.model_attribute, "MultiLoRA")

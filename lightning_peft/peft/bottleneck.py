@@ -94,8 +94,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .adapter import Adapter, attach, attached, clean_key, detach, register, remove_adapter, unwrap
-from .lora import name_matches, task_heads, trainable_parameters
+from .adapter import Adapter, attach, attached, base_model_name, clean_key, detach, register, remove_adapter, unwrap
+from .lora import name_matches, refuse_unmatched, task_heads, trainable_parameters
 from .modules_to_save import ModulesToSave, plain_key, set_submodule, wrap_modules_to_save
 
 log = logging.getLogger(__name__)
@@ -436,6 +436,8 @@ def _select(model: nn.Module, config: BottleneckConfig) -> tuple[list[str], list
         chosen = _placement_targets(model, config.placement, names)
     else:
         chosen = [n for n in names if name_matches(n, config.target_modules)]
+        if chosen:
+            refuse_unmatched("BottleneckAdapters", config.target_modules, names, model, _describe_modules)
     chosen = [n for n in chosen if not saved(n)]
     if not chosen:
         hint = ""
@@ -653,11 +655,10 @@ class BottleneckAdapter(Adapter):
 
     def peft_config(self, model: nn.Module) -> dict[str, Any]:
         config = self.config
-        name_or_path = getattr(getattr(unwrap(model), "config", None), "_name_or_path", None)
         return {
             "peft_type": PEFT_TYPE,
             "format_version": FORMAT_VERSION,
-            "base_model_name_or_path": name_or_path or None,
+            "base_model_name_or_path": base_model_name(model),
             "placement": config.placement,
             "target_modules": [clean_key(n) for n in self.targets],
             "reduction_factor": config.reduction_factor,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
@@ -289,7 +290,9 @@ def _load_one(model: nn.Module, directory: Path, adapter_name: str) -> None:
     config = read_adapter_config(directory)
     source = str(directory / CONFIG_NAME)
     cls = technique_for_peft_type(config.get("peft_type"), source)
+    _warn_about_unknown_fields(config, cls, source)
     tensors = read_adapter_weights(directory, cls.peft_key_prefix)
+    _refuse_non_finite(tensors, directory, cls.peft_key_prefix)
     adapter = attached(model).get(cls.kind)
     multi = hasattr(cls, "names")
     named = {"adapter_name": adapter_name} if multi else {}
@@ -311,6 +314,32 @@ def _load_one(model: nn.Module, directory: Path, adapter_name: str) -> None:
     with torch.no_grad():
         for key, value in tensors.items():
             expected[key].copy_(value)
+
+
+def _warn_about_unknown_fields(config: dict, cls: type[Adapter], source: str) -> None:
+    """Fields neither we nor PEFT's config class know: probably a typo or a newer format, and ignored here."""
+    if cls.peft_fields is None:
+        return
+    unknown = sorted(set(config) - cls.peft_fields)
+    if unknown:
+        warnings.warn(
+            f"load_adapter: {source} has field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}, "
+            f"which Hugging Face PEFT's {cls.peft_type} config does not have (as of peft 0.21.2); "
+            f"{'they are' if len(unknown) > 1 else 'it is'} ignored. Check the file for a typo, or a newer format "
+            "that this version of lightning-peft cannot read.",
+            UserWarning, stacklevel=4,
+        )
+
+
+def _refuse_non_finite(tensors: dict[str, Tensor], directory: Path, prefix: str) -> None:
+    """An adapter with inf or NaN would poison every output: refused before the model is touched."""
+    bad = sorted(k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all())
+    if bad:
+        raise ValueError(
+            f"load_adapter: {directory} key {_and_more(bad, prefix)} holds inf or NaN; loading it would make every "
+            "output of the model non-finite. Nothing was loaded. The adapter was saved from a diverged training run "
+            "(save_adapter refuses to write such weights); retrain it, or load an earlier checkpoint."
+        )
 
 
 def _undo_injection(model, adapter, added_to, adapter_name: str, requires_grad: dict[str, bool]) -> None:

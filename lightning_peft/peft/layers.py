@@ -103,6 +103,7 @@ class Routing:
         self.names: tuple[str | None, ...] | None = None
         self._used: tuple[str, ...] = ()
         self._slots: Tensor | None = None  # (B,) position of each sample's adapter in _used; len(_used) = none
+        self._positions: list[int] = []  # the same as a list
         self._cache: dict[tuple, tuple[list[str], Tensor]] = {}
         self.merged: dict[str, int] = {}  # adapter name -> number of layers holding it merged
 
@@ -115,31 +116,33 @@ class Routing:
         """Give sample ``i`` of the next batches adapter ``names[i]`` (None: the base); ``None`` ends routing."""
         self._cache = {}
         if names is None:
-            self.names, self._used, self._slots = None, (), None
+            self.names, self._used, self._slots, self._positions = None, (), None, []
             return
         self.names = tuple(names)
         self._used = tuple(dict.fromkeys(n for n in self.names if n is not None))
         position = {n: i for i, n in enumerate(self._used)}
-        self._slots = torch.tensor([position.get(n, len(self._used)) for n in self.names], dtype=torch.long)
+        self._positions = [position.get(n, len(self._used)) for n in self.names]  # (B,) as a list
+        self._slots = torch.tensor(self._positions, dtype=torch.long)
 
     def select(
-        self, adapters: Sequence[str], device: torch.device, every: bool = False
-    ) -> tuple[list[str], Tensor] | None:
-        """For a layer holding ``adapters``: the adapters to stack, and each sample's slot among them.
+        self, adapters: Sequence[str], device: torch.device
+    ) -> tuple[list[str], Tensor, list[int]] | None:
+        """For a layer holding ``adapters``: the used adapters it has, and each sample's slot among them (a tensor
+        on ``device`` and the same as a list, so that layers gather without reading the device back).
 
-        The adapters to stack are the used ones this layer has, or with ``every`` all of the layer's (a stack that
-        stays valid from batch to batch, for inference). Slot ``len(names)`` stands for "no adapter here" (a None
-        sample, or an adapter this layer lacks). Returns None when no sample uses an adapter of this layer.
+        Slot ``len(names)`` stands for "no adapter here" (a None sample, or an adapter this layer lacks). Returns
+        None when no sample uses an adapter of this layer. The slots depend only on the routing, so they are
+        computed once per :meth:`route_to` and layer signature.
         """
-        key = (tuple(adapters), device, every)
+        key = (tuple(adapters), device)
         if key not in self._cache:
-            used = [n for n in self._used if n in adapters]
-            here = list(adapters) if every and used else used
+            here = [n for n in self._used if n in adapters]
             position = {n: i for i, n in enumerate(here)}
-            local = torch.tensor([position.get(n, len(here)) for n in self._used] + [len(here)])
-            self._cache[key] = (here, local[self._slots].to(device))  # (B,)
-        here, slots = self._cache[key]
-        return (here, slots) if here else None
+            local = [position.get(n, len(here)) for n in self._used] + [len(here)]
+            host = [local[s] for s in self._positions]
+            self._cache[key] = (here, torch.tensor(host, dtype=torch.long, device=device), host)  # (B,)
+        here, slots, host = self._cache[key]
+        return (here, slots, host) if here else None
 
 
 @dataclass(frozen=True)
@@ -189,7 +192,6 @@ class LoRALayer(nn.Module):
         self.routing = Routing(adapter_name)
         self.merged_adapter: str | None = None
         self._remerge_after_load: str | None = None
-        self._stack_cache: tuple | None = None  # inference only: (key, stacked A, stacked s * B)
         self._factor_cache: dict[str, tuple[tuple[dict, str], tuple[dict, str]]] = {}
         self._init_containers()
         self.add_adapter(adapter_name, rank, alpha, dropout, use_rslora, init)
@@ -224,9 +226,8 @@ class LoRALayer(nn.Module):
         return super()._apply(move, recurse=False)
 
     def _forget_cached_tensors(self) -> None:
-        # After a move, a cast or a load (assign=True replaces the Parameter objects) the caches would be stale.
+        # After a move, a cast or a load (assign=True replaces the Parameter objects) the references would be stale.
         self._factor_cache = {}
-        self._stack_cache = None
 
     @property
     def weight(self) -> Tensor:
@@ -419,9 +420,8 @@ class LoRALayer(nn.Module):
                     f"({self.base_layer}), but {len(routing.names)} adapter names were given; give one name per "
                     "sample (the batch dimension must come first)."
                 )
-            # Training stacks only the adapters the batch uses (the others must get no gradient); inference stacks
-            # every adapter of the layer once and reuses the stack while the weights stay unchanged.
-            selected = routing.select(self.adapter_names, x.device, every=not torch.is_grad_enabled())
+            # Only the adapters the batch uses are stacked (the others must get no gradient), every forward.
+            selected = routing.select(self.adapter_names, x.device)
             return result if selected is None else self._routed(x, result, *selected)
         name = routing.active
         if name not in self.specs:
@@ -431,8 +431,9 @@ class LoRALayer(nn.Module):
     def _single(self, x: Tensor, result: Tensor, name: str) -> Tensor:
         raise NotImplementedError(f"{type(self).__name__} must define _single()")
 
-    def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor) -> Tensor:
-        """The update for a mixed batch; default: one segment per adapter (subclasses batch it)."""
+    def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor, host: list[int]) -> Tensor:
+        """The update for a mixed batch; default: one segment per adapter (subclasses batch it). ``slots`` (B,)
+        and ``host`` (the same on the host) give each sample's position in ``names`` (``len(names)``: none)."""
         update = None
         for position, name in enumerate(names):
             rows = (slots == position).nonzero().squeeze(1)  # (b,)
@@ -445,15 +446,9 @@ class LoRALayer(nn.Module):
         """``A^T`` (k+1, in, r) and ``(s * B)^T`` (k+1, r, out) of ``names``, ranks padded to the largest, and a
         last, all-zero slot for samples without an adapter here.
 
-        Without autograd (inference) the stacks are kept until a parameter changes (its version counter moves),
-        so serving pays no per-forward copy.
+        Built every forward (see :meth:`_gathered`): only the adapters the batch uses.
         """
         pairs = [self.factors(n) for n in names]  # each (A (r, in), B (out, r))
-        if not torch.is_grad_enabled():
-            key = (tuple(names), tuple((a._version, b._version, a.data_ptr(), b.data_ptr()) for a, b in pairs))
-            cached = self._stack_cache
-            if cached is not None and cached[0] == key:
-                return cached[1], cached[2]
         ranks = [self.specs[n].rank for n in names]
         rank = max(ranks)
         a_rows = [F.pad(a, (0, 0, 0, rank - r)) if r < rank else a for (a, _), r in zip(pairs, ranks)]
@@ -462,12 +457,32 @@ class LoRALayer(nn.Module):
         b_cols.append(b_cols[0].new_zeros(b_cols[0].shape))
         scale = torch.tensor([self.specs[n].scaling for n in names] + [0.0], dtype=b_cols[0].dtype,
                              device=b_cols[0].device)
-        # Stored transposed and contiguous, the layout the batched matmuls read without a copy.
-        stacked_a = torch.stack(a_rows, dim=-1).transpose(0, -1).contiguous()  # (k+1, in, r)
-        stacked_b = (torch.stack(b_cols, dim=-1) * scale).transpose(0, -1).contiguous()  # (k+1, r, out)
-        if not torch.is_grad_enabled():
-            self._stack_cache = (key, stacked_a, stacked_b)
+        # Stacked straight into the transposed, contiguous layout the batched matmuls read: one copy each.
+        stacked_a = torch.stack([a.t() for a in a_rows])  # (k+1, in, r)
+        stacked_b = torch.stack([b.t() for b in b_cols]).mul_(scale.view(-1, 1, 1))  # (k+1, r, out)
         return stacked_a, stacked_b
+
+    def _gathered(self, names: list[str], host: list[int]) -> tuple[Tensor, Tensor]:
+        """Each sample's ``A^T`` (B, in, r) and ``(s * B)^T`` (B, r, out), gathered straight from the parameters
+        (ranks padded to the largest; zeros for a sample without an adapter here).
+
+        Built every forward, in inference too: no cache keyed on the parameters can tell that they changed (a fused
+        optimizer step and writes through ``.data`` move neither the version counter nor the storage). One copy
+        per sample, as large as the gather from a stack would be, and nothing is stacked for adapters no sample
+        uses here.
+        """
+        pairs = [self.factors(n) for n in names]  # each (A (r, in), B (out, r))
+        ranks = [self.specs[n].rank for n in names]
+        rank = max(ranks)
+        a_rows = [F.pad(a, (0, 0, 0, rank - r)) if r < rank else a for (a, _), r in zip(pairs, ranks)]
+        b_cols = [F.pad(b, (0, rank - r)) if r < rank else b for (_, b), r in zip(pairs, ranks)]
+        a_rows.append(a_rows[0].new_zeros(a_rows[0].shape))
+        b_cols.append(b_cols[0].new_zeros(b_cols[0].shape))
+        scales = [self.specs[n].scaling for n in names] + [0.0]
+        scale = torch.tensor([scales[s] for s in host], dtype=b_cols[0].dtype, device=b_cols[0].device)  # (B,)
+        a_t = torch.stack([a_rows[s].t() for s in host])  # (B, in, r)
+        b_t = torch.stack([b_cols[s].t() for s in host]).mul_(scale.view(-1, 1, 1))  # (B, r, out)
+        return a_t, b_t
 
     def _add_batched(self, result: Tensor, hidden: Tensor, b_t: Tensor) -> Tensor:
         """``result + hidden @ b_t`` per sample: ``hidden`` (B, T, r), ``b_t`` (B, r, out), ``result`` (B, ..., out).
@@ -586,11 +601,11 @@ class LoRALinear(_ABLayer):
         hidden = F.linear(self.lora_dropout[name](x).to(lora_a.dtype), lora_a)  # (..., r)
         return self._add_update(result, hidden, lora_b, self.specs[name].scaling)
 
-    def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor) -> Tensor:
-        a_t, b_t = self._stacked(names)  # (k+1, in, r), (k+1, r, out)
+    def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor, host: list[int]) -> Tensor:
+        a_t, b_t = self._gathered(names, host)  # (B, in, r), (B, r, out)
         x3 = self._routed_dropout(x, names, slots).to(a_t.dtype).reshape(x.shape[0], -1, x.shape[-1])  # (B, T, in)
-        hidden = torch.bmm(x3, a_t.index_select(0, slots))  # (B, T, r)
-        return self._add_batched(result, hidden, b_t.index_select(0, slots))
+        hidden = torch.bmm(x3, a_t)  # (B, T, r)
+        return self._add_batched(result, hidden, b_t)
 
 
 class LoRAEmbedding(LoRALayer):
@@ -653,9 +668,9 @@ class LoRAEmbedding(LoRALayer):
         hidden = self._lookup(x, self.lora_embedding_A[name].t())  # (..., r)
         return self._add_update(result, hidden, self.lora_embedding_B[name], self.specs[name].scaling)
 
-    def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor) -> Tensor:
+    def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor, host: list[int]) -> Tensor:
         if self.base_layer.max_norm is not None:  # max_norm renormalises the looked-up rows in place
-            return super()._routed(x, result, names, slots)
+            return super()._routed(x, result, names, slots, host)
         a_t, b_t = self._stacked(names)  # (k+1, V, r), (k+1, r, d)
         vocab = a_t.shape[1]
         table = a_t.reshape(-1, a_t.shape[-1])  # ((k+1) V, r): adapter k's rows at [k V, (k+1) V)

@@ -47,7 +47,7 @@ from typing import Any, ClassVar, Literal
 
 from torch import Tensor, nn
 
-from .adapter import Adapter, attach, attached, clean_key, detach, register, remove_adapter, unwrap
+from .adapter import Adapter, attach, attached, base_model_name, clean_key, detach, register, remove_adapter, unwrap
 from .layers import DEFAULT, Init, LoRAConv2d, LoRAEmbedding, LoRALayer, LoRALinear, Routing, conv1d_type
 from .modules_to_save import ModulesToSave, fold_modules_to_save, plain_key, set_submodule, wrap_modules_to_save
 
@@ -243,6 +243,28 @@ def name_matches(name: str, targets: Targets) -> bool:
     return any(name == t or name.endswith(f".{t}") for t in targets)
 
 
+def unmatched(targets: Targets, names: Iterable[str]) -> list[str]:
+    """The entries of a ``target_modules`` list that match none of ``names`` (a regex string: none)."""
+    if isinstance(targets, str):
+        return []
+    names = list(names)
+    return [t for t in targets if not any(name_matches(n, [t]) for n in names)]
+
+
+def refuse_unmatched(who: str, targets: Targets, names: Iterable[str], model: nn.Module, describe) -> None:
+    """Raise if an entry of a ``target_modules`` list matches no module: a typo would silently adapt fewer modules.
+
+    ``describe(model)`` lists the modules the technique can adapt, for the message.
+    """
+    missing = unmatched(targets, names)
+    if missing:
+        raise ValueError(
+            f"{who}(target_modules={targets!r}): {', '.join(repr(m) for m in missing)} matched no module of "
+            f"{type(model).__name__} (an entry matches a module whose name equals it or ends with '.' + it). "
+            f"Fix or remove {'it' if len(missing) == 1 else 'them'}; modules it can adapt: {describe(model)}."
+        )
+
+
 def _linear_types() -> tuple[type, ...]:
     conv1d = conv1d_type()
     return (nn.Linear,) if conv1d is None else (nn.Linear, conv1d)
@@ -307,6 +329,8 @@ def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]
         chosen = [n for n in names if isinstance(modules[n], linear) and n != head and n not in inside_fused]
     else:
         chosen = [n for n in names if name_matches(n, config.target_modules)]
+        if chosen:
+            refuse_unmatched("LoRA", config.target_modules, names, model, _describe_modules)
     chosen = [n for n in chosen if not saved(n)]
     if not chosen:
         hint = ""
@@ -486,6 +510,15 @@ class LoRAAdapter(Adapter):
 
     kind: ClassVar[str] = "lora"
     peft_type: ClassVar[str] = "LORA"
+    peft_fields: ClassVar[frozenset[str]] = frozenset((  # peft 0.21.2's LoraConfig
+        "alora_invocation_tokens", "alpha_pattern", "arrow_config", "auto_mapping", "base_model_name_or_path", "bias",
+        "corda_config", "ensure_weight_tying", "eva_config", "exclude_modules", "fan_in_fan_out", "inference_mode",
+        "init_lora_weights", "kasa_config", "layer_replication", "layers_pattern", "layers_to_transform",
+        "loftq_config", "lora_alpha", "lora_bias", "lora_dropout", "lora_ga_config", "megatron_config",
+        "megatron_core", "modules_to_save", "monteclora_config", "peft_type", "peft_version", "qalora_group_size",
+        "r", "rank_pattern", "revision", "runtime_config", "target_modules", "target_parameters", "task_type",
+        "trainable_token_indices", "use_bdlora", "use_dora", "use_qalora", "use_rslora", "velora_config",
+    ))
     mergeable: ClassVar[bool] = True
 
     def __init__(
@@ -596,6 +629,7 @@ class LoRAAdapter(Adapter):
             wrapper = model.get_submodule(name)
             set_submodule(model, name, wrapper.trained_module if merge else wrapper.original_module)
         detach(model, self.kind)
+        _point_peft_methods(model, present=False)
 
     def _name(self, adapter_name: str | None) -> str:
         name = adapter_name or self.routing.active or self.names[0]
@@ -624,11 +658,10 @@ class LoRAAdapter(Adapter):
         config, targets = self.adapters[name]
         layers = {clean_key(n): unwrap(model).get_submodule(n) for n in targets}
         specs = {n: layer.specs[name] for n, layer in layers.items()}
-        name_or_path = getattr(getattr(unwrap(model), "config", None), "_name_or_path", None)
         return {
             "peft_type": "LORA",
             "task_type": None,
-            "base_model_name_or_path": name_or_path or None,
+            "base_model_name_or_path": base_model_name(model),
             "inference_mode": True,
             "r": config.rank,
             "lora_alpha": config.alpha,
@@ -683,6 +716,13 @@ class LoRAAdapter(Adapter):
         # PEFT's SEQ_CLS task writes ["classifier", "score"] whatever the model calls its head: drop the absent.
         present = [m for m in dict.fromkeys(ours.modules_to_save or []) if any(name_matches(n, [m]) for n in names)]
         ours = dataclasses.replace(ours, modules_to_save=present)
+        missing = unmatched(ours.target_modules, names)
+        if missing and len(missing) < len(ours.target_modules):
+            # PEFT accepts entries that match nothing when others match; its files are read as it reads them.
+            warnings.warn(f"load_adapter: {source} lists target_modules {missing} that match no module of "
+                          f"{type(unwrap(model)).__name__}; they are ignored, as PEFT ignores them.",
+                          UserWarning, stacklevel=4)
+            ours = dataclasses.replace(ours, target_modules=[t for t in ours.target_modules if t not in missing])
         if lora_spec(model) is None:
             inject_lora(model, ours, adapter_name=adapter_name)
         else:
@@ -775,7 +815,8 @@ def _inject(
     """Add adapter ``adapter_name`` to exactly ``targets`` and wrap ``to_save`` (full names, already checked)."""
     spec = lora_spec(model)
     routing = spec.routing if spec is not None else Routing(adapter_name)
-    wrap_modules_to_save(model, to_save)
+    for wrapper in wrap_modules_to_save(model, to_save).values():
+        wrapper.routing = routing  # disabled adapters and base samples use the original module
     replaced = {}
     for name in targets:
         module = model.get_submodule(name)
@@ -794,9 +835,44 @@ def _inject(
         spec = LoRAAdapter({}, to_save, routing)
     spec.adapters[adapter_name] = (config, tuple(targets))
     attach(model, spec)
+    _point_peft_methods(model, present=True)
     log.info("LoRA: adapter %r on %d modules of %s; %s", adapter_name, len(replaced), type(model).__name__,
              trainable_parameters(model))
     return replaced
+
+
+# Hugging Face PEFT's PeftModel methods a user may call on a model adapted here, and what does it in lightning-peft.
+_PEFT_METHODS = {
+    "merge_and_unload": "lightning_peft.peft.unload_lora(model) returns the plain model with the active adapter "
+                        "merged (merge_lora(model) merges in place and keeps the LoRA layers)",
+    "unload": "lightning_peft.peft.unload_lora(model, merge=False) returns the plain model without the adapter",
+    "merge_adapter": "lightning_peft.peft.merge_lora(model) merges the active adapter in place",
+    "unmerge_adapter": "lightning_peft.peft.unmerge_lora(model) subtracts it again",
+}
+
+
+class _PeftMethod:
+    """Stands, on an adapted model, for a PEFT ``PeftModel`` method the model's class lacks: says what to call."""
+
+    def __init__(self, owner: str, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def __call__(self, *args, **kwargs):
+        raise AttributeError(
+            f"{self.owner}.{self.name}() is a method of Hugging Face PEFT's PeftModel; this {self.owner} carries "
+            f"lightning-peft LoRA layers instead: {_PEFT_METHODS[self.name]}."
+        )
+
+
+def _point_peft_methods(model: nn.Module, present: bool) -> None:
+    """Add (or remove) the :class:`_PeftMethod` pointers on ``model``, for names its class does not define."""
+    for name in _PEFT_METHODS:
+        if hasattr(type(model), name):
+            continue
+        if present and name not in model.__dict__:
+            model.__dict__[name] = _PeftMethod(type(model).__name__, name)
+        elif not present and isinstance(model.__dict__.get(name), _PeftMethod):
+            del model.__dict__[name]
 
 
 def merge_lora(model: nn.Module, adapter_name: str | None = None) -> list[str]:

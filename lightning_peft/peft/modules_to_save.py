@@ -8,6 +8,10 @@ Modules saved together are copied together, so weights tied among them stay tied
 
 State-dict keys: ``<name>.original_module.<param>`` and ``<name>.trained_module.<param>``; adapter files and
 merged exports use ``<name>.<param>`` (the trained copy), as PEFT does.
+
+A wrapper may follow a technique's routing (LoRA's :class:`~lightning_peft.peft.layers.Routing`): with the adapters
+disabled it runs the original, and in a routed batch a sample routed to the base (``None``) gets the original's
+output, as PEFT's ``disable_adapter()`` and ``adapter_names=["__base__", ...]`` do.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable
 
+import torch
 from torch import Tensor, nn
 
 ORIGINAL = "original_module"
@@ -31,6 +36,7 @@ class ModulesToSave(nn.Module):
         super().__init__()
         self.original_module = original
         self.trained_module = trained
+        self.routing = None  # set by a technique whose "base output" must use the original (LoRA)
 
     def __getattr__(self, name: str):
         try:
@@ -41,7 +47,31 @@ class ModulesToSave(nn.Module):
             return getattr(self.trained_module, name)
 
     def forward(self, *args, **kwargs):
-        return self.trained_module(*args, **kwargs)
+        routing = self.__dict__.get("routing")
+        if routing is None:
+            return self.trained_module(*args, **kwargs)
+        if routing.disabled:
+            return self.original_module(*args, **kwargs)
+        names = routing.names
+        if names is None or all(n is not None for n in names):
+            return self.trained_module(*args, **kwargs)
+        return self._mixed(names, *args, **kwargs)
+
+    def _mixed(self, names, *args, **kwargs) -> Tensor:
+        """A routed batch with base samples: rows routed to ``None`` from the original, the others from the copy."""
+        trained = self.trained_module(*args, **kwargs)
+        original = self.original_module(*args, **kwargs)
+        if not (isinstance(trained, Tensor) and isinstance(original, Tensor) and trained.dim() > 0
+                and trained.shape[0] == len(names)):
+            raise TypeError(
+                f"route_adapters: modules_to_save {type(self.trained_module).__name__} returned "
+                f"{type(trained).__name__}{tuple(trained.shape) if isinstance(trained, Tensor) else ''}, not one "
+                f"tensor with the batch of {len(names)} samples first, so samples routed to the base (None) cannot "
+                "get the original module's output. Route every sample to an adapter, or save a module whose output "
+                "is batch-first."
+            )
+        base = torch.tensor([n is None for n in names], device=trained.device)  # (B,)
+        return torch.where(base.view(-1, *([1] * (trained.dim() - 1))), original.to(trained.dtype), trained)
 
 
 def wrap_modules_to_save(model: nn.Module, names: Iterable[str]) -> dict[str, ModulesToSave]:
@@ -62,6 +92,12 @@ def wrap_modules_to_save(model: nn.Module, names: Iterable[str]) -> dict[str, Mo
 def saved_modules(model: nn.Module) -> dict[str, ModulesToSave]:
     """The :class:`ModulesToSave` wrappers of ``model`` by full module name."""
     return {n: m for n, m in model.named_modules() if isinstance(m, ModulesToSave)}
+
+
+def saved_elsewhere(model: nn.Module, name: str) -> bool:
+    """Whether module ``name`` of ``model`` is (or holds) a :class:`ModulesToSave` wrapper: another technique already
+    trains and saves it in full, so a second technique must leave it out of its own ``modules_to_save``."""
+    return any(isinstance(m, ModulesToSave) for m in model.get_submodule(name).modules())
 
 
 def plain_key(key: str) -> str:

@@ -62,9 +62,11 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from .adapter import Adapter, attach, attached, clean_key, detach, refreeze, register, remove_adapter, unwrap
+from .adapter import (
+    Adapter, attach, attached, base_model_name, clean_key, detach, refreeze, register, remove_adapter, unwrap,
+)
 from .lora import name_matches, task_heads, trainable_parameters
-from .modules_to_save import plain_key, set_submodule, wrap_modules_to_save
+from .modules_to_save import plain_key, saved_elsewhere, set_submodule, wrap_modules_to_save
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +314,8 @@ def _check_model(model: nn.Module) -> None:
 
 def _select_modules_to_save(model: nn.Module, names: list[str] | None) -> list[str]:
     if names is None:
-        heads = task_heads(model)
+        # A head another adapter (LoRA's modules_to_save) already trains and saves stays with that adapter.
+        heads = [h for h in task_heads(model) if not saved_elsewhere(model, h)]
         if heads:
             log.info("PrefixTuning: %s's task head %s is trained and saved in full (modules_to_save); pass "
                      "modules_to_save=[] to keep it frozen.", type(model).__name__, heads)
@@ -325,7 +328,14 @@ def _select_modules_to_save(model: nn.Module, names: list[str] | None) -> list[s
             f"PrefixTuning(modules_to_save={names!r}): {missing} matched no module of {type(model).__name__}. "
             "Check the names with model.named_modules()."
         )
-    return [n for n in chosen if not any(n.startswith(f"{o}.") for o in chosen)]
+    chosen = [n for n in chosen if not any(n.startswith(f"{o}.") for o in chosen)]  # inside another: saved with it
+    wrapped = [n for n in chosen if saved_elsewhere(model, n)]
+    if wrapped:
+        raise ValueError(
+            f"PrefixTuning(modules_to_save={names!r}): {wrapped[0]!r} is already trained and saved in full by another "
+            "adapter on this model (its modules_to_save); leave it out here, it trains and is saved once."
+        )
+    return chosen
 
 
 def _task_type(model: nn.Module) -> str | None:
@@ -352,6 +362,11 @@ class PrefixTuningAdapter(Adapter):
 
     kind: ClassVar[str] = "prefix_tuning"
     peft_type: ClassVar[str] = "PREFIX_TUNING"
+    peft_fields: ClassVar[frozenset[str]] = frozenset((  # peft 0.21.2's PrefixTuningConfig
+        "auto_mapping", "base_model_name_or_path", "encoder_hidden_size", "inference_mode", "init_weights",
+        "modules_to_save", "num_attention_heads", "num_layers", "num_transformer_submodules", "num_virtual_tokens",
+        "peft_type", "peft_version", "prefix_projection", "revision", "task_type", "token_dim",
+    ))
     mergeable: ClassVar[bool] = False
     peft_key_prefix: ClassVar[str] = ""
 
@@ -422,11 +437,10 @@ class PrefixTuningAdapter(Adapter):
         model = unwrap(model)
         g = _geometry(model)
         transform = self.encoder(model).transform
-        name_or_path = getattr(getattr(model, "config", None), "_name_or_path", None)
         return {
             "peft_type": self.peft_type,
             "task_type": _task_type(model),
-            "base_model_name_or_path": name_or_path or None,
+            "base_model_name_or_path": base_model_name(model),
             "revision": None,
             "inference_mode": True,
             "num_virtual_tokens": self.config.num_virtual_tokens,

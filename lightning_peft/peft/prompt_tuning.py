@@ -59,7 +59,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
-from .adapter import Adapter, attach, attached, clean_key, detach, register, remove_adapter, unwrap
+from .adapter import Adapter, attach, attached, base_model_name, clean_key, detach, register, remove_adapter, unwrap
 from .modules_to_save import ModulesToSave, plain_key, set_submodule, wrap_modules_to_save
 
 log = logging.getLogger(__name__)
@@ -510,6 +510,12 @@ class PromptTuningAdapter(Adapter):
 
     kind: ClassVar[str] = "prompt_tuning"
     peft_type: ClassVar[str] = "PROMPT_TUNING"
+    peft_fields: ClassVar[frozenset[str]] = frozenset((  # peft 0.21.2's PromptTuningConfig
+        "auto_mapping", "base_model_name_or_path", "inference_mode", "modules_to_save", "num_attention_heads",
+        "num_layers", "num_transformer_submodules", "num_virtual_tokens", "peft_type", "peft_version",
+        "prompt_tuning_init", "prompt_tuning_init_text", "revision", "task_type", "token_dim", "tokenizer_kwargs",
+        "tokenizer_name_or_path",
+    ))
     mergeable: ClassVar[bool] = False
     #: PEFT's file keys for prompt learning are full keys (``prompt_embeddings``, ``base_model.<path>.<param>``):
     #: the generic I/O adds no ``base_model.model.`` prefix and strips none.
@@ -587,7 +593,7 @@ class PromptTuningAdapter(Adapter):
         return {
             "peft_type": self.peft_type,
             "task_type": _task_type(model),
-            "base_model_name_or_path": getattr(config, "_name_or_path", None) or None,
+            "base_model_name_or_path": base_model_name(model),
             "revision": None,
             "inference_mode": True,
             "num_virtual_tokens": self.num_virtual_tokens,

@@ -280,3 +280,14 @@ def test_adapter_only_checkpoint_keeps_a_head_outside_the_adapted_model(tiny_ber
     assert torch.equal(loaded.head.weight, module.head.weight)
     assert not torch.equal(loaded.backbone.embeddings.word_embeddings.weight,
                            module.backbone.embeddings.word_embeddings.weight)  # the base came from the new module
+
+
+def test_an_adapter_only_checkpoint_says_how_to_load_it(tiny_bert_config, tmp_path):
+    """Lightning's own load_from_checkpoint cannot know the adapters; the checkpoint tells a reader what to call."""
+    ckpt = fit(BackboneAndHead(tiny_bert_config), tmp_path,
+               [LoRA(rank=2, target_modules=["query"], adapter_only_checkpoint=True)], max_steps=1)
+    record = torch.load(ckpt, weights_only=False)["lightning_peft"]
+    assert "lightning_peft.callbacks.load_from_checkpoint(MyModule, path)" in record["load_with"]
+    with pytest.raises(RuntimeError, match="Missing key"):  # what the record explains
+        BackboneAndHead.load_from_checkpoint(ckpt, config=tiny_bert_config)
+    load_from_checkpoint(BackboneAndHead, ckpt, config=tiny_bert_config)

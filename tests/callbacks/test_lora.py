@@ -210,3 +210,20 @@ def test_peft_argument_names_on_the_callback_are_answered_with_ours():
     with pytest.raises(TypeError, match=r"LoRA\(lora_alpha=16\): lightning-peft calls this argument 'alpha'; pass "
                                         r"alpha=16 \(Hugging Face PEFT's names map as r -> rank, .*init\)\.$"):
         LoRA(lora_alpha=16)
+
+
+def test_a_model_left_in_eval_mode_is_named_with_the_adapter_s_dropout(tiny_bert_config, tmp_path):
+    """from_pretrained returns eval-mode models and Lightning 2.6 keeps submodules' modes: every dropout is off."""
+    module = Classifier(tiny_bert_config)
+    module.model.eval()  # what from_pretrained in __init__ leaves
+    with pytest.warns(UserWarning, match=r"LoRA: \d+ dropout module\(s\) of BertForSequenceClassification are in eval "
+                      r"mode as training starts, so it trains with them off \(LoRA's own dropout=0\.1 included\)\. "
+                      r".*call self\.model\.train\(\) in your LightningModule's __init__"):
+        trainer(tmp_path, max_steps=1, callbacks=[LoRA(**LORA_ARGS, dropout=0.1)]).fit(module, loader())
+    trained = Classifier(tiny_bert_config)  # in train mode: nothing to say
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, max_steps=1, callbacks=[LoRA(**LORA_ARGS, dropout=0.1)]).fit(trained, loader())
+    assert not [w for w in caught if "dropout module" in str(w.message)]

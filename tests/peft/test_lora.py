@@ -11,6 +11,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from lightning_peft.peft import (
+    add_adapter,
     LoRAConfig,
     LoRAConv2d,
     LoRAEmbedding,
@@ -370,6 +371,28 @@ def test_targets_that_match_nothing_list_the_modules_the_model_has(tiny_bert_con
     with pytest.raises(ValueError, match=r"LoRA\(target_modules=\['q_proj'\]\) matched no module of BertModel\. "
                        r"Modules it can adapt: word_embeddings, .*query \(x2\), key \(x2\), value \(x2\), dense \(x7\)"):
         inject_lora(BertModel(tiny_bert_config), target_modules=["q_proj"])
+
+
+def test_a_target_entry_that_matches_nothing_is_an_error_naming_it(tiny_bert_config):
+    """A typo must not silently adapt fewer modules (12 of 18 on MiniLM with 'vaule')."""
+    from transformers import BertModel
+
+    model = BertModel(tiny_bert_config)
+    before = dict(model.named_modules())
+    with pytest.raises(ValueError, match=r"LoRA\(target_modules=\['query', 'key', 'vaule'\]\): 'vaule' matched no "
+                       r"module of BertModel .*modules it can adapt: .*value \(x2\)"):
+        inject_lora(model, target_modules=["query", "key", "vaule"])
+    assert dict(model.named_modules()) == before
+    inject_lora(model, adapter_name="a", target_modules=["query"])
+    with pytest.raises(ValueError, match=r"LoRA\(target_modules=\['value', 'kye'\]\): 'kye' matched no module"):
+        add_adapter(model, "b", target_modules=["value", "kye"])
+
+
+def test_a_regex_string_keeps_matching_as_peft_does(tiny_bert_config):
+    from transformers import BertModel
+
+    layers = inject_lora(BertModel(tiny_bert_config), target_modules=r".*\.(query|vaule)")
+    assert sorted(layers) == [f"encoder.layer.{i}.attention.self.query" for i in range(2)]
 
 
 def test_unsupported_target_type_is_refused_and_nothing_changes():
@@ -740,3 +763,20 @@ def test_a_fresh_task_head_is_saved_by_default_and_kept_frozen_with_an_empty_lis
     frozen = BertForSequenceClassification(tiny_bert_config)
     inject_lora(frozen, rank=2, target_modules=["query"], modules_to_save=[])
     assert lora_spec(frozen).modules_to_save == () and not frozen.classifier.weight.requires_grad
+
+
+def test_peft_s_merge_and_unload_on_our_model_points_to_unload_lora(tiny_bert_config):
+    from transformers import BertForSequenceClassification
+
+    model = BertForSequenceClassification(tiny_bert_config)
+    inject_lora(model, target_modules=["query"])
+    with pytest.raises(AttributeError, match=r"BertForSequenceClassification\.merge_and_unload\(\) is a method of "
+                       r"Hugging Face PEFT's PeftModel; .*lightning_peft\.peft\.unload_lora\(model\) returns the plain "
+                       "model"):
+        model.merge_and_unload()
+    with pytest.raises(AttributeError, match=r"unload_lora\(model, merge=False\)"):
+        model.unload()
+    from lightning_peft.peft import unload_lora
+
+    plain = unload_lora(model)
+    assert not hasattr(plain, "merge_and_unload")  # the plain model is plain again

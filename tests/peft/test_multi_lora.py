@@ -124,6 +124,35 @@ def test_inference_mixed_batches_reuse_stacked_weights_and_see_every_update():
         assert_close(model(IDS), expected, rtol=1e-12, atol=1e-12)
 
 
+def _routed_no_grad(model: nn.Module, route: list) -> torch.Tensor:
+    with torch.no_grad(), route_adapters(model, route):
+        return model(IDS)
+
+
+def test_routed_inference_sees_a_fused_adamw_step():
+    """A fused AdamW step moves neither the version counter nor the storage of the parameters it updates."""
+    model = _three_adapters().eval()
+    _routed_no_grad(model, ROUTE)  # a first validation: what a cache would keep
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1, fused=True)
+    with route_adapters(model, ROUTE):
+        model(IDS).sum().backward()
+    optimizer.step()
+    expected, _ = _alone(model, IDS, ROUTE)
+    assert_close(_routed_no_grad(model, ROUTE), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_routed_inference_sees_writes_through_data():
+    model = _three_adapters().eval()
+    _routed_no_grad(model, ROUTE)
+    for layer in lora_layers(model).values():
+        for param in layer.adapter_parameters().values():
+            param.data.mul_(-2)  # .data has its own version counter
+    layer = lora_layers(model)["blocks.0.value"]
+    layer.lora_A["b"].weight.data = layer.lora_A["b"].weight.data + 1  # new storage, no version change
+    expected, _ = _alone(model, IDS, ROUTE)
+    assert_close(_routed_no_grad(model, ROUTE), expected, rtol=1e-12, atol=1e-12)
+
+
 def test_a_parameter_replaced_in_place_is_the_one_used():
     """FSDP2 and DTensor parallelism swap parameters with register_parameter: no stale reference may survive."""
     model = _three_adapters()
@@ -507,3 +536,44 @@ def test_a_state_dict_of_the_single_adapter_layout_loads_into_the_first_adapter(
     inject_lora(fresh, rank=2, target_modules=["query", "embed"])
     fresh.load_state_dict(old)
     assert torch.equal(fresh(IDS), model(IDS))
+
+
+def _trained_bert_classifier(config, tmp_path):
+    """A tiny BERT classifier, its untouched copy, and the LoRA'd one after a training step (head trained too)."""
+    from transformers import BertForSequenceClassification
+
+    base = BertForSequenceClassification(config).eval()
+    reference = copy.deepcopy(base)
+    model = copy.deepcopy(base)
+    inject_lora(model, rank=2, alpha=4, target_modules=["query", "value"])  # modules_to_save: the classifier
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    ids = torch.randint(1, config.vocab_size, (4, 6), generator=torch.Generator().manual_seed(3))
+    model(input_ids=ids, labels=torch.tensor([0, 1, 2, 1])).loss.backward()
+    optimizer.step()
+    return reference, model, ids
+
+
+def test_disabled_adapters_give_the_base_model_output_with_the_original_head(tiny_bert_config, tmp_path):
+    reference, model, ids = _trained_bert_classifier(tiny_bert_config, tmp_path)
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+        assert not torch.allclose(model(input_ids=ids).logits, expected)  # the step changed the output
+        with disable_adapters(model):
+            assert_close(model(input_ids=ids).logits, expected, rtol=0, atol=0)
+    # Hugging Face PEFT on the same weights: its disable_adapter() switches the head back as well.
+    save_adapter(model, tmp_path)
+    theirs = peft.PeftModel.from_pretrained(copy.deepcopy(reference), tmp_path).eval()
+    with torch.no_grad(), theirs.disable_adapter():
+        assert_close(theirs(input_ids=ids).logits, expected, rtol=0, atol=0)
+
+
+def test_samples_routed_to_the_base_get_the_original_head(tiny_bert_config, tmp_path):
+    reference, model, ids = _trained_bert_classifier(tiny_bert_config, tmp_path)
+    route = ["default", None, "default", None]
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        with route_adapters(model, route):
+            out = model(input_ids=ids).logits
+        expected = reference(input_ids=ids).logits
+    assert_close(out[[0, 2]], adapted[[0, 2]], rtol=1e-6, atol=1e-6)
+    assert_close(out[[1, 3]], expected[[1, 3]], rtol=1e-6, atol=1e-6)

@@ -502,3 +502,20 @@ def test_a_peft_config_that_does_not_fit_is_refused_and_the_model_is_unchanged(c
 def test_from_peft_refuses_another_peft_type():
     with pytest.raises(ValueError, match=r"x.json has peft_type='LORA', not 'PREFIX_TUNING'"):
         PrefixTuningAdapter.from_peft(_gpt2(), {"peft_type": "LORA"}, "x.json")
+
+
+def test_a_head_lora_already_saves_is_left_to_lora():
+    """The filter the other techniques have: a head wrapped by LoRA's modules_to_save is not wrapped twice."""
+    from lightning_peft.peft import inject_lora
+    from lightning_peft.peft.modules_to_save import ModulesToSave
+
+    model = _bert_classifier().eval()
+    inject_lora(model, rank=2, target_modules=["query"])  # saves the classifier
+    lora_head = model.classifier
+    with pytest.raises(ValueError, match=r"PrefixTuning\(modules_to_save=\['classifier'\]\): 'classifier' is already "
+                       "trained and saved in full by another adapter"):
+        inject_prefix_tuning(copy.deepcopy(model), num_virtual_tokens=N, modules_to_save=["classifier"])
+    inject_prefix_tuning(model, num_virtual_tokens=N)  # default: the task head, unless another adapter saves it
+    assert model.classifier is lora_head and isinstance(lora_head.trained_module, nn.Linear)
+    assert not isinstance(lora_head.trained_module, ModulesToSave)
+    assert attached(model)["prefix_tuning"].modules_to_save == ()
