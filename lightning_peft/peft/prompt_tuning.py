@@ -154,6 +154,12 @@ def _input_embeddings(model: nn.Module, who: str) -> nn.Module:
     return embeddings
 
 
+def _token_dim(embeddings: nn.Module) -> int:
+    """The embedding size: under DeepSpeed ZeRO-3 the weight is an empty placeholder (its shape is ``ds_shape``)."""
+    dim = getattr(embeddings, "embedding_dim", None)
+    return int(dim) if dim is not None else int(getattr(embeddings.weight, "ds_shape", embeddings.weight.shape)[1])
+
+
 def _check_model(model: nn.Module, num_virtual_tokens: int, who: str) -> None:
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         raise ValueError(
@@ -556,7 +562,7 @@ class PromptTuningAdapter(Adapter):
                 f"PromptTuning: the recorded adapter names module {absent[0]!r}, which {type(model).__name__} does "
                 "not have; the checkpoint was written for another model."
             )
-        weight = torch.zeros(n, embeddings.weight.shape[1], dtype=_prompt_dtype(embeddings),
+        weight = torch.zeros(n, _token_dim(embeddings), dtype=_prompt_dtype(embeddings),
                              device=embeddings.weight.device)
         _inject(model, weight, config["config"]["init"], list(config["modules_to_save"]))
         return attached(model)["prompt_tuning"]
@@ -597,7 +603,7 @@ class PromptTuningAdapter(Adapter):
             "revision": None,
             "inference_mode": True,
             "num_virtual_tokens": self.num_virtual_tokens,
-            "token_dim": _input_embeddings(model, "save_adapter").weight.shape[1],
+            "token_dim": _token_dim(_input_embeddings(model, "save_adapter")),
             "num_transformer_submodules": 1,
             "num_attention_heads": _config_value(config, "num_attention_heads", "n_head", "num_heads"),
             "num_layers": _config_value(config, "num_hidden_layers", "num_layers", "n_layer"),
@@ -630,7 +636,7 @@ class PromptTuningAdapter(Adapter):
                 "lightning-peft prompts one stack only. Load it with Hugging Face PEFT instead."
             )
         embeddings = _input_embeddings(model, "load_adapter")
-        dim = embeddings.weight.shape[1]
+        dim = _token_dim(embeddings)
         if config.get("token_dim") not in (None, dim):
             raise ValueError(
                 f"load_adapter: {source} has token_dim={config['token_dim']}, but {type(model).__name__}'s input "

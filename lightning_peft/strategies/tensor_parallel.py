@@ -69,6 +69,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_peft._seams import refuse
 from lightning_peft.peft.layers import LoRALayer, LoRALinear
 
 __all__ = [
@@ -532,6 +533,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            _refuse_fused_over_mixed_groups(self)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -698,3 +700,22 @@ StrategyRegistry.register(
     "tp", TensorParallelStrategy, description="DTensor tensor parallelism, LoRA-aware (2 ranks)",
     override=True, tensor_parallel_size=2,
 )
+
+
+def _refuse_fused_over_mixed_groups(strategy: TensorParallelStrategy) -> None:
+    """A fused optimizer steps each group in one kernel, which cannot take DTensor shards (the split layers) and
+    plain tensors (LoRA's replicated factors, a head) together; regrouping behind the user's back would desynchronise
+    the schedulers built over their groups."""
+    from torch.distributed.tensor import DTensor
+
+    for optimizer in strategy.optimizers:
+        for index, group in enumerate(optimizer.param_groups):
+            kinds = {isinstance(p, DTensor) for p in group["params"] if p.requires_grad}
+            if group.get("fused") and len(kinds) == 2:
+                raise refuse(
+                    f"{type(optimizer).__name__}(fused=True)", strategy,
+                    f"parameter group {index} holds both tensor-parallel shards (DTensor) and plain tensors, which "
+                    "a fused optimizer step cannot take in one kernel",
+                    "build the optimizer with fused=False (foreach is fine), or put the DTensor parameters "
+                    "(isinstance(p, torch.distributed.tensor.DTensor) inside configure_optimizers) in groups of their own",
+                )

@@ -170,6 +170,7 @@ class Row:
     kind: str = "bert"
     save_merged: bool = False
     adapter_name: str | None = None
+    fused: bool = False  # AdamW(fused=True), as many existing projects build it
 
 
 def length(sample: dict[str, torch.Tensor]) -> float:
@@ -184,6 +185,7 @@ def _all_in_one(kind: str, dropout: float = 0.0) -> list[Callback]:
 
 ROWS = [
     Row("LoRA", lambda kind: [_lora(kind)]),
+    Row("LoRA, AdamW(fused=True)", lambda kind: [_lora(kind)], fused=True),
     Row("MultiLoRA", lambda kind: [MultiLoRA(
         adapters={"a": {"rank": 4, "target_modules": _targets(kind)["target_modules"]},
                   "b": {"rank": 2, "alpha": 4.0, "target_modules": _targets(kind)["target_modules"]}},
@@ -317,7 +319,7 @@ def run_cell(out: Path, row: Row, column: Column, kind: str | None = None) -> di
     here = cell_dir(out, row, column, kind)
     progress = Progress()
     export = MergeOnSave(dirpath=str(here / "export"), save_merged=row.save_merged, adapter_name=row.adapter_name)
-    module = PeerClassifier(kind, batch_size=BATCH // column.data_parallel)
+    module = PeerClassifier(kind, batch_size=BATCH // column.data_parallel, fused=row.fused)
     result: dict[str, Any] = {"row": row.name, "column": column.name, "kind": kind}
     try:
         trainer(column, here, [progress, *row.callbacks(kind), export]).fit(module)

@@ -22,10 +22,10 @@ from tests.matrix.cells import COLUMNS, ROWS, run_cell, run_resume  # noqa: E402
 
 def main(out: Path, names: list[str]) -> None:
     columns = [c for c in COLUMNS if c.devices == 2 and (not names or c.name in names)]
-    rows = os.environ.get("MATRIX_ROWS")  # for a rerun of some cells by hand: "LoRA,Curriculum"
+    rows = os.environ.get("MATRIX_ROWS")  # for a rerun of some cells by hand: "LoRA;Curriculum"
     kind = os.environ.get("MATRIX_KIND") or None
     for column in columns:
-        for row in ROWS if not rows else [r for r in ROWS if r.name in rows.split(",")]:
+        for row in ROWS if not rows else [r for r in ROWS if r.name in rows.split(";")]:
             start = time.perf_counter()
             result = run_cell(out, row, column, kind=kind)
             print(f"[matrix] {column.name} | {row.name}: {result['outcome']} in {time.perf_counter() - start:.1f} s",

@@ -1,8 +1,8 @@
-"""Writes ``docs/compatibility.md`` from the matrix's outcomes (never by hand).
+"""Writes ``docs/compatibility.md`` and the README's per-strategy lines from the matrix's outcomes (never by hand).
 
-``python -m tests.matrix.page RESULTS.json`` writes the page from a results file that ``test_matrix.py`` left
-(``MATRIX_RESULTS=path`` makes it keep one); ``test_matrix.py`` checks that the committed page is what this
-writes from the outcomes of its own run.
+``MATRIX_RESULTS=/tmp/m.json pytest tests/matrix`` keeps the outcomes of a run in a file;
+``python -m tests.matrix.page /tmp/m.json`` then writes the page and the README block from it. ``test_matrix.py``
+checks that both are what this writes from the outcomes of its own run.
 """
 
 from __future__ import annotations
@@ -62,11 +62,32 @@ def write(results: dict[str, dict[str, dict[str, object]]], tolerances: dict[str
         lines.append(f"| {row.name} | " + " | ".join(cells) + " |")
     lines += ["", "## Why a cell is refused", ""]
     lines += [f"{i}. {reason}" for i, reason in enumerate(reasons, 1)]
+    lines += ["", "## By strategy", "", *summary(results)]
     resume = results.get("resume", {})
     if resume:
         lines += ["", "## Resume (all-in-one, dropout on)", "", "| strategy | resumed == straight |", "| --- | :---: |"]
         lines += [f"| {name} | {'yes' if ok else 'no'} |" for name, ok in resume.items()]
     return "\n".join(lines) + "\n"
+
+
+def summary(results: dict[str, dict[str, dict[str, object]]]) -> list[str]:
+    """One line per strategy: what it refuses (the README carries these lines too, checked by the test)."""
+    reasons: list[str] = []
+    for row in ROWS:  # numbered as on the page
+        for column in COLUMNS:
+            cell = results[row.name][column.name]
+            if cell["outcome"] == "refused" and _reason(str(cell["reason"])) not in reasons:
+                reasons.append(_reason(str(cell["reason"])))
+    lines = []
+    for column in COLUMNS:
+        refused = [(row.name, reasons.index(_reason(str(results[row.name][column.name]["reason"]))) + 1)
+                   for row in ROWS if results[row.name][column.name]["outcome"] == "refused"]
+        if not refused:
+            lines.append(f"- **{column.name}**: runs every callback of the grid.")
+        else:
+            named = ", ".join(f"{name} [{index}]" for name, index in refused)
+            lines.append(f"- **{column.name}**: refuses {named}; runs the rest.")
+    return lines
 
 
 def _reason(error: str) -> str:
@@ -75,9 +96,16 @@ def _reason(error: str) -> str:
     return error.replace("|", "\\|").replace("\n", " ")
 
 
+README = PAGE.parents[1] / "README.md"
+START, END = "<!-- compatibility:start -->\n", "<!-- compatibility:end -->"
+
+
 def main(path: str) -> None:
+    """Writes the page and the README's per-strategy lines from a results file."""
     data = json.loads(Path(path).read_text())
     PAGE.write_text(write(data["results"], data["tolerances"]))
+    head, rest = README.read_text().split(START, 1)
+    README.write_text(head + START + "\n".join(summary(data["results"])) + "\n" + END + rest.split(END, 1)[1])
 
 
 if __name__ == "__main__":

@@ -150,3 +150,10 @@ def test_the_compatibility_page_is_what_the_outcomes_write(outcomes: dict) -> No
         "docs/compatibility.md is not what the matrix gives: rerun with MATRIX_RESULTS=/tmp/m.json and "
         "`python -m tests.matrix.page /tmp/m.json`, and check the change."
     )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_readme_says_per_strategy_what_the_matrix_refuses(outcomes: dict) -> None:
+    block = page.README.read_text().split(page.START, 1)[1].split(page.END, 1)[0]
+    assert block == "\n".join(page.summary(outcomes)) + "\n"
