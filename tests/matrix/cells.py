@@ -201,7 +201,7 @@ ROWS = [
         lambda kind: [_lora(kind), GradientAccumulation(global_batch_size=2 * BATCH)]),
     Row("Curriculum", lambda kind: [_lora(kind), Curriculum(duration=4, scorer="tests.matrix.cells.length",
                                                             start_fraction=0.5)]),
-    Row("TokenPruning", lambda kind: [_lora(kind), TokenPruning(keep_ratio=0.5, start_layer=1, anneal_fraction=0.0)],
+    Row("TokenPruning", lambda kind: [_lora(kind), TokenPruning(keep_ratio=0.5, start_layer=0, anneal_fraction=0.0)],
         kind="encoder"),
     Row("all-in-one", _all_in_one),
 ]

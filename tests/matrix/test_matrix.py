@@ -138,6 +138,20 @@ def test_every_cell_equals_the_reference_or_is_refused_at_setup(outcomes: dict, 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+def test_every_training_dynamics_row_trains_something_else_than_lora_alone(runs: Path) -> None:
+    """Equal to the reference proves nothing if the callback does nothing: each row's reference must differ from
+    the LoRA row's (noise that adds nothing, say, would equal it)."""
+    lora = ROWS[0]
+    for row in ROWS:
+        if not isinstance(row.callbacks(row.kind)[0], cells.LoRA) or row.name in (lora.name, "MergeOnSave") or row.fused:
+            continue
+        mine = exported(cell_dir(runs, row, REFERENCE) / "export")
+        plain = exported(cell_dir(runs, lora, REFERENCE, kind=row.kind) / "export")
+        assert any(not torch.equal(mine[k], plain[k]) for k in plain), row.name
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_resumed_all_in_one_run_equals_the_straight_one_with_dropout_on(outcomes: dict) -> None:
     assert all(outcomes["resume"].values()), outcomes["resume"]
 
