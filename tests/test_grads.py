@@ -1,6 +1,6 @@
 """lightning_peft._grads on one process: plain gradients, DTensor gradients on a 1-process gloo mesh (in a subprocess,
 with lightning blocked: the module is pure), and the errors. Sharded layouts on 2 ranks (FSDP2, TP, DeepSpeed 1-3)
-are checked against DDP by tests/callbacks/test_sharded_dynamics.py."""
+are checked against one process by the compatibility matrix (tests/matrix: GradientNoise under every strategy)."""
 
 from __future__ import annotations
 
