@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_peft.callbacks import GradientAccumulation, GradientNoise, LoRA
 from lightning_peft.peft import adapter_state_dict, inject_lora
-from lightning_peft.training import AccumulationSchedule, add_gradient_noise, noise_variance, step_generator
+from lightning_peft.training import AccumulationSchedule, add_gradient_noise, noise_variance, parameter_generator
 
 from .test_lora import LORA_ARGS, Classifier, loader, trainer
 
@@ -173,7 +173,8 @@ def test_lora_noise_and_a_schedule_that_changes_mid_epoch_equal_a_plain_loop(tin
             ids, labels = micro.batch
             (model(input_ids=ids, labels=labels).loss / micro.window_size).backward()
             if micro.last:
-                add_gradient_noise(params, micro.step, 0.3, generator=step_generator(7, micro.step))
+                for index, param in enumerate(params):  # each parameter draws from its own generator
+                    add_gradient_noise([param], micro.step, 0.3, generator=parameter_generator(7, micro.step, index))
                 optimizer.step()
                 optimizer.zero_grad()
                 step = micro.step + 1

@@ -62,10 +62,3 @@ def test_all_four_with_lora_act_and_resume_exactly(tiny_bert_config, tmp_path):
         assert ours.keys() == reference.keys()
         for key, value in reference.items():
             assert torch.equal(ours[key], value), (checkpoint, key)
-
-
-def test_the_curriculum_refuses_an_accumulation_count_that_changes(tiny_bert_config, tmp_path):
-    callbacks = [Curriculum(duration=4, scorer=token_sum), GradientAccumulation(schedule={0: 1, 2: 2})]
-    with pytest.raises(ValueError, match=r"Curriculum: GradientAccumulation\(schedule=\{0: 1, 2: 2\}\) changes the "
-                                         r"number of micro-batches per optimizer step"):
-        trainer(tmp_path, max_steps=1, callbacks=callbacks).fit(Classifier(tiny_bert_config), loader())

@@ -36,6 +36,18 @@ A third outcome, running and differing, fails the test. The all-in-one row is Lo
 GradientAccumulation (global batch of 2 micro-batches) + Curriculum + GradientNoise + MergeOnSave. Below the grid,
 the resume check: the all-in-one cell with dropout on (the model's and LoRA's), resumed from a checkpoint after the
 first optimizer step, equals the straight run, for each strategy family.
+
+## The contract at the seams
+
+Callbacks ask the strategy, never the trainer, through one module, `lightning_peft._seams`:
+`data_parallel(strategy)` is the data-parallel size and rank (from `strategy.distributed_sampler_kwargs`: under the
+pipeline every rank reads the same batch, under tensor parallelism the ranks of one group do; one device and the
+device map are `(1, 0)`), which `Curriculum` and `GradientAccumulation(global_batch_size=...)` use;
+`strategy_family(strategy)` says where gradients live (`plain`, `dtensor`, `deepspeed`), and
+`lightning_peft._grads` reads and changes them there (DTensor shards, DeepSpeed's partitions, where `p.grad` is
+None), so elementwise work such as `GradientNoise` gives every element the same value whatever the partitioning;
+`splits_layers(strategy)` and `tensor_parallel_size(strategy)` say whether a rank holds whole layers; `refuse(...)`
+is the one error for a pair that cannot run, raised at setup.
 """
 
 
