@@ -44,3 +44,21 @@ def test_ddp_two_processes_equal_one_process_on_the_joint_batch(tmp_path):
         "RuntimeError: MergeOnSave: the export on rank 0 failed (OSError: No space left on device); "
         "stopping this rank as well."
     )
+
+
+@pytest.mark.multiprocess
+def test_ddp_resume_with_dropout_restores_each_ranks_generators(tmp_path):
+    """Two ranks with their own generators (different dropout masks): resumed mid-epoch and at an epoch boundary,
+    each rank ends with the straight run's adapter, to the bit; the checkpoint holds both ranks' generators."""
+    result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "rng"], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rng-rank{r}.pt") for r in (0, 1)]
+    assert ranks[0]["first_draw"] != ranks[1]["first_draw"]  # the ranks did draw differently
+    for rank in ranks:
+        for resumed in ("mid", "boundary"):
+            for key, value in rank["straight"].items():
+                assert torch.equal(rank[resumed][key], value), (resumed, key)
+    saved = torch.load(tmp_path / "straight" / "steps" / "step=2.ckpt", weights_only=False)
+    states = saved["callbacks"]["lightning_peft.RNGState"]["ranks"]
+    assert len(states) == 2 and not torch.equal(states[0]["torch"], states[1]["torch"])
