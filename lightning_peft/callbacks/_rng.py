@@ -7,19 +7,24 @@ available, NumPy, Python's ``random``) and gives each rank its own back on resum
 
 - Saving: Lightning calls ``state_dict`` on every rank but writes rank 0's copy only, so ``state_dict`` gathers all
   ranks' states to every rank (``torch.distributed.all_gather_object`` on the default group when it is
-  initialized). The states are taken when the checkpoint is written (after an optimizer step for a step
-  checkpoint, at the epoch's end for an epoch checkpoint).
-- Restoring: ``load_state_dict`` keeps the states; ``on_train_start`` sets this rank's. That is the last hook before
-  the resumed run fetches its first batch, after Lightning has made the train iterator (its own draw) and restored
-  the loops: from there both runs make the same draws. A checkpoint saved by another number of processes is resumed
-  with a warning, and without its generators (ranks no longer map one to one).
+  initialized). The states are those of the moment the checkpoint is written (after the optimizer step for a step
+  checkpoint); a validation inside ``fit`` leaves the training generators as the last batch left them (its
+  loader's seed is a draw, and a resumed run skips the validation the straight run ran after a step checkpoint).
+- Restoring: the resumed run must reach its first batch with the generators where the straight run had them. The
+  straight run made the epoch's train iterator (a draw for its seed) before a mid-epoch checkpoint and after an
+  epoch-end one; the resumed run makes one while resuming. So the states are set when loaded (before that
+  iterator), set again at ``on_train_start`` for a mid-epoch checkpoint (undoing the iterator's draw), or at
+  ``on_train_epoch_start`` when Lightning will make the new epoch's iterator there; the validation Lightning skips
+  on resume is run under ``isolate_rng``. A checkpoint saved by another number of processes is resumed with a
+  warning, and without its generators (ranks no longer map one to one).
 
 Every lightning-peft callback adds one instance to ``trainer.callbacks`` in its ``setup`` (:func:`keep_rng`); Lightning
 restores callback states after ``setup``, by ``state_key``, so a callback added there is restored like one passed to
 the ``Trainer``. A ``Trainer`` without any of our callbacks can pass ``RNGState()`` itself.
 
-What is not covered: a resumed run that re-creates a worker-based iterator mid-epoch (workers' seeds were drawn at the
-epoch's start) and draws made in hooks that run between the checkpoint and the next batch only in one of the runs.
+Mid-epoch, the batches themselves must come back too: that is the loader's part (a loader with ``state_dict`` /
+``load_state_dict``, as Lightning requires). Not covered: workers of a mid-epoch iterator (their seeds were drawn at
+the epoch's start) and draws made by user hooks that run between the checkpoint and the next batch in one run only.
 """
 
 from __future__ import annotations
