@@ -149,3 +149,14 @@ def test_keep_rng_adds_one_state_callback_that_lightning_restores(tmp_path):
     first = keep_rng(trainer)
     assert keep_rng(trainer) is first
     assert sum(isinstance(c, RNGState) for c in trainer.callbacks) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_generators_are_saved_and_restored(tmp_path):
+    torch.cuda.init()
+    torch.save(RNGState().state_dict(), tmp_path / "rng.pt")
+    expected = torch.rand(4, device="cuda")
+    from lightning_peft.callbacks._rng import _apply
+
+    _apply(torch.load(tmp_path / "rng.pt", weights_only=True)["ranks"][0])
+    assert torch.equal(torch.rand(4, device="cuda"), expected)
