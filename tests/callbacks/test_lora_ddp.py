@@ -14,17 +14,21 @@ from torch.testing import assert_close
 SCRIPT = Path(__file__).with_name("ddp_lora_script.py")
 
 
-def run(out: Path, devices: int, batch_size: int) -> None:
+def run(out: Path, devices: int, batch_size: int, *flags: str) -> subprocess.CompletedProcess:
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), str(devices), str(batch_size)],
+        [sys.executable, str(SCRIPT), str(out), str(devices), str(batch_size), *flags],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
 
 
 @pytest.mark.multiprocess
 def test_ddp_two_processes_equal_one_process_on_the_joint_batch(tmp_path):
-    run(tmp_path / "ddp", devices=2, batch_size=4)
+    # Issue 18, suspicion 18: a script that leaves the gloo group to interpreter shutdown exits cleanly (it was once
+    # seen to abort there, exit 134; measured since: 0 aborts in 18 launches). This launch leaves it.
+    result = run(tmp_path / "ddp", 2, 4, "--no-teardown")
+    assert "terminate called" not in result.stderr
     run(tmp_path / "single", devices=1, batch_size=8)
     rank0, rank1 = (torch.load(tmp_path / "ddp" / f"rank{r}.pt") for r in (0, 1))
     single = torch.load(tmp_path / "single" / "rank0.pt")
