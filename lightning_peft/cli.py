@@ -15,7 +15,11 @@ Example:
 
 from __future__ import annotations
 
+import difflib
+from typing import Any
+
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
 
 # Imported for their classes: jsonargparse resolves a bare class name (``--trainer.callbacks+=LoRA``,
 # ``--model HFSequenceClassifier``) only among the subclasses already imported.
@@ -39,6 +43,11 @@ class PeftCLI(LightningCLI):
             help="fit only: after training, run the test loop on the final weights and print the metrics.",
         )
 
+    def before_instantiate_classes(self) -> None:
+        """Refuses an unknown ``--trainer.strategy`` name, listing this package's names (Lightning's list has none)."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        check_strategy_name((config.get("trainer") or {}).get("strategy"))
+
     def after_fit(self) -> None:
         """Runs ``trainer.test`` when ``test_after_fit`` is set and prints the resulting metrics."""
         if not self.config[self.subcommand].get("test_after_fit", False):
@@ -47,6 +56,28 @@ class PeftCLI(LightningCLI):
         results = self.trainer.test(self.model, datamodule=self.datamodule)
         if self.trainer.is_global_zero:
             print(_format_test_results(results))
+
+
+def check_strategy_name(strategy: Any) -> None:
+    """Raise for a strategy name that neither Lightning nor this package registered (other values pass).
+
+    Raises:
+        ValueError: Naming the closest registered names, lightning-peft's and Lightning's.
+    """
+    if not isinstance(strategy, str):
+        return
+    names = StrategyRegistry.available_strategies()
+    if strategy.lower() == "auto" or strategy.lower() in names:
+        return
+    ours = [n for n in names if StrategyRegistry[n]["strategy"].__module__.startswith("lightning_peft.")]
+    theirs = ["auto", *(n for n in names if n not in ours)]
+    close = difflib.get_close_matches(strategy.lower(), ours + theirs, n=3)
+    hint = f" Did you mean {' or '.join(repr(n) for n in close)}?" if close else ""
+    raise ValueError(
+        f"lightning-peft: --trainer.strategy {strategy!r} is not a registered strategy name.{hint} "
+        f"lightning-peft's: {', '.join(ours)}. Lightning's: {', '.join(theirs)}. Or give a class: "
+        "--trainer.strategy lightning_peft.strategies.ZeROStrategy --trainer.strategy.stage 3."
+    )
 
 
 def _format_test_results(results: list[dict[str, float]]) -> str:

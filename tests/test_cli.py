@@ -169,3 +169,15 @@ def test_yaml_typo_in_a_callback_argument_names_the_key(
     err = capsys.readouterr().err
     match = r"class_path 'lightning_peft\.callbacks\.LoRA':\s+Option 'rnak' is not accepted"
     assert re.search(match, err), err
+
+
+def test_an_unknown_strategy_name_lists_ours() -> None:
+    """Lightning's own error lists only Lightning's names; ours names zero1-3, *_native, tensor_parallel, ..."""
+    args = ["fit", "--model", "lightning.pytorch.demos.boring_classes.BoringModel", "--trainer.strategy", "zero4",
+            "--trainer.accelerator", "cpu", "--trainer.logger", "false", "--trainer.max_steps", "1"]
+    with pytest.raises(ValueError, match=(
+        r"lightning-peft: --trainer.strategy 'zero4' is not a registered strategy name\. Did you mean 'zero3' or "
+        r"'zero2' or 'zero1'\? lightning-peft's: device_map, pipeline, .*tensor_parallel, .*zero1, zero2, zero3, "
+        r".*zero1_native, zero2_native, zero3_native\. Lightning's: auto, ddp, .*deepspeed_stage_3"
+    )):
+        main(args)

@@ -47,6 +47,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_peft._seams import data_parallel, refuse, splits_layers, strategy_family
+from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.callbacks._target import resolve_target
 from lightning_peft.callbacks.gradient_accumulation import GradientAccumulation
 from lightning_peft.training.accumulation import AccumulationSchedule
@@ -148,6 +149,7 @@ class Curriculum(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        keep_rng(trainer)  # resume draws what the straight run drew (dropout)
         if stage != "fit":
             return
         source = getattr(trainer.fit_loop, "_data_source", None)

@@ -42,6 +42,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_peft._seams import data_parallel, refuse, strategy_family
+from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.training.accumulation import AccumulationSchedule, Window, shorten_window
 
 _MISSING = object()
@@ -96,6 +97,7 @@ class GradientAccumulation(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        keep_rng(trainer)  # resume draws what the straight run drew (dropout)
         if stage != "fit":
             return
         self._check_conflicts(trainer, pl_module)

@@ -34,6 +34,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.callbacks._target import resolve_target
 from lightning_peft.training.layerwise_lr import check_decay, depth_label, layer_depths, lr_scale, split_by_depth
 
@@ -85,6 +86,7 @@ class LayerwiseLRDecay(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        keep_rng(trainer)  # resume draws what the straight run drew (dropout)
         if stage != "fit":
             return
         self._depths(pl_module)  # wrong patterns fail now, before any optimizer exists

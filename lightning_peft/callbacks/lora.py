@@ -39,6 +39,7 @@ from lightning_peft.callbacks._checkpoint import (
     refuse_changed_settings,
     watch_checkpoint_loads,
 )
+from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.callbacks._target import resolve_target
 from lightning_peft.peft.lora import as_config, inject_lora, lora_spec, trainable_parameters
 
@@ -99,6 +100,7 @@ class LoRA(AdapterCallback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        keep_rng(trainer)  # resume draws what the straight run drew (dropout)
         _warn_about_emulated_bf16(trainer)
         _, model = resolve_target(pl_module, self.model_attribute, "LoRA")
         spec = lora_spec(model)

@@ -41,6 +41,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_peft._seams import data_parallel, refuse, splits_layers, strategy_family, tensor_parallel_size
+from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.callbacks._checkpoint import (
     AdapterCallback,
     refuse_changed_settings,
@@ -105,6 +106,7 @@ class MultiLoRA(AdapterCallback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        keep_rng(trainer)  # resume draws what the straight run drew (dropout)
         _, model = resolve_target(pl_module, self.model_attribute, "MultiLoRA")
         spec = lora_spec(model)
         if spec is None:

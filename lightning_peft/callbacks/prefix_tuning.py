@@ -31,6 +31,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_peft._seams import refuse, tensor_parallel_size
+from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.callbacks._checkpoint import (
     AdapterCallback,
     refuse_changed_settings,
@@ -83,6 +84,7 @@ class PrefixTuning(AdapterCallback):
             raise refuse("PrefixTuning", trainer.strategy, "the prefix holds every attention head's keys and values, "
                          "while tensor parallelism gives each rank a share of the heads", "use LoRA or prompt tuning "
                          "under tensor parallelism, or prefix tuning under DDP or ZeRO")
+        keep_rng(trainer)  # resume draws what the straight run drew (dropout)
         _, model = resolve_target(pl_module, self.model_attribute, "PrefixTuning")
         spec = prefix_tuning_spec(model)
         if spec is None:

@@ -29,6 +29,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.callbacks._checkpoint import (
     AdapterCallback,
     refuse_changed_settings,
@@ -94,6 +95,7 @@ class PromptTuning(AdapterCallback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        keep_rng(trainer)  # resume draws what the straight run drew (dropout)
         _, model = resolve_target(pl_module, self.model_attribute, "PromptTuning")
         adapter = attached(model).get("prompt_tuning")
         if adapter is None:

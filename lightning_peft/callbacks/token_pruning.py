@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
+from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.callbacks._checkpoint import refuse_changed_settings
 from lightning_peft.callbacks._target import resolve_target
 from lightning_peft.nn.token_pruning import TokenPruner
@@ -117,6 +118,7 @@ class TokenPruning(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        keep_rng(trainer)  # resume draws what the straight run drew (dropout)
         self._install(pl_module)
         if stage == "fit":
             self.anneal_steps = None  # a new fit anneals anew, unless a checkpoint restores it

@@ -45,7 +45,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lightning_peft.modules.hf import resolve_pretrained
 
-__all__ = ["BBCNewsDataModule", "EpochShuffleSampler", "PaddingCollator", "load_bbc_news", "stratified_split"]
+__all__ = [
+    "BBCNewsDataModule", "EpochShuffleSampler", "PaddingCollator", "interleave_classes", "load_bbc_news", "stratified_split",
+]
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +252,30 @@ def stratified_split(
         test += order[n_val : n_val + n_test]
         train += order[n_val + n_test :]
     return sorted(train), sorted(val), sorted(test)
+
+
+def interleave_classes(indices: list[int], labels: list[int]) -> list[int]:
+    """``indices`` reordered round-robin over their classes (in sorted class order, each class's own order kept).
+
+    Evaluation reads a split in this order, so any prefix (``limit_val_batches``, ``limit_test_batches``) holds
+    every class in about its share, not the first class only; the order is fixed, so results stay reproducible.
+
+    Args:
+        indices: Example indices (e.g. one split of :func:`stratified_split`).
+        labels: The label of every example (indexed by the values of ``indices``).
+
+    Returns:
+        The same indices: the first of each class, then the second of each class, and so on.
+
+    Example:
+        >>> interleave_classes([0, 1, 2, 3, 4], [0, 0, 0, 1, 1])
+        [0, 3, 1, 4, 2]
+    """
+    by_class: dict[int, list[int]] = defaultdict(list)
+    for index in indices:
+        by_class[labels[index]].append(index)
+    queues = [by_class[label] for label in sorted(by_class)]
+    return [queue[rank] for rank in range(max(map(len, queues), default=0)) for queue in queues if rank < len(queue)]
 
 
 def _check_int(who: str, name: str, value: object) -> None:
@@ -498,7 +524,8 @@ class BBCNewsDataModule(LightningDataModule):
         texts, labels, self._class_names = load_bbc_news()
         texts, labels = self._limit(texts, labels)
         features = dict(tokenizer(texts, truncation=True, max_length=self.max_length))
-        splits = stratified_split(labels, self.val_fraction, self.test_fraction, self.seed)
+        train, val, test = stratified_split(labels, self.val_fraction, self.test_fraction, self.seed)
+        splits = train, interleave_classes(val, labels), interleave_classes(test, labels)  # prefixes hold every class
         adapters = self._adapters(labels)
         for name, indices in zip(("train", "val", "test"), splits):
             subset = {key: [values[i] for i in indices] for key, values in features.items()}
@@ -590,13 +617,13 @@ class BBCNewsDataModule(LightningDataModule):
         return self._loader("train_dataloader", "train", self.batch_size, shuffle=True)
 
     def val_dataloader(self) -> DataLoader:
-        """Validation batches in a fixed order."""
+        """Validation batches in a fixed order that mixes the classes (see `interleave_classes`)."""
         return self._loader("val_dataloader", "val", self.eval_batch_size, shuffle=False)
 
     def test_dataloader(self) -> DataLoader:
-        """Test batches in a fixed order."""
+        """Test batches in a fixed order that mixes the classes (see `interleave_classes`)."""
         return self._loader("test_dataloader", "test", self.eval_batch_size, shuffle=False)
 
     def predict_dataloader(self) -> DataLoader:
-        """The test split, in a fixed order, for ``predict``."""
+        """The test split, in the order of `test_dataloader`, for ``predict``."""
         return self._loader("predict_dataloader", "test", self.eval_batch_size, shuffle=False)

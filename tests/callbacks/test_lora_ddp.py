@@ -14,17 +14,21 @@ from torch.testing import assert_close
 SCRIPT = Path(__file__).with_name("ddp_lora_script.py")
 
 
-def run(out: Path, devices: int, batch_size: int) -> None:
+def run(out: Path, devices: int, batch_size: int, *flags: str) -> subprocess.CompletedProcess:
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), str(devices), str(batch_size)],
+        [sys.executable, str(SCRIPT), str(out), str(devices), str(batch_size), *flags],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
 
 
 @pytest.mark.multiprocess
 def test_ddp_two_processes_equal_one_process_on_the_joint_batch(tmp_path):
-    run(tmp_path / "ddp", devices=2, batch_size=4)
+    # Issue 18, suspicion 18: a script that leaves the gloo group to interpreter shutdown exits cleanly (it was once
+    # seen to abort there, exit 134; measured since: 0 aborts in 18 launches). This launch leaves it.
+    result = run(tmp_path / "ddp", 2, 4, "--no-teardown")
+    assert "terminate called" not in result.stderr
     run(tmp_path / "single", devices=1, batch_size=8)
     rank0, rank1 = (torch.load(tmp_path / "ddp" / f"rank{r}.pt") for r in (0, 1))
     single = torch.load(tmp_path / "single" / "rank0.pt")
@@ -44,3 +48,21 @@ def test_ddp_two_processes_equal_one_process_on_the_joint_batch(tmp_path):
         "RuntimeError: MergeOnSave: the export on rank 0 failed (OSError: No space left on device); "
         "stopping this rank as well."
     )
+
+
+@pytest.mark.multiprocess
+def test_ddp_resume_with_dropout_restores_each_ranks_generators(tmp_path):
+    """Two ranks with their own generators (different dropout masks): resumed mid-epoch and at an epoch boundary,
+    each rank ends with the straight run's adapter, to the bit; the checkpoint holds both ranks' generators."""
+    result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "rng"], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rng-rank{r}.pt") for r in (0, 1)]
+    assert ranks[0]["first_draw"] != ranks[1]["first_draw"]  # the ranks did draw differently
+    for rank in ranks:
+        for resumed in ("mid", "boundary"):
+            for key, value in rank["straight"].items():
+                assert torch.equal(rank[resumed][key], value), (resumed, key)
+    saved = torch.load(tmp_path / "straight" / "steps" / "step=2.ckpt", weights_only=False)
+    states = saved["callbacks"]["lightning_peft.RNGState"]["ranks"]
+    assert len(states) == 2 and not torch.equal(states[0]["torch"], states[1]["torch"])

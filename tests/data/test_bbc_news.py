@@ -484,3 +484,18 @@ def test_datamodule_says_how_to_install_transformers(monkeypatch: pytest.MonkeyP
     module = BBCNewsDataModule(TOKENIZER, limit_per_class=1)
     with pytest.raises(RuntimeError, match=r"BBCNewsDataModule needs the transformers package.*\[hf\]"):
         module.setup("fit")
+
+
+def test_evaluation_order_mixes_the_classes() -> None:
+    """A ``limit_val_batches`` / ``limit_test_batches`` run sees every class, not the first one only."""
+    module = BBCNewsDataModule(TOKENIZER, max_length=16, batch_size=4, eval_batch_size=5, limit_per_class=20,
+                               val_fraction=0.1, test_fraction=0.15)
+    module.setup("fit")
+    for name, per_class in (("val_dataloader", 2), ("test_dataloader", 3), ("predict_dataloader", 3)):
+        batches = [batch["labels"].tolist() for batch in getattr(module, name)()]
+        assert batches == [[0, 1, 2, 3, 4]] * per_class, name  # one of each class in every batch
+    _, labels, _ = bbc_news.load_bbc_news()
+    _, val, _ = stratified_split(labels, 0.1, 0.15, seed=0)
+    mixed = bbc_news.interleave_classes(val, labels)
+    assert sorted(mixed) == val
+    assert sorted(labels[i] for i in mixed[:50]) == sorted([0] * 10 + [1] * 10 + [2] * 10 + [3] * 10 + [4] * 10)
