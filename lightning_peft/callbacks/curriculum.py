@@ -41,6 +41,7 @@ from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
@@ -350,6 +351,12 @@ class _CurriculumLoader:
         """Remake the DataLoader around ``sampler``."""
         self.sampler = sampler
         self.loader = DataLoader(self.dataset, sampler=sampler, **self._kwargs)
+        self._own_generator = self._kwargs["generator"] is None
+        if self._own_generator:
+            # A DataLoader without a generator seeds its workers with a draw from torch's global generator when its
+            # iterator starts: at an epoch's first batch in a straight run, after the restore in a resumed one, so
+            # the resumed run's dropout would draw one step behind. Its own generator, seeded per epoch, draws none.
+            self.loader.generator = torch.Generator()
 
     @property
     def batch_size(self) -> int:
@@ -375,6 +382,8 @@ class _CurriculumLoader:
         return len(self.loader)
 
     def __iter__(self) -> Any:
+        if self._own_generator:
+            self.loader.generator.manual_seed(self.sampler.seed * 1_000_003 + self.sampler.epoch)
         yield from self.loader
 
 

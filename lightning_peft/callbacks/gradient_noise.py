@@ -34,6 +34,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_peft._seams import refuse, strategy_family
+from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.training.gradient_noise import add_gradient_noise, noise_variance, parameter_generator
 
 
@@ -55,6 +56,7 @@ class GradientNoise(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        keep_rng(trainer)  # resume draws what the straight run drew (dropout; the noise has its own generators)
         strategy = trainer.strategy
         if stage == "fit" and strategy_family(strategy) == "deepspeed" and _deepspeed_fp16(strategy):
             raise refuse(

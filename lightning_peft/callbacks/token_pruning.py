@@ -46,8 +46,9 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_peft.callbacks._rng import keep_rng
+from lightning_peft._seams import refuse, tensor_parallel_size
 from lightning_peft.callbacks._checkpoint import refuse_changed_settings
+from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.callbacks._target import resolve_target
 from lightning_peft.nn.token_pruning import TokenPruner
 from lightning_peft.nn.transformer import TransformerEncoder
@@ -118,6 +119,11 @@ class TokenPruning(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if tensor_parallel_size(trainer.strategy) > 1:
+            raise refuse("TokenPruning", trainer.strategy, "a token's importance is the attention it receives, averaged "
+                         "over the heads, and tensor parallelism gives each rank a share of the heads, so the ranks "
+                         "would keep different tokens", "prune tokens under DDP, ZeRO or one process, or train without "
+                         "TokenPruning under tensor parallelism")
         keep_rng(trainer)  # resume draws what the straight run drew (dropout)
         self._install(pl_module)
         if stage == "fit":

@@ -442,12 +442,9 @@ class LoRALayer(nn.Module):
             update = update.index_add(0, rows, part)
         return result + update.to(result.dtype)
 
-    def _stacked(self, names: list[str]) -> tuple[Tensor, Tensor]:
-        """``A^T`` (k+1, in, r) and ``(s * B)^T`` (k+1, r, out) of ``names``, ranks padded to the largest, and a
-        last, all-zero slot for samples without an adapter here.
-
-        Built every forward (see :meth:`_gathered`): only the adapters the batch uses.
-        """
+    def _padded(self, names: list[str]) -> tuple[list[Tensor], list[Tensor]]:
+        """Each adapter's ``A`` (r, in) and ``B`` (out, r) with ranks zero-padded to the largest, and a last,
+        all-zero pair for samples without an adapter here."""
         pairs = [self.factors(n) for n in names]  # each (A (r, in), B (out, r))
         ranks = [self.specs[n].rank for n in names]
         rank = max(ranks)
@@ -455,6 +452,15 @@ class LoRALayer(nn.Module):
         b_cols = [F.pad(b, (0, rank - r)) if r < rank else b for (_, b), r in zip(pairs, ranks)]
         a_rows.append(a_rows[0].new_zeros(a_rows[0].shape))
         b_cols.append(b_cols[0].new_zeros(b_cols[0].shape))
+        return a_rows, b_cols
+
+    def _stacked(self, names: list[str]) -> tuple[Tensor, Tensor]:
+        """``A^T`` (k+1, in, r) and ``(s * B)^T`` (k+1, r, out) of ``names``, ranks padded to the largest, and a
+        last, all-zero slot for samples without an adapter here.
+
+        Built every forward (see :meth:`_gathered`): only the adapters the batch uses.
+        """
+        a_rows, b_cols = self._padded(names)
         scale = torch.tensor([self.specs[n].scaling for n in names] + [0.0], dtype=b_cols[0].dtype,
                              device=b_cols[0].device)
         # Stacked straight into the transposed, contiguous layout the batched matmuls read: one copy each.
@@ -471,13 +477,7 @@ class LoRALayer(nn.Module):
         per sample, as large as the gather from a stack would be, and nothing is stacked for adapters no sample
         uses here.
         """
-        pairs = [self.factors(n) for n in names]  # each (A (r, in), B (out, r))
-        ranks = [self.specs[n].rank for n in names]
-        rank = max(ranks)
-        a_rows = [F.pad(a, (0, 0, 0, rank - r)) if r < rank else a for (a, _), r in zip(pairs, ranks)]
-        b_cols = [F.pad(b, (0, rank - r)) if r < rank else b for (_, b), r in zip(pairs, ranks)]
-        a_rows.append(a_rows[0].new_zeros(a_rows[0].shape))
-        b_cols.append(b_cols[0].new_zeros(b_cols[0].shape))
+        a_rows, b_cols = self._padded(names)
         scales = [self.specs[n].scaling for n in names] + [0.0]
         scale = torch.tensor([scales[s] for s in host], dtype=b_cols[0].dtype, device=b_cols[0].device)  # (B,)
         a_t = torch.stack([a_rows[s].t() for s in host])  # (B, in, r)

@@ -120,3 +120,32 @@ def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     """Replace the submodule at dotted path ``name`` with ``module``."""
     parent_name, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent_name), attr, module)
+
+
+def select_named(model: nn.Module, names: list[str], who: str) -> list[str]:
+    """The full names of the modules ``names`` gives (full names or dotted suffixes) for ``modules_to_save``:
+    outermost ones only (a module inside another is saved with it).
+
+    Raises:
+        ValueError: If an entry matches no module, or a chosen module is already saved by another technique.
+    """
+    modules = [n for n, _ in model.named_modules() if n]
+
+    def matches(name: str, entry: str) -> bool:
+        return name == entry or name.endswith(f".{entry}")
+
+    chosen = [n for n in modules if any(matches(n, entry) for entry in names)]
+    missing = [entry for entry in names if not any(matches(n, entry) for n in chosen)]
+    if missing:
+        raise ValueError(
+            f"{who}(modules_to_save={names!r}): {missing} matched no module of {type(model).__name__}. "
+            "Check the names with model.named_modules()."
+        )
+    chosen = [n for n in chosen if not any(n.startswith(f"{o}.") for o in chosen)]
+    wrapped = [n for n in chosen if saved_elsewhere(model, n)]
+    if wrapped:
+        raise ValueError(
+            f"{who}(modules_to_save={names!r}): {wrapped[0]!r} is already trained and saved in full by another "
+            "adapter on this model (its modules_to_save); leave it out here, it trains and is saved once."
+        )
+    return chosen

@@ -66,7 +66,7 @@ from .adapter import (
     Adapter, attach, attached, base_model_name, clean_key, detach, refreeze, register, remove_adapter, unwrap,
 )
 from .lora import name_matches, task_heads, trainable_parameters
-from .modules_to_save import plain_key, saved_elsewhere, set_submodule, wrap_modules_to_save
+from .modules_to_save import plain_key, saved_elsewhere, select_named, set_submodule, wrap_modules_to_save
 
 log = logging.getLogger(__name__)
 
@@ -320,22 +320,7 @@ def _select_modules_to_save(model: nn.Module, names: list[str] | None) -> list[s
             log.info("PrefixTuning: %s's task head %s is trained and saved in full (modules_to_save); pass "
                      "modules_to_save=[] to keep it frozen.", type(model).__name__, heads)
         return heads
-    modules = [n for n, _ in model.named_modules() if n]
-    chosen = [n for n in modules if name_matches(n, names)]
-    missing = [m for m in names if not any(name_matches(n, [m]) for n in chosen)]
-    if missing:
-        raise ValueError(
-            f"PrefixTuning(modules_to_save={names!r}): {missing} matched no module of {type(model).__name__}. "
-            "Check the names with model.named_modules()."
-        )
-    chosen = [n for n in chosen if not any(n.startswith(f"{o}.") for o in chosen)]  # inside another: saved with it
-    wrapped = [n for n in chosen if saved_elsewhere(model, n)]
-    if wrapped:
-        raise ValueError(
-            f"PrefixTuning(modules_to_save={names!r}): {wrapped[0]!r} is already trained and saved in full by another "
-            "adapter on this model (its modules_to_save); leave it out here, it trains and is saved once."
-        )
-    return chosen
+    return select_named(model, names, "PrefixTuning")
 
 
 def _task_type(model: nn.Module) -> str | None:

@@ -60,7 +60,7 @@ import torch
 from torch import Tensor, nn
 
 from .adapter import Adapter, attach, attached, base_model_name, clean_key, detach, register, remove_adapter, unwrap
-from .modules_to_save import ModulesToSave, plain_key, set_submodule, wrap_modules_to_save
+from .modules_to_save import plain_key, saved_elsewhere, select_named, set_submodule, wrap_modules_to_save
 
 log = logging.getLogger(__name__)
 
@@ -201,27 +201,8 @@ def _select_modules_to_save(model: nn.Module, modules_to_save: list[str] | None,
     if modules_to_save is None:
         suffix = next((s for s in _TASK_HEADS if type(model).__name__.endswith(s)), None)
         heads = [n for n, _ in model.named_children() if suffix and n in _TASK_HEADS[suffix]]
-        return [n for n in heads if not _saved_elsewhere(model, n)]
-    names = [n for n, _ in model.named_modules() if n]
-    chosen = [n for n in names if any(n == m or n.endswith(f".{m}") for m in modules_to_save)]
-    missing = [m for m in modules_to_save if not any(n == m or n.endswith(f".{m}") for n in chosen)]
-    if missing:
-        raise ValueError(
-            f"{who}(modules_to_save={modules_to_save!r}): {missing} matched no module of {type(model).__name__}. "
-            "Check the names with model.named_modules()."
-        )
-    chosen = [n for n in chosen if not any(n.startswith(f"{o}.") for o in chosen)]  # inside another: saved with it
-    wrapped = [n for n in chosen if _saved_elsewhere(model, n)]
-    if wrapped:
-        raise ValueError(
-            f"{who}(modules_to_save={modules_to_save!r}): {wrapped[0]!r} is already saved in full by another adapter "
-            "(LoRA's modules_to_save); it trains and saves with that adapter. Leave it out here."
-        )
-    return chosen
-
-
-def _saved_elsewhere(model: nn.Module, name: str) -> bool:
-    return any(isinstance(m, ModulesToSave) for m in model.get_submodule(name).modules())
+        return [n for n in heads if not saved_elsewhere(model, n)]
+    return select_named(model, modules_to_save, who)
 
 
 # --- the initial prompt ----------------------------------------------------------------------------------------

@@ -29,6 +29,26 @@ class Scheduled(Classifier):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+def plain_loop(config, base: dict) -> tuple[dict, torch.optim.Optimizer]:
+    """The adapter after 4 steps of the pure groups (decay 0.5) and the warm-up scheduler in a plain loop, and the
+    optimizer."""
+    from transformers import BertForSequenceClassification
+
+    model = BertForSequenceClassification(config)
+    model.load_state_dict(base)
+    torch.manual_seed(1)
+    inject_lora(model, **LORA_ALL)
+    optimizer = torch.optim.AdamW(layerwise_lr_groups(model, lr=0.01, decay=0.5, weight_decay=0.01), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+    model.train()
+    for _, (ids, labels) in zip(range(4), loader()):
+        model(input_ids=ids, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    return adapter_state_dict(model), optimizer
+
+
 def test_the_callback_equals_the_pure_groups_in_a_plain_loop_with_the_same_scheduler(tiny_bert_config, tmp_path):
     torch.manual_seed(0)
     module = Scheduled(tiny_bert_config, lr=0.01)
@@ -36,21 +56,7 @@ def test_the_callback_equals_the_pure_groups_in_a_plain_loop_with_the_same_sched
     torch.manual_seed(1)
     trainer(tmp_path, max_steps=4, callbacks=[LoRA(**LORA_ALL), LayerwiseLRDecay(decay=0.5)]).fit(module, loader())
 
-    from transformers import BertForSequenceClassification
-
-    model = BertForSequenceClassification(tiny_bert_config)
-    model.load_state_dict(base)
-    torch.manual_seed(1)
-    inject_lora(model, **LORA_ALL)
-    optimizer = torch.optim.AdamW(layerwise_lr_groups(model, lr=0.01, decay=0.5, weight_decay=0.01), lr=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
-    model.train()
-    for step, (ids, labels) in zip(range(4), loader()):
-        model(input_ids=ids, labels=labels).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        scheduler.step()
-    ours, plain = adapter_state_dict(module.model), adapter_state_dict(model)
+    (plain, optimizer), ours = plain_loop(tiny_bert_config, base), adapter_state_dict(module.model)
     assert ours.keys() == plain.keys()
     for key in plain:
         torch.testing.assert_close(ours[key], plain[key], rtol=1e-6, atol=1e-7)
@@ -252,21 +258,7 @@ def test_named_parameters_are_split_by_depth_and_keep_their_names(tiny_bert_conf
     torch.manual_seed(1)
     trainer(tmp_path, max_steps=4, callbacks=[LoRA(**LORA_ALL), LayerwiseLRDecay(decay=0.5)]).fit(module, loader())
 
-    from transformers import BertForSequenceClassification
-
-    model = BertForSequenceClassification(tiny_bert_config)
-    model.load_state_dict(base)
-    torch.manual_seed(1)
-    inject_lora(model, **LORA_ALL)
-    optimizer = torch.optim.AdamW(layerwise_lr_groups(model, lr=0.01, decay=0.5, weight_decay=0.01), lr=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
-    model.train()
-    for step, (ids, labels) in zip(range(4), loader()):
-        model(input_ids=ids, labels=labels).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        scheduler.step()
-    ours, plain = adapter_state_dict(module.model), adapter_state_dict(model)
+    (plain, _), ours = plain_loop(tiny_bert_config, base), adapter_state_dict(module.model)
     for key in plain:
         torch.testing.assert_close(ours[key], plain[key], rtol=1e-6, atol=1e-7)
     for group in module.trainer.optimizers[0].param_groups:

@@ -513,7 +513,7 @@ def test_inject_refuses_other_models_and_a_second_prompt():
 def test_a_head_saved_by_lora_is_refused():
     model = _base("bert")
     inject_lora(model, rank=2, target_modules=["query"], modules_to_save=["classifier"])
-    with pytest.raises(ValueError, match=r"'classifier' is already saved in full by another adapter"):
+    with pytest.raises(ValueError, match=r"'classifier' is already trained and saved in full by another adapter"):
         inject_prompt_tuning(model, modules_to_save=["classifier"])
 
 
