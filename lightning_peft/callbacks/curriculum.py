@@ -36,6 +36,7 @@ YAML::
 from __future__ import annotations
 
 import importlib
+import json
 import os
 from collections.abc import Callable, MutableMapping
 from typing import Any
@@ -43,6 +44,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
@@ -51,6 +53,7 @@ from lightning_peft._seams import data_parallel, refuse, splits_layers, strategy
 from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.callbacks._target import resolve_target
 from lightning_peft.callbacks.gradient_accumulation import GradientAccumulation
+from lightning_peft.callbacks.merge_on_save import TRAINING_RECORD
 from lightning_peft.training.accumulation import AccumulationSchedule
 from lightning_peft.training.curriculum import (
     CurriculumSampler,
@@ -469,7 +472,34 @@ def _load_teacher(directory: str) -> Any:
         raise ValueError(
             f"Curriculum(teacher={directory!r}): not a Hugging Face sequence classifier directory ({error})."
         ) from error
+    _report_teacher(directory)
     return model.eval().requires_grad_(False)
+
+
+MIN_TEACHER_STEPS = 100
+
+
+def _report_teacher(directory: str) -> None:
+    """Says which teacher scores the data and how long it trained (MergeOnSave records it next to the export); a
+    teacher that trained a few steps, or stopped before its run's end, ranks the data close to an untrained model."""
+    record_path = os.path.join(directory, TRAINING_RECORD)
+    record = None
+    if os.path.isfile(record_path):
+        with open(record_path) as handle:
+            record = json.load(handle)
+    if record is None:
+        rank_zero_info(f"Curriculum: scoring with the teacher in {os.path.abspath(directory)} (no training record: not "
+                       "written by MergeOnSave).")
+        return
+    steps, planned = record.get("optimizer_steps"), record.get("planned_steps")
+    told = f"{steps} optimizer steps" + (f" of the {planned} its run planned" if planned else "")
+    rank_zero_info(f"Curriculum: scoring with the teacher in {os.path.abspath(directory)}, trained for {told}.")
+    if isinstance(steps, int) and (steps < MIN_TEACHER_STEPS or (isinstance(planned, int) and steps < planned)):
+        rank_zero_warn(
+            f"Curriculum(teacher={directory!r}): the teacher trained for {told}; an undertrained teacher ranks the "
+            "data close to an untrained model, and the curriculum then orders it almost at random. Train the teacher "
+            "to its end first (e.g. `make demo` for artifacts/minilm_bbc/merged), or use scorer='length'."
+        )
 
 
 def _resolve_scorer(scorer: object) -> Callable[[Any], float] | None:

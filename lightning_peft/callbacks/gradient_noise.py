@@ -56,7 +56,6 @@ class GradientNoise(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        keep_rng(trainer)  # resume draws what the straight run drew (dropout; the noise has its own generators)
         strategy = trainer.strategy
         if stage == "fit" and strategy_family(strategy) == "deepspeed" and _deepspeed_fp16(strategy):
             raise refuse(
@@ -66,12 +65,13 @@ class GradientNoise(Callback):
                 "CPUs)", "use precision='bf16-mixed' or '32-true' with DeepSpeed, or GradientNoise under DDP or native "
                 "ZeRO (ZeROStrategy(backend='native'))",
             )
+        keep_rng(trainer)  # resume draws what the straight run drew (dropout; the noise has its own generators)
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
         family = strategy_family(trainer.strategy)
         if family == "deepspeed" and not trainer.strategy.model.is_gradient_accumulation_boundary():
-            return  # Lightning calls the hook at every micro-batch; the engine reduces and steps at the boundary
+            return  # Lightning's own DeepSpeedStrategy lets the engine accumulate and calls the hook every micro-batch
         step, scale = trainer.global_step, _grad_scale(trainer, optimizer)
         std = math.sqrt(noise_variance(step, self.eta, self.gamma))
         for index, param in _noised(pl_module, optimizer, family):

@@ -29,6 +29,8 @@ YAML::
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 import tempfile
 from collections.abc import Callable
@@ -226,7 +228,20 @@ def _refuse_trained_outside(pl_module: pl.LightningModule, name: str, model) -> 
         )
 
 
+TRAINING_RECORD = "lightning_peft_training.json"
+
+
+def training_record(trainer: pl.Trainer) -> dict[str, Any]:
+    """How far the run that wrote an export had trained: what a later run that loads it (a curriculum teacher) reports."""
+    planned = trainer.max_steps if trainer.max_steps not in (-1, None) else None
+    if planned is None:
+        estimate = trainer.estimated_stepping_batches
+        planned = int(estimate) if math.isfinite(estimate) else None
+    return {"optimizer_steps": int(trainer.global_step), "planned_steps": planned, "epochs": int(trainer.current_epoch)}
+
+
 def _save_merged(model, state: dict, directory: Path, trainer: pl.Trainer) -> None:
+    (directory / TRAINING_RECORD).write_text(json.dumps(training_record(trainer), indent=1) + "\n")
     if is_hf_model(model):
         model.save_pretrained(directory, state_dict=state)
         tokenizer = getattr(trainer.datamodule, "tokenizer", None) if trainer.datamodule is not None else None

@@ -232,7 +232,8 @@ def _check_strategy(strategy: object) -> None:
         raise refuse("MultiLoRA", strategy, "the adapter of each sample is set for the whole batch, while the pipeline "
                      "runs the layers on micro-batches of it", "use LoRA (one adapter) under the pipeline, or "
                      "MultiLoRA under DDP or one process")
-    if strategy_family(strategy) != "plain" and data_parallel(strategy)[0] > 1:
+    sharded = strategy_family(strategy) != "plain" and not getattr(strategy, "averages_missing_gradients", False)
+    if sharded and data_parallel(strategy)[0] > 1:
         raise refuse(
             "MultiLoRA", strategy,
             "a rank whose batch routes no sample to an adapter has no gradient for that adapter's parameters, and "

@@ -119,12 +119,13 @@ class TokenPruning(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if tensor_parallel_size(trainer.strategy) > 1:
+        if trainer is not None and tensor_parallel_size(trainer.strategy) > 1:
             raise refuse("TokenPruning", trainer.strategy, "a token's importance is the attention it receives, averaged "
                          "over the heads, and tensor parallelism gives each rank a share of the heads, so the ranks "
                          "would keep different tokens", "prune tokens under DDP, ZeRO or one process, or train without "
                          "TokenPruning under tensor parallelism")
-        keep_rng(trainer)  # resume draws what the straight run drew (dropout)
+        if trainer is not None:
+            keep_rng(trainer)  # resume draws what the straight run drew (dropout)
         self._install(pl_module)
         if stage == "fit":
             self.anneal_steps = None  # a new fit anneals anew, unless a checkpoint restores it

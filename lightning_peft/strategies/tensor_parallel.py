@@ -460,6 +460,10 @@ class TensorParallelStrategy(ModelParallelStrategy):
             is not a multiple of it, or (at setup) the plan does not fit the model (see :func:`resolve_plan`).
     """
 
+    # Its data-parallel average takes every trainable gradient in one order, zeros for a replica that left one
+    # unused (MultiLoRA's routing): MultiLoRA asks for this before refusing sharded data parallelism.
+    averages_missing_gradients = True
+
     strategy_name = "tensor_parallel"
 
     def __init__(

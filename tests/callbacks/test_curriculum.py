@@ -411,3 +411,29 @@ def test_self_paced_scoring_is_refused_under_a_strategy_that_splits_the_layers()
                                            r"runs the whole model.*Score with a teacher"):
         _check_scoring(Curriculum(duration=4, scorer="loss"), run)
     _check_scoring(Curriculum(duration=4, scorer="length"), run)  # no model needed: accepted
+
+
+def test_the_teacher_used_is_named_and_an_undertrained_one_warned_of(tiny_bert_config, tmp_path, caplog):
+    """A teacher that MergeOnSave exported after 2 steps (the example's pitfall: a short `make demo`) is used with a
+    warning naming its steps; one without a training record is only named."""
+    import logging
+
+    from lightning_peft.callbacks import MergeOnSave
+
+    torch.manual_seed(0)
+    trainer(tmp_path, max_steps=2, callbacks=[LoRA(**LORA_ARGS), MergeOnSave(dirpath=str(tmp_path / "demo"))]).fit(
+        Classifier(tiny_bert_config), loader())
+    record = (tmp_path / "demo" / "merged" / "lightning_peft_training.json").read_text()
+    assert '"optimizer_steps": 2' in record and '"planned_steps": 2' in record
+    curriculum = Curriculum(duration=4, scorer="loss", teacher=str(tmp_path / "demo" / "merged"))
+    with pytest.warns(UserWarning, match=r"the teacher trained for 2 optimizer steps of the 2 its run planned; an "
+                                         r"undertrained teacher ranks the data close to an untrained model"):
+        trainer(tmp_path, max_steps=1, callbacks=[LoRA(**LORA_ARGS), curriculum]).fit(Classifier(tiny_bert_config),
+                                                                                        loader())
+    from transformers import BertForSequenceClassification
+
+    BertForSequenceClassification(tiny_bert_config).save_pretrained(tmp_path / "plain")
+    with caplog.at_level(logging.INFO):
+        trainer(tmp_path, max_steps=1, callbacks=[LoRA(**LORA_ARGS), Curriculum(
+            duration=4, scorer="loss", teacher=str(tmp_path / "plain"))]).fit(Classifier(tiny_bert_config), loader())
+    assert "no training record: not written by MergeOnSave" in caplog.text
