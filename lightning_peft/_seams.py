@@ -17,6 +17,7 @@ Callbacks meet strategies at three seams, and each has one function here:
 
 from __future__ import annotations
 
+import atexit
 from typing import Any, Literal
 
 __all__ = ["Family", "data_parallel", "refuse", "splits_layers", "strategy_family", "strategy_name",
@@ -89,3 +90,17 @@ def refuse(who: str, strategy: Any, why: str, fix: str) -> RuntimeError:
     """
     fix = fix[:1].upper() + fix[1:]
     return RuntimeError(f"{who} under {strategy_name(strategy)}: {why}. {fix}.")
+
+
+def _destroy_process_group() -> None:
+    """A gloo process group still alive when the interpreter finalises aborts the process after all the work is done
+    ("terminate called without an active exception", exit 134: its threads are destroyed unjoined); Lightning never
+    destroys the group it made. Destroyed at exit (registered when callbacks or strategies are imported), so a
+    user's script that ends after a multi-process fit exits 0."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+atexit.register(_destroy_process_group)

@@ -211,4 +211,4 @@ def test_deepspeed_fp16_is_refused_at_setup():
                                            r"untested.*Use precision='bf16-mixed' or '32-true' with DeepSpeed"):
         GradientNoise().setup(SimpleNamespace(strategy=strategy), None, "fit")
     strategy.precision_plugin = DeepSpeedPrecision("bf16-mixed")
-    GradientNoise().setup(SimpleNamespace(strategy=strategy), None, "fit")  # no loss scale: accepted
+    GradientNoise().setup(SimpleNamespace(strategy=strategy, callbacks=[]), None, "fit")  # no loss scale: accepted
