@@ -3,7 +3,7 @@
 A `LightningCLI` in subclass mode: the YAML names any LightningModule and LightningDataModule with
 ``class_path``/``init_args``, and any callback or strategy of this package (or another) under ``trainer``.
 Classes of this package may also be named without their module, as Lightning's own are:
-``--trainer.callbacks+=LoRA --trainer.callbacks.rank=4``, ``--model HFSequenceClassifier``, and the strategies
+``--trainer.callbacks+=GradientNoise --trainer.callbacks.eta=0.01``, ``--model HFSequenceClassifier``, and the strategies
 by their registered names: ``--trainer.strategy zero3``.
 One extra top-level option, ``test_after_fit`` (``--test_after_fit true``), makes ``fit`` finish with
 ``trainer.test`` on the final weights (the ones ``MergeOnSave`` exports, so the printed metrics describe the
@@ -44,9 +44,12 @@ class PeftCLI(LightningCLI):
         )
 
     def before_instantiate_classes(self) -> None:
-        """Refuses an unknown ``--trainer.strategy`` name, listing this package's names (Lightning's list has none)."""
+        """Refuses an unknown ``--trainer.strategy`` name, listing this package's names (Lightning's list has none), and
+        a second entry of one of this package's callbacks."""
         config = self.config[self.subcommand] if self.subcommand else self.config
-        check_strategy_name((config.get("trainer") or {}).get("strategy"))
+        trainer = config.get("trainer") or {}
+        check_strategy_name(trainer.get("strategy"))
+        check_unique_callbacks(trainer.get("callbacks"))
 
     def after_fit(self) -> None:
         """Runs ``trainer.test`` when ``test_after_fit`` is set and prints the resulting metrics."""
@@ -78,6 +81,30 @@ def check_strategy_name(strategy: Any) -> None:
         f"lightning-peft's: {', '.join(ours)}. Lightning's: {', '.join(theirs)}. Or give a class: "
         "--trainer.strategy lightning_peft.strategies.ZeROStrategy --trainer.strategy.stage 3."
     )
+
+
+def check_unique_callbacks(callbacks: Any) -> None:
+    """Raise for two entries of one lightning-peft callback class under ``trainer.callbacks``.
+
+    Lightning refuses them too, but from inside ``Trainer(...)`` with a message about ``state_key``; the usual cause is
+    ``--trainer.callbacks+=LoRA ...`` on a config that already lists ``LoRA``.
+
+    Raises:
+        ValueError: Naming the class, the entries and what to do instead.
+    """
+    seen: dict[str, list[int]] = {}
+    for index, entry in enumerate(callbacks if isinstance(callbacks, list) else []):
+        class_path = entry.get("class_path") if hasattr(entry, "get") else None
+        if isinstance(class_path, str) and class_path.startswith("lightning_peft."):
+            seen.setdefault(class_path, []).append(index)
+    for class_path, indices in seen.items():
+        if len(indices) > 1:
+            name = class_path.rsplit(".", 1)[-1]
+            raise ValueError(
+                f"lightning-peft: trainer.callbacks lists {name} {len(indices)} times (entries {indices}); a Trainer "
+                f"takes one {name}. The config probably has one already: change its init_args in the YAML (or give "
+                f"a config without {name}) instead of adding another with --trainer.callbacks+={name}."
+            )
 
 
 def _format_test_results(results: list[dict[str, float]]) -> str:

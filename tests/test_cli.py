@@ -181,3 +181,13 @@ def test_an_unknown_strategy_name_lists_ours() -> None:
         r".*zero1_native, zero2_native, zero3_native\. Lightning's: auto, ddp, .*deepspeed_stage_3"
     )):
         main(args)
+
+
+def test_a_second_lora_on_a_config_that_has_one_is_refused_with_the_fix() -> None:
+    """The README's old advice, ``--trainer.callbacks+=LoRA``, on the shipped config gave Lightning's state_key
+    error from inside Trainer(...); ours names the duplicate and what to do."""
+    config = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "lora_minilm_bbc_news.yaml")
+    args = ["fit", "--config", config, "--trainer.callbacks+=LoRA", "--trainer.callbacks.rank=4"]
+    with pytest.raises(ValueError, match=r"lightning-peft: trainer.callbacks lists LoRA 2 times \(entries \[2, 4\]\); "
+                                         r"a Trainer takes one LoRA\. The config probably has one already"):
+        main(args)

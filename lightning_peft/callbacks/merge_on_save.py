@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -240,10 +241,28 @@ def training_record(trainer: pl.Trainer) -> dict[str, Any]:
     return {"optimizer_steps": int(trainer.global_step), "planned_steps": planned, "epochs": int(trainer.current_epoch)}
 
 
+@contextlib.contextmanager
+def _quiet_deepspeed_detection() -> Iterator[None]:
+    """``save_pretrained`` imports ``accelerate``, which imports DeepSpeed when it is installed; DeepSpeed then warns
+    "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it." in a run that
+    never used it. That one record is dropped while the export runs."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith("Setting accelerator to CPU")
+
+    logger = logging.getLogger("DeepSpeed")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
 def _save_merged(model, state: dict, directory: Path, trainer: pl.Trainer) -> None:
     (directory / TRAINING_RECORD).write_text(json.dumps(training_record(trainer), indent=1) + "\n")
     if is_hf_model(model):
-        model.save_pretrained(directory, state_dict=state)
+        with _quiet_deepspeed_detection():
+            model.save_pretrained(directory, state_dict=state)
         tokenizer = getattr(trainer.datamodule, "tokenizer", None) if trainer.datamodule is not None else None
         if callable(getattr(tokenizer, "save_pretrained", None)):
             tokenizer.save_pretrained(directory)

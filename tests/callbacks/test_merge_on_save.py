@@ -206,3 +206,39 @@ def test_lora_after_bottleneck_leaves_the_head_it_already_trains_alone(tiny_bert
     with pytest.raises(ValueError, match=r"LoRA\(modules_to_save=\['classifier'\]\): 'classifier' is already trained in "
                                          r"full by another technique"):
         inject_lora(other, rank=2, target_modules=["query"], modules_to_save=["classifier"])
+
+
+EXPORT_SCRIPT = """
+import lightning.pytorch as pl, torch
+from torch.utils.data import DataLoader, TensorDataset
+from transformers import BertConfig, BertForSequenceClassification
+from lightning_peft.callbacks import LoRA, MergeOnSave
+
+class Module(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = BertForSequenceClassification(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1,
+            num_attention_heads=2, intermediate_size=16, num_labels=2))
+    def training_step(self, batch, _):
+        return self.model(input_ids=batch[0], labels=batch[1]).loss
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+data = DataLoader(TensorDataset(torch.randint(0, 32, (4, 6)), torch.randint(0, 2, (4,))), batch_size=2)
+pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+           callbacks=[LoRA(rank=2, target_modules=["query"]), MergeOnSave(dirpath=OUT)]).fit(Module(), data)
+"""
+
+
+def test_a_single_process_export_prints_no_deepspeed_accelerator_warning(tmp_path):
+    """save_pretrained imports accelerate, which imports DeepSpeed when installed; its "Setting accelerator to CPU"
+    warning does not belong in a run that never used DeepSpeed (a fresh process: the import happens once)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("deepspeed")
+    script = f"OUT = {str(tmp_path / 'export')!r}\n" + EXPORT_SCRIPT
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "export" / "merged" / "config.json").is_file()
+    assert "Setting accelerator to CPU" not in result.stdout + result.stderr
