@@ -115,6 +115,8 @@ def worker(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps({"seconds": timer.seconds, "memory": timer.memory, "peak_rss_kb": peak_kb}))
     if world > 1:
         torch.distributed.destroy_process_group()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)  # the work is done; gloo's worker threads can abort interpreter finalisation (exit 134)
 
 
 def _free_port() -> int:

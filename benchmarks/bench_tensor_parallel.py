@@ -137,6 +137,8 @@ def worker(args: argparse.Namespace) -> None:
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)  # the work is done; gloo's worker threads can abort interpreter finalisation (exit 134)
 
 
 # ------------------------------------------------------------------------------------------------ launcher

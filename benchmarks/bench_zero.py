@@ -168,6 +168,8 @@ def worker(args: argparse.Namespace) -> None:
     results["all_gather_ms"] = all_gather_ms(Classifier(lora=False), repeats=7)
     Path(args.workdir, f"rank{rank}.json").write_text(json.dumps(results))
     torch.distributed.destroy_process_group()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)  # the work is done; gloo's worker threads can abort interpreter finalisation (exit 134)
 
 
 def all_gather_ms(model, repeats: int) -> float:

@@ -14,6 +14,8 @@ On 2 processes ``trainer.world_size`` is 2: a count from it would be 2 (global b
 
 from __future__ import annotations
 
+import os
+
 import sys
 import warnings
 from pathlib import Path
@@ -94,3 +96,5 @@ if __name__ == "__main__":
     main(Path(sys.argv[1]))
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)  # the work is done; gloo's worker threads can abort interpreter finalisation (exit 134)

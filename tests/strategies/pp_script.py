@@ -7,6 +7,8 @@ what it measured and the single-process reference it computed itself, so the tes
 
 from __future__ import annotations
 
+import os
+
 import sys
 import warnings
 from pathlib import Path
@@ -455,3 +457,5 @@ def main(out: Path, cases: list[str]) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2].split(","))
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)  # the work is done; gloo's worker threads can abort interpreter finalisation (exit 134)

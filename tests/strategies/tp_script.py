@@ -391,3 +391,5 @@ def main(out: Path, sections: list[str]) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2].split(","))
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)  # the work is done; gloo's worker threads can abort interpreter finalisation (exit 134)

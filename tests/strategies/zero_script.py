@@ -309,3 +309,5 @@ if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2:])
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)  # the work is done; gloo's worker threads can abort interpreter finalisation (exit 134)
