@@ -48,7 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _report import say, write_results  # noqa: E402
+from _report import exit_worker, say, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,8 +115,7 @@ def worker(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps({"seconds": timer.seconds, "memory": timer.memory, "peak_rss_kb": peak_kb}))
     if world > 1:
         torch.distributed.destroy_process_group()
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)  # the work is done; gloo's worker threads can abort interpreter finalisation (exit 134)
+    exit_worker()
 
 
 def _free_port() -> int:

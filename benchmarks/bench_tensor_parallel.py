@@ -52,7 +52,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _report import say, write_results  # noqa: E402
+from _report import exit_worker, say, write_results  # noqa: E402
 
 CONTENDERS = ("single", "ddp", "tp")
 MODES = ("full", "lora")
@@ -137,8 +137,7 @@ def worker(args: argparse.Namespace) -> None:
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)  # the work is done; gloo's worker threads can abort interpreter finalisation (exit 134)
+    exit_worker()
 
 
 # ------------------------------------------------------------------------------------------------ launcher

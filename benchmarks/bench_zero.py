@@ -52,7 +52,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _report import say, write_results  # noqa: E402
+from _report import exit_worker, say, write_results  # noqa: E402
 
 STRATEGIES = ["ddp", "deepspeed1", "deepspeed2", "deepspeed3", "native1", "native2", "native3"]
 MODES = ["full", "lora"]
@@ -168,8 +168,7 @@ def worker(args: argparse.Namespace) -> None:
     results["all_gather_ms"] = all_gather_ms(Classifier(lora=False), repeats=7)
     Path(args.workdir, f"rank{rank}.json").write_text(json.dumps(results))
     torch.distributed.destroy_process_group()
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)  # the work is done; gloo's worker threads can abort interpreter finalisation (exit 134)
+    exit_worker()
 
 
 def all_gather_ms(model, repeats: int) -> float:

@@ -14,7 +14,6 @@ On 2 processes ``trainer.world_size`` is 2: a count from it would be 2 (global b
 
 from __future__ import annotations
 
-import os
 
 import sys
 import warnings
@@ -31,6 +30,7 @@ from lightning_peft.callbacks import GradientAccumulation  # noqa: E402
 from lightning_peft.modules import CausalLM  # noqa: E402
 from lightning_peft.strategies import PipelineStrategy, TensorParallelStrategy  # noqa: E402
 from tests.strategies.pp_script import DECODER, VOCAB, loader, make_batches  # noqa: E402
+from tests.strategies._launch import exit_worker  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -96,5 +96,4 @@ if __name__ == "__main__":
     main(Path(sys.argv[1]))
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)  # the work is done; gloo's worker threads can abort interpreter finalisation (exit 134)
+    exit_worker()

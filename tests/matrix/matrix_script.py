@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from tests.matrix.cells import COLUMNS, ROWS, run_cell, run_resume  # noqa: E402
+from tests.strategies._launch import exit_worker  # noqa: E402
 
 
 def main(out: Path, names: list[str]) -> None:
@@ -39,5 +40,4 @@ if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2:])
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)  # the work is done; gloo's worker threads can abort interpreter finalisation (exit 134)
+    exit_worker()

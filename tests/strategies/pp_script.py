@@ -7,7 +7,6 @@ what it measured and the single-process reference it computed itself, so the tes
 
 from __future__ import annotations
 
-import os
 
 import sys
 import warnings
@@ -24,6 +23,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from lightning_peft.callbacks import LoRA, MergeOnSave  # noqa: E402
 from lightning_peft.modules import CausalLM  # noqa: E402
 from lightning_peft.strategies.pipeline import PipelineStrategy, consolidate_checkpoint  # noqa: E402
+from tests.strategies._launch import exit_worker  # noqa: E402
 
 warnings.filterwarnings("ignore")
 DECODER = {"hidden_size": 16, "num_layers": 4, "num_heads": 2, "ffn_size": 32, "max_position_embeddings": 16}
@@ -457,5 +457,4 @@ def main(out: Path, cases: list[str]) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2].split(","))
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)  # the work is done; gloo's worker threads can abort interpreter finalisation (exit 134)
+    exit_worker()

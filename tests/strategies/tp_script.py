@@ -32,6 +32,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from lightning_peft.peft import inject_lora  # noqa: E402
+from tests.strategies._launch import exit_worker  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
 
@@ -391,5 +392,4 @@ def main(out: Path, sections: list[str]) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2].split(","))
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)  # the work is done; gloo's worker threads can abort interpreter finalisation (exit 134)
+    exit_worker()

@@ -37,6 +37,7 @@ from lightning_peft.callbacks import GradientAccumulation, LoRA, MergeOnSave  # 
 from lightning_peft.peft import LoRAConfig, adapter_state_dict, inject_lora  # noqa: E402
 from lightning_peft.strategies import ZeROStrategy  # noqa: E402
 from lightning_peft.strategies._memory import rank_bytes  # noqa: E402
+from tests.strategies._launch import exit_worker  # noqa: E402
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["query", "value"], "modules_to_save": ["classifier"]}
 # DeepSpeed stage 3 leaves tensors under 1e5 elements whole unless told: this model's are all smaller.
@@ -309,5 +310,4 @@ if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2:])
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)  # the work is done; gloo's worker threads can abort interpreter finalisation (exit 134)
+    exit_worker()
