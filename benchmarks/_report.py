@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
-import json
 from pathlib import Path
 
 LINES: list[str] = []
