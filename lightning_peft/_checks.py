@@ -1,0 +1,138 @@
+"""One validator vocabulary and one message format for every setting lightning-peft takes.
+
+Every message reads ``who(name=value): name must be <requirement>[, e.g. <example>][ (<meaning>)].``: it names
+what was given and what would be accepted. A wrong type raises :class:`TypeError`, a value out of range
+:class:`ValueError`. ``bool`` is never accepted as a number (``True`` is an ``int`` in Python, never a rank).
+Each check returns the normalised value (``int`` / ``float``), so a caller writes ``rank = integer(...)``.
+
+>>> integer("LoRA", "rank", 8, minimum=1)
+8
+>>> integer("LoRA", "rank", True, minimum=1, example="8")
+Traceback (most recent call last):
+TypeError: LoRA(rank=True): rank must be an integer >= 1, e.g. 8.
+>>> probability("LoRA", "dropout", 1.0)
+Traceback (most recent call last):
+ValueError: LoRA(dropout=1.0): dropout must be a number in [0, 1), e.g. 0.1.
+>>> choice("LoRA", "bias", "some", ("none", "all"))
+Traceback (most recent call last):
+ValueError: LoRA(bias='some'): bias must be one of 'none', 'all'.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from collections.abc import Iterable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def _fail(error: type[Exception], who: str, name: str, value: object, requirement: str, example: str | None,
+          meaning: str | None) -> Exception:
+    tail = (f", e.g. {example}" if example else "") + (f" ({meaning})" if meaning else "")
+    return error(f"{who}({name}={value!r}): {name} must be {requirement}{tail}.")
+
+
+def _bound(minimum: float | None, maximum: float | None, open_low: bool, open_high: bool) -> str:
+    if minimum is not None and maximum is not None:
+        return f"in {'(' if open_low else '['}{minimum}, {maximum}{')' if open_high else ']'}"
+    if minimum is not None:
+        return f"{'>' if open_low else '>='} {minimum}"
+    if maximum is not None:
+        return f"{'<' if open_high else '<='} {maximum}"
+    return ""
+
+
+def _in_range(value: float, minimum: float | None, maximum: float | None, open_low: bool, open_high: bool) -> bool:
+    if minimum is not None and (value <= minimum if open_low else value < minimum):
+        return False
+    return not (maximum is not None and (value >= maximum if open_high else value > maximum))
+
+
+def integer(who: str, name: str, value: object, *, minimum: int | None = None, maximum: int | None = None,
+            example: str | None = None, meaning: str | None = None) -> int:
+    """``value`` as an ``int``: an integral number (not a bool) within ``[minimum, maximum]``."""
+    requirement = " ".join(part for part in ("an integer", _bound(minimum, maximum, False, False)) if part)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise _fail(TypeError, who, name, value, requirement, example, meaning)
+    if not _in_range(value, minimum, maximum, False, False):
+        raise _fail(ValueError, who, name, value, requirement, example, meaning)
+    return int(value)
+
+
+def real(who: str, name: str, value: object, *, minimum: float | None = None, maximum: float | None = None,
+         open_low: bool = False, open_high: bool = False, example: str | None = None,
+         meaning: str | None = None) -> float:
+    """``value`` as a ``float``: a finite real number (not a bool) within the given bounds."""
+    bound = _bound(minimum, maximum, open_low, open_high)
+    requirement = f"a finite number {bound}" if bound else "a finite number"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _fail(TypeError, who, name, value, requirement, example, meaning)
+    if not math.isfinite(value) or not _in_range(value, minimum, maximum, open_low, open_high):
+        raise _fail(ValueError, who, name, value, requirement, example, meaning)
+    return float(value)
+
+
+def positive(who: str, name: str, value: object, *, example: str | None = None, meaning: str | None = None) -> float:
+    """``value`` as a ``float`` > 0 and finite."""
+    return real(who, name, value, minimum=0, open_low=True, example=example, meaning=meaning)
+
+
+def probability(who: str, name: str, value: object, *, example: str | None = "0.1",
+                meaning: str | None = None) -> float:
+    """A dropout-like probability in ``[0, 1)``."""
+    requirement = "a number in [0, 1)"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _fail(TypeError, who, name, value, requirement, example, meaning)
+    if not 0 <= value < 1:
+        raise _fail(ValueError, who, name, value, requirement, example, meaning)
+    return float(value)
+
+
+def fraction(who: str, name: str, value: object, *, example: str | None = None, meaning: str | None = None) -> float:
+    """A share in ``(0, 1]``."""
+    return real(who, name, value, minimum=0, maximum=1, open_low=True, example=example, meaning=meaning)
+
+
+def boolean(who: str, name: str, value: object) -> bool:
+    """``value`` if it is exactly ``True`` or ``False`` (not ``1``, not ``"yes"``)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{who}({name}={value!r}): {name} must be True or False.")
+    return value
+
+
+def choice(who: str, name: str, value: T, choices: Iterable[object]) -> T:
+    """``value`` if it is one of ``choices``."""
+    choices = tuple(choices)
+    try:
+        known = value in choices
+    except TypeError:  # an unhashable value compared against a set-like
+        known = False
+    if not known:
+        listed = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"{who}({name}={value!r}): {name} must be one of {listed}.")
+    return value
+
+
+def names(who: str, name: str, value: object, *, example: str = "['classifier']") -> list[str]:
+    """A list of strings from any iterable of strings but a bare string (sets come out sorted)."""
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise TypeError(f"{who}({name}={value!r}): {name} must be a list of names, e.g. {example}.")
+    items = list(value)
+    if not all(isinstance(item, str) for item in items):
+        raise TypeError(f"{who}({name}={value!r}): {name} must be a list of names, e.g. {example}.")
+    return sorted(items) if isinstance(value, (set, frozenset)) else items
+
+
+def regex(who: str, name: str, value: object) -> str:
+    """``value`` if it is a string that compiles as a regular expression."""
+    if not isinstance(value, str):
+        raise TypeError(f"{who}({name}={value!r}): {name} must be a regular expression string.")
+    try:
+        re.compile(value)
+    except re.error as error:
+        raise ValueError(f"{who}({name}={value!r}): {name} is not a valid regular expression ({error}).") from None
+    return value
+
