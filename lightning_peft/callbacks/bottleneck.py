@@ -42,7 +42,7 @@ from lightning_peft.callbacks._checkpoint import (
 from lightning_peft.callbacks._target import resolve_target
 from lightning_peft.peft.adapter import attached
 from lightning_peft.peft.bottleneck import BottleneckConfig, inject_bottleneck_adapters
-from lightning_peft.peft.lora import trainable_parameters
+from lightning_peft.peft.adapter import trainable_parameters
 
 # Settings that only steer training: a resumed run may change them.
 _TRAINING_ONLY = ("dropout", "init_scale")

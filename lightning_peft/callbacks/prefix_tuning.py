@@ -38,7 +38,7 @@ from lightning_peft.callbacks._checkpoint import (
     watch_checkpoint_loads,
 )
 from lightning_peft.callbacks._target import resolve_target
-from lightning_peft.peft.lora import trainable_parameters
+from lightning_peft.peft.adapter import trainable_parameters
 from lightning_peft.peft.prefix_tuning import (
     PrefixTuningConfig,
     fold_prefix_projection,

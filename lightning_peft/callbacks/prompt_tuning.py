@@ -37,7 +37,7 @@ from lightning_peft.callbacks._checkpoint import (
 )
 from lightning_peft.callbacks._target import resolve_target
 from lightning_peft.peft.adapter import attached
-from lightning_peft.peft.lora import trainable_parameters
+from lightning_peft.peft.adapter import trainable_parameters
 from lightning_peft.peft.prompt_tuning import check_options, inject_prompt_tuning
 
 # What must agree to resume or to reuse a prompt; the initialisation only steers the start of training.

@@ -29,6 +29,10 @@ member                     meaning
 ``peft_key_prefix``        what PEFT's files put before those keys (``base_model.model.``; prompt learning: none)
 ``peft_fields``            the ``adapter_config.json`` fields PEFT's config class has (None: the technique checks
                            its own); :func:`~lightning_peft.peft.load_adapter` warns about any other field
+``training_only``          config keys that only steer training (dropout, init): a resume may change them
+``matches(config)``        whether the adapter is what a config describes (a callback asking again goes on)
+``wrapped(model)``         the wrapper modules it put in place of base layers (each has ``base_layer``)
+``remove(model, name)``    delete one named adapter (techniques with several named adapters)
 ``names`` (optional)       a technique with several named adapters on one model (LoRA) lists them; its
                            ``peft_config`` / ``peft_state`` / ``check_peft_config`` / ``from_peft`` then take
                            ``adapter_name``, and each adapter is saved in PEFT's multi-adapter layout
@@ -43,6 +47,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -62,6 +67,7 @@ class Adapter(ABC):
     mergeable: ClassVar[bool] = False
     peft_key_prefix: ClassVar[str] = "base_model.model."
     peft_fields: ClassVar[frozenset[str] | None] = None
+    training_only: ClassVar[tuple[str, ...]] = ()  # config_dict() keys that only steer training: a resume may change them
 
     @abstractmethod
     def state(self, model: nn.Module) -> dict[str, Tensor]:
@@ -86,6 +92,20 @@ class Adapter(ABC):
     @abstractmethod
     def unload(self, model: nn.Module, merge: bool) -> None:
         """Restore the plain modules (with the update folded in if ``merge``) and forget the adapter."""
+
+    def matches(self, config: dict[str, Any]) -> bool:
+        """Whether this adapter is the one ``config`` (a :meth:`config_dict`) describes: a callback that asks again
+        for an adapter the model already has goes on only if it matches."""
+        return self.config_dict() == config
+
+    def wrapped(self, model: nn.Module) -> dict[str, nn.Module]:
+        """The modules this technique put in place of base layers, by ``model`` name; each has ``base_layer``
+        (the frozen module it wraps). Strategies shard and plan the base layer through this, never by class."""
+        return {}
+
+    def remove(self, model: nn.Module, name: str) -> None:
+        """Delete the named adapter ``name`` (techniques with several named adapters on one model)."""
+        raise RuntimeError(f"{type(self).__name__}: the {self.kind} adapter has no named adapters to remove.")
 
     def peft_state(self, model: nn.Module) -> dict[str, Tensor]:
         """The adapter tensors (not detached) under the keys of PEFT's files, without ``base_model.model.``."""
@@ -207,6 +227,14 @@ def remove_adapter(model: nn.Module, adapter: Adapter, merge: bool) -> nn.Module
     return unwrap(model)
 
 
+def wrapped_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Every attached technique's :meth:`Adapter.wrapped` modules of ``model``, by name."""
+    layers: dict[str, nn.Module] = {}
+    for adapter in attached(model).values():
+        layers.update(adapter.wrapped(model))
+    return layers
+
+
 def adapter_tensors(model: nn.Module) -> dict[str, Tensor]:
     """The union of every attached adapter's :meth:`Adapter.state` (model keys, not detached)."""
     state: dict[str, Tensor] = {}
@@ -259,3 +287,29 @@ def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
     for adapter in adapters.values():
         state = adapter.merged_state(model, state)
     return {clean_key(k): v for k, v in state.items()}
+
+
+@dataclass(frozen=True)
+class ParameterReport:
+    """Trainable-parameter count of a model (shared parameters counted once)."""
+
+    trainable: int
+    total: int
+
+    @property
+    def percent(self) -> float:
+        return 100.0 * self.trainable / self.total if self.total else 0.0
+
+    def __str__(self) -> str:
+        return f"trainable params: {self.trainable:,} || all params: {self.total:,} || trainable: {self.percent:.4f}%"
+
+
+def trainable_parameters(model: nn.Module) -> ParameterReport:
+    """Count trainable and total parameters (each shared tensor once).
+
+    The frozen originals kept beside ``modules_to_save`` copies count in the total, as PEFT counts them.
+    """
+    seen: dict[int, nn.Parameter] = {id(p): p for p in model.parameters()}
+    total = sum(p.numel() for p in seen.values())
+    trainable = sum(p.numel() for p in seen.values() if p.requires_grad)
+    return ParameterReport(trainable=trainable, total=total)

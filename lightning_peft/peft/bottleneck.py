@@ -95,7 +95,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .adapter import Adapter, attach, attached, base_model_name, clean_key, detach, register, remove_adapter, unwrap
-from .lora import name_matches, refuse_unmatched, task_heads, trainable_parameters
+from ._common import name_matches, refuse_unmatched, task_heads
+from .adapter import trainable_parameters
 from .modules_to_save import ModulesToSave, plain_key, set_submodule, wrap_modules_to_save
 
 log = logging.getLogger(__name__)

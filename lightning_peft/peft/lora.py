@@ -47,7 +47,8 @@ from typing import Any, ClassVar, Literal
 
 from torch import Tensor, nn
 
-from .adapter import Adapter, attach, attached, base_model_name, clean_key, detach, register, remove_adapter, unwrap
+from ._common import name_matches, pattern_matches, refuse_unmatched, task_heads, unmatched  # noqa: F401
+from .adapter import Adapter, ParameterReport, attach, attached, base_model_name, clean_key, detach, register, remove_adapter, trainable_parameters, unwrap  # noqa: F401
 from .layers import DEFAULT, Init, LoRAConv2d, LoRAEmbedding, LoRALayer, LoRALinear, Routing, conv1d_type
 from .modules_to_save import ModulesToSave, fold_modules_to_save, plain_key, set_submodule, wrap_modules_to_save
 
@@ -58,13 +59,6 @@ Targets = list[str] | str
 
 # Modules whose forward reads their children's weights directly instead of calling the children.
 _READS_CHILD_WEIGHTS = (nn.MultiheadAttention, nn.TransformerEncoderLayer)
-# Hugging Face task models and the heads from_pretrained creates for them (PEFT's task types save the same).
-_TASK_HEADS = {
-    "ForSequenceClassification": ("classifier", "score"),
-    "ForTokenClassification": ("classifier", "score"),
-    "ForQuestionAnswering": ("qa_outputs",),
-    "ForMultipleChoice": ("classifier",),
-}
 # Hugging Face PEFT's names for our arguments: a user who types them is told ours.
 _PEFT_NAMES = {"r": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "init_lora_weights": "init"}
 
@@ -228,41 +222,9 @@ def as_config(config: object, kwargs: dict[str, Any], who: str) -> LoRAConfig:
 
 def _pattern_value(patterns: dict, name: str, default):
     for key, value in patterns.items():
-        if _pattern_matches(key, name):
+        if pattern_matches(key, name):
             return value
     return default
-
-
-def _pattern_matches(key: str, name: str) -> bool:
-    return re.match(rf"(.*\.)?({key})$", name) is not None
-
-
-def name_matches(name: str, targets: Targets) -> bool:
-    if isinstance(targets, str):
-        return re.fullmatch(targets, name) is not None
-    return any(name == t or name.endswith(f".{t}") for t in targets)
-
-
-def unmatched(targets: Targets, names: Iterable[str]) -> list[str]:
-    """The entries of a ``target_modules`` list that match none of ``names`` (a regex string: none)."""
-    if isinstance(targets, str):
-        return []
-    names = list(names)
-    return [t for t in targets if not any(name_matches(n, [t]) for n in names)]
-
-
-def refuse_unmatched(who: str, targets: Targets, names: Iterable[str], model: nn.Module, describe) -> None:
-    """Raise if an entry of a ``target_modules`` list matches no module: a typo would silently adapt fewer modules.
-
-    ``describe(model)`` lists the modules the technique can adapt, for the message.
-    """
-    missing = unmatched(targets, names)
-    if missing:
-        raise ValueError(
-            f"{who}(target_modules={targets!r}): {', '.join(repr(m) for m in missing)} matched no module of "
-            f"{type(model).__name__} (an entry matches a module whose name equals it or ends with '.' + it). "
-            f"Fix or remove {'it' if len(missing) == 1 else 'them'}; modules it can adapt: {describe(model)}."
-        )
 
 
 def _linear_types() -> tuple[type, ...]:
@@ -301,15 +263,6 @@ def _describe_modules(model: nn.Module) -> str:
     if not counts:
         return f"none (LoRA supports {_supported_names()}, and {type(model).__name__} has no such module)"
     return ", ".join(f"{leaf} (x{n})" if n > 1 else leaf for leaf, n in counts.items())
-
-
-def task_heads(model: nn.Module) -> list[str]:
-    """Names of the task head a Hugging Face task model creates at random (empty for other models)."""
-    kind = next((suffix for suffix in _TASK_HEADS if type(model).__name__.endswith(suffix)), None)
-    if kind is None:
-        return []
-    heads = _TASK_HEADS[kind]
-    return [n for n, _ in model.named_children() if n in heads]
 
 
 def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]:
@@ -446,7 +399,7 @@ def _warn_about_settings(model: nn.Module, config: LoRAConfig, targets: list[str
     """Settings that are valid but almost surely not what the user meant."""
     for what, patterns in (("rank_pattern", config.rank_pattern), ("alpha_pattern", config.alpha_pattern)):
         for key in patterns:
-            if not any(_pattern_matches(key, n) for n in targets):
+            if not any(pattern_matches(key, n) for n in targets):
                 warnings.warn(
                     f"LoRA({what}={{{key!r}: ...}}) matches none of the {len(targets)} adapted modules "
                     f"(e.g. {_preview(targets)}), so it changes nothing. Keys match the end of a module name.",
@@ -971,32 +924,6 @@ def unload_lora(model: nn.Module, merge: bool = True) -> nn.Module:
         RuntimeError: If ``model`` has no LoRA adapter, or a merge is refused (tied or non-finite weights).
     """
     return remove_adapter(model, require_spec(model, "unload_lora"), merge)
-
-
-@dataclass(frozen=True)
-class ParameterReport:
-    """Trainable-parameter count of a model (shared parameters counted once)."""
-
-    trainable: int
-    total: int
-
-    @property
-    def percent(self) -> float:
-        return 100.0 * self.trainable / self.total if self.total else 0.0
-
-    def __str__(self) -> str:
-        return f"trainable params: {self.trainable:,} || all params: {self.total:,} || trainable: {self.percent:.4f}%"
-
-
-def trainable_parameters(model: nn.Module) -> ParameterReport:
-    """Count trainable and total parameters (each shared tensor once).
-
-    The frozen originals kept beside ``modules_to_save`` copies count in the total, as PEFT counts them.
-    """
-    seen: dict[int, nn.Parameter] = {id(p): p for p in model.parameters()}
-    total = sum(p.numel() for p in seen.values())
-    trainable = sum(p.numel() for p in seen.values() if p.requires_grad)
-    return ParameterReport(trainable=trainable, total=total)
 
 
 # --- Hugging Face PEFT's LoraConfig ------------------------------------------------------------------------

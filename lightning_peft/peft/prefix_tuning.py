@@ -65,7 +65,8 @@ from torch import Tensor, nn
 from .adapter import (
     Adapter, attach, attached, base_model_name, clean_key, detach, refreeze, register, remove_adapter, unwrap,
 )
-from .lora import name_matches, task_heads, trainable_parameters
+from ._common import name_matches, task_heads
+from .adapter import trainable_parameters
 from .modules_to_save import plain_key, saved_elsewhere, select_named, set_submodule, wrap_modules_to_save
 
 log = logging.getLogger(__name__)
