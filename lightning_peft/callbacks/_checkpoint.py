@@ -31,6 +31,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_peft.callbacks._lightning import refuse_changed_settings  # noqa: F401 (callbacks import it from here)
 from lightning_peft.callbacks._target import resolve_target
 
 from lightning_peft.peft.adapter import ADAPTERS_ATTRIBUTE, adapter_tensors, attached, technique, unwrap
@@ -128,20 +129,6 @@ def record_adapters(pl_module: nn.Module, checkpoint: dict[str, Any], adapter_on
         dropped |= {k for k in frozen_base(pl_module) if k in checkpoint["state_dict"]}
     checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in dropped}
     checkpoint[KEY] = checkpoint_entry(pl_module, dropped=sorted(dropped) if dropped or adapter_only else None)
-
-
-def refuse_changed_settings(
-    who: str, saved: dict[str, Any], now: dict[str, Any], ignored: tuple[str, ...] = ()
-) -> None:
-    """Raise if a resumed callback's settings differ from the checkpoint's (``ignored``: settings that only steer
-    training and may change on resume). Called from a PEFT callback's ``load_state_dict``."""
-    differing = [k for k in saved if k not in ignored and saved[k] != now.get(k)]
-    if differing:
-        raise ValueError(
-            f"{who}: the checkpoint was trained with " + ", ".join(f"{k}={saved[k]!r}" for k in differing)
-            + "; this run has " + ", ".join(f"{k}={now.get(k)!r}" for k in differing)
-            + ". Resume with the checkpoint's settings, or start a new run without ckpt_path."
-        )
 
 
 def watch_checkpoint_loads(pl_module: nn.Module, who: str) -> None:

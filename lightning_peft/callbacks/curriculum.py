@@ -50,6 +50,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_peft._seams import data_parallel, refuse, splits_layers, strategy_family
+from lightning_peft.callbacks._lightning import on_rank_zero
 from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.callbacks._target import resolve_target
 from lightning_peft.callbacks.gradient_accumulation import GradientAccumulation
@@ -220,22 +221,8 @@ class Curriculum(Callback):
         if self._scores_on_every_rank(trainer):  # a sharded model's forward runs collectives on every rank
             return compute_scores(loader.dataset, self._scorer(loader, pl_module),
                                   cache_dir=self.cache_dir if trainer.global_rank == 0 else None)
-        result: tuple[Tensor | None, str | None] = (None, None)
-        error: Exception | None = None
-        if trainer.global_rank == 0:
-            try:
-                scorer = self._scorer(loader, pl_module)
-                result = (compute_scores(loader.dataset, scorer, cache_dir=self.cache_dir), None)
-            except Exception as caught:  # re-raised below, after the other ranks heard of it
-                error, result = caught, (None, f"{type(caught).__name__}: {caught}")
-        scores, failure = trainer.strategy.broadcast(result, src=0)
-        if error is not None:
-            raise error
-        if failure is not None:
-            raise RuntimeError(
-                f"Curriculum: scoring on rank 0 failed ({failure}); stopping this rank as well."
-            )
-        return scores
+        work = lambda: compute_scores(loader.dataset, self._scorer(loader, pl_module), cache_dir=self.cache_dir)  # noqa: E731
+        return on_rank_zero(trainer, work, "Curriculum", "scoring", share=True)
 
     def _scores_on_every_rank(self, trainer: pl.Trainer) -> bool:
         """Self-paced scoring under a strategy that shards the model: every rank must run the forward."""

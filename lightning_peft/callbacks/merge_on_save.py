@@ -47,6 +47,7 @@ from typing_extensions import override
 
 from lightning_peft._atomic import write_dir
 from lightning_peft._gather import gathered, reshard
+from lightning_peft.callbacks._lightning import on_rank_zero
 from lightning_peft.callbacks._target import is_hf_model, resolve_target
 from lightning_peft.peft.adapter import adapter_tensors, attached, merged_state_dict
 from lightning_peft.peft.io import check_saveable, unshared
@@ -113,7 +114,7 @@ class MergeOnSave(Callback):
         if self.save_adapter:
             with _gathered(trainer, model, adapter_parameters(model)):
                 check_saveable(model)
-        _on_rank_zero(trainer, self._check_writable, "the check of dirpath")
+        on_rank_zero(trainer, self._check_writable, "MergeOnSave", "the check of dirpath")
 
     def _check_writable(self) -> None:
         try:
@@ -147,7 +148,8 @@ class MergeOnSave(Callback):
         reshard(pl_module)  # FSDP2 units an evaluation forward left gathered: their parameters are swapped back now
         needed = None if self.save_merged else adapter_parameters(model)
         with _gathered(trainer, model, needed):
-            return _on_rank_zero(trainer, lambda: self._write(trainer, pl_module, directory), "the export") or {}
+            write = lambda: self._write(trainer, pl_module, directory)  # noqa: E731
+            return on_rank_zero(trainer, write, "MergeOnSave", "the export") or {}
 
     def _write(self, trainer: pl.Trainer, pl_module: pl.LightningModule, directory: Path) -> dict[str, Path]:
         _, model = resolve_target(pl_module, self.model_attribute, "MergeOnSave")
@@ -196,23 +198,6 @@ def _gathered(trainer: pl.Trainer, model, params):
 def adapter_parameters(model) -> list:
     """The adapter's parameters (what an adapter-only export needs gathered)."""
     return [t for t in adapter_tensors(model).values() if isinstance(t, nn.Parameter)]
-
-
-def _on_rank_zero(trainer: pl.Trainer, work: Callable[[], Any], what: str) -> Any:
-    """Run ``work`` on global rank 0; if it fails, every rank raises (none is left waiting in a collective)."""
-    error: BaseException | None = None
-    result = None
-    if trainer.is_global_zero:
-        try:
-            result = work()
-        except Exception as err:  # re-raised below, after the other ranks heard of it
-            error = err
-    failure = trainer.strategy.broadcast(None if error is None else f"{type(error).__name__}: {error}", src=0)
-    if error is not None:
-        raise error
-    if failure is not None:
-        raise RuntimeError(f"MergeOnSave: {what} on rank 0 failed ({failure}); stopping this rank as well.")
-    return result
 
 
 def _refuse_trained_outside(pl_module: pl.LightningModule, name: str, model) -> None:
