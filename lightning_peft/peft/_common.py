@@ -1,5 +1,5 @@
-"""Scaffolding every PEFT technique shares: name matching for ``target_modules`` and the task heads of Hugging Face
-task models.
+r"""Scaffolding every PEFT technique shares: name matching for ``target_modules``, the task heads of Hugging Face
+task models, the wrapper that stands in for a base layer, and the checks every inject function makes.
 
 Name matching follows Hugging Face PEFT, so a config means the same thing in both: a list entry matches a module
 whose full name equals it or ends with ``"." + entry``; a string is a regular expression matched against the whole
@@ -18,7 +18,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 Targets = list[str] | str
 
@@ -29,6 +30,8 @@ _TASK_HEADS = {
     "ForQuestionAnswering": ("qa_outputs",),
     "ForMultipleChoice": ("classifier",),
 }
+HALF = (torch.float16, torch.bfloat16)
+BASE_LAYER = "base_layer"
 
 
 def pattern_matches(key: str, name: str) -> bool:
@@ -70,3 +73,74 @@ def task_heads(model: nn.Module) -> list[str]:
         return []
     heads = _TASK_HEADS[kind]
     return [n for n, _ in model.named_children() if n in heads]
+
+
+def refuse_second_injection(who: str, model: nn.Module, found: str | None, technique: str) -> None:
+    """Raise if ``model`` already has what an inject function adds (``found`` describes it; None: nothing)."""
+    if found:
+        raise RuntimeError(
+            f"{who}: {type(model).__name__} already has {found}; {technique} injected twice. Use the model as it is, "
+            "or build a fresh one."
+        )
+
+
+def refuse_absent(model: nn.Module, names: Iterable[str], where: str) -> None:
+    """Raise if a recorded module name (a checkpoint's, an adapter file's) is not a module of ``model``."""
+    present = {n for n, _ in model.named_modules()}
+    absent = [n for n in names if n not in present]
+    if absent:
+        raise ValueError(
+            f"{where} names module {absent[0]!r}, which {type(model).__name__} does not have; it was written for "
+            "another model."
+        )
+
+
+def adapter_dtype(base: nn.Module | Tensor | None) -> torch.dtype | None:
+    """The dtype of adapter parameters for a base module (or its weight): float32, or the base's if wider (float64);
+    None for a module without parameters (the default dtype). Half-precision bases get float32 adapters."""
+    if isinstance(base, nn.Module):
+        base = next(base.parameters(), None)
+    if base is None:
+        return None
+    return torch.promote_types(base.dtype, torch.float32) if base.dtype.is_floating_point else torch.float32
+
+
+def wraps_a_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a technique's wrapper around a base layer (it holds it as ``base_layer``)."""
+    return isinstance(module._modules.get(BASE_LAYER), nn.Module)
+
+
+class LayerWrapper(nn.Module):
+    """A module in place of a frozen ``base_layer``, adding a technique's parameters around it.
+
+    Attributes the wrapper lacks (``weight``, ``in_features``, ``nf``, ``padding_idx``, ...) are read from the base
+    layer, so code that inspects the module keeps working. Precision: a cast to half precision (``model.half()``,
+    ``Trainer(precision="bf16-true")``) reaches the base layer only; the technique's own tensors follow device moves
+    but keep their dtype (float32), so small updates are not rounded away. Any other cast (float64) reaches all.
+    """
+
+    def __init__(self, base_layer: nn.Module) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+
+    def __getattr__(self, name: str):
+        # nn.Module's lookup (parameters, buffers, submodules) first; then the base layer's attributes.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == BASE_LAYER:
+                raise
+            return getattr(self.base_layer, name)
+
+    def _apply(self, fn, recurse: bool = True):
+        probe = fn(torch.zeros((), dtype=torch.float32))
+        if not (isinstance(probe, Tensor) and probe.dtype in HALF) or not recurse:
+            return super()._apply(fn, recurse)
+        device = probe.device
+
+        def move(t: Tensor) -> Tensor:
+            return t.to(device=device)
+
+        for name, child in self.named_children():
+            child._apply(fn if name == BASE_LAYER else move)
+        return super()._apply(move, recurse=False)

@@ -9,6 +9,10 @@ Modules saved together are copied together, so weights tied among them stay tied
 State-dict keys: ``<name>.original_module.<param>`` and ``<name>.trained_module.<param>``; adapter files and
 merged exports use ``<name>.<param>`` (the trained copy), as PEFT does.
 
+Every technique takes ``modules_to_save`` the same way (:func:`select_modules_to_save`): None picks a Hugging Face
+task model's head (``from_pretrained`` creates it at random), a list picks modules by name or dotted suffix, and a
+module another technique already owns (saves in full, or wraps a layer of) is left to that technique.
+
 A wrapper may follow a technique's routing (LoRA's :class:`~lightning_peft.peft.layers.Routing`): with the adapters
 disabled it runs the original, and in a routed batch a sample routed to the base (``None``) gets the original's
 output, as PEFT's ``disable_adapter()`` and ``adapter_names=["__base__", ...]`` do.
@@ -17,10 +21,16 @@ output, as PEFT's ``disable_adapter()`` and ``adapter_names=["__base__", ...]`` 
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
+
+from ._common import name_matches, task_heads, unmatched, wraps_a_layer
+from .adapter import clean_key
+
+log = logging.getLogger(__name__)
 
 ORIGINAL = "original_module"
 TRAINED = "trained_module"
@@ -94,10 +104,84 @@ def saved_modules(model: nn.Module) -> dict[str, ModulesToSave]:
     return {n: m for n, m in model.named_modules() if isinstance(m, ModulesToSave)}
 
 
-def saved_elsewhere(model: nn.Module, name: str) -> bool:
-    """Whether module ``name`` of ``model`` is (or holds) a :class:`ModulesToSave` wrapper: another technique already
-    trains and saves it in full, so a second technique must leave it out of its own ``modules_to_save``."""
-    return any(isinstance(m, ModulesToSave) for m in model.get_submodule(name).modules())
+def claimed(model: nn.Module, name: str) -> str | None:
+    """Why module ``name`` of ``model`` belongs to another technique, or None: it is or holds a
+    :class:`ModulesToSave` wrapper (another technique trains and saves it in full) or a wrapper around a base layer
+    (copying it would move that technique's parameters)."""
+    for inner, module in model.get_submodule(name).named_modules(prefix=name):
+        if isinstance(module, ModulesToSave):
+            whose = "is" if inner == name else f"holds {inner!r}, which is"
+            return f"{whose} already trained and saved in full by another adapter on this model"
+        if wraps_a_layer(module):
+            whose = "is" if inner == name else f"holds {inner!r}, which is"
+            return f"{whose} a layer another adapter wraps ({type(module).__name__})"
+    return None
+
+
+def select_modules_to_save(model: nn.Module, asked: list[str] | None, who: str,
+                           ours: Iterable[str] = ()) -> list[str]:
+    """Full names of the modules to train and save in full; raises before anything is changed.
+
+    Args:
+        asked: Names or dotted suffixes; only the outermost module of a nested pair is taken (the inner one is saved
+            with it). None: the task head of a Hugging Face task model, unless another technique owns it.
+        who: The caller, for messages (``"LoRA"``).
+        ours: Modules the caller's own technique already saves (they are not another technique's).
+
+    Raises:
+        ValueError: If an entry matches no module, or a chosen module belongs to another technique
+            (:func:`claimed`).
+    """
+    ours = set(ours)
+    if asked is None:
+        heads = [h for h in task_heads(model) if h in ours or claimed(model, h) is None]
+        if heads:
+            log.info("%s: %s's task head %s is trained and saved in full (modules_to_save); from_pretrained creates "
+                     "it at random. Pass modules_to_save=[] to keep it frozen.", who, type(model).__name__, heads)
+        return heads
+    chosen = [n for n, _ in model.named_modules() if n and name_matches(n, asked)]
+    missing = unmatched(asked, chosen)
+    if missing:
+        raise ValueError(
+            f"{who}(modules_to_save={asked!r}): {missing} matched no module of {type(model).__name__}. "
+            "Check the names with model.named_modules()."
+        )
+    chosen = [n for n in chosen if not any(n.startswith(f"{o}.") for o in chosen)]  # saved with the outer one
+    for name in chosen:
+        reason = None if name in ours else claimed(model, name)
+        if reason:
+            raise ValueError(
+                f"{who}(modules_to_save={asked!r}): {name!r} {reason}; leave it out of modules_to_save here."
+            )
+    return chosen
+
+
+def present_modules(model: nn.Module, asked: Iterable[str] | None) -> list[str]:
+    """The entries of a PEFT config's ``modules_to_save`` that match a module of ``model``: PEFT's task types write
+    ``["classifier", "score"]`` whatever the model calls its head."""
+    names = [n for n, _ in model.named_modules() if n]
+    return [m for m in dict.fromkeys(asked or []) if any(name_matches(n, [m]) for n in names)]
+
+
+def saved_state(model: nn.Module, names: Iterable[str]) -> dict[str, Tensor]:
+    """The trained copies' tensors of the wrappers at ``names``, by ``model`` state-dict key (not detached)."""
+    state: dict[str, Tensor] = {}
+    for name in names:
+        trained = model.get_submodule(name).trained_module
+        state.update(trained.state_dict(prefix=f"{name}.{TRAINED}.", keep_vars=True))
+    return state
+
+
+def peft_saved_state(model: nn.Module, names: Iterable[str], prefix: str = "") -> dict[str, Tensor]:
+    """:func:`saved_state` under the plain module's keys (``<name>.<param>``), after ``prefix``, as PEFT saves it."""
+    return {prefix + clean_key(plain_key(k)): v for k, v in saved_state(model, names).items()}
+
+
+def restore_modules(model: nn.Module, names: Iterable[str], trained: bool = False) -> None:
+    """Put the untouched originals (or, with ``trained``, the trained copies) back in place of the wrappers."""
+    for name in names:
+        wrapper = model.get_submodule(name)
+        set_submodule(model, name, wrapper.trained_module if trained else wrapper.original_module)
 
 
 def plain_key(key: str) -> str:
@@ -120,32 +204,3 @@ def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     """Replace the submodule at dotted path ``name`` with ``module``."""
     parent_name, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent_name), attr, module)
-
-
-def select_named(model: nn.Module, names: list[str], who: str) -> list[str]:
-    """The full names of the modules ``names`` gives (full names or dotted suffixes) for ``modules_to_save``:
-    outermost ones only (a module inside another is saved with it).
-
-    Raises:
-        ValueError: If an entry matches no module, or a chosen module is already saved by another technique.
-    """
-    modules = [n for n, _ in model.named_modules() if n]
-
-    def matches(name: str, entry: str) -> bool:
-        return name == entry or name.endswith(f".{entry}")
-
-    chosen = [n for n in modules if any(matches(n, entry) for entry in names)]
-    missing = [entry for entry in names if not any(matches(n, entry) for n in chosen)]
-    if missing:
-        raise ValueError(
-            f"{who}(modules_to_save={names!r}): {missing} matched no module of {type(model).__name__}. "
-            "Check the names with model.named_modules()."
-        )
-    chosen = [n for n in chosen if not any(n.startswith(f"{o}.") for o in chosen)]
-    wrapped = [n for n in chosen if saved_elsewhere(model, n)]
-    if wrapped:
-        raise ValueError(
-            f"{who}(modules_to_save={names!r}): {wrapped[0]!r} is already trained and saved in full by another "
-            "adapter on this model (its modules_to_save); leave it out here, it trains and is saved once."
-        )
-    return chosen

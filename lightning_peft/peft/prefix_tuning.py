@@ -52,9 +52,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
-import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -62,27 +60,21 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from .adapter import (
-    Adapter, attach, attached, base_model_name, clean_key, detach, refreeze, register, remove_adapter, unwrap,
-)
-from ._common import name_matches, task_heads
-from .adapter import trainable_parameters
-from .modules_to_save import plain_key, saved_elsewhere, select_named, set_submodule, wrap_modules_to_save
+from .._checks import boolean, integer, names
+from ._common import refuse_absent, refuse_second_injection
+from ._prefix import PREFIX_ATTRIBUTE, PrefixEncoder, PrefixHook, cache_module, geometry, refuse_gradient_checkpointing
+from ._prompt_learning import PromptLearningAdapter, task_type
+from .adapter import attach, attached, refreeze, register, remove_adapter, trainable_parameters, unwrap
+from .modules_to_save import present_modules, select_modules_to_save, wrap_modules_to_save
+
+__all__ = ["PREFIX_ATTRIBUTE", "PrefixEncoder", "PrefixTuningAdapter", "PrefixTuningConfig", "fold_prefix_projection",
+           "inject_prefix_tuning", "prefix_tuning_spec", "unload_prefix_tuning"]
 
 log = logging.getLogger(__name__)
 
-PREFIX_ATTRIBUTE = "lightning_peft_prefix"
-_CACHE_ARGUMENTS = ("cache", "past_key_values")  # transformers 5 name first, then the older one
 # model_type values for which PEFT 0.21.2 post-processes the cache or builds another kind of cache.
 _SPECIAL_CACHES = ("bloom", "gpt_bigcode", "gemma2", "gemma3_text", "gemma4")
-# PEFT task types by the class-name suffix of a Hugging Face model (a PeftModel without one ignores the prefix).
-_TASK_TYPES = {
-    "ForCausalLM": "CAUSAL_LM",
-    "LMHeadModel": "CAUSAL_LM",
-    "ForSequenceClassification": "SEQ_CLS",
-    "ForTokenClassification": "TOKEN_CLS",
-    "ForQuestionAnswering": "QUESTION_ANS",
-}
+_WHO = "PrefixTuning"
 
 
 @dataclass(frozen=True)
@@ -104,197 +96,35 @@ class PrefixTuningConfig:
 
     def __post_init__(self) -> None:
         normal = object.__setattr__  # frozen: normalised values are set this way; the caller's objects are not mutated
-        normal(self, "num_virtual_tokens", _positive(self.num_virtual_tokens, "num_virtual_tokens", 20))
-        if not isinstance(self.prefix_projection, bool):
-            raise TypeError(f"PrefixTuning(prefix_projection={self.prefix_projection!r}): give True or False.")
+        normal(self, "num_virtual_tokens", integer(_WHO, "num_virtual_tokens", self.num_virtual_tokens, minimum=1,
+                                                   example="20"))
+        boolean(_WHO, "prefix_projection", self.prefix_projection)
         if self.encoder_hidden_size is not None:
-            normal(self, "encoder_hidden_size", _positive(self.encoder_hidden_size, "encoder_hidden_size", 512))
+            normal(self, "encoder_hidden_size", integer(_WHO, "encoder_hidden_size", self.encoder_hidden_size,
+                                                        minimum=1, example="512"))
             if not self.prefix_projection:
                 raise ValueError(
                     f"PrefixTuning(encoder_hidden_size={self.encoder_hidden_size}) sizes the projection MLP, but "
                     "prefix_projection=False has none. Set prefix_projection=True, or leave encoder_hidden_size out."
                 )
-        names = self.modules_to_save
-        if names is not None:
-            if isinstance(names, str) or not isinstance(names, Iterable) or not all(isinstance(m, str) for m in names):
-                raise TypeError(
-                    f"PrefixTuning(modules_to_save={names!r}): give a list of module names, e.g. ['classifier']."
-                )
-            normal(self, "modules_to_save", sorted(names) if isinstance(names, (set, frozenset)) else list(names))
+        if self.modules_to_save is not None:
+            normal(self, "modules_to_save", names(_WHO, "modules_to_save", self.modules_to_save))
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-able dict (``PrefixTuningConfig(**config.to_dict()) == config``)."""
         return dataclasses.asdict(self)
 
-
-def _positive(value: object, what: str, example: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"PrefixTuning({what}={value!r}): {what} must be a positive integer, e.g. {example}.")
-    if value <= 0:
-        raise ValueError(f"PrefixTuning({what}={value!r}): {what} must be a positive integer.")
-    return int(value)
-
-
-@dataclass(frozen=True)
-class _Geometry:
-    """The prefix's shape for one model, as PEFT derives it (``_prepare_prompt_learning_config``)."""
-
-    num_layers: int
-    num_heads: int  # key/value heads
-    head_dim: int
-
-    @property
-    def token_dim(self) -> int:  # d_kv
-        return self.num_heads * self.head_dim
-
-    @property
-    def width(self) -> int:  # columns of the table
-        return self.num_layers * 2 * self.token_dim
-
-
-def _geometry(model: nn.Module) -> _Geometry:
-    config = getattr(model, "config", None)
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-
-    def field(*names: str) -> int:
-        for name in names:
-            value = getattr(config, name, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-        raise ValueError(
-            f"inject_prefix_tuning: the config of {type(model).__name__} has none of {list(names)}, so the prefix "
-            "cannot be sized (layers, heads, hidden size). Use a Hugging Face model with a standard config."
-        )
-
-    layers = field("num_hidden_layers", "num_layers", "n_layer")
-    hidden = field("hidden_size", "n_embd", "d_model")
-    heads = field("num_attention_heads", "n_head", "num_heads")
-    kv_heads = getattr(config, "num_key_value_heads", None)
-    if kv_heads is None:
-        return _Geometry(layers, heads, hidden // heads)
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    return _Geometry(layers, kv_heads, head_dim)
-
-
-class PrefixEncoder(nn.Module):
-    """The trained prefix: a table ``(n, L * 2 * d_kv)``, or the MLP that produces it (PEFT's layout and names).
-
-    Args:
-        num_virtual_tokens: ``n``.
-        width: ``L * 2 * d_kv``, the columns of the table.
-        token_dim: ``d``, the MLP input size (with ``encoder_hidden_size``).
-        encoder_hidden_size: ``h``; None: no MLP, the table itself is the parameter.
-    """
-
-    def __init__(self, num_virtual_tokens: int, width: int, token_dim: int, encoder_hidden_size: int | None) -> None:
-        super().__init__()
-        if encoder_hidden_size is None:
-            self.embedding = nn.Embedding(num_virtual_tokens, width)  # (n, L*2*d_kv), N(0, 1) as in PEFT
-            self.transform = None
-        else:
-            self.embedding = nn.Embedding(num_virtual_tokens, token_dim)  # (n, d)
-            self.transform = nn.Sequential(
-                nn.Linear(token_dim, encoder_hidden_size), nn.Tanh(), nn.Linear(encoder_hidden_size, width)
-            )
-
-    def table(self) -> Tensor:
-        """The prefix, ``(n, L * 2 * d_kv)``."""
-        weight = self.embedding.weight
-        return weight if self.transform is None else self.transform(weight)
-
-
-class _PrefixHook:
-    """Forward pre-hook (``with_kwargs=True``) on the module that takes the cache: puts the prefix in front."""
-
-    def __init__(self, encoder: PrefixEncoder, geometry: _Geometry, cache_argument: str, model: nn.Module) -> None:
-        self.encoder = encoder
-        self.geometry = geometry
-        self.cache_argument = cache_argument
-        self.model = model
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-        kwargs = {**_by_name(module, args), **kwargs}
-        if module.training and torch.is_grad_enabled():
-            _refuse_gradient_checkpointing(self.model, "prefix tuning")
-        given = [kwargs.pop(name, None) for name in _CACHE_ARGUMENTS]
-        cache = next((c for c in given if c is not None), None)
-        n = self.encoder.embedding.num_embeddings
-        if cache is None or cache.get_seq_length() == 0:
-            cache = self.cache(_batch_size(kwargs, type(module).__name__))
-        kwargs[self.cache_argument] = cache
-        mask = kwargs.get("attention_mask")
-        if mask is not None:
-            if mask.ndim != 2:
-                raise ValueError(
-                    f"prefix tuning: {type(module).__name__} got a {mask.ndim}-D attention_mask; the prefix needs the "
-                    "2-D (batch, length) padding mask, to put its own positions in front. Pass the 2-D mask."
-                )
-            kwargs["attention_mask"] = torch.cat([mask.new_ones(mask.shape[0], n), mask], dim=1)  # (B, n + S)
-        if kwargs.get("position_ids") is not None:
-            kwargs["position_ids"] = kwargs["position_ids"] + n  # the real tokens come after the prefix
-        return (), kwargs
-
-    def cache(self, batch_size: int):
-        """A ``DynamicCache`` holding the prefix for ``batch_size`` rows (what PEFT's ``get_prompt`` builds)."""
-        from transformers import DynamicCache
-
-        g = self.geometry
-        table = self.encoder.table().to(getattr(self.model, "dtype", None) or self.encoder.embedding.weight.dtype)
-        n = table.shape[0]
-        kv = table.view(n, 2 * g.num_layers, g.num_heads, g.head_dim).permute(1, 2, 0, 3)  # (2L, H, n, d_h)
-        kv = kv.unsqueeze(1).expand(-1, batch_size, -1, -1, -1)  # (2L, B, H, n, d_h)
-        return DynamicCache([(kv[2 * layer], kv[2 * layer + 1]) for layer in range(g.num_layers)])
-
-
-def _by_name(module: nn.Module, args: tuple) -> dict[str, Any]:
-    """Positional arguments of ``module.forward`` by name (a backbone may get ``input_ids`` positionally)."""
-    if not args:
-        return {}
-    names = [p.name for p in inspect.signature(module.forward).parameters.values()
-             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(args) > len(names):
-        raise TypeError(f"prefix tuning: {type(module).__name__}.forward got {len(args)} positional arguments; "
-                        f"it takes at most {len(names)} ({', '.join(names)}).")
-    return dict(zip(names, args))
-
-
-def _batch_size(kwargs: dict[str, Any], who: str) -> int:
-    for name in ("input_ids", "inputs_embeds"):
-        if kwargs.get(name) is not None:
-            return kwargs[name].shape[0]
-    raise ValueError(f"prefix tuning: {who} was called without input_ids or inputs_embeds; pass one of them.")
-
-
-def _refuse_gradient_checkpointing(model: nn.Module, who: str) -> None:
-    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
-        raise RuntimeError(
-            f"{who}: gradient checkpointing is on in {type(model).__name__}; transformers then drops the attention "
-            "cache in training, and with it the prefix. Call model.activation_checkpointing_disable() "
-            "(gradient_checkpointing_disable() before transformers 5); Hugging Face PEFT refuses this combination too."
-        )
-
-
-def _cache_module(model: nn.Module) -> tuple[str, nn.Module, str]:
-    """``(name, module, argument)``: the model, else its backbone, whose forward takes the attention cache."""
-    candidates = [("", model)]
-    backbone = getattr(model, "base_model", None)
-    if isinstance(backbone, nn.Module) and backbone is not model:
-        names = {id(m): n for n, m in model.named_modules()}
-        if id(backbone) in names:
-            candidates.append((names[id(backbone)], backbone))
-    for name, module in candidates:
-        parameters = inspect.signature(module.forward).parameters
-        for argument in _CACHE_ARGUMENTS:
-            if argument in parameters:
-                return name, module, argument
-    backbone_text = (f" nor that of its backbone {candidates[1][0]!r} ({type(candidates[1][1]).__name__})"
-                     if len(candidates) > 1 else "")
-    raise TypeError(
-        f"inject_prefix_tuning: the forward of {type(model).__name__}{backbone_text} takes no attention cache "
-        f"(an argument {' or '.join(_CACHE_ARGUMENTS)}); prefix tuning passes its prefix as that cache. Use a Hugging "
-        "Face model that takes one (GPT-2, Llama, BERT, ...), or prompt tuning, which needs only input embeddings."
-    )
+    def agrees(self, asked: PrefixTuningConfig) -> bool:
+        """Whether a prefix made with this config is the one ``asked`` describes: a folded projection counts as the
+        projection it came from, and ``modules_to_save`` left None on either side agrees with any."""
+        if self.num_virtual_tokens != asked.num_virtual_tokens:
+            return False
+        if asked.modules_to_save is not None and self.modules_to_save is not None:
+            if list(self.modules_to_save) != list(asked.modules_to_save):
+                return False
+        if self.prefix_projection:
+            return (asked.prefix_projection, asked.encoder_hidden_size) == (True, self.encoder_hidden_size)
+        return True  # a table: trained without projection, or folded at the end of a fit
 
 
 def _check_model(model: nn.Module) -> None:
@@ -310,30 +140,16 @@ def _check_model(model: nn.Module) -> None:
             f"inject_prefix_tuning: {type(model).__name__} (model_type {model_type!r}) needs a special attention cache "
             "that Hugging Face PEFT builds for it and lightning-peft does not. Use Hugging Face PEFT for this model."
         )
-    _refuse_gradient_checkpointing(model, "inject_prefix_tuning")
-
-
-def _select_modules_to_save(model: nn.Module, names: list[str] | None) -> list[str]:
-    if names is None:
-        # A head another adapter (LoRA's modules_to_save) already trains and saves stays with that adapter.
-        heads = [h for h in task_heads(model) if not saved_elsewhere(model, h)]
-        if heads:
-            log.info("PrefixTuning: %s's task head %s is trained and saved in full (modules_to_save); pass "
-                     "modules_to_save=[] to keep it frozen.", type(model).__name__, heads)
-        return heads
-    return select_named(model, names, "PrefixTuning")
+    refuse_gradient_checkpointing(model, "inject_prefix_tuning")
 
 
 def _task_type(model: nn.Module) -> str | None:
-    name = type(model).__name__
-    for suffix, task in _TASK_TYPES.items():
-        if name.endswith(suffix):
-            return task
-    return "FEATURE_EXTRACTION" if getattr(model, "base_model", None) is model else None
+    """PEFT's task type; None for a model PEFT's prefix-tuning classes would run without the prefix."""
+    return task_type(model) or ("FEATURE_EXTRACTION" if getattr(model, "base_model", None) is model else None)
 
 
 @register
-class PrefixTuningAdapter(Adapter):
+class PrefixTuningAdapter(PromptLearningAdapter):
     """Prefix tuning's side of the adapter protocol: what :func:`inject_prefix_tuning` did to a model.
 
     PEFT's file keys for prompt-learning methods carry no ``base_model.model.`` prefix: the prefix is
@@ -353,12 +169,17 @@ class PrefixTuningAdapter(Adapter):
         "modules_to_save", "num_attention_heads", "num_layers", "num_transformer_submodules", "num_virtual_tokens",
         "peft_type", "peft_version", "prefix_projection", "revision", "task_type", "token_dim",
     ))
-    mergeable: ClassVar[bool] = False
-    peft_key_prefix: ClassVar[str] = ""
+    module_name: ClassVar[str] = PREFIX_ATTRIBUTE
+    technique: ClassVar[str] = "prefix tuning"
+    thing: ClassVar[str] = "prefix"
+    no_merge: ClassVar[str] = (
+        "PrefixTuning: a prefix cannot be merged into the base weights (it is extra attention keys and values, "
+        "not a weight update). Unload with merge=False, or keep the adapter and save it with save_adapter."
+    )
 
     def __init__(self, config: PrefixTuningConfig, modules_to_save: Iterable[str], handle: Any) -> None:
+        super().__init__(modules_to_save)
         self.config = config
-        self.modules_to_save = tuple(modules_to_save)
         self.handle = handle
 
     def __repr__(self) -> str:
@@ -372,72 +193,40 @@ class PrefixTuningAdapter(Adapter):
         """Whether the prefix is still produced by the MLP (not yet folded)."""
         return self.encoder(model).transform is not None
 
-    def state(self, model: nn.Module) -> dict[str, Tensor]:
-        model = unwrap(model)
-        state = dict(self.encoder(model).state_dict(prefix=f"{PREFIX_ATTRIBUTE}.", keep_vars=True))
-        for name in self.modules_to_save:
-            trained = model.get_submodule(name).trained_module
-            state.update(trained.state_dict(prefix=f"{name}.trained_module.", keep_vars=True))
-        return state
-
     def config_dict(self) -> dict[str, Any]:
         # The current layout (a folded adapter records prefix_projection=False), so inject rebuilds these tensors.
         return {"config": self.config.to_dict(), "modules_to_save": list(self.modules_to_save)}
 
+    def matches(self, config: dict[str, Any]) -> bool:
+        """Whether the prefix is the one ``config["config"]`` asks for (a :meth:`config_dict`, or a callback's
+        request of that shape), by :meth:`PrefixTuningConfig.agrees`."""
+        return self.config.agrees(PrefixTuningConfig(**config["config"]))
+
     @classmethod
     def inject(cls, model: nn.Module, config: dict[str, Any]) -> PrefixTuningAdapter:
         model = unwrap(model)
-        names = {n for n, _ in model.named_modules()}
-        absent = [n for n in config["modules_to_save"] if n not in names]
-        if absent:
-            raise ValueError(
-                f"PrefixTuning: the recorded adapter names module {absent[0]!r}, which {type(model).__name__} does "
-                "not have; the checkpoint was written for another model."
-            )
+        refuse_absent(model, config["modules_to_save"], "PrefixTuning: the recorded adapter")
         ours = PrefixTuningConfig(**{**config["config"], "modules_to_save": list(config["modules_to_save"])})
         inject_prefix_tuning(model, **ours.to_dict())
         return attached(model)[cls.kind]
 
-    def unload(self, model: nn.Module, merge: bool) -> None:
-        if merge:
-            raise RuntimeError(
-                "PrefixTuning: a prefix cannot be merged into the base weights (it is extra attention keys and values, "
-                "not a weight update). Unload with merge=False, or keep the adapter and save it with save_adapter."
-            )
-        model = unwrap(model)
-        self.handle.remove()
-        delattr(model, PREFIX_ATTRIBUTE)
-        for name in self.modules_to_save:
-            set_submodule(model, name, model.get_submodule(name).original_module)
-        detach(model, self.kind)
+    def table(self, model: nn.Module) -> Tensor:
+        """The table, folded if the MLP is still there: ``(n, L * 2 * d_kv)``."""
+        return self.encoder(model).table()
 
-    def peft_state(self, model: nn.Module) -> dict[str, Tensor]:
-        """``prompt_embeddings`` (the table, folded if the MLP is still there) and the ``modules_to_save`` tensors."""
-        state = {"prompt_embeddings": self.encoder(model).table()}
-        for key, value in self.state(model).items():
-            if not key.startswith(f"{PREFIX_ATTRIBUTE}."):
-                state[f"base_model.{clean_key(plain_key(key))}"] = value
-        return state
+    def remove_hook(self, model: nn.Module) -> None:
+        self.handle.remove()
 
     def peft_config(self, model: nn.Module) -> dict[str, Any]:
         model = unwrap(model)
-        g = _geometry(model)
+        g = geometry(model)
         transform = self.encoder(model).transform
         return {
-            "peft_type": self.peft_type,
-            "task_type": _task_type(model),
-            "base_model_name_or_path": base_model_name(model),
-            "revision": None,
-            "inference_mode": True,
-            "num_virtual_tokens": self.config.num_virtual_tokens,
-            "token_dim": g.token_dim,
-            "num_transformer_submodules": 1,
-            "num_attention_heads": g.num_heads,
-            "num_layers": g.num_layers,
+            **self.peft_common(model, _task_type(model), self.config.num_virtual_tokens, g.token_dim, g.num_heads,
+                               g.num_layers),
             "encoder_hidden_size": g.token_dim if transform is None else transform[0].out_features,
             "prefix_projection": transform is not None,
             "init_weights": None,
-            "modules_to_save": [clean_key(n) for n in self.modules_to_save] or None,
         }
 
     def peft_problems(self, model: nn.Module) -> list[str]:
@@ -463,10 +252,7 @@ class PrefixTuningAdapter(Adapter):
     @classmethod
     def from_peft(cls, model: nn.Module, config: dict[str, Any], source: str) -> PrefixTuningAdapter:
         n = _peft_geometry(model, config, source)
-        names = [m for m, _ in unwrap(model).named_modules() if m]
-        # PEFT's SEQ_CLS task writes ["classifier", "score"] whatever the model calls its head: drop the absent.
-        asked = dict.fromkeys(config.get("modules_to_save") or [])
-        present = [m for m in asked if any(name_matches(x, [m]) for x in names)]
+        present = present_modules(unwrap(model), config.get("modules_to_save"))
         # The file holds the table (PEFT folds a projection when it saves), so the adapter is a plain table.
         inject_prefix_tuning(model, num_virtual_tokens=n, modules_to_save=present)
         return attached(model)[cls.kind]
@@ -474,14 +260,8 @@ class PrefixTuningAdapter(Adapter):
 
 def _peft_geometry(model: nn.Module, config: dict[str, Any], source: str) -> int:
     """``num_virtual_tokens`` of a PEFT ``PrefixTuningConfig`` dict; raises if its shape is not ``model``'s."""
-    if config.get("peft_type") != PrefixTuningAdapter.peft_type:
-        raise ValueError(f"load_adapter: {source} has peft_type={config.get('peft_type')!r}, not 'PREFIX_TUNING'.")
-    if config.get("num_transformer_submodules", 1) not in (1, None):
-        raise ValueError(
-            f"load_adapter: {source} has num_transformer_submodules={config['num_transformer_submodules']} (an "
-            "encoder-decoder prefix); lightning-peft's prefix tuning covers decoder and encoder models only."
-        )
-    g = _geometry(unwrap(model))
+    n = PrefixTuningAdapter.peft_num_virtual_tokens(config, source)
+    g = geometry(unwrap(model))
     ours = {"num_layers": g.num_layers, "token_dim": g.token_dim, "num_attention_heads": g.num_heads}
     for key, value in ours.items():
         if config.get(key) is not None and config[key] != value:
@@ -489,9 +269,6 @@ def _peft_geometry(model: nn.Module, config: dict[str, Any], source: str) -> int
                 f"load_adapter: {source} has {key}={config[key]}, but {type(unwrap(model)).__name__} needs {value} "
                 "(its key/value shape); the prefix was trained for another model."
             )
-    n = config.get("num_virtual_tokens")
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-        raise ValueError(f"load_adapter: {source} has num_virtual_tokens={n!r}; it is not a complete prefix config.")
     return n
 
 
@@ -540,23 +317,21 @@ def inject_prefix_tuning(
     """
     config = PrefixTuningConfig(num_virtual_tokens, prefix_projection, encoder_hidden_size, modules_to_save)
     model = unwrap(model)
-    if prefix_tuning_spec(model) is not None or hasattr(model, PREFIX_ATTRIBUTE):
-        raise RuntimeError(
-            f"inject_prefix_tuning: {type(model).__name__} already has a prefix ({PREFIX_ATTRIBUTE}); prefix tuning "
-            "was injected twice. Use the model as it is, or build a fresh one."
-        )
-    name, module, argument = _cache_module(model)
+    there = prefix_tuning_spec(model) is not None or hasattr(model, PREFIX_ATTRIBUTE)
+    refuse_second_injection("inject_prefix_tuning", model, f"a prefix ({PREFIX_ATTRIBUTE})" if there else None,
+                            "prefix tuning was")
+    name, module, argument = cache_module(model)
     _check_model(model)
-    geometry = _geometry(model)
-    to_save = _select_modules_to_save(model, config.modules_to_save)
-    hidden = (config.encoder_hidden_size or geometry.token_dim) if config.prefix_projection else None
+    shape = geometry(model)
+    to_save = select_modules_to_save(model, config.modules_to_save, _WHO)
+    hidden = (config.encoder_hidden_size or shape.token_dim) if config.prefix_projection else None
     reference = next(iter(model.parameters()), None)
-    encoder = PrefixEncoder(config.num_virtual_tokens, geometry.width, geometry.token_dim, hidden)
+    encoder = PrefixEncoder(config.num_virtual_tokens, shape.width, shape.token_dim, hidden)
     if reference is not None:
         encoder.to(device=reference.device, dtype=reference.dtype)
     wrap_modules_to_save(model, to_save)
     model.add_module(PREFIX_ATTRIBUTE, encoder)
-    handle = module.register_forward_pre_hook(_PrefixHook(encoder, geometry, argument, model), with_kwargs=True)
+    handle = module.register_forward_pre_hook(PrefixHook(encoder, shape, argument, model), with_kwargs=True)
     attach(model, PrefixTuningAdapter(config, to_save, handle))
     log.info("PrefixTuning: %d virtual tokens on %s (cache passed to %s); %s", config.num_virtual_tokens,
              type(model).__name__, name or "the model itself", trainable_parameters(model))

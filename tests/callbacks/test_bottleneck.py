@@ -259,7 +259,7 @@ def test_an_optimizer_built_before_injection_is_refused(tiny_bert_config, tmp_pa
 
 def test_static_arguments_are_checked_in_init():
     with pytest.raises(ValueError, match=r"BottleneckAdapters\(reduction_factor=-1\): reduction_factor must be a "
-                                         r"positive, finite number"):
+                                         r"finite number > 0"):
         BottleneckAdapters(reduction_factor=-1)
     with pytest.raises(ValueError, match=r"BottleneckAdapters\(placement='pfeiffer', target_modules=\['dense'\]\): "
                                          r"give one of them"):

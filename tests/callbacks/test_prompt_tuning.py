@@ -169,7 +169,7 @@ def test_text_init_without_any_tokenizer_is_refused(tiny_bert_config, tmp_path):
 
 
 def test_static_arguments_are_checked_in_init():
-    with pytest.raises(ValueError, match=r"PromptTuning\(num_virtual_tokens=0\): num_virtual_tokens must be positive"):
+    with pytest.raises(ValueError, match=r"PromptTuning\(num_virtual_tokens=0\): num_virtual_tokens must be an integer >= 1"):
         PromptTuning(num_virtual_tokens=0)
     with pytest.raises(ValueError, match=r"PromptTuning\(init='text', init_text=None\)"):
         PromptTuning(init="text")

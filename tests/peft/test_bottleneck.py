@@ -491,33 +491,35 @@ def test_a_compiled_model_saves_clean_names(tmp_path):
 
 @pytest.mark.parametrize("kwargs, error, message", [
     ({"placement": "parallel"}, ValueError,
-     r"BottleneckAdapters\(placement='parallel'\): placement must be 'houlsby' or 'pfeiffer'\."),
+     r"BottleneckAdapters\(placement='parallel'\): placement must be one of 'houlsby', 'pfeiffer'\."),
     ({"placement": "houlsby", "target_modules": ["dense"]}, ValueError,
      r"BottleneckAdapters\(placement='houlsby', target_modules=\['dense'\]\): give one of them; placement picks"),
     ({"target_modules": []}, TypeError,
      r"BottleneckAdapters\(target_modules=\[\]\): give a non-empty list of module names or dotted suffixes"),
     ({"target_modules": "(dense"}, ValueError,
-     r"BottleneckAdapters\(target_modules='\(dense'\) is not a valid regular expression"),
+     r"BottleneckAdapters\(target_modules='\(dense'\): target_modules is not a valid regular expression"),
     ({"reduction_factor": 0}, ValueError,
-     r"BottleneckAdapters\(reduction_factor=0\): reduction_factor must be a positive, finite number, e\.g\. 16\."),
+     r"BottleneckAdapters\(reduction_factor=0\): reduction_factor must be a finite number > 0, e\.g\. 16\."),
     ({"reduction_factor": "16"}, TypeError,
-     r"BottleneckAdapters\(reduction_factor='16'\): reduction_factor must be a positive, finite number"),
+     r"BottleneckAdapters\(reduction_factor='16'\): reduction_factor must be a finite number > 0"),
     ({"reduction_factor": 8, "bottleneck_size": 4}, ValueError,
      r"BottleneckAdapters\(reduction_factor=8, bottleneck_size=4\): give one of them"),
     ({"bottleneck_size": 0}, ValueError,
-     r"BottleneckAdapters\(bottleneck_size=0\): bottleneck_size must be a positive integer, e\.g\. 24\."),
+     r"BottleneckAdapters\(bottleneck_size=0\): bottleneck_size must be an integer >= 1, e\.g\. 24\."),
     ({"bottleneck_size": 2.5}, TypeError,
-     r"BottleneckAdapters\(bottleneck_size=2\.5\): bottleneck_size must be a positive integer"),
+     r"BottleneckAdapters\(bottleneck_size=2\.5\): bottleneck_size must be an integer >= 1"),
     ({"non_linearity": "softmax"}, ValueError,
-     r"BottleneckAdapters\(non_linearity='softmax'\): choose one of 'relu', 'gelu', 'gelu_tanh', 'silu', 'swish', "
+     r"BottleneckAdapters\(non_linearity='softmax'\): non_linearity must be one of 'relu', 'gelu', 'gelu_tanh', "
+     r"'silu', 'swish', "
      r"'tanh'\."),
-    ({"dropout": 1.0}, ValueError, r"BottleneckAdapters\(dropout=1\.0\): dropout must be a probability in \[0, 1\)\."),
+    ({"dropout": 1.0}, ValueError, r"BottleneckAdapters\(dropout=1\.0\): dropout must be a number in \[0, 1\), e\.g\. 0\.1\."),
     ({"dropout": True}, TypeError, r"BottleneckAdapters\(dropout=True\): dropout must be a number in \[0, 1\)"),
     ({"init_scale": 0.0}, ValueError,
-     r"BottleneckAdapters\(init_scale=0\.0\): init_scale must be a positive, finite number, e\.g\. 0\.01\."),
-    ({"init_scale": float("inf")}, ValueError, r"BottleneckAdapters\(init_scale=inf\): init_scale must be a positive"),
+     r"BottleneckAdapters\(init_scale=0\.0\): init_scale must be a finite number > 0, e\.g\. 0\.01\."),
+    ({"init_scale": float("inf")}, ValueError, r"BottleneckAdapters\(init_scale=inf\): init_scale must be a finite number > 0"),
     ({"modules_to_save": "classifier"}, TypeError,
-     r"BottleneckAdapters\(modules_to_save='classifier'\): give a list of module names, e\.g\. \['classifier'\]\."),
+     r"BottleneckAdapters\(modules_to_save='classifier'\): modules_to_save must be a list of names, e\.g\. "
+     r"\['classifier'\]\."),
 ])
 def test_invalid_settings_are_refused(kwargs, error, message):
     with pytest.raises(error, match=message):
@@ -625,7 +627,7 @@ def _edit_config(tmp_path: Path, **changes) -> None:
     ({"modules_to_save": "classifier"}, r"has modules_to_save='classifier'; it must be a list of full module names\."),
     ({"reduction_factor": None}, r"has neither reduction_factor nor bottleneck_size; it is not a complete bottleneck "
                                  r"adapter config\."),
-    ({"non_linearity": "softmax"}, r"adapter_config\.json: BottleneckAdapters\(non_linearity='softmax'\): choose one"),
+    ({"non_linearity": "softmax"}, r"adapter_config\.json: BottleneckAdapters\(non_linearity='softmax'\): non_linearity must be one of"),
     ({"target_modules": ["bert.encoder.layer.0.output.dense", "bert.pooler.gone"]},
      r"adapter_config\.json names module 'bert\.pooler\.gone', which BertForSequenceClassification does not have; "
      r"it was written for another model\."),

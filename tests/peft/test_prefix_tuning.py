@@ -346,13 +346,13 @@ def test_we_load_peft_classifier_adapter_with_the_reference_outputs(tmp_path):
 
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
-    ({"num_virtual_tokens": 0}, ValueError, r"PrefixTuning\(num_virtual_tokens=0\): num_virtual_tokens must be a "
-                                            "positive integer"),
+    ({"num_virtual_tokens": 0}, ValueError, r"PrefixTuning\(num_virtual_tokens=0\): num_virtual_tokens must be an "
+                                            "integer >= 1"),
     ({"num_virtual_tokens": 2.5}, TypeError, r"num_virtual_tokens=2.5\): .* e.g. 20"),
-    ({"prefix_projection": "yes"}, TypeError, r"PrefixTuning\(prefix_projection='yes'\): give True or False"),
+    ({"prefix_projection": "yes"}, TypeError, r"PrefixTuning\(prefix_projection='yes'\): prefix_projection must be True or False"),
     ({"encoder_hidden_size": 8}, ValueError, "sizes the projection MLP, but prefix_projection=False has none"),
-    ({"prefix_projection": True, "encoder_hidden_size": -1}, ValueError, r"encoder_hidden_size=-1\): .* positive"),
-    ({"modules_to_save": "classifier"}, TypeError, r"modules_to_save='classifier'\): give a list"),
+    ({"prefix_projection": True, "encoder_hidden_size": -1}, ValueError, r"encoder_hidden_size=-1\): encoder_hidden_size must be an integer >= 1"),
+    ({"modules_to_save": "classifier"}, TypeError, r"modules_to_save='classifier'\): modules_to_save must be a list of names"),
     ({"modules_to_save": ["head"]}, ValueError, r"\['head'\] matched no module of BertForSequenceClassification"),
 ])
 def test_bad_arguments_are_refused_and_the_model_is_unchanged(kwargs, error, match):
@@ -428,12 +428,13 @@ def test_gradient_checkpointing_is_refused_at_inject_and_in_training():
 
 def test_forward_errors_name_the_problem():
     _, model = adapted("gpt2")
-    with pytest.raises(ValueError, match="GPT2LMHeadModel got a 4-D attention_mask; .* Pass the 2-D mask"):
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel got a 4-D attention_mask of shape \(2, 1, 5, 8\); .* Pass "
+                                         "the 2-D mask"):
         model(input_ids=batch()["input_ids"], attention_mask=torch.ones(2, 1, 5, 5 + N))
-    with pytest.raises(ValueError, match="GPT2LMHeadModel was called without input_ids or inputs_embeds"):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel was called with neither input_ids nor inputs_embeds"):
         model(attention_mask=batch()["attention_mask"])
-    with pytest.raises(TypeError, match=r"GPT2LMHeadModel.forward got 12 positional arguments; it takes at most 11 "
-                                        r"\(input_ids, cache, attention_mask"):
+    with pytest.raises(TypeError, match=r"GPT2LMHeadModel.forward takes 11 positional arguments "
+                                        r"\(input_ids, cache, attention_mask.*\), but 12 were given"):
         model(*[None] * 12)
 
 
@@ -489,7 +490,7 @@ def test_loading_into_a_prefix_of_another_length_is_refused(tmp_path):
     ({"num_layers": 3}, "has num_layers=3, but GPT2LMHeadModel needs 2 .* trained for another model"),
     ({"num_attention_heads": 4}, "has num_attention_heads=4, but GPT2LMHeadModel needs 2"),
     ({"num_transformer_submodules": 2}, "num_transformer_submodules=2 .* decoder and encoder models only"),
-    ({"num_virtual_tokens": None}, "num_virtual_tokens=None; it is not a complete prefix config"),
+    ({"num_virtual_tokens": None}, "num_virtual_tokens=None; it is not a complete prefix tuning config"),
 ])
 def test_a_peft_config_that_does_not_fit_is_refused_and_the_model_is_unchanged(changes, match, tmp_path):
     saved_peft_adapter(tmp_path, **changes)

@@ -471,10 +471,10 @@ def test_generate_with_a_cache_equals_greedy_decoding_by_full_forwards(family):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"num_virtual_tokens": 0}, ValueError, r"num_virtual_tokens=0\): num_virtual_tokens must be positive"),
-        ({"num_virtual_tokens": "8"}, TypeError, r"num_virtual_tokens='8'\): give a positive integer"),
-        ({"num_virtual_tokens": True}, TypeError, r"num_virtual_tokens=True\): give a positive integer"),
-        ({"init": "sample"}, ValueError, r"init='sample'\): init must be 'random', 'vocab' or 'text'"),
+        ({"num_virtual_tokens": 0}, ValueError, r"num_virtual_tokens=0\): num_virtual_tokens must be an integer >= 1"),
+        ({"num_virtual_tokens": "8"}, TypeError, r"num_virtual_tokens='8'\): num_virtual_tokens must be an integer >= 1"),
+        ({"num_virtual_tokens": True}, TypeError, r"num_virtual_tokens=True\): num_virtual_tokens must be an integer >= 1"),
+        ({"init": "sample"}, ValueError, r"init='sample'\): init must be one of 'random', 'vocab', 'text'"),
         ({"init": "text"}, ValueError, r"init_text=None\): give the text whose token embeddings start the prompt"),
         ({"init_text": "hello"}, ValueError, r"init_text is only read with init='text'"),
         ({"init": "text", "init_text": "hi"}, ValueError, r"init='text'\): give the model's tokenizer"),
@@ -483,7 +483,7 @@ def test_generate_with_a_cache_equals_greedy_decoding_by_full_forwards(family):
          r"init_text='hi'\): the tokenizer turns the text into no tokens"),
         ({"init": "text", "init_text": "hi", "tokenizer": _Tokenizer([3, 100])}, ValueError,
          r"gives token id 100, but the model's vocabulary has 64 entries"),
-        ({"modules_to_save": "classifier"}, TypeError, r"modules_to_save='classifier'\): give a list"),
+        ({"modules_to_save": "classifier"}, TypeError, r"modules_to_save='classifier'\): modules_to_save must be a list of names"),
         ({"modules_to_save": ["head"]}, ValueError, r"\['head'\] matched no module of BertForSequenceClassification"),
         ({"num_virtual_tokens": POSITIONS}, ValueError, r"has 32 learned positions, so the prompt leaves no room"),
     ],
@@ -551,7 +551,7 @@ def test_forward_errors():
             model(attention_mask=_mask())
         with pytest.raises(ValueError, match=r"called with both input_ids and inputs_embeds"):
             model(input_ids=ids, inputs_embeds=model.get_input_embeddings()(ids))
-        with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 1, 7, 7\); prompt tuning extends a 2-D"):
+        with pytest.raises(ValueError, match=r"got a 4-D attention_mask of shape \(2, 1, 7, 7\); the 4 positions in front extend the 2-D"):
             model(input_ids=ids, attention_mask=torch.ones(2, 1, 7, 7))
         with pytest.raises(TypeError, match=r"forward takes 6 positional arguments \(input_ids, attention_mask, "):
             model(ids, None, None, None, None, None, None)
@@ -591,7 +591,7 @@ def _peft_dir(tmp_path: Path, **changes) -> Path:
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
-        ({"num_virtual_tokens": None}, r"has num_virtual_tokens=None; it is not a complete prompt-tuning config"),
+        ({"num_virtual_tokens": None}, r"has num_virtual_tokens=None; it is not a complete prompt tuning config"),
         ({"num_transformer_submodules": 2}, r"num_transformer_submodules=2 \(an encoder-decoder prompt\)"),
         ({"token_dim": 32}, r"has token_dim=32, but BertForSequenceClassification's input embeddings are 16 wide"),
     ],
@@ -613,7 +613,7 @@ def test_loading_into_a_prompt_of_another_length_is_refused(tmp_path):
 
 
 def test_from_peft_refuses_another_peft_type():
-    with pytest.raises(ValueError, match=r"x has peft_type='LORA'; expected 'PROMPT_TUNING'"):
+    with pytest.raises(ValueError, match=r"x has peft_type='LORA', not 'PROMPT_TUNING'"):
         PromptTuningAdapter.from_peft(_base("bert"), {"peft_type": "LORA"}, "x")
 
 

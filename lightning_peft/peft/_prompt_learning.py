@@ -1,0 +1,121 @@
+"""What prompt tuning and prefix tuning share on the adapter protocol (Hugging Face PEFT's "prompt learning").
+
+Both keep their trained tensors in one small module attached to the Hugging Face model (``module_name``), change
+each call with a forward pre-hook, and may train ``modules_to_save`` (a task head) in full. Both save in PEFT's
+prompt-learning layout: ``adapter_model.safetensors`` holds ``prompt_embeddings`` (the prompt, or the prefix table)
+and ``base_model.<module path>.<param>`` for saved modules (PEFT keeps a prompt-learning model at ``base_model``,
+one level higher than for LoRA); these are full file keys, so ``peft_key_prefix`` is empty. Neither merges.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+from torch import Tensor, nn
+
+from .adapter import Adapter, base_model_name, clean_key, detach, unwrap
+from .modules_to_save import peft_saved_state, restore_modules, saved_state
+
+#: The key of the prompt (prompt tuning) or prefix table (prefix tuning) in PEFT's ``adapter_model.safetensors``.
+PEFT_PROMPT_KEY = "prompt_embeddings"
+#: Prefix of ``modules_to_save`` keys in PEFT's file for prompt-learning methods.
+PEFT_MODULE_PREFIX = "base_model."
+
+# PEFT's task type by Hugging Face model class-name suffix: which PeftModelFor* class from_pretrained builds.
+_TASK_TYPES = {"ForSequenceClassification": "SEQ_CLS", "ForCausalLM": "CAUSAL_LM", "LMHeadModel": "CAUSAL_LM",
+               "ForTokenClassification": "TOKEN_CLS", "ForQuestionAnswering": "QUESTION_ANS"}
+
+
+def task_type(model: nn.Module) -> str | None:
+    """PEFT's task type for a Hugging Face task model, else None."""
+    name = type(model).__name__
+    return next((task for suffix, task in _TASK_TYPES.items() if name.endswith(suffix)), None)
+
+
+class PromptLearningAdapter(Adapter):
+    """The shared half of :class:`~lightning_peft.peft.prompt_tuning.PromptTuningAdapter` and
+    :class:`~lightning_peft.peft.prefix_tuning.PrefixTuningAdapter`.
+
+    A subclass sets ``module_name`` (where its module sits on the model), ``technique`` (``"prompt tuning"``),
+    ``thing`` (``"prompt"``) and ``no_merge`` (why it cannot merge), and implements :meth:`table` and
+    :meth:`remove_hook`.
+
+    Args:
+        modules_to_save: Full names of the modules trained and saved in full.
+    """
+
+    mergeable: ClassVar[bool] = False
+    peft_key_prefix: ClassVar[str] = ""
+    module_name: ClassVar[str]
+    technique: ClassVar[str]
+    thing: ClassVar[str]
+    no_merge: ClassVar[str]
+
+    def __init__(self, modules_to_save: Iterable[str]) -> None:
+        self.modules_to_save = tuple(modules_to_save)
+
+    @abstractmethod
+    def table(self, model: nn.Module) -> Tensor:
+        """What PEFT saves as ``prompt_embeddings``: ``(n, width)``."""
+
+    @abstractmethod
+    def remove_hook(self, model: nn.Module) -> None:
+        """Remove the forward pre-hook the inject function registered."""
+
+    def state(self, model: nn.Module) -> dict[str, Tensor]:
+        model = unwrap(model)
+        own = model.get_submodule(self.module_name).state_dict(prefix=f"{self.module_name}.", keep_vars=True)
+        return {**own, **saved_state(model, self.modules_to_save)}
+
+    def unload(self, model: nn.Module, merge: bool) -> None:
+        if merge:
+            raise RuntimeError(self.no_merge)
+        model = unwrap(model)
+        self.remove_hook(model)
+        delattr(model, self.module_name)
+        restore_modules(model, self.modules_to_save)
+        detach(model, self.kind)
+
+    def peft_state(self, model: nn.Module) -> dict[str, Tensor]:
+        """PEFT's full file keys: ``prompt_embeddings`` and ``base_model.<module>.<param>`` for saved modules."""
+        saved = peft_saved_state(unwrap(model), self.modules_to_save, PEFT_MODULE_PREFIX)
+        return {PEFT_PROMPT_KEY: self.table(model), **saved}
+
+    def peft_common(self, model: nn.Module, task: str | None, num_virtual_tokens: int, token_dim: int,
+                    num_attention_heads: int | None, num_layers: int | None) -> dict[str, Any]:
+        """The ``adapter_config.json`` fields every PEFT prompt-learning config has."""
+        return {
+            "peft_type": self.peft_type,
+            "task_type": task,
+            "base_model_name_or_path": base_model_name(model),
+            "revision": None,
+            "inference_mode": True,
+            "num_virtual_tokens": num_virtual_tokens,
+            "token_dim": token_dim,
+            "num_transformer_submodules": 1,
+            "num_attention_heads": num_attention_heads,
+            "num_layers": num_layers,
+            "modules_to_save": [clean_key(n) for n in self.modules_to_save] or None,
+        }
+
+    @classmethod
+    def peft_num_virtual_tokens(cls, config: Any, source: str) -> int:
+        """``num_virtual_tokens`` of a PEFT config of this technique; raises for another type or an
+        encoder-decoder config (two stacks)."""
+        if not isinstance(config, dict) or config.get("peft_type") != cls.peft_type:
+            peft_type = config.get("peft_type") if isinstance(config, dict) else type(config).__name__
+            raise ValueError(f"load_adapter: {source} has peft_type={peft_type!r}, not {cls.peft_type!r}.")
+        submodules = config.get("num_transformer_submodules")
+        if submodules not in (None, 1):
+            raise ValueError(
+                f"load_adapter: {source} has num_transformer_submodules={submodules!r} (an encoder-decoder "
+                f"{cls.thing}); lightning-peft's {cls.technique} covers one stack, of decoder and encoder models only. "
+                "Load it with Hugging Face PEFT instead."
+            )
+        n = config.get("num_virtual_tokens")
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"load_adapter: {source} has num_virtual_tokens={n!r}; it is not a complete "
+                             f"{cls.technique} config (a positive integer is needed).")
+        return n
