@@ -704,3 +704,18 @@ def test_a_target_entry_that_matches_nothing_is_an_error_naming_it():
     with pytest.raises(ValueError, match=r"BottleneckAdapters\(target_modules=\['0', '7'\]\): '7' matched no module "
                        r"of Sequential"):
         inject_bottleneck_adapters(model, target_modules=["0", "7"], reduction_factor=4)
+
+
+def test_protocol_members_training_only_matches_and_wrapped():
+    from lightning_peft.peft.adapter import wrapped_layers
+
+    model = _bert()
+    layers = inject_bottleneck_adapters(model, dropout=0.1)
+    adapter = attached(model)["bottleneck"]
+    assert BottleneckAdapter.training_only == ("dropout", "init_scale")
+    assert adapter.wrapped(model) == layers == wrapped_layers(model)  # strategies see the base layers through it
+    assert all(isinstance(layer.base_layer, nn.Linear) for layer in adapter.wrapped(model).values())
+    assert adapter.matches(adapter.config_dict())
+    assert adapter.matches({"config": BottleneckConfig(dropout=0.1).to_dict()})  # a callback's request
+    assert not adapter.matches({"config": BottleneckConfig(placement="pfeiffer", dropout=0.1).to_dict()})
+    assert not adapter.matches({**adapter.config_dict(), "targets": adapter.config_dict()["targets"][:1]})

@@ -78,3 +78,63 @@ def test_wrapper_reads_attributes_of_the_trained_copy():
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
     inject_lora(model, rank=2, target_modules=["0"], modules_to_save=["1"])
     assert model[1].out_features == 2 and model[1].weight is model[1].trained_module.weight
+
+
+# ------------------------------------------------------- one selection for every technique (bottleneck, prompt, prefix)
+
+
+def _families():
+    from lightning_peft.peft import inject_bottleneck_adapters, inject_prefix_tuning, inject_prompt_tuning
+
+    return {
+        "bottleneck": lambda m, **kw: inject_bottleneck_adapters(m, reduction_factor=4, **kw),
+        "prompt_tuning": lambda m, **kw: inject_prompt_tuning(m, num_virtual_tokens=2, **kw),
+        "prefix_tuning": lambda m, **kw: inject_prefix_tuning(m, num_virtual_tokens=2, **kw),
+    }
+
+
+def _classifier(kind: str = "bert") -> nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    sizes = {"vocab_size": 32, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "intermediate_size": 16, "max_position_embeddings": 20}
+    if kind == "roberta":  # its head is a block: classifier.dense -> classifier.out_proj
+        return transformers.RobertaForSequenceClassification(transformers.RobertaConfig(**sizes, pad_token_id=1))
+    return transformers.BertForSequenceClassification(transformers.BertConfig(**sizes))
+
+
+@pytest.mark.parametrize("family", ["bottleneck", "prompt_tuning", "prefix_tuning"])
+def test_a_head_another_technique_wraps_is_left_to_it(family):
+    """The filter every technique shares: a task head that is a LoRA layer is neither copied nor trained twice
+    (before, no technique checked for a wrapped layer, and bottleneck adapters only for a saved head itself)."""
+    from lightning_peft.peft import attached
+
+    inject = _families()[family]
+    model = _classifier()
+    inject_lora(model, rank=2, target_modules=["classifier"], modules_to_save=[])  # the head is a LoRALinear
+    lora_head = model.classifier
+    with pytest.raises(ValueError, match=r"modules_to_save=\['classifier'\]\): 'classifier' is a layer another "
+                                         r"adapter wraps \(LoRALinear\); leave it out of modules_to_save here\."):
+        inject(model, modules_to_save=["classifier"])
+    assert list(attached(model)) == ["lora"]
+    inject(model)  # default: the task head, unless another technique owns it
+    assert model.classifier is lora_head and attached(model)[family].modules_to_save == ()
+    assert {n for n, p in lora_head.named_parameters() if p.requires_grad} == {"lora_A.default.weight",
+                                                                               "lora_B.default.weight"}
+
+
+@pytest.mark.parametrize("family", ["bottleneck", "prompt_tuning", "prefix_tuning"])
+def test_a_head_that_holds_a_module_another_technique_saves_is_left_to_it(family):
+    from lightning_peft.peft import attached
+
+    inject = _families()[family]
+    model = _classifier("roberta")
+    inject_lora(model, rank=2, target_modules=["query"], modules_to_save=["out_proj"])
+    saved = model.classifier.out_proj
+    with pytest.raises(ValueError, match=r"'classifier' holds 'classifier\.out_proj', which is already trained and "
+                                         r"saved in full by another adapter on this model"):
+        inject(model, modules_to_save=["classifier"])
+    inject(model)
+    assert model.classifier.out_proj is saved and attached(model)[family].modules_to_save == ()
+    assert not any(isinstance(m, ModulesToSave) for m in saved.trained_module.modules())

@@ -520,3 +520,18 @@ def test_a_head_lora_already_saves_is_left_to_lora():
     assert model.classifier is lora_head and isinstance(lora_head.trained_module, nn.Linear)
     assert not isinstance(lora_head.trained_module, ModulesToSave)
     assert attached(model)["prefix_tuning"].modules_to_save == ()
+
+
+def test_protocol_members_training_only_matches_and_wrapped():
+    from lightning_peft.peft.prefix_tuning import PrefixTuningConfig
+
+    model = _gpt2()
+    inject_prefix_tuning(model, num_virtual_tokens=N, prefix_projection=True, encoder_hidden_size=8)
+    adapter = prefix_tuning_spec(model)
+    asked = {"config": PrefixTuningConfig(N, prefix_projection=True, encoder_hidden_size=8).to_dict()}
+    assert PrefixTuningAdapter.training_only == () and adapter.wrapped(model) == {}
+    assert adapter.matches(adapter.config_dict()) and adapter.matches(asked)
+    assert not adapter.matches({"config": PrefixTuningConfig(N).to_dict()})  # the MLP is still there
+    fold_prefix_projection(model)
+    assert adapter.matches(asked) and adapter.matches({"config": PrefixTuningConfig(N).to_dict()})  # a table now
+    assert not adapter.matches({"config": PrefixTuningConfig(N + 1).to_dict()})

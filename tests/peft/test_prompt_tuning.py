@@ -621,3 +621,14 @@ def test_prompt_embedding_module():
     prompt = PromptEmbedding(torch.arange(6.0).view(3, 2), position_limit=None)
     assert prompt(2, torch.float64).shape == (2, 3, 2) and prompt(2, torch.float64).dtype == torch.float64
     assert repr(prompt) == "PromptEmbedding(num_virtual_tokens=3, dim=2)"
+
+
+def test_protocol_members_training_only_matches_and_wrapped():
+    model = _base("bert")
+    inject_prompt_tuning(model, num_virtual_tokens=N, init="vocab")
+    adapter = attached(model)["prompt_tuning"]
+    assert PromptTuningAdapter.training_only == ("init",)  # how the prompt started steers training only
+    assert adapter.matches(adapter.config_dict())
+    assert adapter.matches({"config": {"num_virtual_tokens": N, "init": {"init": "random"}}})
+    assert not adapter.matches({"config": {"num_virtual_tokens": N + 1}})
+    assert adapter.wrapped(model) == {}  # it wraps no base layer
