@@ -21,6 +21,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
+from .adapter import Adapter, attached, unwrap
+
 Targets = list[str] | str
 
 # Hugging Face task models and the heads from_pretrained creates for them (PEFT's task types save the same).
@@ -82,6 +84,14 @@ def refuse_second_injection(who: str, model: nn.Module, found: str | None, techn
             f"{who}: {type(model).__name__} already has {found}; {technique} injected twice. Use the model as it is, "
             "or build a fresh one."
         )
+
+
+def require(model: nn.Module, kind: str, who: str, what: str, inject: str) -> Adapter:
+    """The ``kind`` adapter of ``model``; raises, naming ``what`` it lacks and the ``inject`` function, if none."""
+    adapter = attached(model).get(kind)
+    if adapter is None:
+        raise RuntimeError(f"{who}: {type(unwrap(model)).__name__} has no {what}; call {inject}(model, ...) first.")
+    return adapter
 
 
 def refuse_absent(model: nn.Module, names: Iterable[str], where: str) -> None:

@@ -98,7 +98,7 @@ from ._bottleneck_config import (
 )
 from ._bottleneck_layers import NON_LINEARITIES, Bottleneck, BottleneckLayer, Projection, output_size
 from ._bottleneck_select import check_targets, select
-from ._common import adapter_dtype, refuse_absent, refuse_second_injection
+from ._common import adapter_dtype, refuse_absent, refuse_second_injection, require
 from .adapter import (
     Adapter, attach, attached, base_model_name, clean_key, detach, register, remove_adapter, trainable_parameters,
     unwrap,
@@ -199,12 +199,8 @@ def unload_bottleneck_adapters(model: nn.Module) -> nn.Module:
     Raises:
         RuntimeError: If ``model`` has no bottleneck adapter.
     """
-    adapter = attached(model).get("bottleneck")
-    if adapter is None:
-        raise RuntimeError(
-            f"unload_bottleneck_adapters: {type(unwrap(model)).__name__} has no bottleneck adapter; call "
-            "inject_bottleneck_adapters(model, ...) first."
-        )
+    adapter = require(model, BottleneckAdapter.kind, "unload_bottleneck_adapters", "bottleneck adapter",
+                      "inject_bottleneck_adapters")
     return remove_adapter(model, adapter, merge=False)
 
 

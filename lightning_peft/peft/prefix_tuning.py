@@ -61,7 +61,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import boolean, integer, names
-from ._common import refuse_absent, refuse_second_injection
+from ._common import refuse_absent, refuse_second_injection, require
 from ._prefix import PREFIX_ATTRIBUTE, PrefixEncoder, PrefixHook, cache_module, geometry, refuse_gradient_checkpointing
 from ._prompt_learning import PromptLearningAdapter, task_type
 from .adapter import attach, attached, refreeze, register, remove_adapter, trainable_parameters, unwrap
@@ -278,13 +278,7 @@ def prefix_tuning_spec(model: nn.Module) -> PrefixTuningAdapter | None:
 
 
 def _require(model: nn.Module, who: str) -> PrefixTuningAdapter:
-    spec = prefix_tuning_spec(model)
-    if spec is None:
-        raise RuntimeError(
-            f"{who}: {type(unwrap(model)).__name__} has no prefix-tuning adapter; call "
-            "inject_prefix_tuning(model, ...) first."
-        )
-    return spec
+    return require(model, PrefixTuningAdapter.kind, who, "prefix-tuning adapter", "inject_prefix_tuning")
 
 
 def inject_prefix_tuning(

@@ -57,7 +57,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import choice, integer, names
-from ._common import adapter_dtype, refuse_absent, refuse_second_injection
+from ._common import adapter_dtype, refuse_absent, refuse_second_injection, require
 from ._prompt import (
     PROMPT_MODULE,
     PromptEmbedding,
@@ -216,12 +216,7 @@ def unload_prompt_tuning(model: nn.Module) -> nn.Module:
     Raises:
         RuntimeError: If ``model`` has no prompt.
     """
-    adapter = attached(model).get("prompt_tuning")
-    if adapter is None:
-        raise RuntimeError(
-            f"unload_prompt_tuning: {type(unwrap(model)).__name__} has no soft prompt; call "
-            "inject_prompt_tuning(model, ...) first."
-        )
+    adapter = require(model, PromptTuningAdapter.kind, "unload_prompt_tuning", "soft prompt", "inject_prompt_tuning")
     return remove_adapter(model, adapter, merge=False)
 
 
