@@ -110,11 +110,12 @@ def claimed(model: nn.Module, name: str) -> str | None:
     (copying it would move that technique's parameters)."""
     for inner, module in model.get_submodule(name).named_modules(prefix=name):
         if isinstance(module, ModulesToSave):
-            whose = "is" if inner == name else f"holds {inner!r}, which is"
-            return f"{whose} already trained and saved in full by another adapter on this model"
-        if wraps_a_layer(module):
-            whose = "is" if inner == name else f"holds {inner!r}, which is"
-            return f"{whose} a layer another adapter wraps ({type(module).__name__})"
+            what = "already trained and saved in full by another adapter on this model"
+        elif wraps_a_layer(module):
+            what = f"a layer another adapter wraps ({type(module).__name__})"
+        else:
+            continue
+        return ("is " if inner == name else f"holds {inner!r}, which is ") + what
     return None
 
 
