@@ -200,7 +200,8 @@ def _inject(model: nn.Module, weight: Tensor, record: dict[str, Any], to_save: l
 def _empty_prompt(model: nn.Module, n: int, who: str) -> Tensor:
     """A zero prompt (n, d) for a prompt whose weights are loaded afterwards."""
     embeddings = input_embeddings(model, who)
-    return torch.zeros(n, token_dim(embeddings), dtype=adapter_dtype(embeddings.weight), device=embeddings.weight.device)
+    weight = embeddings.weight
+    return torch.zeros(n, token_dim(embeddings), dtype=adapter_dtype(weight), device=weight.device)
 
 
 def prompt_embedding(model: nn.Module) -> PromptEmbedding | None:

@@ -512,11 +512,13 @@ def test_a_compiled_model_saves_clean_names(tmp_path):
      r"BottleneckAdapters\(non_linearity='softmax'\): non_linearity must be one of 'relu', 'gelu', 'gelu_tanh', "
      r"'silu', 'swish', "
      r"'tanh'\."),
-    ({"dropout": 1.0}, ValueError, r"BottleneckAdapters\(dropout=1\.0\): dropout must be a number in \[0, 1\), e\.g\. 0\.1\."),
+    ({"dropout": 1.0}, ValueError,
+     r"BottleneckAdapters\(dropout=1\.0\): dropout must be a number in \[0, 1\), e\.g\. 0\.1\."),
     ({"dropout": True}, TypeError, r"BottleneckAdapters\(dropout=True\): dropout must be a number in \[0, 1\)"),
     ({"init_scale": 0.0}, ValueError,
      r"BottleneckAdapters\(init_scale=0\.0\): init_scale must be a finite number > 0, e\.g\. 0\.01\."),
-    ({"init_scale": float("inf")}, ValueError, r"BottleneckAdapters\(init_scale=inf\): init_scale must be a finite number > 0"),
+    ({"init_scale": float("inf")}, ValueError,
+     r"BottleneckAdapters\(init_scale=inf\): init_scale must be a finite number > 0"),
     ({"modules_to_save": "classifier"}, TypeError,
      r"BottleneckAdapters\(modules_to_save='classifier'\): modules_to_save must be a list of names, e\.g\. "
      r"\['classifier'\]\."),
@@ -627,7 +629,8 @@ def _edit_config(tmp_path: Path, **changes) -> None:
     ({"modules_to_save": "classifier"}, r"has modules_to_save='classifier'; it must be a list of full module names\."),
     ({"reduction_factor": None}, r"has neither reduction_factor nor bottleneck_size; it is not a complete bottleneck "
                                  r"adapter config\."),
-    ({"non_linearity": "softmax"}, r"adapter_config\.json: BottleneckAdapters\(non_linearity='softmax'\): non_linearity must be one of"),
+    ({"non_linearity": "softmax"},
+     r"adapter_config\.json: BottleneckAdapters\(non_linearity='softmax'\): non_linearity must be one of"),
     ({"target_modules": ["bert.encoder.layer.0.output.dense", "bert.pooler.gone"]},
      r"adapter_config\.json names module 'bert\.pooler\.gone', which BertForSequenceClassification does not have; "
      r"it was written for another model\."),

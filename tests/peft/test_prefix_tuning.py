@@ -349,10 +349,11 @@ def test_we_load_peft_classifier_adapter_with_the_reference_outputs(tmp_path):
     ({"num_virtual_tokens": 0}, ValueError, r"PrefixTuning\(num_virtual_tokens=0\): num_virtual_tokens must be an "
                                             "integer >= 1"),
     ({"num_virtual_tokens": 2.5}, TypeError, r"num_virtual_tokens=2.5\): .* e.g. 20"),
-    ({"prefix_projection": "yes"}, TypeError, r"PrefixTuning\(prefix_projection='yes'\): prefix_projection must be True or False"),
+    ({"prefix_projection": "yes"}, TypeError, r"PrefixTuning\(prefix_projection='yes'\): prefix_projection must be True"),
     ({"encoder_hidden_size": 8}, ValueError, "sizes the projection MLP, but prefix_projection=False has none"),
-    ({"prefix_projection": True, "encoder_hidden_size": -1}, ValueError, r"encoder_hidden_size=-1\): encoder_hidden_size must be an integer >= 1"),
-    ({"modules_to_save": "classifier"}, TypeError, r"modules_to_save='classifier'\): modules_to_save must be a list of names"),
+    ({"prefix_projection": True, "encoder_hidden_size": -1}, ValueError,
+     r"encoder_hidden_size=-1\): encoder_hidden_size must be an integer >= 1"),
+    ({"modules_to_save": "classifier"}, TypeError, r"modules_to_save='classifier'\): modules_to_save must be a list"),
     ({"modules_to_save": ["head"]}, ValueError, r"\['head'\] matched no module of BertForSequenceClassification"),
 ])
 def test_bad_arguments_are_refused_and_the_model_is_unchanged(kwargs, error, match):
