@@ -10,6 +10,7 @@ import pytest
 MODULES = ["lightning_peft.peft.lora", "lightning_peft.peft.multi_lora", "lightning_peft.peft.bottleneck",
            "lightning_peft.peft.prompt_tuning", "lightning_peft.peft.prefix_tuning", "lightning_peft.modules.hf",
            "lightning_peft.data.bbc_news", "lightning_peft.data.bbc_news_lm",
+           "lightning_peft.data.bbc_corpus", "lightning_peft.data.batches",
            "lightning_peft.nn.attention", "lightning_peft.nn.transformer", "lightning_peft.nn.token_pruning",
            "lightning_peft.nn.moe", "lightning_peft.nn.reversible", "lightning_peft.nn.attention_backends",
            "lightning_peft.nn.attention_functional", "lightning_peft.nn.rotary", "lightning_peft.nn.feed_forward",
