@@ -89,6 +89,7 @@ def select_backend(
 
     Raises:
         ValueError: If ``backend`` is not one of :data:`BACKENDS` or ``dropout_p`` is outside [0, 1).
+        TypeError: If ``dropout_p`` is not a number.
         RuntimeError: If ``backend="flash_attn"`` cannot run here; the message lists every reason.
 
     Example:

@@ -90,7 +90,7 @@ def attention(
 
     Raises:
         ValueError: On shapes that do not fit, an unknown backend, or dropout outside [0, 1).
-        TypeError: On a float key_padding_mask.
+        TypeError: On a float key_padding_mask, or a ``dropout_p`` that is not a number.
         RuntimeError: If ``backend="flash_attn"`` cannot run here.
 
     Example:
