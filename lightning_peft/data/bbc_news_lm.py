@@ -31,13 +31,10 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_peft.data.bbc_news import (
-    EpochShuffleSampler,
-    _check_fractions,
-    load_bbc_news,
-    stratified_split,
-)
+from lightning_peft._checks import integer
 from lightning_peft._pretrained import resolve_pretrained
+from lightning_peft.data.batches import EpochShuffleSampler
+from lightning_peft.data.bbc_corpus import check_fractions, load_bbc_news, stratified_split
 
 __all__ = ["BBCNewsLMDataModule", "IGNORE_INDEX", "pack_blocks"]
 
@@ -91,14 +88,6 @@ class _Blocks(Dataset):
         return {key: value[index] for key, value in self.tensors.items()}
 
 
-def _check_at_least(name: str, value: object, minimum: int, optional: bool = False) -> None:
-    """Raises a ValueError naming BBCNewsLMDataModule unless ``value`` is an int >= ``minimum``."""
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"BBCNewsLMDataModule({name}={value!r}): {name} must be an integer >= {minimum}.")
-
-
 def _first_per_class(labels: list[int], limit: int | None) -> list[int]:
     """Indices of the first ``limit`` articles of each class (all of them when ``limit`` is None)."""
     if limit is None:
@@ -127,6 +116,7 @@ class BBCNewsLMDataModule(LightningDataModule):
         num_workers: DataLoader worker processes.
 
     Raises:
+        TypeError: If an argument has the wrong type.
         ValueError: If an argument is out of range.
 
     Example:
@@ -147,11 +137,12 @@ class BBCNewsLMDataModule(LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
-        _check_fractions("BBCNewsLMDataModule", val_fraction, test_fraction)
-        _check_at_least("block_size", block_size, 2)
-        _check_at_least("batch_size", batch_size, 1)
-        _check_at_least("limit_per_class", limit_per_class, 1, optional=True)
-        _check_at_least("num_workers", num_workers, 0)
+        check_fractions("BBCNewsLMDataModule", val_fraction, test_fraction)
+        integer("BBCNewsLMDataModule", "block_size", block_size, minimum=2)
+        integer("BBCNewsLMDataModule", "batch_size", batch_size, minimum=1)
+        if limit_per_class is not None:
+            integer("BBCNewsLMDataModule", "limit_per_class", limit_per_class, minimum=1)
+        integer("BBCNewsLMDataModule", "num_workers", num_workers, minimum=0)
         self.save_hyperparameters()
         self.tokenizer_name = tokenizer
         self.block_size = block_size

@@ -39,6 +39,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torchmetrics import Metric
 
+from lightning_peft._checks import integer
 from lightning_peft.modules.hf import (
     ClassifierSteps,
     _check_num_labels,
@@ -158,11 +159,7 @@ class EncoderClassifier(ClassifierSteps):
         backend: str = "auto",
     ) -> None:
         super().__init__()
-        if isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 2:
-            raise ValueError(
-                f"EncoderClassifier(num_labels={num_labels!r}): num_labels must be an integer >= 2 "
-                "(the number of classes of the data)."
-            )
+        integer("EncoderClassifier", "num_labels", num_labels, minimum=2, meaning="the number of classes of the data")
         _check_args("EncoderClassifier", learning_rate, weight_decay, warmup_fraction)
         if not 0 <= classifier_dropout < 1:
             raise ValueError(
@@ -410,10 +407,7 @@ class CausalLM(LightningModule):
         Raises:
             ValueError: If ``max_new_tokens`` is negative or ``temperature`` is negative.
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(
-                f"CausalLM.generate(max_new_tokens={max_new_tokens!r}): must be an integer >= 0."
-            )
+        integer("CausalLM.generate", "max_new_tokens", max_new_tokens, minimum=0)
         if not temperature >= 0:
             raise ValueError(
                 f"CausalLM.generate(temperature={temperature!r}): temperature must be >= 0 (0 = greedy)."

@@ -256,11 +256,9 @@ def _set_pad_token(model: nn.Module, tokenizer: Any) -> None:
 
 def _check_args(num_labels: int, learning_rate: float, weight_decay: float, warmup_ratio: float) -> None:
     """Validates the constructor arguments of `HFSequenceClassifier`."""
-    if isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 2:
-        raise ValueError(
-            f"HFSequenceClassifier(num_labels={num_labels!r}): num_labels must be an integer >= 2 "
-            "(the number of classes of the data)."
-        )
+    from lightning_peft._checks import integer
+
+    integer("HFSequenceClassifier", "num_labels", num_labels, minimum=2, meaning="the number of classes of the data")
     if not learning_rate > 0:
         raise ValueError(
             f"HFSequenceClassifier(learning_rate={learning_rate!r}): learning_rate must be positive, "

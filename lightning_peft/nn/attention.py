@@ -35,452 +35,37 @@ tensor                   shape                         meaning
 :func:`attention_received` (B, Lk) float32             attention each key receives, mean over heads and queries
 :class:`FlashAttention`  (B, L, hidden) -> same
 =======================  ============================  =========================================================
+
+Where each piece lives (every name stays importable from here): `lightning_peft.nn.attention_backends`
+(:func:`select_backend`, :func:`flash_attn_available`, the kernels' calls), `lightning_peft.nn.attention_functional`
+(:func:`attention`, :func:`packed_attention`, :func:`attention_received`), `lightning_peft.nn.rotary`
+(:class:`RotaryEmbedding`, :func:`apply_rotary`); :class:`FlashAttention`, the module, is here.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import math
-
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-BACKENDS = ("auto", "flash_attn", "sdpa")
-FLASH_DTYPES = (torch.float16, torch.bfloat16)
-FLASH_MAX_HEAD_DIM = 256
-
-__all__ = ["BACKENDS", "FlashAttention", "RotaryEmbedding", "apply_rotary", "attention", "attention_received",
-           "flash_attn_available", "select_backend"]
-
-
-# ------------------------------------------------------------------------------------------------ dispatch
-
-
-@functools.cache
-def _flash_attn_module():
-    """The ``flash_attn`` module, or None where it does not import (not installed, or built for another CUDA)."""
-    try:
-        return importlib.import_module("flash_attn")
-    except ImportError:
-        return None
-
-
-def flash_attn_available() -> bool:
-    """Whether the ``flash-attn`` package imports here (it is a CUDA-only, optional extra).
-
-    Example:
-        >>> isinstance(flash_attn_available(), bool)
-        True
-    """
-    return _flash_attn_module() is not None
-
-
-def _flash_attn_obstacles(q: Tensor, causal: bool, key_padding_mask: Tensor | None) -> list[str]:
-    """Why the flash_attn backend cannot run on these inputs (empty where it can)."""
-    reasons = []
-    if not flash_attn_available():
-        reasons.append("the flash_attn package is not installed (pip install flash-attn; it builds only with CUDA)")
-    if q.device.type != "cuda":
-        reasons.append(f"q is on {q.device.type}, flash-attn needs a CUDA device")
-    if q.dtype not in FLASH_DTYPES:
-        reasons.append(f"q is {q.dtype}, flash-attn needs torch.float16 or torch.bfloat16")
-    if q.shape[-1] > FLASH_MAX_HEAD_DIM:
-        reasons.append(f"head_dim is {q.shape[-1]}, flash-attn supports at most {FLASH_MAX_HEAD_DIM}")
-    if causal and key_padding_mask is not None and key_padding_mask.shape[-1] != q.shape[-2]:
-        reasons.append("causal attention with a key_padding_mask needs as many queries as keys on flash-attn")
-    return reasons
-
-
-def select_backend(
-    q: Tensor,
-    backend: str = "auto",
-    *,
-    key_padding_mask: Tensor | None = None,
-    dropout_p: float = 0.0,
-    causal: bool = False,
-) -> str:
-    """The backend :func:`attention` runs for these inputs: ``"flash_attn"`` or ``"sdpa"``.
-
-    ``"auto"`` picks flash_attn where it can run (package importable, CUDA, fp16/bf16, head_dim <= 256) and sdpa
-    elsewhere; a forced backend is returned as is, or refused with the reasons it cannot run.
-
-    Args:
-        q: The queries (B, H, Lq, D); their device, dtype and head size decide.
-        backend: ``"auto"``, ``"flash_attn"`` or ``"sdpa"``.
-        key_padding_mask: The (B, Lk) mask, if any (flash-attn cannot take causal + padding with Lq != Lk).
-        dropout_p: Attention dropout (both backends support it; sdpa then runs its quadratic-memory math kernel).
-        causal: Whether the attention is causal.
-
-    Returns:
-        ``"flash_attn"`` or ``"sdpa"``.
-
-    Raises:
-        ValueError: If ``backend`` is not one of :data:`BACKENDS` or ``dropout_p`` is outside [0, 1).
-        RuntimeError: If ``backend="flash_attn"`` cannot run here; the message lists every reason.
-
-    Example:
-        >>> select_backend(torch.zeros(1, 2, 4, 8))  # CPU float32: SDPA's fused CPU kernel
-        'sdpa'
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"attention(backend={backend!r}): unknown backend; choose one of {BACKENDS}.")
-    _check_dropout(dropout_p, "attention")
-    if backend == "sdpa":
-        return "sdpa"
-    reasons = _flash_attn_obstacles(q, causal, key_padding_mask)
-    if backend == "flash_attn" and reasons:
-        raise RuntimeError("attention(backend='flash_attn') cannot run here: " + "; ".join(reasons)
-                           + ". Use backend='auto' (falls back to 'sdpa') or backend='sdpa'.")
-    return "sdpa" if reasons else "flash_attn"
-
-
-# ------------------------------------------------------------------------------------------------ checks
-
-
-def _check_dropout(dropout_p: float, who: str) -> None:
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"{who}(dropout_p={dropout_p}): dropout must be in [0, 1).")
-
-
-def _as_bool_mask(mask: Tensor | None, batch: int, length: int, who: str) -> Tensor | None:
-    """Check a (B, L) key-padding mask (bool, or integer 0/1 as Hugging Face passes it) and return it as bool."""
-    if mask is None:
-        return None
-    if not isinstance(mask, Tensor):
-        raise TypeError(f"{who}: key_padding_mask must be a tensor, got {type(mask).__name__}.")
-    if mask.dtype.is_floating_point or mask.dtype.is_complex:
-        raise TypeError(f"{who}: key_padding_mask must be bool (True = real token) or integer 0/1, got {mask.dtype}; "
-                        "for an additive float mask convert it first, e.g. mask = float_mask == 0.")
-    if tuple(mask.shape) != (batch, length):
-        raise ValueError(f"{who}: key_padding_mask must have shape (batch, kv_len) = ({batch}, {length}), "
-                         f"got {tuple(mask.shape)}.")
-    return mask if mask.dtype == torch.bool else mask != 0
-
-
-def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError("attention: q, k and v must be 4-D (batch, heads, length, head_dim), got shapes "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}.")
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError("attention: k and v must have the same shape, and batch and head_dim of q: got q "
-                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}.")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"attention: the {k.shape[1]} key/value heads must divide the {q.shape[1]} query heads "
-                         "(grouped-query attention).")
-
-
-# ------------------------------------------------------------------------------------------------ attention
-
-
-def attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    causal: bool = False,
-    key_padding_mask: Tensor | None = None,
-    dropout_p: float = 0.0,
-    backend: str = "auto",
-    scale: float | None = None,
-) -> Tensor:
-    """Exact multi-head attention ``softmax(scale * q k^T + mask) v`` without storing the score matrix.
-
-    Args:
-        q: Queries (B, H, Lq, D).
-        k: Keys (B, Hkv, Lk, D); Hkv divides H (grouped-query attention).
-        v: Values (B, Hkv, Lk, D).
-        causal: Query ``i`` sees keys ``j <= i + Lk - Lq`` (bottom-right aligned, as flash-attn).
-        key_padding_mask: (B, Lk), True for real keys (bool, or integer 0/1).
-        dropout_p: Dropout on the attention probabilities; pass 0.0 in evaluation.
-        backend: ``"auto"``, ``"flash_attn"`` or ``"sdpa"`` (:func:`select_backend`).
-        scale: The score scale; ``1 / sqrt(D)`` when None.
-
-    Returns:
-        (B, H, Lq, D), the dtype of ``q``. Rows with no visible key are zeros. On flash_attn with causal and a
-        padding mask, the rows of padding queries are zeros too (they are arbitrary by convention; sdpa lets them
-        attend to the real keys before them).
-
-    Raises:
-        ValueError: On shapes that do not fit, an unknown backend, or dropout outside [0, 1).
-        TypeError: On a float key_padding_mask.
-        RuntimeError: If ``backend="flash_attn"`` cannot run here.
-
-    Example:
-        >>> q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
-        >>> mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
-        >>> attention(q, k, v, causal=True, key_padding_mask=mask).shape
-        torch.Size([2, 4, 5, 8])
-    """
-    _check_qkv(q, k, v)
-    batch, _, q_len, head_dim = q.shape
-    mask = _as_bool_mask(key_padding_mask, batch, k.shape[2], "attention")
-    if mask is not None and bool(mask.all()):
-        mask = None  # nothing to mask: keeps the mask-free kernels
-    chosen = select_backend(q, backend, key_padding_mask=mask, dropout_p=dropout_p, causal=causal)
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    if chosen == "flash_attn":
-        return _flash_attention(q, k, v, causal, mask, dropout_p, scale)
-    return _sdpa_attention(q, k, v, causal, mask, dropout_p, scale)
-
-
-def _causal_mask(q_len: int, k_len: int, device: torch.device) -> Tensor:
-    """(Lq, Lk) bool, True where query i may see key j: j <= i + Lk - Lq (bottom-right aligned)."""
-    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
-
-
-def _sdpa_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None, dropout_p: float,
-                    scale: float) -> Tensor:
-    """SDPA with the mask kept broadcastable (B, 1, 1, Lk): the fused CPU kernel stays linear in memory."""
-    q_len, k_len = q.shape[2], k.shape[2]
-    kwargs = {"dropout_p": dropout_p, "scale": scale, "enable_gqa": q.shape[1] != k.shape[1]}
-    attn_mask = None if mask is None else mask[:, None, None, :]  # (B, 1, 1, Lk)
-    is_causal = causal and q_len == k_len
-    if causal and q_len != k_len:  # SDPA aligns is_causal top-left; bottom-right needs an explicit (Lq, Lk) mask
-        tri = _causal_mask(q_len, k_len, q.device)
-        attn_mask = tri if attn_mask is None else attn_mask & tri  # (B, 1, Lq, Lk)
-    elif is_causal and attn_mask is not None:
-        # The fused CPU kernel applies is_causal and a (B, 1, 1, Lk) mask together (linear memory); SDPA's other
-        # kernels refuse the pair, and then the two are combined into one (B, 1, L, L) mask.
-        if q.device.type == "cpu" and dropout_p == 0.0:
-            try:
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=True, **kwargs)
-            except RuntimeError as error:
-                if "is_causal" not in str(error):
-                    raise
-        attn_mask, is_causal = attn_mask & _causal_mask(q_len, k_len, q.device), False
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
-
-
-def _flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None, dropout_p: float,
-                     scale: float) -> Tensor:
-    """flash-attn: ``flash_attn_func`` on (B, L, H, D), or ``flash_attn_varlen_func`` on unpadded tokens.
-
-    With a padding mask the real keys are gathered into one packed (total, Hkv, D) tensor; without causal every
-    query stays (so padding queries attend to the real keys, as in sdpa); with causal (Lq == Lk) the queries are
-    unpadded with the same mask, which keeps the order of the real tokens and so the causal rule among them, and
-    the rows of padding queries are zeros.
-    """
-    flash = _flash_attn_module()
-    batch, heads, q_len, head_dim = q.shape
-    k_len, kv_heads = k.shape[2], k.shape[1]
-    q_t, k_t, v_t = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, L, H, D)
-    if mask is None:
-        out = flash.flash_attn_func(q_t, k_t, v_t, dropout_p, softmax_scale=scale, causal=causal)  # (B, Lq, H, D)
-        return out.transpose(1, 2)
-    lengths = mask.sum(dim=-1, dtype=torch.int32)  # (B,)
-    cu_k = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))  # (B + 1,)
-    max_k = int(lengths.max())
-    index = mask.flatten().nonzero().flatten()  # (total_k,) positions of real tokens in B * Lk
-    k_packed = k_t.reshape(batch * k_len, kv_heads, head_dim).index_select(0, index)  # (total_k, Hkv, D)
-    v_packed = v_t.reshape(batch * k_len, kv_heads, head_dim).index_select(0, index)
-    q_flat = q_t.reshape(batch * q_len, heads, head_dim)  # (B * Lq, H, D)
-    if causal:
-        q_packed, cu_q, max_q = q_flat.index_select(0, index), cu_k, max_k
-    else:
-        q_packed, max_q = q_flat, q_len
-        cu_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=q.device)
-    out = flash.flash_attn_varlen_func(q_packed, k_packed, v_packed, cu_q, cu_k, max_q, max_k, dropout_p,
-                                       softmax_scale=scale, causal=causal)  # (total_q, H, D)
-    if causal:
-        out = out.new_zeros(batch * q_len, heads, head_dim).index_copy(0, index, out)
-    return out.reshape(batch, q_len, heads, head_dim).transpose(1, 2)
-
-
-def _check_cu_seqlens(cu_seqlens: Tensor, length: int, who: str) -> list[int]:
-    """Validate cumulative lengths (0, ..., L) and return them as a list."""
-    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
-        raise TypeError(f"{who}: cu_seqlens must be a 1-D integer tensor (0, l0, l0 + l1, ..., L), got "
-                        f"{cu_seqlens!r}.")
-    bounds = [int(b) for b in cu_seqlens.tolist()]
-    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != length or any(b > a for a, b in
-                                                                          zip(bounds[1:], bounds[:-1])):
-        raise ValueError(f"{who}: cu_seqlens must rise from 0 to the sequence length {length}, got {bounds}.")
-    return bounds
-
-
-def packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, causal: bool = False,
-                     dropout_p: float = 0.0, backend: str = "auto", scale: float | None = None) -> Tensor:
-    """Attention within each of the packed sequences of a (1, H, L, D) batch: no token sees another sequence.
-
-    flash_attn: one ``flash_attn_varlen_func`` call. sdpa: :func:`attention` on each sequence in turn (exact, and
-    linear in memory, unlike a block-diagonal mask).
-
-    Args:
-        q: (1, H, L, D). k, v: (1, Hkv, L, D).
-        cu_seqlens: (N + 1,) cumulative lengths, 0 first and L last.
-        causal, dropout_p, backend, scale: as in :func:`attention`.
-
-    Returns:
-        (1, H, L, D).
-
-    Example:
-        >>> q = torch.randn(1, 2, 5, 4)
-        >>> whole = packed_attention(q, q, q, torch.tensor([0, 2, 5], dtype=torch.int32))
-        >>> torch.allclose(whole[:, :, 2:], attention(q[:, :, 2:], q[:, :, 2:], q[:, :, 2:]), atol=1e-6)
-        True
-    """
-    _check_qkv(q, k, v)
-    if q.shape[0] != 1 or q.shape[2] != k.shape[2]:
-        raise ValueError(f"packed_attention: packed sequences need batch 1 and as many keys as queries, got q "
-                         f"{tuple(q.shape)} and k {tuple(k.shape)}.")
-    bounds = _check_cu_seqlens(cu_seqlens, q.shape[2], "packed_attention")
-    chosen = select_backend(q, backend, dropout_p=dropout_p, causal=causal)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if chosen == "flash_attn":
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-        q_t, k_t, v_t = (t[0].transpose(0, 1) for t in (q, k, v))  # (L, H, D)
-        out = _flash_attn_module().flash_attn_varlen_func(q_t, k_t, v_t, cu, cu, longest, longest, dropout_p,
-                                                          softmax_scale=scale, causal=causal)
-        return out.transpose(0, 1)[None]
-    pieces = [_sdpa_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal, None, dropout_p, scale)
-              for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-    return torch.cat(pieces, dim=2) if pieces else torch.zeros_like(q)
-
-
-# ------------------------------------------------------------------------------------------------ importance
-
-
-def attention_received(
-    q: Tensor,
-    k: Tensor,
-    key_padding_mask: Tensor | None = None,
-    causal: bool = False,
-    scale: float | None = None,
-    chunk_size: int = 256,
-    queries: str = "all",
-) -> Tensor:
-    """The attention each key receives: column means of ``softmax(scale * q k^T)``, computed in query chunks.
-
-    ``queries="all"``: the mean over heads and over real queries (learned token pruning, Kim et al. 2022);
-    ``queries="first"``: the row of the first query only, mean over heads (EViT, Liang et al. 2022: attention from
-    the [CLS] token). Queries are real where ``key_padding_mask`` is True when Lq == Lk; with Lq != Lk every query
-    counts. Only (B, H, chunk_size, Lk) scores exist at a time, never the full (Lq, Lk) matrix.
-
-    Args:
-        q: Queries (B, H, Lq, D).
-        k: Keys (B, Hkv, Lk, D), Hkv dividing H.
-        key_padding_mask: (B, Lk), True for real keys; padding keys receive 0.
-        causal: Mask as :func:`attention` does (bottom-right aligned).
-        scale: ``1 / sqrt(D)`` when None.
-        chunk_size: Queries per chunk.
-        queries: ``"all"`` or ``"first"``.
-
-    Returns:
-        (B, Lk) float32; each row of a batch element with real queries sums to 1 over its keys.
-
-    Example:
-        >>> q, k = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8)
-        >>> mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
-        >>> received = attention_received(q, k, mask, chunk_size=4)
-        >>> received.shape, received[1, 4:].tolist(), torch.allclose(received.sum(-1), torch.ones(2))
-        (torch.Size([2, 6]), [0.0, 0.0], True)
-    """
-    if queries not in ("all", "first"):
-        raise ValueError(f"attention_received(queries={queries!r}): choose 'all' or 'first'.")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"attention_received(chunk_size={chunk_size!r}): must be a positive integer.")
-    _check_qkv(q, k, k)
-    batch, heads, q_len, head_dim = q.shape
-    kv_heads, k_len = k.shape[1], k.shape[2]
-    mask = _as_bool_mask(key_padding_mask, batch, k_len, "attention_received")
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    dtype = torch.promote_types(q.dtype, torch.float32)
-    grouped_q = q.to(dtype).reshape(batch, kv_heads, heads // kv_heads, q_len, head_dim)  # (B, Hkv, G, Lq, D)
-    keys_t = k.to(dtype).transpose(-1, -2)[:, :, None]  # (B, Hkv, 1, D, Lk)
-    if queries == "first":
-        probs = _chunk_probs(grouped_q, keys_t, mask, causal, scale, 0, 1, k_len)  # (B, Hkv, G, 1, Lk)
-        return probs.mean(dim=(1, 2, 3)).float()
-    real_queries = mask if mask is not None and q_len == k_len else None
-    total = q.new_zeros(batch, k_len, dtype=dtype)
-    for start in range(0, q_len, chunk_size):
-        stop = min(start + chunk_size, q_len)
-        probs = _chunk_probs(grouped_q, keys_t, mask, causal, scale, start, stop, k_len)  # (B, Hkv, G, c, Lk)
-        if real_queries is not None:
-            probs = probs * real_queries[:, None, None, start:stop, None]
-        total += probs.sum(dim=(1, 2, 3))
-    count = q_len if real_queries is None else real_queries.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
-    return (total / (heads * count)).float()
-
-
-def _chunk_probs(grouped_q: Tensor, keys_t: Tensor, mask: Tensor | None, causal: bool, scale: float, start: int,
-                 stop: int, k_len: int) -> Tensor:
-    """Softmax rows of queries ``start:stop``: (B, Hkv, G, stop - start, Lk); a row with no visible key is 0."""
-    q_len = grouped_q.shape[3]
-    scores = torch.matmul(grouped_q[:, :, :, start:stop], keys_t) * scale  # (B, Hkv, G, c, Lk)
-    allowed = None if mask is None else mask[:, None, None, None, :]  # (B, 1, 1, 1, Lk)
-    if causal:
-        tri = _causal_mask(q_len, k_len, scores.device)[start:stop]  # (c, Lk)
-        allowed = tri if allowed is None else allowed & tri
-    if allowed is None:
-        return scores.softmax(dim=-1)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.nan_to_num(scores.softmax(dim=-1), nan=0.0)
-
-
-# ------------------------------------------------------------------------------------------------ rotary
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotary position tables in the RoFormer / Llama "rotate_half" convention.
-
-    ``inv_freq[i] = 1 / base^(2i / D)`` (a non-persistent float32 buffer); for position ``p`` the angles are
-    ``p * inv_freq`` repeated twice along the head dimension, so ``cos`` and ``sin`` are (B, 1, L, D).
-
-    Args:
-        head_dim: D, even.
-        base: The frequency base (Llama's ``rope_theta``).
-
-    Example:
-        >>> rope = RotaryEmbedding(8)
-        >>> cos, sin = rope(torch.arange(5)[None], torch.float32)
-        >>> cos.shape, cos[0, 0, 0].tolist() == [1.0] * 8
-        (torch.Size([1, 1, 5, 8]), True)
-    """
-
-    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
-        super().__init__()
-        if not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
-            raise ValueError(f"RotaryEmbedding(head_dim={head_dim!r}): head_dim must be a positive even integer.")
-        if not base > 0:
-            raise ValueError(f"RotaryEmbedding(base={base!r}): base must be positive.")
-        self.head_dim = head_dim
-        self.base = float(base)
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))  # (D / 2,)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, position_ids: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
-        """``(cos, sin)``, each (B, 1, L, head_dim) in ``dtype``, for integer ``position_ids`` (B, L)."""
-        if position_ids.dim() != 2:
-            raise ValueError("RotaryEmbedding: position_ids must be (batch, length), got "
-                             f"{tuple(position_ids.shape)}.")
-        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device, torch.float)  # (B, L, D/2)
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, L, D)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
-
-    def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, base={self.base}"
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x`` (B, H, L, D) by the tables ``cos``, ``sin`` (B, 1, L, D): ``x cos + rotate_half(x) sin``.
-
-    Example:
-        >>> x = torch.randn(1, 2, 3, 4)
-        >>> cos, sin = RotaryEmbedding(4)(torch.zeros(1, 3, dtype=torch.long))
-        >>> torch.equal(apply_rotary(x, cos, sin), x)  # position 0: no rotation
-        True
-    """
-    return x * cos + _rotate_half(x) * sin
-
-
-# ------------------------------------------------------------------------------------------------ module
+from lightning_peft._checks import choice, integer, probability
+from lightning_peft.nn.attention_backends import (
+    BACKENDS,
+    FLASH_DTYPES,
+    FLASH_MAX_HEAD_DIM,
+    flash_attn_available,
+    select_backend,
+)
+from lightning_peft.nn.attention_functional import (
+    _as_bool_mask,
+    _check_cu_seqlens,
+    attention,
+    attention_received,
+    packed_attention,
+)
+from lightning_peft.nn.rotary import RotaryEmbedding, apply_rotary
+
+__all__ = ["BACKENDS", "FLASH_DTYPES", "FLASH_MAX_HEAD_DIM", "FlashAttention", "RotaryEmbedding", "apply_rotary",
+           "attention", "attention_received", "flash_attn_available", "packed_attention", "select_backend"]
 
 
 class FlashAttention(nn.Module):
@@ -525,9 +110,8 @@ class FlashAttention(nn.Module):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         head_dim = self._check_sizes(hidden_size, num_heads, num_kv_heads, head_dim)
-        _check_dropout(dropout, "FlashAttention")
-        if backend not in BACKENDS:
-            raise ValueError(f"FlashAttention(backend={backend!r}): unknown backend; choose one of {BACKENDS}.")
+        probability("FlashAttention", "dropout", dropout)
+        choice("FlashAttention", "backend", backend, BACKENDS)
         self.hidden_size, self.num_heads = hidden_size, num_heads
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.causal, self.dropout, self.backend = causal, float(dropout), backend
@@ -541,18 +125,16 @@ class FlashAttention(nn.Module):
     @staticmethod
     def _check_sizes(hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int | None) -> int:
         for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"FlashAttention({name}={value!r}): must be a positive integer.")
+            integer("FlashAttention", name, value, minimum=1)
         if head_dim is None and hidden_size % num_heads:
             raise ValueError(f"FlashAttention(hidden_size={hidden_size}, num_heads={num_heads}): num_heads must "
                              "divide hidden_size, or pass head_dim explicitly.")
         if num_heads % num_kv_heads:
             raise ValueError(f"FlashAttention(num_heads={num_heads}, num_kv_heads={num_kv_heads}): num_kv_heads "
                              "must divide num_heads (grouped-query attention).")
-        head_dim = hidden_size // num_heads if head_dim is None else head_dim
-        if not isinstance(head_dim, int) or head_dim < 1:
-            raise ValueError(f"FlashAttention(head_dim={head_dim!r}): must be a positive integer.")
-        return head_dim
+        if head_dim is None:
+            return hidden_size // num_heads
+        return integer("FlashAttention", "head_dim", head_dim, minimum=1)
 
     def forward(
         self,

@@ -58,15 +58,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_peft.nn.transformer import _ACTIVATIONS, FeedForward, _check_choice, _check_positive
+from lightning_peft._checks import choice, integer, positive, real
+from lightning_peft.nn.feed_forward import ACTIVATIONS, FeedForward
 
-__all__ = ["MoE"]
-
-
-def _check_nonnegative(who: str, **values: object) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"{who}({name}={value!r}): must be a finite number >= 0 (0 turns the term off).")
+__all__ = ["MoE", "moe_aux_loss", "moe_layers"]
 
 
 class MoE(nn.Module):
@@ -104,10 +99,11 @@ class MoE(nn.Module):
             (0.0 when dropless); ``"load"`` (E,) float, ``f_i``: each expert's share of the routed assignments.
 
     Raises:
-        ValueError: For a size that is not a positive integer, ``top_k`` outside ``1..num_experts``, a
-            ``capacity_factor`` that is not a positive finite number, a negative loss weight, or an unknown
-            activation; in `forward`, for an input whose last dimension is not ``hidden_size`` and for non-finite
-            router logits (naming the layer by `name`).
+        TypeError: For a size or ``top_k`` that is not an integer, or a factor or loss weight that is not a number.
+        ValueError: For a size below 1, ``top_k`` outside ``1..num_experts``, a ``capacity_factor`` that is not a
+            positive finite number, a negative or non-finite loss weight, or an unknown activation; in `forward`,
+            for an input whose last dimension is not ``hidden_size`` and for non-finite router logits (naming the
+            layer by `name`).
 
     Example:
         >>> moe = MoE(hidden_size=8, ffn_size=16, num_experts=4, top_k=2)
@@ -135,24 +131,16 @@ class MoE(nn.Module):
         normalize_gates: bool = True,
     ) -> None:
         super().__init__()
-        _check_positive("MoE", hidden_size=hidden_size, ffn_size=ffn_size, num_experts=num_experts)
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-            raise ValueError(
-                f"MoE(top_k={top_k!r}): must be an integer from 1 to num_experts={num_experts} (1: Switch, 2: "
-                "GShard / Mixtral)."
-            )
-        if (
-            isinstance(capacity_factor, bool)
-            or not isinstance(capacity_factor, (int, float))
-            or not math.isfinite(capacity_factor)
-            or capacity_factor <= 0
-        ):
-            raise ValueError(
-                f"MoE(capacity_factor={capacity_factor!r}): must be a positive finite number (1.0 = a perfectly "
-                "balanced share per expert, 1.25 is usual); to keep every token use dropless=True."
-            )
-        _check_nonnegative("MoE", aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef)
-        _check_choice("MoE", "activation", activation, list(_ACTIVATIONS))
+        for name, size in (("hidden_size", hidden_size), ("ffn_size", ffn_size), ("num_experts", num_experts)):
+            integer("MoE", name, size, minimum=1)
+        integer("MoE", "top_k", top_k, minimum=1, maximum=num_experts, meaning="1: Switch, 2: GShard / Mixtral")
+        positive(
+            "MoE", "capacity_factor", capacity_factor, example="1.25",
+            meaning="1.0 = a perfectly balanced share per expert; to keep every token use dropless=True",
+        )
+        real("MoE", "aux_loss_coef", aux_loss_coef, minimum=0, meaning="0 turns the term off")
+        real("MoE", "z_loss_coef", z_loss_coef, minimum=0, meaning="0 turns the term off")
+        choice("MoE", "activation", activation, ACTIVATIONS)
         self.hidden_size = hidden_size
         self.ffn_size = ffn_size
         self.num_experts = num_experts
@@ -266,3 +254,20 @@ class MoE(nn.Module):
             f"hidden_size={self.hidden_size}, ffn_size={self.ffn_size}, num_experts={self.num_experts}, "
             f"top_k={self.top_k}, {capacity}, aux_loss_coef={self.aux_loss_coef}, z_loss_coef={self.z_loss_coef}"
         )
+
+
+def moe_layers(module: nn.Module) -> dict[str, MoE]:
+    """The `MoE` feed-forwards inside ``module`` by name (empty without any).
+
+    Example:
+        >>> model = nn.ModuleDict({"mlp": MoE(hidden_size=4, ffn_size=8, num_experts=2, top_k=1)})
+        >>> list(moe_layers(model))
+        ['mlp']
+    """
+    return {name: sub for name, sub in module.named_modules() if isinstance(sub, MoE)}
+
+
+def moe_aux_loss(module: nn.Module) -> Tensor | None:
+    """The sum of the auxiliary losses the `MoE` layers inside ``module`` computed in their last forward, or None."""
+    losses = [layer.aux_loss for layer in moe_layers(module).values() if layer.aux_loss is not None]
+    return torch.stack(losses).sum() if losses else None

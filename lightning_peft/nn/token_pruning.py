@@ -49,11 +49,12 @@ Example:
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
+
+from lightning_peft._checks import choice, fraction, integer, real
 
 IMPORTANCES = ("mean", "cls")
 _ROUNDING = 1e-9  # ceil(r * n) with a little slack, so that 0.07 * 100 = 7.000000000000001 keeps 7
@@ -98,8 +99,9 @@ class TokenPruner(nn.Module):
     ) -> None:
         super().__init__()
         self.keep_ratio = _check_keep_ratio(keep_ratio)
-        self.start_layer = _check_start_layer(start_layer)
-        self.importance = _check_importance(importance)
+        self.start_layer = integer("TokenPruner", "start_layer", start_layer, minimum=0,
+                                   meaning="0 prunes from the first layer on")
+        self.importance = str(choice("TokenPruner", "importance", importance, IMPORTANCES))
         self._scale = 1.0
 
     @property
@@ -109,18 +111,14 @@ class TokenPruner(nn.Module):
 
     @scale.setter
     def scale(self, value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value <= 1.0:
-            raise ValueError(f"TokenPruner.scale = {value!r}: scale must be a number in [0, 1] (0: no pruning, "
-                             "1: the configured keep ratios).")
-        self._scale = float(value)
+        self._scale = real("TokenPruner", "scale", value, minimum=0, maximum=1,
+                           meaning="0: no pruning, 1: the configured keep ratios")
 
     def configured_ratio(self, layer_index: int, num_layers: int) -> float:
         """The keep ratio of layer ``layer_index`` as configured (before ``scale``)."""
-        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
-            raise ValueError(f"TokenPruner: num_layers={num_layers!r}; it must be a positive integer.")
-        if not isinstance(layer_index, int) or isinstance(layer_index, bool) or not 0 <= layer_index < num_layers:
-            raise ValueError(f"TokenPruner: layer_index={layer_index!r} is not a layer of an encoder with "
-                             f"{num_layers} layers (0 to {num_layers - 1}).")
+        integer("TokenPruner", "num_layers", num_layers, minimum=1)
+        integer("TokenPruner", "layer_index", layer_index, minimum=0, maximum=num_layers - 1,
+                meaning=f"a layer of an encoder with {num_layers} layers")
         if isinstance(self.keep_ratio, tuple):
             self.check_num_layers(num_layers)
             return self.keep_ratio[layer_index]
@@ -158,7 +156,7 @@ class TokenPruner(nn.Module):
             ValueError: If ``keep_ratio`` is outside (0, 1] or the shapes do not fit.
             TypeError: If ``key_padding_mask`` is not a bool tensor.
         """
-        _check_ratio_value(keep_ratio, "TokenPruner.select(keep_ratio=...)")
+        _check_ratio_value("TokenPruner.select", "keep_ratio", keep_ratio)
         _check_select_inputs(importance, key_padding_mask)
         count = kept_count(importance.shape[1], keep_ratio)
         scores = importance.detach().to(torch.promote_types(importance.dtype, torch.float32)).clone()  # (B, L)
@@ -187,12 +185,8 @@ class TokenPruner(nn.Module):
         return f"keep_ratio={ratio}{start}, importance={self.importance!r}, scale={self._scale:g}"
 
 
-def _check_ratio_value(value: object, who: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{who}: got {value!r}; a keep ratio must be a number in (0, 1].")
-    if not 0.0 < value <= 1.0:  # also refuses NaN
-        raise ValueError(f"{who}: got {value!r}; a keep ratio must be in (0, 1] (1.0 keeps every token, 0.5 half).")
-    return float(value)
+def _check_ratio_value(who: str, name: str, value: object) -> float:
+    return fraction(who, name, value, example="0.7", meaning="1.0 keeps every token, 0.5 half")
 
 
 def _check_keep_ratio(keep_ratio: object) -> float | tuple[float, ...]:
@@ -200,27 +194,10 @@ def _check_keep_ratio(keep_ratio: object) -> float | tuple[float, ...]:
     if isinstance(keep_ratio, Sequence) and not isinstance(keep_ratio, str):
         if not keep_ratio:
             raise ValueError(f"{who}: an empty schedule; give one ratio per layer, or one float.")
-        return tuple(_check_ratio_value(r, who) for r in keep_ratio)
+        return tuple(_check_ratio_value("TokenPruner", f"keep_ratio[{i}]", r) for i, r in enumerate(keep_ratio))
     if isinstance(keep_ratio, Tensor):
         raise TypeError(f"{who}: give a float or a list of floats, not a tensor.")
-    return _check_ratio_value(keep_ratio, who)
-
-
-def _check_start_layer(start_layer: object) -> int:
-    if isinstance(start_layer, bool) or not isinstance(start_layer, int):
-        raise TypeError(f"TokenPruner(start_layer={start_layer!r}): start_layer must be an integer >= 0.")
-    if start_layer < 0:
-        raise ValueError(f"TokenPruner(start_layer={start_layer}): start_layer must be >= 0 (0 prunes from the "
-                         "first layer on).")
-    return start_layer
-
-
-def _check_importance(importance: object) -> str:
-    if importance not in IMPORTANCES:
-        raise ValueError(f"TokenPruner(importance={importance!r}): unknown importance; use 'mean' (attention "
-                         "received, averaged over heads and queries: LTP) or 'cls' (attention from the first "
-                         "token: EViT).")
-    return str(importance)
+    return _check_ratio_value("TokenPruner", "keep_ratio", keep_ratio)
 
 
 def _check_select_inputs(importance: Tensor, key_padding_mask: Tensor | None) -> None:

@@ -143,23 +143,24 @@ def test_tokenizer_without_eos_or_sep_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "error", "match"),
     [
-        ({"val_fraction": 1.0}, r"BBCNewsLMDataModule\(val_fraction=1.0\): val_fraction must be in \[0, 1\)"),
+        ({"val_fraction": 1.0}, ValueError, r"BBCNewsLMDataModule\(val_fraction=1.0\): val_fraction must be a number in \[0, 1\)"),
         (
             {"val_fraction": 0.5, "test_fraction": 0.5},
+            ValueError,
             r"BBCNewsLMDataModule\(val_fraction=0.5, test_fraction=0.5\): .* sum must be below 1",
         ),
-        ({"block_size": 1}, r"^BBCNewsLMDataModule\(block_size=1\): block_size must be an integer >= 2\.$"),
-        ({"block_size": 64.0}, r"BBCNewsLMDataModule\(block_size=64.0\): block_size must be an integer >= 2"),
-        ({"batch_size": 0}, r"BBCNewsLMDataModule\(batch_size=0\): batch_size must be an integer >= 1"),
-        ({"limit_per_class": 0}, r"BBCNewsLMDataModule\(limit_per_class=0\): limit_per_class must be an int"),
-        ({"num_workers": -1}, r"BBCNewsLMDataModule\(num_workers=-1\): num_workers must be an integer >= 0"),
-        ({"batch_size": True}, r"BBCNewsLMDataModule\(batch_size=True\): batch_size must be an integer >= 1"),
+        ({"block_size": 1}, ValueError, r"^BBCNewsLMDataModule\(block_size=1\): block_size must be an integer >= 2\.$"),
+        ({"block_size": 64.0}, TypeError, r"BBCNewsLMDataModule\(block_size=64.0\): block_size must be an integer >= 2"),
+        ({"batch_size": 0}, ValueError, r"BBCNewsLMDataModule\(batch_size=0\): batch_size must be an integer >= 1"),
+        ({"limit_per_class": 0}, ValueError, r"BBCNewsLMDataModule\(limit_per_class=0\): limit_per_class must be an int"),
+        ({"num_workers": -1}, ValueError, r"BBCNewsLMDataModule\(num_workers=-1\): num_workers must be an integer >= 0"),
+        ({"batch_size": True}, TypeError, r"BBCNewsLMDataModule\(batch_size=True\): batch_size must be an integer >= 1"),
     ],
 )
-def test_rejects_bad_arguments(kwargs: dict[str, object], match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+def test_rejects_bad_arguments(kwargs: dict[str, object], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
         BBCNewsLMDataModule(TOKENIZER, **kwargs)
 
 

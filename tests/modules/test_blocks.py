@@ -318,7 +318,7 @@ def test_sampled_generation_is_reproducible_with_a_generator() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"max_new_tokens": -1}, r"^CausalLM.generate\(max_new_tokens=-1\): must be an integer >= 0"),
+        ({"max_new_tokens": -1}, r"^CausalLM.generate\(max_new_tokens=-1\): max_new_tokens must be an integer >= 0"),
         ({"max_new_tokens": 2, "temperature": -0.5}, r"^CausalLM.generate\(temperature=-0.5\): temperature must"),
     ],
 )

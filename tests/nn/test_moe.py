@@ -321,23 +321,25 @@ def test_balancing_term_is_transformers_mixtral_loss_divided_by_top_k(top_k):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "error", "match"),
     [
-        ({"top_k": 0}, r"MoE\(top_k=0\): must be an integer from 1 to num_experts=4"),
-        ({"top_k": 5}, r"MoE\(top_k=5\): must be an integer from 1 to num_experts=4"),
-        ({"top_k": 1.5}, r"MoE\(top_k=1.5\)"),
-        ({"capacity_factor": 0}, r"MoE\(capacity_factor=0\): must be a positive finite number.*dropless=True"),
-        ({"capacity_factor": -1.0}, r"MoE\(capacity_factor=-1.0\): must be a positive finite number"),
-        ({"capacity_factor": float("inf")}, r"MoE\(capacity_factor=inf\): must be a positive finite number"),
-        ({"num_experts": 0}, r"MoE\(num_experts=0\): must be a positive integer"),
-        ({"aux_loss_coef": -0.1}, r"MoE\(aux_loss_coef=-0.1\): must be a finite number >= 0"),
-        ({"z_loss_coef": float("nan")}, r"MoE\(z_loss_coef=nan\): must be a finite number >= 0"),
-        ({"activation": "tanh"}, r"MoE\(activation='tanh'\): choose one of"),
+        ({"top_k": 0}, ValueError, r"MoE\(top_k=0\): top_k must be an integer in \[1, 4\] \(1: Switch"),
+        ({"top_k": 5}, ValueError, r"MoE\(top_k=5\): top_k must be an integer in \[1, 4\]"),
+        ({"top_k": 1.5}, TypeError, r"MoE\(top_k=1.5\): top_k must be an integer"),
+        ({"capacity_factor": 0}, ValueError,
+         r"MoE\(capacity_factor=0\): capacity_factor must be a finite number > 0.*dropless=True"),
+        ({"capacity_factor": -1.0}, ValueError, r"MoE\(capacity_factor=-1.0\): capacity_factor must be a finite number > 0"),
+        ({"capacity_factor": float("inf")}, ValueError,
+         r"MoE\(capacity_factor=inf\): capacity_factor must be a finite number > 0"),
+        ({"num_experts": 0}, ValueError, r"MoE\(num_experts=0\): num_experts must be an integer >= 1"),
+        ({"aux_loss_coef": -0.1}, ValueError, r"MoE\(aux_loss_coef=-0.1\): aux_loss_coef must be a finite number >= 0"),
+        ({"z_loss_coef": float("nan")}, ValueError, r"MoE\(z_loss_coef=nan\): z_loss_coef must be a finite number >= 0"),
+        ({"activation": "tanh"}, ValueError, r"MoE\(activation='tanh'\): activation must be one of 'gelu'"),
     ],
 )
-def test_bad_settings_are_refused(kwargs, match):
+def test_bad_settings_are_refused(kwargs, error, match):
     settings = {"hidden_size": 8, "ffn_size": 12, "num_experts": 4} | kwargs
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         MoE(**settings)
 
 

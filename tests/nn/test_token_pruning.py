@@ -94,16 +94,16 @@ def test_the_pruner_has_no_parameters_and_shows_its_settings():
 
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
-    ({"keep_ratio": 0.0}, ValueError, r"TokenPruner\(keep_ratio=0\.0\): got 0\.0; a keep ratio must be in \(0, 1\]"),
-    ({"keep_ratio": 1.5}, ValueError, r"TokenPruner\(keep_ratio=1\.5\): got 1\.5; a keep ratio must be in \(0, 1\]"),
-    ({"keep_ratio": float("nan")}, ValueError, r"got nan; a keep ratio must be in \(0, 1\]"),
-    ({"keep_ratio": [1.0, -0.5]}, ValueError, r"TokenPruner\(keep_ratio=\[1\.0, -0\.5\]\): got -0\.5"),
+    ({"keep_ratio": 0.0}, ValueError, r"TokenPruner\(keep_ratio=0\.0\): keep_ratio must be a finite number in \(0, 1\]"),
+    ({"keep_ratio": 1.5}, ValueError, r"TokenPruner\(keep_ratio=1\.5\): keep_ratio must be a finite number in \(0, 1\]"),
+    ({"keep_ratio": float("nan")}, ValueError, r"keep_ratio=nan\): keep_ratio must be a finite number in \(0, 1\]"),
+    ({"keep_ratio": [1.0, -0.5]}, ValueError, r"TokenPruner\(keep_ratio\[1\]=-0\.5\): keep_ratio\[1\] must be"),
     ({"keep_ratio": []}, ValueError, r"TokenPruner\(keep_ratio=\[\]\): an empty schedule"),
-    ({"keep_ratio": "0.5"}, TypeError, r"TokenPruner\(keep_ratio='0\.5'\): got '0\.5'; a keep ratio must be a number"),
-    ({"keep_ratio": True}, TypeError, r"a keep ratio must be a number"),
-    ({"start_layer": -1}, ValueError, r"TokenPruner\(start_layer=-1\): start_layer must be >= 0"),
+    ({"keep_ratio": "0.5"}, TypeError, r"TokenPruner\(keep_ratio='0\.5'\): keep_ratio must be a finite number"),
+    ({"keep_ratio": True}, TypeError, r"TokenPruner\(keep_ratio=True\): keep_ratio must be a finite number"),
+    ({"start_layer": -1}, ValueError, r"TokenPruner\(start_layer=-1\): start_layer must be an integer >= 0"),
     ({"start_layer": 1.0}, TypeError, r"TokenPruner\(start_layer=1\.0\): start_layer must be an integer"),
-    ({"importance": "max"}, ValueError, r"TokenPruner\(importance='max'\): unknown importance; use 'mean' .* or 'cls'"),
+    ({"importance": "max"}, ValueError, r"TokenPruner\(importance='max'\): importance must be one of 'mean', 'cls'"),
 ])
 def test_bad_settings_are_refused(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -115,14 +115,14 @@ def test_a_schedule_of_the_wrong_length_names_both_lengths():
     with pytest.raises(ValueError, match=r"TokenPruner\(keep_ratio=\[1\.0, 0\.5, 0\.5\]\): a schedule of 3 ratios for "
                                          r"an encoder of 6 layers; give exactly one ratio per layer \(6\)"):
         pruner.keep_ratio_at(0, 6)
-    with pytest.raises(ValueError, match=r"layer_index=3 is not a layer of an encoder with 3 layers \(0 to 2\)"):
+    with pytest.raises(ValueError, match=r"layer_index=3\): layer_index must be an integer in \[0, 2\] \(a layer of an encoder with 3 layers\)"):
         pruner.keep_ratio_at(3, 3)
 
 
 @pytest.mark.parametrize(("args", "error", "match"), [
-    ((torch.rand(2, 4), None, 0.0), ValueError, r"TokenPruner\.select\(keep_ratio=\.\.\.\): got 0\.0; a keep ratio "
-                                                r"must be in \(0, 1\]"),
-    ((torch.rand(2, 4), None, 1.01), ValueError, r"got 1\.01; a keep ratio must be in \(0, 1\]"),
+    ((torch.rand(2, 4), None, 0.0), ValueError, r"TokenPruner\.select\(keep_ratio=0\.0\): keep_ratio must be a "
+                                                r"finite number in \(0, 1\]"),
+    ((torch.rand(2, 4), None, 1.01), ValueError, r"keep_ratio=1\.01\): keep_ratio must be a finite number in \(0, 1\]"),
     ((torch.rand(2, 4, 1), None, 0.5), ValueError, r"importance has shape \(2, 4, 1\); it must be \(batch, tokens\)"),
     ((torch.rand(2, 4), torch.ones(2, 4), 0.5), TypeError, r"key_padding_mask is torch\.float32; it must be a bool"),
     ((torch.rand(2, 4), torch.ones(2, 3, dtype=torch.bool), 0.5), ValueError,
@@ -133,10 +133,11 @@ def test_bad_select_inputs_are_refused(args, error, match):
         TokenPruner().select(*args)
 
 
-@pytest.mark.parametrize("value", [-0.1, 1.5, float("nan"), "1"])
-def test_a_scale_outside_0_1_is_refused(value):
+@pytest.mark.parametrize(("value", "error"), [(-0.1, ValueError), (1.5, ValueError), (float("nan"), ValueError),
+                                            ("1", TypeError)])
+def test_a_scale_outside_0_1_is_refused(value, error):
     pruner = TokenPruner()
-    with pytest.raises(ValueError, match=r"TokenPruner\.scale = .*: scale must be a number in \[0, 1\]"):
+    with pytest.raises(error, match=r"TokenPruner\(scale=.*\): scale must be a finite number in \[0, 1\]"):
         pruner.scale = value
     assert pruner.scale == 1.0
 

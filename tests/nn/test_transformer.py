@@ -194,9 +194,9 @@ def test_encoder_errors(tiny_bert_dir, tmp_path):
         encoder(torch.ones(1, 4, dtype=torch.long), torch.ones(1, 4))
     with pytest.raises(ValueError, match="input of 5 tokens but the model has 4 positions"):
         encoder(torch.ones(1, 5, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"TransformerBlock\(norm='batchnorm'\): choose one of"):
+    with pytest.raises(ValueError, match=r"TransformerBlock\(norm='batchnorm'\): norm must be one of 'layernorm', 'rmsnorm'"):
         TransformerBlock(8, 2, 8, norm="batchnorm")
-    with pytest.raises(ValueError, match=r"FeedForward\(activation='tanh'\): choose one of"):
+    with pytest.raises(ValueError, match=r"FeedForward\(activation='tanh'\): activation must be one of"):
         TransformerBlock(8, 2, 8, activation="tanh")
 
 
