@@ -21,6 +21,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
+from lightning_peft._checks import integer
 from lightning_peft._pretrained import resolve_pretrained
 from lightning_peft.callbacks._checkpoint import restore_adapters
 
@@ -256,7 +257,6 @@ def _set_pad_token(model: nn.Module, tokenizer: Any) -> None:
 
 def _check_args(num_labels: int, learning_rate: float, weight_decay: float, warmup_ratio: float) -> None:
     """Validates the constructor arguments of `HFSequenceClassifier`."""
-    from lightning_peft._checks import integer
 
     integer("HFSequenceClassifier", "num_labels", num_labels, minimum=2, meaning="the number of classes of the data")
     if not learning_rate > 0:
