@@ -117,6 +117,22 @@ class GradientAccumulation(Callback):
         return AccumulationSchedule.for_global_batch(
             self.global_batch_size, micro_batch_size, data_parallel_size, who="GradientAccumulation").min_count
 
+    @staticmethod
+    def schedule_of(trainer: pl.Trainer, micro_batch_size: int) -> int | AccumulationSchedule:
+        """Micro-batches per optimizer step: a ``GradientAccumulation`` callback's schedule, else the trainer's count.
+
+        (While ``GradientAccumulation`` runs, ``trainer.accumulate_grad_batches`` holds the current window's length,
+        which at an epoch's end is shorter; its own schedule is the one to follow.)
+        """
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, GradientAccumulation):
+                if callback.schedule is not None:
+                    return callback.schedule
+                count = callback.count_for(micro_batch_size, data_parallel(trainer.strategy)[0])
+                if count is not None:
+                    return count
+        return trainer.accumulate_grad_batches
+
     def _schedule(self) -> AccumulationSchedule:
         """The schedule in use; for a target global batch, known once Lightning has asked for the train loader."""
         if self._active is None:

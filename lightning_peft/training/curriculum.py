@@ -45,11 +45,12 @@ from lightning_peft.training.scoring import (
     dotted_name,
     resolve_scorer,
 )
-from lightning_peft.training.seq_warmup import TRUNCATED_KEYS, truncate_batch, warmup_length
-from lightning_peft.training.teacher import load_teacher, teacher_report
+from lightning_peft.training.seq_warmup import TRUNCATED_KEYS, truncate_batch, warm_up_batch, warmup_length
+from lightning_peft.training.teacher import check_teacher, load_teacher, teacher_report
 
 __all__ = [
-    "PACINGS", "TRUNCATED_KEYS", "CurriculumSampler", "LengthScorer", "LossScorer", "check_pacing",
+    "PACINGS", "TRUNCATED_KEYS", "CurriculumSampler", "LengthScorer", "LossScorer", "check_pacing", "check_teacher",
     "classification_loss", "compute_scores", "dataset_fingerprint", "dotted_name", "load_teacher", "pacing_fraction",
-    "resolve_scorer", "scorer_fingerprint", "teacher_report", "truncate_batch", "warmup_length",
+    "resolve_scorer", "scorer_fingerprint", "teacher_report", "truncate_batch", "warm_up_batch",
+    "warmup_length",
 ]

@@ -11,7 +11,7 @@ Shapes: batches are dicts of ``(B, T)`` tensors (``input_ids``, ``attention_mask
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch  # noqa: F401 (the examples below use it)
@@ -19,7 +19,7 @@ from torch import Tensor
 
 from lightning_peft._checks import integer
 
-__all__ = ["TRUNCATED_KEYS", "truncate_batch", "warmup_length"]
+__all__ = ["TRUNCATED_KEYS", "truncate_batch", "warm_up_batch", "warmup_length"]
 
 TRUNCATED_KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "labels")
 
@@ -94,3 +94,20 @@ def truncate_batch(
         else value
         for key, value in batch.items()
     }
+
+
+def warm_up_batch(batch: Any, step: int, min_length: int, max_length: int, duration: int,
+                  who: str = "warm_up_batch") -> int:
+    """Cut ``batch`` in place to the warm-up length of step ``step`` (:func:`warmup_length`, :func:`truncate_batch`)
+    and return its sequence length now: a training step that gets this same dict trains on the cut tensors.
+
+    Raises:
+        TypeError: If ``batch`` is not a mutable mapping of ``(B, T)`` tensors.
+    """
+    if not isinstance(batch, MutableMapping):
+        raise TypeError(
+            f"{who}(length_warmup_steps={duration}): the batch is a {type(batch).__name__}; the sequence-length "
+            "warm-up needs dict batches of (B, T) tensors (input_ids, attention_mask, ...)."
+        )
+    batch.update(truncate_batch(batch, warmup_length(step, min_length, max_length, duration)))
+    return int(batch["input_ids"].shape[1])

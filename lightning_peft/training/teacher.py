@@ -12,9 +12,19 @@ import json
 import os
 from typing import Any
 
-__all__ = ["MIN_TEACHER_STEPS", "load_teacher", "teacher_report"]
+__all__ = ["MIN_TEACHER_STEPS", "check_teacher", "load_teacher", "teacher_report"]
 
 MIN_TEACHER_STEPS = 100
+
+
+def check_teacher(teacher: object, scorer: object, who: str = "Curriculum") -> None:
+    """Raises unless ``teacher`` is None, or a path and ``scorer`` is ``"loss"`` (a teacher scores by its loss)."""
+    if teacher is None:
+        return
+    if not isinstance(teacher, str):
+        raise TypeError(f"{who}(teacher={teacher!r}): teacher must be the path of a model directory, or None.")
+    if scorer != "loss":
+        raise ValueError(f"{who}(scorer={scorer!r}, teacher={teacher!r}): a teacher scores by its loss; set scorer='loss'.")
 
 
 def load_teacher(directory: str, who: str = "Curriculum") -> Any:
