@@ -12,12 +12,11 @@ MODULES = ["lightning_peft.peft.lora", "lightning_peft.peft.multi_lora", "lightn
            "lightning_peft.data.bbc_news", "lightning_peft.data.bbc_news_lm",
            "lightning_peft.nn.attention", "lightning_peft.nn.transformer", "lightning_peft.nn.token_pruning",
            "lightning_peft.nn.moe", "lightning_peft.nn.reversible",
-           "lightning_peft.callbacks.token_pruning",
            "lightning_peft.modules.blocks", "lightning_peft._pretrained",
            "lightning_peft.training.gradient_noise", "lightning_peft.training.layerwise_lr",
            "lightning_peft.training.accumulation", "lightning_peft.training.curriculum",
            "lightning_peft.training.pacing", "lightning_peft.training.sampler", "lightning_peft.training.scoring",
-           "lightning_peft.training.seq_warmup",
+           "lightning_peft.training.seq_warmup", "lightning_peft.training.windows", "lightning_peft.training.token_pruning",
            "lightning_peft.strategies.device_map", "lightning_peft.strategies.pipeline",
            "lightning_peft.strategies.tensor_parallel", "lightning_peft._seams"]
 

@@ -8,8 +8,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 import torch
 from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_peft._seams import data_parallel
 
 T = TypeVar("T")
 
@@ -119,12 +122,44 @@ def train_loader(trainer: pl.Trainer) -> Any:
     return source.dataloader() if source is not None and source.is_defined() else None
 
 
-def loader_batch_size(loader: Any) -> int | None:
-    """The loader's fixed ``batch_size`` (or its batch sampler's); None if it has none."""
+def loader_batch_size(loader: Any, who: str, fix: str) -> int:
+    """The train loader's fixed ``batch_size`` (or its batch sampler's).
+
+    Raises:
+        RuntimeError: If ``loader`` is None (the trainer has none).
+        ValueError: If it has no fixed batch size (``fix``: what to do instead).
+    """
+    if loader is None:
+        raise RuntimeError(f"{who}: the trainer has no train dataloader to read the micro-batch size from; pass one to "
+                           "fit.")
     size = getattr(loader, "batch_size", None)
     if size is None:
         size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
-    return size if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else None
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"{who}: the train dataloader ({type(loader).__name__}) has no fixed batch_size to derive the "
+                         f"count from; {fix}.")
+    return size
+
+
+def accumulation_of(trainer: pl.Trainer, micro_batch_size: int) -> Any:
+    """Micro-batches per optimizer step (a count or a step-keyed schedule) for loaders of ``micro_batch_size``: what
+    a callback with ``accumulation_for(micro_batch_size, data_parallel_size)`` (``GradientAccumulation``) says, else
+    the trainer's count. (While ``GradientAccumulation`` runs, ``trainer.accumulate_grad_batches`` holds the current
+    window's length, which at an epoch's end is shorter; its own schedule is the one to follow.)"""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        accumulation = getattr(callback, "accumulation_for", None)
+        found = accumulation(micro_batch_size, data_parallel(trainer.strategy)[0]) if callable(accumulation) else None
+        if found is not None:
+            return found
+    return trainer.accumulate_grad_batches
+
+
+def refuse_epoch_accumulation(trainer: pl.Trainer, who: str, why: str) -> None:
+    """Raises ``ValueError`` if the trainer has Lightning's epoch-keyed ``GradientAccumulationScheduler`` (``why``:
+    what it breaks, and what to use instead)."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, GradientAccumulationScheduler):
+            raise ValueError(f"{who}: GradientAccumulationScheduler(scheduling={callback.scheduling}) {why}.")
 
 
 def limited_batches(batches: int, limit: float) -> int:

@@ -1,22 +1,19 @@
 """``Curriculum`` callback: easiest data first (a scoring and a pacing function); sequence-length warm-up.
 
-The rules live in :mod:`lightning_peft.training.curriculum` (Hacohen & Weinshall, arXiv:1904.03626); this
-callback puts a :class:`~lightning_peft.training.curriculum.CurriculumSampler` under the training data without
-any change to the user's ``train_dataloader``, and keeps its position in the checkpoint.
+The rules live in :mod:`lightning_peft.training.curriculum` (Hacohen & Weinshall, arXiv:1904.03626). In ``setup``
+the callback wraps Lightning's one request for the train loader (``_lightning.wrap_train_loader``, undone at
+``teardown``), so the user's ``train_dataloader`` stays as it is: the wrapper scores the loader's dataset (once per fit,
+on rank 0, broadcast so that every rank sorts alike) and hands Lightning a copy with a
+:class:`~lightning_peft.training.curriculum.CurriculumSampler` (``_lightning.ResampledLoader``, which Lightning's DDP
+wrapping leaves alone: rank ``r`` takes positions ``r::R`` of one global stream).
 
-How the sampler gets in: in ``setup`` the callback wraps Lightning's one request for the train loader
-(:func:`~lightning_peft.callbacks._lightning.wrap_train_loader`, undone at ``teardown``). The wrapper takes the
-user's ``DataLoader``, scores its dataset (once per fit, on rank 0, broadcast so that every rank sorts alike) and hands
-Lightning a copy with the curriculum sampler (:class:`~lightning_peft.callbacks._lightning.ResampledLoader`, which
-Lightning's DDP wrapping leaves alone: rank ``r`` takes positions ``r::R`` of one global stream).
-
-Resume. The callback's state holds its settings (a resume with others is refused), the scores (so a self-paced
-run keeps the order of its untrained model) and the position ``(epoch, batches done)``, read from the
-trainer's own progress counters when the checkpoint is written: on resume Lightning skips that many batches of
-the epoch and the sampler starts after them, so a resumed run draws what the straight run drew. (Lightning's
-own loader-state mechanism is not used: it is skipped when ``configure_optimizers`` asks for
-``estimated_stepping_batches``, as ``HFSequenceClassifier`` does. Lightning therefore still warns, on a
-mid-epoch resume, that the dataloader "is not resumable"; for this loader the warning is wrong.)
+Resume. The callback's state holds its settings (a resume with others is refused), the scores (so a self-paced run
+keeps the order of its untrained model) and the position ``(epoch, batches done)``, read from the trainer's own
+progress counters when the checkpoint is written: on resume Lightning skips that many batches of the epoch and the
+sampler starts after them, so a resumed run draws what the straight run drew. (Lightning's own loader-state mechanism
+is not used: it is skipped when ``configure_optimizers`` asks for ``estimated_stepping_batches``, as
+``HFSequenceClassifier`` does. Lightning therefore still warns, on a mid-epoch resume, that the dataloader "is not
+resumable"; for this loader the warning is wrong.)
 
 Logged: ``curriculum_fraction`` (the admitted share at the step) and, with the warm-up, ``sequence_length``.
 
@@ -32,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader
@@ -40,11 +37,11 @@ from typing_extensions import override
 
 from lightning_peft._checks import integer
 from lightning_peft._seams import data_parallel, refuse, splits_layers, strategy_family
-from lightning_peft.callbacks._lightning import Patches, ResampledLoader, check_resamplable, limited_batches
-from lightning_peft.callbacks._lightning import on_rank_zero, refuse_changed_settings, wrap_train_loader
+from lightning_peft.callbacks._lightning import Patches, ResampledLoader, accumulation_of, check_resamplable
+from lightning_peft.callbacks._lightning import limited_batches, on_rank_zero, refuse_changed_settings
+from lightning_peft.callbacks._lightning import refuse_epoch_accumulation, wrap_train_loader
 from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.callbacks._target import resolve_target
-from lightning_peft.callbacks.gradient_accumulation import GradientAccumulation
 from lightning_peft.callbacks.merge_on_save import TRAINING_RECORD
 from lightning_peft.training.curriculum import (
     CurriculumSampler, LengthScorer, LossScorer, check_pacing, check_teacher, compute_scores, dotted_name,
@@ -75,8 +72,8 @@ class Curriculum(Callback):
             ``save_pretrained`` (``MergeOnSave`` writes one as ``<dirpath>/merged``) whose per-sample loss scores
             the data (Hacohen & Weinshall's transfer scoring); None scores with the model being trained, as it is
             when training starts (self-paced).
-        model_attribute: For ``scorer="loss"`` without a teacher: the model inside the LightningModule to score with (see
-            ``LoRA``); None picks its one Hugging Face model, or the LightningModule itself.
+        model_attribute: For ``scorer="loss"`` without a teacher: the model inside the LightningModule to score with
+            (see ``LoRA``); None picks its one Hugging Face model, or the LightningModule itself.
         length_warmup_steps: Sequence-length warm-up over this many optimizer steps; 0 turns it off. Batches
             must then be dicts of ``(B, T)`` tensors, cut in place in ``on_train_batch_start``.
         min_length: Sequence length at step 0 of the warm-up.
@@ -111,14 +108,12 @@ class Curriculum(Callback):
             warmup_length(0, min_length, max_length, length_warmup_steps, who="Curriculum")
         self.scoring_function = resolve_scorer(scorer, "Curriculum")
         check_teacher(teacher, scorer, "Curriculum")
-        self.teacher = teacher
+        self.scorer = scorer if isinstance(scorer, str) else dotted_name(scorer)
         self.duration, self.pacing, self.start_fraction = duration, pacing, start_fraction
         self.stairs, self.seed = stairs, seed
-        self.scorer = scorer if isinstance(scorer, str) else dotted_name(scorer)
-        self.cache_dir, self.model_attribute = cache_dir, model_attribute
-        self.length_warmup_steps = length_warmup_steps
-        self.min_length, self.max_length = min_length, max_length
-        self.log_values = log
+        self.teacher, self.cache_dir, self.model_attribute, self.log_values = teacher, cache_dir, model_attribute, log
+        self.length_warmup_steps, self.min_length, self.max_length = length_warmup_steps, min_length, max_length
+        self._self_paced = self.scoring_function is None and scorer == "loss" and teacher is None  # the model scores
         self.scores: Tensor | None = None  # (N,) of the current fit
         self.sampler: CurriculumSampler | None = None
         self._trainer: pl.Trainer | None = None
@@ -131,10 +126,13 @@ class Curriculum(Callback):
         keep_rng(trainer)  # resume draws what the straight run drew (dropout)
         if stage != "fit":
             return
-        _check_accumulation(trainer)
+        refuse_epoch_accumulation(
+            trainer, "Curriculum", "changes the number of micro-batches per optimizer step between epochs, and the "
+            "curriculum paces by the optimizer step of each batch; use lightning_peft.callbacks.GradientAccumulation("
+            "schedule={step: count}) instead, keyed by the first optimizer step of each epoch (the curriculum follows "
+            "its windows)")
         _check_scoring(self, trainer)
-        self._trainer = trainer
-        self.scores, self.sampler, self._loader = None, None, None
+        self._trainer, self.scores, self.sampler, self._loader = trainer, None, None, None
         wrap_train_loader(trainer, self._patches, lambda loader: self._curriculum_loader(loader, trainer, pl_module),
                           "Curriculum", "replaces the train sampler", "use Lightning 2.x (tested: 2.6)")
 
@@ -146,15 +144,30 @@ class Curriculum(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.teardown(trainer, pl_module, "fit")  # Lightning skips teardown hooks after an exception
 
-    def _curriculum_loader(
-        self, loader: object, trainer: pl.Trainer, pl_module: pl.LightningModule
-    ) -> ResampledLoader:
+    def _curriculum_loader(self, loader: object, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
         loader = check_resamplable(loader, "Curriculum")
-        scores = self._scores(loader, trainer, pl_module)
-        sampler = self._make_sampler(scores, loader, trainer)
-        self.scores, self.sampler, self._restored = scores, sampler, None  # a reloaded loader starts afresh
-        self._loader = ResampledLoader(loader, sampler)
+        self._loader = ResampledLoader(loader, self._resample(loader, trainer, pl_module))
         return self._loader
+
+    def _resample(self, loader: DataLoader, trainer: pl.Trainer, pl_module: pl.LightningModule) -> CurriculumSampler:
+        """The scores and a sampler over them for ``loader``, at the restored position if any (used up: a reloaded
+        loader starts afresh)."""
+        scores = self._scores(loader, trainer, pl_module)
+        replicas, rank = data_parallel(trainer.strategy)  # not the world: pipeline stages share one batch
+        settings = {
+            "batch_size": loader.batch_size, "duration": self.duration, "pacing": self.pacing,
+            "start_fraction": self.start_fraction, "stairs": self.stairs, "seed": self.seed,
+            "num_replicas": replicas, "rank": rank, "drop_last": loader.drop_last,
+            "accumulate_grad_batches": accumulation_of(trainer, loader.batch_size),
+        }
+        sampler = CurriculumSampler(scores, **settings)
+        limited = limited_batches(sampler.full_batches, trainer.limit_train_batches)
+        if limited != sampler.full_batches:  # epochs cut short: the step count follows the trainer's
+            sampler = CurriculumSampler(scores, **settings, batches_per_epoch=limited)
+        if self._restored and self._restored["position"] is not None:
+            sampler.load_state_dict(self._restored["position"])
+        self.scores, self.sampler, self._restored = scores, sampler, None
+        return sampler
 
     def _scores(self, loader: DataLoader, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Tensor:
         """The restored scores, the ones of this fit (a reloaded loader), or new ones scored on rank 0."""
@@ -170,51 +183,25 @@ class Curriculum(Callback):
             return restored
         if self.scores is not None and len(self.scores) == count:
             return self.scores
-        if self._scores_on_every_rank(trainer):  # a sharded model's forward runs collectives on every rank
+        if self._self_paced and strategy_family(trainer.strategy) != "plain":  # a sharded model's forward runs
+            # collectives on every rank: every rank scores (rank 0 writes the cache)
             return compute_scores(loader.dataset, self._scorer(loader, pl_module),
                                   cache_dir=self.cache_dir if trainer.global_rank == 0 else None)
         work = lambda: compute_scores(loader.dataset, self._scorer(loader, pl_module), cache_dir=self.cache_dir)  # noqa: E731
         return on_rank_zero(trainer, work, "Curriculum", "scoring", share=True)
 
-    def _scores_on_every_rank(self, trainer: pl.Trainer) -> bool:
-        """Self-paced scoring under a strategy that shards the model: every rank must run the forward."""
-        return self._self_paced and strategy_family(trainer.strategy) != "plain"
-
-    @property
-    def _self_paced(self) -> bool:
-        return self.scoring_function is None and self.scorer == "loss" and self.teacher is None
-
     def _scorer(self, loader: DataLoader, pl_module: pl.LightningModule) -> Callable[[Any], float]:
-        if self.scoring_function is not None:
-            return self.scoring_function
-        if self.scorer == "length":
-            return LengthScorer()
-        if self.teacher is not None:
-            model = load_teacher(self.teacher, "Curriculum").to(pl_module.device)
-            told, warning = teacher_report(self.teacher, TRAINING_RECORD, "Curriculum")
-            rank_zero_info(told)
-            if warning:
-                rank_zero_warn(warning)
-            return LossScorer(model, collate_fn=loader.collate_fn, batch_size=loader.batch_size)
-        _, model = resolve_target(pl_module, self.model_attribute, "Curriculum")
+        if self.scoring_function is not None or self.scorer == "length":
+            return self.scoring_function or LengthScorer()
+        if self.teacher is None:  # self-paced
+            return LossScorer(resolve_target(pl_module, self.model_attribute, "Curriculum")[1],
+                              collate_fn=loader.collate_fn, batch_size=loader.batch_size)
+        model = load_teacher(self.teacher, "Curriculum").to(pl_module.device)
+        told, warning = teacher_report(self.teacher, TRAINING_RECORD, "Curriculum")
+        rank_zero_info(told)
+        if warning:
+            rank_zero_warn(warning)
         return LossScorer(model, collate_fn=loader.collate_fn, batch_size=loader.batch_size)
-
-    def _make_sampler(self, scores: Tensor, loader: DataLoader, trainer: pl.Trainer) -> CurriculumSampler:
-        replicas, rank = data_parallel(trainer.strategy)  # not the world: pipeline stages share one batch
-        settings = {
-            "batch_size": loader.batch_size, "duration": self.duration, "pacing": self.pacing,
-            "start_fraction": self.start_fraction, "stairs": self.stairs, "seed": self.seed,
-            "num_replicas": replicas, "rank": rank, "drop_last": loader.drop_last,
-            "accumulate_grad_batches": GradientAccumulation.schedule_of(trainer, loader.batch_size),
-        }
-        sampler = CurriculumSampler(scores, **settings)
-        limited = limited_batches(sampler.full_batches, trainer.limit_train_batches)
-        if limited != sampler.full_batches:  # epochs cut short: the step count follows the trainer's
-            sampler = CurriculumSampler(scores, **settings, batches_per_epoch=limited)
-        position = self._restored["position"] if self._restored else None
-        if position is not None:
-            sampler.load_state_dict(position)
-        return sampler
 
     @override
     def on_train_batch_start(
@@ -224,8 +211,7 @@ class Curriculum(Callback):
             return
         step = trainer.global_step
         if self.log_values:
-            fraction = self.sampler.pool_size(step) / len(self.sampler.order)
-            pl_module.log("curriculum_fraction", fraction, on_step=True, on_epoch=False)
+            pl_module.log("curriculum_fraction", self.sampler.fraction(step), on_step=True, on_epoch=False)
         if not self.length_warmup_steps:
             return
         length = warm_up_batch(batch, step, self.min_length, self.max_length, self.length_warmup_steps, "Curriculum")
@@ -238,10 +224,9 @@ class Curriculum(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         position = None
-        if self.sampler is not None and self._trainer is not None:
-            done = self._trainer.fit_loop.epoch_loop.batch_progress.current.ready
-            position = {"epoch": self.sampler.epoch, "batches": min(done, self.sampler.batches_per_epoch),
-                        "step": self._trainer.global_step, "epoch_step": self.sampler.step(self.sampler.epoch, 0)}
+        if self.sampler is not None and self._trainer is not None:  # from the trainer: workers fetch ahead
+            trainer = self._trainer
+            position = self.sampler.position(trainer.fit_loop.epoch_loop.batch_progress.current.ready, trainer.global_step)
         return {**self._settings(), "scores": self.scores, "position": position}
 
     @override
@@ -249,23 +234,7 @@ class Curriculum(Callback):
         refuse_changed_settings("Curriculum", {name: state_dict.get(name) for name in _SETTINGS}, self._settings())
         self._restored = {"scores": state_dict.get("scores"), "position": state_dict.get("position")}
         if self._loader is not None and self._trainer is not None:  # the loader came first (some strategies)
-            loader = self._loader.loader
-            scores = self._scores(loader, self._trainer, self._trainer.lightning_module)
-            self.scores, self.sampler = scores, self._make_sampler(scores, loader, self._trainer)
-            self._loader.use(self.sampler)
-            self._restored = None
-
-
-def _check_accumulation(trainer: pl.Trainer) -> None:
-    """Raises for Lightning's epoch-keyed accumulation scheduler, whose windows the pacing cannot follow."""
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if isinstance(callback, GradientAccumulationScheduler):
-            raise ValueError(
-                f"Curriculum: GradientAccumulationScheduler(scheduling={callback.scheduling}) changes the number of "
-                "micro-batches per optimizer step between epochs, and the curriculum paces by the optimizer step of "
-                "each batch; use lightning_peft.callbacks.GradientAccumulation(schedule={step: count}) instead, "
-                "keyed by the first optimizer step of each epoch (the curriculum follows its windows)."
-            )
+            self._loader.use(self._resample(self._loader.loader, self._trainer, self._trainer.lightning_module))
 
 
 def _check_scoring(curriculum: Curriculum, trainer: pl.Trainer) -> None:

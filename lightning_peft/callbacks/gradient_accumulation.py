@@ -1,12 +1,11 @@
 """``GradientAccumulation`` callback: a step-keyed accumulation schedule, or a target global batch size.
 
-The windows and their sizes come from :class:`lightning_peft.training.AccumulationSchedule`, laid and divided by
-:class:`lightning_peft.training.windows.WindowTracker` (also when resumed inside a window, or when a stream of unknown
-length ends inside one); this callback makes Lightning follow them. Lightning decides by modulo arithmetic on the batch
-index within the epoch, so windows that start elsewhere (after a change of count in the middle of an epoch) need its
-two decisions replaced for the fit (:func:`~lightning_peft.callbacks._lightning.take_over_accumulation`), and
-``trainer.accumulate_grad_batches`` set to the current window's size before each micro-batch, so that Lightning
-divides the loss by the size of *its* window: a short last window of 2 divides by 2, not by the count.
+The windows come from :class:`lightning_peft.training.AccumulationSchedule` and are laid, also across a resume or a
+stream that ends inside one, by :class:`lightning_peft.training.windows.WindowTracker`. Lightning decides by modulo
+arithmetic on the batch index within the epoch, so for the fit the callback replaces its two decisions
+(:func:`~lightning_peft.callbacks._lightning.take_over_accumulation`) and sets ``trainer.accumulate_grad_batches`` to
+the current window's size before each micro-batch: Lightning divides the loss by the size of *its* window (a short
+last window of 2 divides by 2, not by the count).
 
 YAML::
 
@@ -20,7 +19,7 @@ import math
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -28,7 +27,7 @@ from typing_extensions import override
 from lightning_peft._checks import integer
 from lightning_peft._seams import data_parallel, refuse, strategy_family
 from lightning_peft.callbacks._lightning import Patches, loader_batch_size, refuse_changed_settings, train_loader
-from lightning_peft.callbacks._lightning import take_over_accumulation, wrap_train_loader
+from lightning_peft.callbacks._lightning import refuse_epoch_accumulation, take_over_accumulation, wrap_train_loader
 from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.training.accumulation import AccumulationSchedule, shorten_window
 from lightning_peft.training.windows import WindowTracker, fit_steps
@@ -70,8 +69,7 @@ class GradientAccumulation(Callback):
         self.log_count = log
         self._active: AccumulationSchedule | None = self.schedule  # target mode: derived from the loader
         self._windows = WindowTracker()
-        self._patches = Patches()
-        self._saved_count: int | None = None
+        self._patches = Patches()  # on Lightning's loops, and the trainer's count: given back at teardown
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -80,14 +78,17 @@ class GradientAccumulation(Callback):
             return
         self._check_conflicts(trainer, pl_module)
         self._windows.start_fit()
-        self._saved_count = trainer.accumulate_grad_batches
+        self._patches.set(trainer, "accumulate_grad_batches", trainer.accumulate_grad_batches)
         own = trainer.strategy.handles_gradient_accumulation  # it (DeepSpeed) reads the count once, in its setup
         if self.global_batch_size is not None:
             self._active = None
             if own:  # derive the count now
-                self._derive(trainer, self._batch_size(train_loader(trainer)))
-            else:  # when Lightning first asks for the train loader (after the LightningModule's own setup)
-                self._derive_on_first_request(trainer)
+                self._derive(trainer, train_loader(trainer))
+            else:  # when Lightning first asks for the train loader (after the LightningModule's setup builds data)
+                wrap_train_loader(trainer, self._patches, lambda loader: self._derive(trainer, loader),
+                                  f"GradientAccumulation(global_batch_size={self.global_batch_size})",
+                                  "reads the micro-batch size",
+                                  "use schedule=K with K = global batch / (micro-batch size x devices)")
         if self._active is not None:
             if own and not self._active.is_constant:
                 raise RuntimeError(
@@ -100,38 +101,23 @@ class GradientAccumulation(Callback):
             # Set before configure_optimizers: trainer.estimated_stepping_batches is then exact for a constant count
             # and, with the smallest count of a changing schedule, an upper bound (a OneCycleLR never runs past it).
             trainer.accumulate_grad_batches = self._active.min_count
-        if not own:
-            self._take_over_window_decisions(trainer)
+        if not own:  # the windows are ours (a strategy that accumulates itself reads the count once, above)
+            now = lambda: (self._schedule(), trainer.current_epoch, trainer.num_training_batches, trainer.global_step)  # noqa: E731
+            take_over_accumulation(trainer, self._patches, "GradientAccumulation",
+                                   lambda batch: self._windows.starts(*now(), batch),
+                                   lambda ready: self._windows.ends(*now(), ready))
 
     @property
     def count(self) -> int | None:
-        """The constant number of micro-batches per optimizer step; None for a changing schedule, or before a
-        target global batch has been turned into a count."""
+        """The constant micro-batches per optimizer step; None for a changing schedule, or before a target is derived."""
         return self._active.min_count if self._active is not None and self._active.is_constant else None
 
-    def count_for(self, micro_batch_size: int, data_parallel_size: int) -> int | None:
-        """The constant count this callback uses with loaders of ``micro_batch_size`` on ``data_parallel_size``
-        data-parallel replicas (``lightning_peft._seams.data_parallel(trainer.strategy)[0]``)."""
+    def accumulation_for(self, micro_batch_size: int, data_parallel_size: int) -> int | AccumulationSchedule | None:
+        """Its schedule, or the count a target global batch gives with these loaders (``_lightning.accumulation_of``)."""
         if self.global_batch_size is None:
-            return self.count
+            return self.schedule
         return AccumulationSchedule.for_global_batch(
             self.global_batch_size, micro_batch_size, data_parallel_size, who="GradientAccumulation").min_count
-
-    @staticmethod
-    def schedule_of(trainer: pl.Trainer, micro_batch_size: int) -> int | AccumulationSchedule:
-        """Micro-batches per optimizer step: a ``GradientAccumulation`` callback's schedule, else the trainer's count.
-
-        (While ``GradientAccumulation`` runs, ``trainer.accumulate_grad_batches`` holds the current window's length,
-        which at an epoch's end is shorter; its own schedule is the one to follow.)
-        """
-        for callback in trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(callback, GradientAccumulation):
-                if callback.schedule is not None:
-                    return callback.schedule
-                count = callback.count_for(micro_batch_size, data_parallel(trainer.strategy)[0])
-                if count is not None:
-                    return count
-        return trainer.accumulate_grad_batches
 
     def _schedule(self) -> AccumulationSchedule:
         """The schedule in use; for a target global batch, known once Lightning has asked for the train loader."""
@@ -142,48 +128,37 @@ class GradientAccumulation(Callback):
             )
         return self._active
 
-    def _derive(self, trainer: pl.Trainer, micro: int) -> None:
+    def _derive(self, trainer: pl.Trainer, loader: Any) -> Any:
+        """Turns the target global batch into a count, from ``loader``'s batch size (once); returns ``loader``."""
+        if self._active is not None:
+            return loader
+        micro = loader_batch_size(loader, f"GradientAccumulation(global_batch_size={self.global_batch_size})",
+                                  "give it an integer batch_size, or use schedule=K with K = global batch / (micro-batch "
+                                  "size x devices)")
         replicas, _ = data_parallel(trainer.strategy)
-        self._active = AccumulationSchedule.for_global_batch(
-            int(self.global_batch_size or 0), micro, replicas, who="GradientAccumulation"
-        )
+        self._active = AccumulationSchedule.for_global_batch(int(self.global_batch_size or 0), micro, replicas,
+                                                             who="GradientAccumulation")
         # Before estimated_stepping_batches reads it: exact for the user's learning-rate schedule.
         trainer.accumulate_grad_batches = self._active.min_count
         rank_zero_info(
             f"GradientAccumulation: global batch {self.global_batch_size} = micro-batch {micro} x "
             f"{replicas} data-parallel replica(s) x {self._active.min_count} accumulated micro-batches."
         )
-
-    def _derive_on_first_request(self, trainer: pl.Trainer) -> None:
-        """Reads the micro-batch size when Lightning first asks for the train loader (after the LightningModule's
-        ``setup``, which may build the data; before a checkpoint's callback states are restored would be too early)."""
-
-        def derive(loader: Any) -> Any:
-            if self._active is None:
-                self._derive(trainer, self._batch_size(loader))
-            return loader
-
-        wrap_train_loader(trainer, self._patches, derive, f"GradientAccumulation(global_batch_size={self.global_batch_size})",
-                          "reads the micro-batch size", "use schedule=K with K = global batch / (micro-batch size x devices)")
-
-    def _batch_size(self, loader: Any) -> int:
-        """The train loader's fixed micro-batch size."""
-        who = f"GradientAccumulation(global_batch_size={self.global_batch_size})"
-        if loader is None:
-            raise RuntimeError(f"{who}: the trainer has no train dataloader to read the micro-batch size from; pass one "
-                               "to fit.")
-        size = loader_batch_size(loader)
-        if size is None:
-            raise ValueError(
-                f"{who}: the train dataloader ({type(loader).__name__}) has no fixed batch_size to derive the count "
-                "from; give it an integer batch_size, or use schedule=K with K = global batch / (micro-batch size x "
-                "devices)."
-            )
-        return size
+        return loader
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._check_stream(trainer)
+        # The loader is known from here: refuse what cannot cut a window short, a stream without len() under DeepSpeed.
+        if (trainer.num_training_batches == math.inf and max(self._schedule().schedule.values()) > 1
+                and strategy_family(trainer.strategy) == "deepspeed"):
+            raise refuse(
+                "GradientAccumulation", trainer.strategy,
+                "the train loader has no len(), so a window may be cut short by the stream's end, and then the "
+                "gradient accumulated so far must be rescaled (shorten_window, on p.grad); DeepSpeed accumulates in "
+                "its own buffers, out of reach there (p.grad is None from stage 2; measured wrong at stages 1 to 3)",
+                "give the train loader a len(), or use ZeROStrategy(backend='native'), where a cut window is "
+                "rescaled as under DDP",
+            )
         if not self._schedule().is_constant:
             rank_zero_info(
                 f"GradientAccumulation: the schedule {self._active.schedule} gives {self.total_steps(trainer)} "
@@ -194,7 +169,7 @@ class GradientAccumulation(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if not self._patches:
+        if trainer.strategy.handles_gradient_accumulation:  # the strategy's windows, not ours
             return
         size, planned = self._windows.loss_window(
             self._schedule(), trainer.current_epoch, batch_idx, trainer.num_training_batches, trainer.global_step,
@@ -210,11 +185,11 @@ class GradientAccumulation(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._restore(trainer)
+        self._patches.undo()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._restore(trainer)  # Lightning skips teardown hooks after an exception
+        self._patches.undo()  # Lightning skips teardown hooks after an exception
 
     @staticmethod
     def total_steps(trainer: pl.Trainer) -> int | float:
@@ -227,21 +202,20 @@ class GradientAccumulation(Callback):
         Raises:
             RuntimeError: In target-batch mode, before the callback's ``setup`` has derived the count.
         """
-        ours = [c for c in trainer.callbacks if isinstance(c, GradientAccumulation)]  # type: ignore[attr-defined]
-        if not ours:
+        ours = next((c for c in trainer.callbacks if isinstance(c, GradientAccumulation)), None)  # type: ignore[attr-defined]
+        if ours is None:
             return trainer.estimated_stepping_batches
-        if ours[0]._active is None and trainer.train_dataloader is None:
-            trainer.fit_loop.setup_data()  # asks for the loader, which derives a target global batch's count
-        schedule = ours[0]._active
-        if schedule is None:
+        epochs = None if trainer.max_epochs == -1 else trainer.max_epochs
+        if trainer.train_dataloader is None and (ours._active is None or epochs is not None):
+            # Asks for the loader (which derives a target global batch's count), as estimated_stepping_batches does.
+            trainer.fit_loop.setup_data()
+        if ours._active is None:
             raise RuntimeError(
-                f"GradientAccumulation.total_steps: the count for global_batch_size={ours[0].global_batch_size} is "
+                f"GradientAccumulation.total_steps: the count for global_batch_size={ours.global_batch_size} is "
                 "derived in the callback's setup; call total_steps from configure_optimizers or later."
             )
-        epochs = None if trainer.max_epochs == -1 else trainer.max_epochs
-        if epochs is not None and trainer.train_dataloader is None:
-            trainer.fit_loop.setup_data()  # as trainer.estimated_stepping_batches does
-        return fit_steps(schedule, math.inf if epochs is None else trainer.num_training_batches, epochs, trainer.max_steps)
+        return fit_steps(ours._active, math.inf if epochs is None else trainer.num_training_batches, epochs,
+                         trainer.max_steps)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -254,10 +228,8 @@ class GradientAccumulation(Callback):
         self._windows.restore(state_dict.get("anchor"))
 
     def _settings(self) -> dict[str, Any]:
-        return {
-            "schedule": None if self.schedule is None else self.schedule.schedule,
-            "global_batch_size": self.global_batch_size,
-        }
+        return {"schedule": None if self.schedule is None else self.schedule.schedule,
+                "global_batch_size": self.global_batch_size}
 
     def _check_conflicts(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.accumulate_grad_batches != 1:
@@ -266,49 +238,11 @@ class GradientAccumulation(Callback):
                 "well; remove it from the Trainer (this callback sets the count) or remove the callback."
             )
         # A second GradientAccumulation: Lightning itself refuses two stateful callbacks of one type.
-        if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):  # type: ignore[attr-defined]
-            raise ValueError(
-                "GradientAccumulation: the trainer also has a GradientAccumulationScheduler, which sets the "
-                "accumulation too; keep one (for an epoch-keyed schedule, key this callback's schedule by the first "
-                "step of each epoch)."
-            )
+        refuse_epoch_accumulation(trainer, "GradientAccumulation", "sets the accumulation too; keep one (for an "
+                                  "epoch-keyed schedule, key this callback's schedule by the first step of each epoch)")
         if not pl_module.automatic_optimization:
             raise RuntimeError(
                 f"GradientAccumulation: {type(pl_module).__name__} uses manual optimization, where Lightning does not "
                 "accumulate; remove the callback and accumulate in training_step (AccumulationSchedule.micro_batches "
                 "gives each micro-batch's window size and step)."
             )
-
-    def _check_stream(self, trainer: pl.Trainer) -> None:
-        """Refuse, before the first step, what cannot cut a window short: a stream without len() under DeepSpeed.
-
-        The first point where the loader is known: Lightning loads it after the callbacks' ``setup``.
-        """
-        counts = self._schedule().schedule.values()
-        if trainer.num_training_batches != math.inf or max(counts) == 1:
-            return
-        if strategy_family(trainer.strategy) == "deepspeed":
-            raise refuse(
-                "GradientAccumulation", trainer.strategy,
-                "the train loader has no len(), so a window may be cut short by the stream's end, and then the "
-                "gradient accumulated so far must be rescaled (shorten_window, on p.grad); DeepSpeed accumulates in "
-                "its own buffers, out of reach there (p.grad is None from stage 2; measured wrong at stages 1 to 3)",
-                "give the train loader a len(), or use ZeROStrategy(backend='native'), where a cut window is "
-                "rescaled as under DDP",
-            )
-
-    def _take_over_window_decisions(self, trainer: pl.Trainer) -> None:
-        def here() -> tuple[Any, ...]:
-            return self._schedule(), trainer.current_epoch
-
-        take_over_accumulation(
-            trainer, self._patches, "GradientAccumulation",
-            lambda batch: self._windows.starts(*here(), batch, trainer.num_training_batches, trainer.global_step),
-            lambda ready: self._windows.ends(*here(), ready, trainer.num_training_batches, trainer.global_step))
-
-    def _restore(self, trainer: pl.Trainer) -> None:
-        self._patches.undo()
-        if self._saved_count is not None:
-            trainer.accumulate_grad_batches = self._saved_count
-            self._saved_count = None
-

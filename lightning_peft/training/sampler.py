@@ -207,6 +207,10 @@ class CurriculumSampler(Sampler[int]):
         size = len(self.order)
         return min(size, max(1, math.ceil(fraction * size - 1e-9)))
 
+    def fraction(self, step: int) -> float:
+        """The admitted share of the data at optimizer step ``step``."""
+        return self.pool_size(step) / len(self.order)
+
     @property
     def admitted_fraction(self) -> float:
         """The admitted share of the data at the latest batch handed out (or at the start position)."""
@@ -227,6 +231,12 @@ class CurriculumSampler(Sampler[int]):
         """``{"epoch": e, "batches": k, "step": t, "epoch_step": t0}``: ``k`` batches of epoch ``e`` were handed
         out; the next one is paced at optimizer step ``t``, and the epoch's first one was at ``t0``."""
         return {"epoch": self.epoch, "batches": self._delivered, "step": self._step_after(self.epoch, self._delivered),
+                "epoch_step": self.step(self.epoch, 0)}
+
+    def position(self, batches: int, step: int) -> dict[str, int]:
+        """:meth:`state_dict` as a trainer counts it: ``batches`` of the current epoch trained, ``step`` optimizer
+        steps done (DataLoader workers fetch ahead of training, so the sampler's own count runs ahead)."""
+        return {"epoch": self.epoch, "batches": min(batches, self.batches_per_epoch), "step": step,
                 "epoch_step": self.step(self.epoch, 0)}
 
     def _step_after(self, epoch: int, batches: int) -> int:

@@ -67,11 +67,11 @@ class WindowTracker:
         window = schedule.window_at(batch - first, num_batches - first, first_step)
         return Window(window.start + first, window.size, window.step)
 
-    def starts(self, schedule: AccumulationSchedule, epoch: int, batch: int, num_batches: float, step: int) -> bool:
+    def starts(self, schedule: AccumulationSchedule, epoch: int, num_batches: float, step: int, batch: int) -> bool:
         """Whether micro-batch ``batch`` starts its window (zero the gradients there)."""
         return batch == self.window(schedule, epoch, batch, num_batches, step).start  # type: ignore[union-attr]
 
-    def ends(self, schedule: AccumulationSchedule, epoch: int, ready: int, num_batches: float, step: int) -> bool:
+    def ends(self, schedule: AccumulationSchedule, epoch: int, num_batches: float, step: int, ready: int) -> bool:
         """Whether the ``ready`` micro-batches fetched in ``epoch`` end a window (step the optimizer then)."""
         if ready == 0:
             return True

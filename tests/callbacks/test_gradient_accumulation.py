@@ -297,7 +297,7 @@ class Manual(Regression):
     (lambda tmp: trainer(tmp, accumulate_grad_batches=2, callbacks=[GradientAccumulation(4)]), ValueError,
      r"GradientAccumulation: Trainer\(accumulate_grad_batches=2\) is set as well; remove it from the Trainer"),
     (lambda tmp: trainer(tmp, callbacks=[GradientAccumulation(4), GradientAccumulationScheduler({0: 2})]), ValueError,
-     r"GradientAccumulation: the trainer also has a GradientAccumulationScheduler, which sets the accumulation too"),
+     r"GradientAccumulation: GradientAccumulationScheduler\(scheduling=\{0: 2\}\) sets the accumulation too; keep one"),
     (lambda tmp: trainer(tmp, strategy=SelfAccumulatingStrategy(torch.device("cpu")),
                          callbacks=[GradientAccumulation({0: 1, 10: 2})]), RuntimeError,
      (r"GradientAccumulation\(schedule=\{0: 1, 10: 2\}\): SelfAccumulatingStrategy accumulates gradients itself "
