@@ -1,5 +1,6 @@
-"""Lightning glue every callback shares: refusing a resume with other settings, work done on rank 0 alone, the
-patches of Lightning's own loop objects (the train-loader request, the accumulation decisions) and a train loader
+"""Lightning glue every callback shares: refusing a resume with other settings, work done on rank 0 alone, patches of
+objects the callbacks do not own (Lightning's train-loader request and accumulation decisions, a LightningModule's
+``configure_optimizers``) undone at teardown, the trainer's accumulation as a callback sees it, and a train loader
 remade around another sampler."""
 
 from __future__ import annotations
@@ -8,8 +9,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
 import torch
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_peft._seams import data_parallel
@@ -58,11 +59,13 @@ _MISSING = object()
 
 
 class Patches:
-    """Instance attributes a callback sets on Lightning's own objects for one fit, undone in reverse order.
+    """Attributes a callback sets on objects it does not own, for one fit (or one ``with`` block), undone in reverse
+    order.
 
     Lightning 2.6 has no public hook for some decisions (which train loader to use, when to step and zero under
-    accumulation); a callback replaces them on the trainer's loop objects and gives them back at ``teardown`` (and
-    ``on_exception``: Lightning skips teardown hooks after an exception).
+    accumulation, how a LightningModule builds its optimizers); a callback replaces them on the trainer's loop objects
+    or the module (instance attributes) and gives them back at ``teardown`` (and ``on_exception``: Lightning skips
+    teardown hooks after an exception). On a class (``Optimizer.add_param_group``), use it as a context manager.
     """
 
     def __init__(self) -> None:
@@ -71,17 +74,23 @@ class Patches:
     def __bool__(self) -> bool:
         return bool(self._done)
 
+    def __enter__(self) -> Patches:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.undo()
+
     def set(self, owner: object, name: str, value: object) -> None:
-        """``owner.name = value``, remembering what ``owner.__dict__`` held (its class's attribute if nothing)."""
-        self._done.append((owner, name, owner.__dict__.get(name, _MISSING)))
+        """``owner.name = value``, remembering what ``vars(owner)`` held (nothing: the class's attribute showed)."""
+        self._done.append((owner, name, vars(owner).get(name, _MISSING)))
         setattr(owner, name, value)
 
     def undo(self) -> None:
         for owner, name, before in reversed(self._done):
-            if before is _MISSING:
-                owner.__dict__.pop(name, None)
-            else:
+            if before is not _MISSING:
                 setattr(owner, name, before)
+            elif name in vars(owner):
+                delattr(owner, name)
         self._done.clear()
 
 

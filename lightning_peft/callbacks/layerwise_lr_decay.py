@@ -34,13 +34,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_peft._checks import real
-from lightning_peft.callbacks._lightning import refuse_changed_settings
+from lightning_peft.callbacks._lightning import Patches, refuse_changed_settings
 from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.callbacks._target import resolve_target
 from lightning_peft.training.layerwise_lr import GROUP_KEY, broken_decay, check_decay, decayed_groups, layer_depths
 from lightning_peft.training.layerwise_lr import optimizers_and_schedulers, scale_plateau_floors
 
-_ORIGINAL = "_lightning_peft_llrd_original"
 # Set on a ReduceLROnPlateau whose min_lrs the callback has scaled (saved with the scheduler's state: a resumed run
 # must not scale them again).
 _PLATEAU_FITTED = "_lightning_peft_llrd_fitted"
@@ -77,6 +76,7 @@ class LayerwiseLRDecay(Callback):
         self.decay, self.layer_patterns, self.embedding_patterns = decay, layer_patterns, embedding_patterns
         self.model_attribute, self.bias_and_norm_weight_decay, self.log_lr = (
             model_attribute, bias_and_norm_weight_decay, log)
+        self._patches = Patches()  # the LightningModule's configure_optimizers, for the fit
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -84,10 +84,8 @@ class LayerwiseLRDecay(Callback):
         if stage != "fit":
             return
         self._depths(pl_module)  # wrong patterns fail now, before any optimizer exists
-        if _ORIGINAL not in pl_module.__dict__:  # (instance attribute or None, the method to call)
-            pl_module.__dict__[_ORIGINAL] = (pl_module.__dict__.get("configure_optimizers"),
-                                             pl_module.configure_optimizers)
-        original = pl_module.__dict__[_ORIGINAL][1]
+        self._patches.undo()  # an earlier fit's wrapper, if its teardown did not run: wrap the user's method
+        original = pl_module.configure_optimizers
 
         @functools.wraps(original)
         def configure_optimizers(*args: Any, **kwargs: Any) -> Any:
@@ -96,21 +94,16 @@ class LayerwiseLRDecay(Callback):
                 self._split_prebuilt(result, split_add)
             return result
 
-        pl_module.configure_optimizers = configure_optimizers  # an instance attribute, undone in teardown
+        # An instance attribute, undone in teardown (one LightningCLI set on the instance comes back).
+        self._patches.set(pl_module, "configure_optimizers", configure_optimizers)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        saved = pl_module.__dict__.pop(_ORIGINAL, None)
-        if saved is None:
-            return
-        if saved[0] is None:
-            pl_module.__dict__.pop("configure_optimizers", None)
-        else:  # it was set on the instance (LightningCLI does that): put it back
-            pl_module.configure_optimizers = saved[0]
+        self._patches.undo()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.teardown(trainer, pl_module, "fit")  # Lightning skips teardown hooks after an exception
+        self._patches.undo()  # Lightning skips teardown hooks after an exception
 
     def _depths(self, pl_module: pl.LightningModule) -> tuple[dict[int, str], dict[str, int], int]:
         prefix, model = resolve_target(pl_module, self.model_attribute, "LayerwiseLRDecay")
@@ -135,11 +128,9 @@ class LayerwiseLRDecay(Callback):
                 add_param_group(optimizer, part)
 
         split_add.origins = origins  # type: ignore[attr-defined]
-        Optimizer.add_param_group = split_add  # type: ignore[method-assign]
-        try:
+        with Patches() as patches:
+            patches.set(Optimizer, "add_param_group", split_add)
             yield split_add
-        finally:
-            Optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
 
     def _split_prebuilt(self, result: Any, split_add: Callable[[Optimizer, dict[str, Any]], None]) -> None:
         """Splits, in place, an optimizer that ``configure_optimizers`` returned but did not build.
