@@ -126,11 +126,9 @@ class Curriculum(Callback):
         keep_rng(trainer)  # resume draws what the straight run drew (dropout)
         if stage != "fit":
             return
-        refuse_epoch_accumulation(
-            trainer, "Curriculum", "changes the number of micro-batches per optimizer step between epochs, and the "
-            "curriculum paces by the optimizer step of each batch; use lightning_peft.callbacks.GradientAccumulation("
-            "schedule={step: count}) instead, keyed by the first optimizer step of each epoch (the curriculum follows "
-            "its windows)")
+        refuse_epoch_accumulation(trainer, "Curriculum", "changes the count between epochs, and the curriculum paces by "
+                                  "the optimizer step of each batch; use lightning_peft.callbacks.GradientAccumulation("
+                                  "schedule={step: count}) keyed by each epoch's first step (the curriculum follows it)")
         _check_scoring(self, trainer)
         self._trainer, self.scores, self.sampler, self._loader = trainer, None, None, None
         wrap_train_loader(trainer, self._patches, lambda loader: self._curriculum_loader(loader, trainer, pl_module),
@@ -191,16 +189,18 @@ class Curriculum(Callback):
         return on_rank_zero(trainer, work, "Curriculum", "scoring", share=True)
 
     def _scorer(self, loader: DataLoader, pl_module: pl.LightningModule) -> Callable[[Any], float]:
-        if self.scoring_function is not None or self.scorer == "length":
-            return self.scoring_function or LengthScorer()
+        if self.scoring_function is not None:
+            return self.scoring_function
+        if self.scorer == "length":
+            return LengthScorer()
         if self.teacher is None:  # self-paced
-            return LossScorer(resolve_target(pl_module, self.model_attribute, "Curriculum")[1],
-                              collate_fn=loader.collate_fn, batch_size=loader.batch_size)
-        model = load_teacher(self.teacher, "Curriculum").to(pl_module.device)
-        told, warning = teacher_report(self.teacher, TRAINING_RECORD, "Curriculum")
-        rank_zero_info(told)
-        if warning:
-            rank_zero_warn(warning)
+            model = resolve_target(pl_module, self.model_attribute, "Curriculum")[1]
+        else:
+            model = load_teacher(self.teacher, "Curriculum").to(pl_module.device)
+            told, warning = teacher_report(self.teacher, TRAINING_RECORD, "Curriculum")
+            rank_zero_info(told)
+            if warning:
+                rank_zero_warn(warning)
         return LossScorer(model, collate_fn=loader.collate_fn, batch_size=loader.batch_size)
 
     @override
