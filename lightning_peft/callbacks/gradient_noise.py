@@ -33,7 +33,9 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_peft._checks import integer
 from lightning_peft._seams import refuse, strategy_family
+from lightning_peft.callbacks._lightning import refuse_changed_settings
 from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.training.gradient_noise import add_gradient_noise, noise_variance, parameter_generator
 
@@ -50,8 +52,7 @@ class GradientNoise(Callback):
 
     def __init__(self, eta: float = 0.01, gamma: float = 0.55, seed: int = 0, log: bool = True) -> None:
         noise_variance(0, eta, gamma, who="GradientNoise")  # checks eta and gamma now, not at the first step
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"GradientNoise(seed={seed!r}): seed must be an integer.")
+        integer("GradientNoise", "seed", seed)
         self.eta, self.gamma, self.seed, self.log_std = eta, gamma, seed, log
 
     @override
@@ -86,13 +87,7 @@ class GradientNoise(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = {k: state_dict.get(k) for k in ("eta", "gamma", "seed")}
-        now = self.state_dict()
-        if saved != now:
-            raise ValueError(
-                f"GradientNoise: the checkpoint was trained with {saved}; this run has {now}. Resume with the "
-                "checkpoint's settings, or start a new run without ckpt_path."
-            )
+        refuse_changed_settings("GradientNoise", {k: state_dict.get(k) for k in self.state_dict()}, self.state_dict())
 
 
 def _noised(pl_module: nn.Module, optimizer: Optimizer, family: str) -> list[tuple[int, nn.Parameter]]:

@@ -23,7 +23,6 @@ YAML::
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -34,16 +33,13 @@ from lightning.pytorch.callbacks import Callback
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_peft._checks import real
+from lightning_peft.callbacks._lightning import Patches, refuse_changed_settings
 from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.callbacks._target import resolve_target
-from lightning_peft.training.layerwise_lr import check_decay, depth_label, layer_depths, lr_scale, split_by_depth
+from lightning_peft.training.layerwise_lr import GROUP_KEY, broken_decay, check_decay, decayed_groups, layer_depths
+from lightning_peft.training.layerwise_lr import optimizers_and_schedulers, scale_plateau_floors
 
-_ORIGINAL = "_lightning_peft_llrd_original"
-# Each group the split makes carries, under this key, {"scale": the factor its lr must keep, "origin": which of the
-# user's groups it came from, "label": its depth's name}. In the group itself, so that it survives what strategies
-# do to optimizers (ZeroRedundancyOptimizer copies the groups into a new optimizer, DeepSpeed wraps the optimizer)
-# and what a checkpoint does to them (loading replaces the group dicts with the saved ones, which carry it too).
-GROUP_KEY = "layerwise_lr"
 # Set on a ReduceLROnPlateau whose min_lrs the callback has scaled (saved with the scheduler's state: a resumed run
 # must not scale them again).
 _PLATEAU_FITTED = "_lightning_peft_llrd_fitted"
@@ -74,15 +70,13 @@ class LayerwiseLRDecay(Callback):
         log: bool = True,
     ) -> None:
         check_decay(decay, "LayerwiseLRDecay")
-        if bias_and_norm_weight_decay is not None and (
-            isinstance(bias_and_norm_weight_decay, bool) or not isinstance(bias_and_norm_weight_decay, float | int)
-            or not bias_and_norm_weight_decay >= 0
-        ):
-            raise ValueError(f"LayerwiseLRDecay(bias_and_norm_weight_decay={bias_and_norm_weight_decay!r}): must be "
-                             ">= 0, or None to keep the optimizer's.")
+        if bias_and_norm_weight_decay is not None:
+            real("LayerwiseLRDecay", "bias_and_norm_weight_decay", bias_and_norm_weight_decay, minimum=0,
+                 meaning="or None to keep the optimizer's")
         self.decay, self.layer_patterns, self.embedding_patterns = decay, layer_patterns, embedding_patterns
         self.model_attribute, self.bias_and_norm_weight_decay, self.log_lr = (
             model_attribute, bias_and_norm_weight_decay, log)
+        self._patches = Patches()  # the LightningModule's configure_optimizers, for the fit
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -90,10 +84,8 @@ class LayerwiseLRDecay(Callback):
         if stage != "fit":
             return
         self._depths(pl_module)  # wrong patterns fail now, before any optimizer exists
-        if _ORIGINAL not in pl_module.__dict__:  # (instance attribute or None, the method to call)
-            pl_module.__dict__[_ORIGINAL] = (pl_module.__dict__.get("configure_optimizers"),
-                                             pl_module.configure_optimizers)
-        original = pl_module.__dict__[_ORIGINAL][1]
+        self._patches.undo()  # an earlier fit's wrapper, if its teardown did not run: wrap the user's method
+        original = pl_module.configure_optimizers
 
         @functools.wraps(original)
         def configure_optimizers(*args: Any, **kwargs: Any) -> Any:
@@ -102,21 +94,16 @@ class LayerwiseLRDecay(Callback):
                 self._split_prebuilt(result, split_add)
             return result
 
-        pl_module.configure_optimizers = configure_optimizers  # an instance attribute, undone in teardown
+        # An instance attribute, undone in teardown (one LightningCLI set on the instance comes back).
+        self._patches.set(pl_module, "configure_optimizers", configure_optimizers)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        saved = pl_module.__dict__.pop(_ORIGINAL, None)
-        if saved is None:
-            return
-        if saved[0] is None:
-            pl_module.__dict__.pop("configure_optimizers", None)
-        else:  # it was set on the instance (LightningCLI does that): put it back
-            pl_module.configure_optimizers = saved[0]
+        self._patches.undo()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.teardown(trainer, pl_module, "fit")  # Lightning skips teardown hooks after an exception
+        self._patches.undo()  # Lightning skips teardown hooks after an exception
 
     def _depths(self, pl_module: pl.LightningModule) -> tuple[dict[int, str], dict[str, int], int]:
         prefix, model = resolve_target(pl_module, self.model_attribute, "LayerwiseLRDecay")
@@ -134,29 +121,16 @@ class LayerwiseLRDecay(Callback):
         origins: dict[int, int] = {}  # id(optimizer) -> how many of the user's groups it has taken
 
         def split_add(optimizer: Optimizer, group: dict[str, Any]) -> None:
-            params, given_names = _unpack(group)
-            options = {k: v for k, v in group.items() if k not in ("params", "param_names", GROUP_KEY)}
-            lr = options.pop("lr", optimizer.defaults.get("lr"))
-            if not isinstance(lr, float | int | torch.Tensor) or isinstance(lr, bool):
-                raise TypeError(f"LayerwiseLRDecay: {type(optimizer).__name__} has no numeric learning rate "
-                                f"(lr={lr!r}) to decay; give the optimizer an lr.")
             origin = origins.setdefault(id(optimizer), 0)
             origins[id(optimizer)] += 1
-            for depth, part in split_by_depth(params, names, depths, num_layers, callback.decay, lr, options,
-                                              callback.bias_and_norm_weight_decay):
-                if given_names is not None:  # AdamW(named_parameters()): the optimizer keeps the names it was given
-                    part["params"] = [(given_names[id(p)], p) for p in part["params"]]
-                if depth is not None:
-                    part[GROUP_KEY] = {"scale": lr_scale(depth, num_layers, callback.decay), "origin": origin,
-                                       "label": depth_label(depth, num_layers)}
+            for part in decayed_groups(group, optimizer, names, depths, num_layers, callback.decay,
+                                       callback.bias_and_norm_weight_decay, origin, "LayerwiseLRDecay"):
                 add_param_group(optimizer, part)
 
         split_add.origins = origins  # type: ignore[attr-defined]
-        Optimizer.add_param_group = split_add  # type: ignore[method-assign]
-        try:
+        with Patches() as patches:
+            patches.set(Optimizer, "add_param_group", split_add)
             yield split_add
-        finally:
-            Optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
 
     def _split_prebuilt(self, result: Any, split_add: Callable[[Optimizer, dict[str, Any]], None]) -> None:
         """Splits, in place, an optimizer that ``configure_optimizers`` returned but did not build.
@@ -165,7 +139,7 @@ class LayerwiseLRDecay(Callback):
         scheduler attached yet, its groups can still be split; a scheduler made for the old groups cannot be
         mended (its per-group state is stale), which is an error.
         """
-        optimizers, schedulers = _collect(result)
+        optimizers, schedulers = optimizers_and_schedulers(result)
         for optimizer in optimizers:
             if id(optimizer) in split_add.origins:  # type: ignore[attr-defined]
                 continue
@@ -195,14 +169,9 @@ class LayerwiseLRDecay(Callback):
         self._check(trainer)
 
     def _fit_plateau_schedulers(self, trainer: pl.Trainer) -> None:
-        """Makes ``ReduceLROnPlateau`` keep the ratios: per-group ``min_lr`` scaled, and ``eps = 0``.
-
-        Plateau clamps every group at ``min_lr`` (one value unless given per group) and skips a group's cut when it
-        is below ``eps``; both hit the decayed groups earlier than the top one. A scaled ``min_lr`` clamps all
-        groups at the same moment, and without ``eps`` no group skips a cut the others make. Once only: the
-        scheduler remembers it in its state, so a resumed run, whose restored ``min_lrs`` are scaled already, does
-        not scale them again.
-        """
+        """Makes each ``ReduceLROnPlateau`` keep the ratios (``training.layerwise_lr.scale_plateau_floors``), once:
+        the scheduler remembers it in its state, so a resumed run (its restored ``min_lrs`` scaled already) does not
+        scale them again."""
         for config in trainer.lr_scheduler_configs:
             scheduler = config.scheduler
             if not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
@@ -210,13 +179,7 @@ class LayerwiseLRDecay(Callback):
             entries = [group.get(GROUP_KEY) for group in scheduler.optimizer.param_groups]
             if not any(entries) or getattr(scheduler, _PLATEAU_FITTED, False):
                 continue
-            scheduler.eps = 0.0
-            for origin in {entry["origin"] for entry in entries if entry}:
-                members = [(i, entry["scale"]) for i, entry in enumerate(entries) if entry and entry["origin"] == origin]
-                floors = [scheduler.min_lrs[i] for i, _ in members]
-                if all(math.isclose(f, floors[0], rel_tol=1e-9, abs_tol=0.0) for f in floors):  # one min_lr: scale it
-                    for i, scale in members:
-                        scheduler.min_lrs[i] = floors[0] * scale
+            scale_plateau_floors(scheduler, entries)
             setattr(scheduler, _PLATEAU_FITTED, True)
 
     @override
@@ -233,16 +196,9 @@ class LayerwiseLRDecay(Callback):
     def _check(self, trainer: pl.Trainer, optimizers: list[Optimizer] | None = None) -> None:
         """Raises if a scheduler broke the decay: within one user group, ``lr / scale`` must be one value."""
         for optimizer in optimizers or trainer.optimizers:
-            base: dict[int, tuple[float, str]] = {}
-            for group in optimizer.param_groups:
-                entry = group.get(GROUP_KEY)
-                if not entry:
-                    continue
-                unscaled = float(group["lr"]) / entry["scale"]
-                first = base.setdefault(entry["origin"], (unscaled, entry["label"]))
-                if not math.isclose(unscaled, first[0], rel_tol=1e-6, abs_tol=1e-30):
-                    raise RuntimeError(_broken_message(trainer, optimizer, first, (unscaled, entry["label"]),
-                                                       self.decay))
+            broken = broken_decay(optimizer.param_groups)
+            if broken is not None:
+                raise RuntimeError(_broken_message(trainer, optimizer, *broken, self.decay))
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -252,14 +208,8 @@ class LayerwiseLRDecay(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        now = self.state_dict()
-        saved = {k: state_dict.get(k) for k in now}
-        if saved != now:  # the optimizer state would bring back the old learning rates anyway
-            raise ValueError(
-                f"LayerwiseLRDecay: the checkpoint was trained with {saved}; this run has {now}. Resume with the "
-                "checkpoint's settings (the restored optimizer keeps their learning rates), or start a new run "
-                "without ckpt_path."
-            )
+        # Also because the restored optimizer state would bring back the old learning rates anyway.
+        refuse_changed_settings("LayerwiseLRDecay", {k: state_dict.get(k) for k in self.state_dict()}, self.state_dict())
 
 
 def _broken_message(trainer: pl.Trainer, optimizer: Optimizer, first: tuple[float, str], other: tuple[float, str],
@@ -281,39 +231,3 @@ def _broken_message(trainer: pl.Trainer, optimizer: Optimizer, first: tuple[floa
 def _split(optimizer: Any) -> bool:
     """Whether the callback split ``optimizer``'s groups (also through a strategy's wrapper of it)."""
     return any(GROUP_KEY in group for group in optimizer.param_groups)
-
-
-def _unpack(group: dict[str, Any]) -> tuple[list[torch.Tensor], dict[int, str] | None]:
-    """A group's parameters, and the names it was given by id (None if unnamed).
-
-    ``AdamW(model.named_parameters())`` (torch >= 2.5) hands ``(name, tensor)`` pairs to ``add_param_group``; an
-    optimizer built before the run holds its ``param_names`` beside the tensors.
-    """
-    given = group["params"]
-    items = [given] if isinstance(given, torch.Tensor) else list(given)
-    if "param_names" in group:
-        items = list(zip(group["param_names"], items))
-    if items and all(isinstance(item, tuple) for item in items):
-        return [p for _, p in items], {id(p): name for name, p in items}
-    return items, None
-
-
-def _collect(result: Any) -> tuple[list[Optimizer], list[Any]]:
-    """The optimizers and schedulers in anything ``configure_optimizers`` may return."""
-    optimizers: list[Optimizer] = []
-    schedulers: list[Any] = []
-
-    def visit(item: Any) -> None:
-        if isinstance(item, Optimizer):
-            optimizers.append(item)
-        elif isinstance(item, dict):
-            for value in item.values():
-                visit(value)
-        elif isinstance(item, list | tuple):
-            for value in item:
-                visit(value)
-        elif hasattr(item, "optimizer") and hasattr(item, "step"):
-            schedulers.append(item)
-
-    visit(result)
-    return optimizers, schedulers

@@ -1,7 +1,7 @@
 """``TokenPruning`` callback: dynamic token pruning in a ``TransformerEncoder``, annealed during fine-tuning.
 
 The rule lives in :mod:`lightning_peft.nn.token_pruning` (:class:`~lightning_peft.nn.token_pruning.TokenPruner`);
-the encoder applies it. This callback only decides *where* and *how much*:
+the encoder applies it; the annealing and the kept-share count are in :mod:`lightning_peft.training.token_pruning`. This callback only decides *where* and *how much*:
 
 - ``setup`` (every stage) finds the ``TransformerEncoder`` modules inside the LightningModule (or under
   ``model_attribute``) and installs a ``TokenPruner`` on each (``encoder.token_pruner``); a LightningModule
@@ -34,39 +34,28 @@ YAML::
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
+from lightning_peft._checks import real
 from lightning_peft._seams import refuse, tensor_parallel_size
-from lightning_peft.callbacks._checkpoint import refuse_changed_settings
+from lightning_peft.callbacks._lightning import refuse_changed_settings
 from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.callbacks._target import resolve_target
 from lightning_peft.nn.token_pruning import TokenPruner
 from lightning_peft.nn.transformer import TransformerEncoder
 from lightning_peft.peft.adapter import unwrap
+from lightning_peft.training.token_pruning import KeptTokenShare, anneal_scale, anneal_steps
 
 __all__ = ["TokenPruning", "anneal_scale"]
 
 _SETTINGS = ("keep_ratio", "start_layer", "importance", "anneal_fraction")
-
-
-def anneal_scale(step: int, anneal_steps: float) -> float:
-    """``min(1, step / anneal_steps)``: the pruner's scale at optimizer step ``step``; 1.0 when ``anneal_steps`` is 0.
-
-    Example:
-        >>> [round(anneal_scale(t, 3.0), 4) for t in range(5)]
-        [0.0, 0.3333, 0.6667, 1.0, 1.0]
-    """
-    return 1.0 if anneal_steps <= 0 else min(1.0, step / anneal_steps)
 
 
 class TokenPruning(Callback):
@@ -99,11 +88,8 @@ class TokenPruning(Callback):
         log: bool = True,
     ) -> None:
         TokenPruner(keep_ratio, start_layer, importance)  # checks the pruner's arguments now, not at setup
-        if isinstance(anneal_fraction, bool) or not isinstance(anneal_fraction, numbers.Real):
-            raise TypeError(f"TokenPruning(anneal_fraction={anneal_fraction!r}): it must be a number in [0, 1].")
-        if not 0.0 <= anneal_fraction <= 1.0:
-            raise ValueError(f"TokenPruning(anneal_fraction={anneal_fraction!r}): it must be in [0, 1] (the share of "
-                             "the optimizer steps over which pruning is phased in; 0: prune fully from step 0).")
+        real("TokenPruning", "anneal_fraction", anneal_fraction, minimum=0, maximum=1,
+             meaning="the share of the optimizer steps over which pruning is phased in; 0: prune fully from step 0")
         if model_attribute is not None and not isinstance(model_attribute, str):
             raise TypeError(f"TokenPruning(model_attribute={model_attribute!r}): give a dotted submodule path or None.")
         self.keep_ratio = list(keep_ratio) if isinstance(keep_ratio, Sequence) else float(keep_ratio)
@@ -115,7 +101,7 @@ class TokenPruning(Callback):
         self.pruners: dict[str, TokenPruner] = {}  # encoder path -> its pruner
         self._encoders: dict[str, TransformerEncoder] = {}
         self._hooks: list[RemovableHandle] = []
-        self._entering: dict[int, tuple[Tensor, int]] = {}  # id(encoder) -> (real tokens, samples) of its last forward
+        self._counts = KeptTokenShare()  # the real tokens entering each encoder
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -135,7 +121,8 @@ class TokenPruning(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         for hook in self._hooks:
             hook.remove()
-        self._hooks, self._entering = [], {}
+        self._hooks = []
+        self._counts.clear()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -146,6 +133,11 @@ class TokenPruning(Callback):
         if self.anneal_steps is None:
             self.anneal_steps = self._anneal_length(trainer)
         self._set_scale(anneal_scale(trainer.global_step, self.anneal_steps))
+
+    def _anneal_length(self, trainer: pl.Trainer) -> float:
+        if self.anneal_fraction == 0.0:  # without asking the trainer for its estimate (it may load the data)
+            return 0.0
+        return anneal_steps(self.anneal_fraction, trainer.estimated_stepping_batches, "TokenPruning")
 
     @override
     def on_train_batch_start(
@@ -181,21 +173,7 @@ class TokenPruning(Callback):
 
     def kept_token_share(self) -> tuple[Tensor, int] | None:
         """``(share, samples)`` of the encoders' last forward (see the module docstring); None before any forward."""
-        kept: Tensor | float = 0.0
-        entering: Tensor | float = 0.0
-        samples = 0
-        for encoder in self._encoders.values():
-            if id(encoder) not in self._entering:
-                continue
-            tokens, batch = self._entering[id(encoder)]
-            layers = len(encoder.layers)
-            counts = encoder.last_kept_tokens  # empty when no layer pruned
-            kept = kept + (torch.stack([c.sum() for c in counts]).sum() if counts else tokens * layers)
-            entering = entering + tokens * layers
-            samples = max(samples, batch)
-        if not samples:
-            return None
-        return torch.as_tensor(kept, dtype=torch.float32) / entering, samples
+        return self._counts.share(self._encoders.values())
 
     def _log_share(self, pl_module: pl.LightningModule, name: str, on_step: bool, on_epoch: bool) -> None:
         share = self.kept_token_share()
@@ -221,29 +199,8 @@ class TokenPruning(Callback):
             pruner.scale = self.scale
             encoder.token_pruner = pruner
             pruners[name] = pruner
-            self._hooks.append(encoder.register_forward_pre_hook(self._count_entering, with_kwargs=True))
+            self._hooks.append(encoder.register_forward_pre_hook(self._counts.hook, with_kwargs=True))
         self.pruners, self._encoders = pruners, encoders
-
-    def _count_entering(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        """Forward pre-hook on an encoder: records the real tokens entering it and the batch size."""
-        input_ids = args[0] if args else kwargs.get("input_ids")
-        mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
-        if not isinstance(input_ids, Tensor):
-            return
-        tokens = mask.detach().bool().sum() if isinstance(mask, Tensor) else torch.tensor(input_ids.numel())
-        self._entering[id(module)] = (tokens, input_ids.shape[0])
-
-    def _anneal_length(self, trainer: pl.Trainer) -> float:
-        if self.anneal_fraction == 0.0:
-            return 0.0
-        total = trainer.estimated_stepping_batches
-        if not math.isfinite(total):
-            raise ValueError(
-                f"TokenPruning(anneal_fraction={self.anneal_fraction}): the trainer's estimated_stepping_batches is "
-                f"{total}, so the annealing has no length; set Trainer(max_epochs=...) or Trainer(max_steps=...), "
-                "or anneal_fraction=0."
-            )
-        return self.anneal_fraction * total
 
     def _set_scale(self, scale: float) -> None:
         self.scale = scale

@@ -1,5 +1,5 @@
 """Training dynamics in pure PyTorch (no Lightning import): curriculum learning, gradient noise, layer-wise
-learning-rate decay, gradient-accumulation schedules."""
+learning-rate decay, gradient-accumulation schedules, the annealing of token pruning."""
 
 from .accumulation import AccumulationSchedule, shorten_window
 from .curriculum import (
@@ -13,9 +13,11 @@ from .curriculum import (
 )
 from .gradient_noise import add_gradient_noise, noise_variance, parameter_generator, step_generator
 from .layerwise_lr import layer_depths, layerwise_lr_groups, lr_scale
+from .token_pruning import anneal_scale
 
 __all__ = [
-    "AccumulationSchedule", "CurriculumSampler", "LengthScorer", "LossScorer", "add_gradient_noise", "compute_scores",
+    "AccumulationSchedule", "CurriculumSampler", "LengthScorer", "LossScorer", "add_gradient_noise", "anneal_scale",
+    "compute_scores",
     "layer_depths", "layerwise_lr_groups", "lr_scale", "noise_variance", "pacing_fraction", "shorten_window",
     "parameter_generator", "step_generator", "truncate_batch", "warmup_length",
 ]

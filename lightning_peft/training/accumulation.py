@@ -36,6 +36,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from lightning_peft._checks import integer
+
 
 class Window(NamedTuple):
     """A window of micro-batches: it starts at micro-batch ``start``, holds ``size`` of them, then steps ``step``."""
@@ -140,8 +142,7 @@ class AccumulationSchedule:
         sizes = {"global_batch_size": global_batch_size, "micro_batch_size": micro_batch_size,
                  "data_parallel_size": data_parallel_size}
         for name, value in sizes.items():
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{who}({name}={value!r}): {name} must be a positive integer.")
+            integer(who, name, value, minimum=1)
         per_pass = micro_batch_size * data_parallel_size
         if global_batch_size % per_pass:
             below = global_batch_size // per_pass * per_pass
@@ -307,7 +308,7 @@ def shorten_window(parameters: Iterable[nn.Parameter] | Iterable[torch.Tensor], 
     Raises:
         ValueError: If ``actual`` is not in ``[1, planned]``.
     """
-    _check_count("planned", planned, "shorten_window")
+    integer("shorten_window", "planned", planned, minimum=0)
     if not _is_int(actual) or not 1 <= actual <= planned:
         raise ValueError(f"shorten_window(planned={planned}, actual={actual!r}): actual must be in [1, planned].")
     factor = planned / actual
@@ -323,6 +324,4 @@ def _is_int(value: object) -> bool:
 
 
 def _check_count(name: str, value: object, who: str) -> int:
-    if not _is_int(value) or value < 0:  # type: ignore[operator]
-        raise ValueError(f"{who}({name}={value!r}): {name} must be an integer >= 0.")
-    return int(value)  # type: ignore[arg-type]
+    return integer(who, name, value, minimum=0)

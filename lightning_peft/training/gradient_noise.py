@@ -22,12 +22,12 @@ that agree on the seed and the parameter order add the same noise to every eleme
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from lightning_peft._checks import integer, positive, real
 from lightning_peft._grads import add_to_grad
 
 
@@ -87,11 +87,7 @@ def add_gradient_noise(
         TypeError: If a gradient is sparse.
     """
     std = math.sqrt(noise_variance(step, eta, gamma))
-    if isinstance(grad_scale, bool) or not isinstance(grad_scale, numbers.Real) or not (
-        grad_scale > 0 and math.isfinite(grad_scale)
-    ):
-        raise ValueError(f"add_gradient_noise(grad_scale={grad_scale!r}): grad_scale must be a positive, finite number "
-                         "(1 for unscaled gradients).")
+    positive("add_gradient_noise", "grad_scale", grad_scale, meaning="1 for unscaled gradients")
 
     def draw(shape: torch.Size) -> torch.Tensor:
         return torch.randn(shape, generator=generator, dtype=torch.float32)  # (*shape): the full parameter's
@@ -102,9 +98,6 @@ def add_gradient_noise(
 
 
 def _check(step: object, eta: object, gamma: object, who: str) -> None:
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-        raise ValueError(f"{who}(step={step!r}): step must be an integer >= 0 (the optimizer step).")
-    if isinstance(eta, bool) or not isinstance(eta, numbers.Real) or not (eta > 0 and math.isfinite(eta)):
-        raise ValueError(f"{who}(eta={eta!r}): eta must be a positive, finite number (0.01, 0.3 or 1.0 in the paper).")
-    if isinstance(gamma, bool) or not isinstance(gamma, numbers.Real) or not (gamma >= 0 and math.isfinite(gamma)):
-        raise ValueError(f"{who}(gamma={gamma!r}): gamma must be a finite number >= 0 (0.55 in the paper).")
+    integer(who, "step", step, minimum=0, meaning="the optimizer step")
+    positive(who, "eta", eta, meaning="0.01, 0.3 or 1.0 in the paper")
+    real(who, "gamma", gamma, minimum=0, meaning="0.55 in the paper")

@@ -23,12 +23,21 @@ depth. Several stacks (an encoder and a decoder) share the numbering: layer ``i`
 from __future__ import annotations
 
 import math
-import numbers
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_peft._checks import fraction, positive, real
+
+# Each group the split of an optimizer's groups makes (:func:`decayed_groups`) carries, under this key, {"scale": the
+# factor its lr must keep, "origin": which of the user's groups it came from, "label": its depth's name}. In the group
+# itself, so that it survives what strategies do to optimizers (ZeroRedundancyOptimizer copies the groups into a new
+# optimizer, DeepSpeed wraps the optimizer) and what a checkpoint does to them (loading replaces the group dicts with
+# the saved ones, which carry it too).
+GROUP_KEY = "layerwise_lr"
 
 DEFAULT_LAYER_PATTERNS = (r"(?:^|\.)(?:layer|layers|h|blocks|block)\.(\d+)(?:\.|$)",)
 DEFAULT_EMBEDDING_PATTERNS = (r"(?:^|\.)(?:[A-Za-z_]*embed[A-Za-z_]*|wte|wpe|cls_token|mask_token|shared)(?:\.|$)",)
@@ -109,12 +118,8 @@ def depth_label(depth: int, num_layers: int) -> str:
 
 
 def check_decay(decay: object, who: str) -> None:
-    """Raises a ValueError unless ``decay`` is a number in (0, 1]."""
-    if isinstance(decay, bool) or not isinstance(decay, numbers.Real) or not 0 < decay <= 1:
-        raise ValueError(
-            f"{who}(decay={decay!r}): decay must be a number in (0, 1]; ELECTRA uses 0.8, BEiT and MAE 0.65 to "
-            "0.75, and 1 means no decay."
-        )
+    """Raises unless ``decay`` is a number in (0, 1] (a TypeError for a non-number, else a ValueError)."""
+    fraction(who, "decay", decay, meaning="ELECTRA uses 0.8, BEiT and MAE 0.65 to 0.75, and 1 means no decay")
 
 
 def split_by_depth(
@@ -210,12 +215,8 @@ def layerwise_lr_groups(
     """
     who = "layerwise_lr_groups"
     check_decay(decay, who)
-    for name, value in (("lr", lr), ("weight_decay", weight_decay)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0 or (
-            name == "lr" and value == 0
-        ):
-            raise ValueError(f"{who}({name}={value!r}): {name} must be a finite number, "
-                             f"{'> 0' if name == 'lr' else '>= 0'}.")
+    positive(who, "lr", lr)
+    real(who, "weight_decay", weight_decay, minimum=0)
     depths, num_layers = layer_depths(model, layer_patterns, embedding_patterns, who)
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if not trainable:
@@ -254,3 +255,103 @@ def _shown(regexes: list[re.Pattern]) -> str:
 def _sample(names: list[str], count: int = 6) -> str:
     shown = ", ".join(names[:count])
     return f"{shown}, ... ({len(names)} in all)" if len(names) > count else shown or "(none)"
+
+
+def unpack_group(group: dict[str, Any]) -> tuple[list[Tensor], dict[int, str] | None]:
+    """A group's parameters, and the names it was given by id (None if unnamed).
+
+    ``AdamW(model.named_parameters())`` (torch >= 2.5) hands ``(name, tensor)`` pairs to ``add_param_group``; an
+    optimizer built before the run holds its ``param_names`` beside the tensors.
+    """
+    given = group["params"]
+    items = [given] if isinstance(given, Tensor) else list(given)
+    if "param_names" in group:
+        items = list(zip(group["param_names"], items))
+    if items and all(isinstance(item, tuple) for item in items):
+        return [p for _, p in items], {id(p): name for name, p in items}
+    return items, None
+
+
+def optimizers_and_schedulers(result: Any) -> tuple[list[Optimizer], list[Any]]:
+    """The optimizers and schedulers in anything ``configure_optimizers`` may return."""
+    optimizers: list[Optimizer] = []
+    schedulers: list[Any] = []
+
+    def visit(item: Any) -> None:
+        if isinstance(item, Optimizer):
+            optimizers.append(item)
+        elif isinstance(item, dict):
+            for value in item.values():
+                visit(value)
+        elif isinstance(item, list | tuple):
+            for value in item:
+                visit(value)
+        elif hasattr(item, "optimizer") and hasattr(item, "step"):
+            schedulers.append(item)
+
+    visit(result)
+    return optimizers, schedulers
+
+
+def scale_plateau_floors(scheduler: Any, entries: list[dict[str, Any] | None]) -> None:
+    """Makes ``ReduceLROnPlateau`` keep the ratios: per-group ``min_lr`` scaled, and ``eps = 0``.
+
+    Plateau clamps every group at ``min_lr`` (one value unless given per group) and skips a group's cut when it
+    is below ``eps``; both hit the decayed groups earlier than the top one. A scaled ``min_lr`` clamps all
+    groups at the same moment, and without ``eps`` no group skips a cut the others make.
+
+    ``entries``: for each group of the scheduler's optimizer, ``{"scale", "origin"}`` (None for a group not split):
+    its decay factor and which of the user's groups it came from.
+    """
+    scheduler.eps = 0.0
+    for origin in {entry["origin"] for entry in entries if entry}:
+        members = [(i, entry["scale"]) for i, entry in enumerate(entries) if entry and entry["origin"] == origin]
+        floors = [scheduler.min_lrs[i] for i, _ in members]
+        if all(math.isclose(f, floors[0], rel_tol=1e-9, abs_tol=0.0) for f in floors):  # one min_lr: scale it
+            for i, scale in members:
+                scheduler.min_lrs[i] = floors[0] * scale
+
+
+def decayed_groups(group: dict[str, Any], optimizer: Any, names: dict[int, str], depths: dict[str, int],
+                   num_layers: int, decay: float, bias_and_norm_weight_decay: float | None, origin: int,
+                   who: str) -> list[dict[str, Any]]:
+    """One of ``optimizer``'s param groups split by depth (:func:`split_by_depth`), each part tagged under
+    :data:`GROUP_KEY` with its scale, ``origin`` (the index of the user's group) and depth label.
+
+    The group's lr (else the optimizer's default) is the top one; a group given as ``(name, tensor)`` pairs keeps
+    its names (``AdamW(model.named_parameters())``).
+
+    Raises:
+        TypeError: If there is no numeric learning rate to decay.
+    """
+    params, given_names = unpack_group(group)
+    options = {k: v for k, v in group.items() if k not in ("params", "param_names", GROUP_KEY)}
+    lr = options.pop("lr", optimizer.defaults.get("lr"))
+    if not isinstance(lr, float | int | Tensor) or isinstance(lr, bool):
+        raise TypeError(f"{who}: {type(optimizer).__name__} has no numeric learning rate (lr={lr!r}) to decay; give "
+                        "the optimizer an lr.")
+    parts = []
+    for depth, part in split_by_depth(params, names, depths, num_layers, decay, lr, options,
+                                      bias_and_norm_weight_decay):
+        if given_names is not None:  # the optimizer keeps the names it was given
+            part["params"] = [(given_names[id(p)], p) for p in part["params"]]
+        if depth is not None:
+            part[GROUP_KEY] = {"scale": lr_scale(depth, num_layers, decay), "origin": origin,
+                               "label": depth_label(depth, num_layers)}
+        parts.append(part)
+    return parts
+
+
+def broken_decay(param_groups: list[dict[str, Any]]) -> tuple[tuple[float, str], tuple[float, str]] | None:
+    """The first two groups split from one user group whose ``lr / scale`` differ (``(undecayed lr, label)`` each):
+    something set the learning rates without keeping the decay; None if every ratio holds."""
+    base: dict[int, tuple[float, str]] = {}
+    for group in param_groups:
+        entry = group.get(GROUP_KEY)
+        if not entry:
+            continue
+        unscaled = float(group["lr"]) / entry["scale"]
+        first = base.setdefault(entry["origin"], (unscaled, entry["label"]))
+        if not math.isclose(unscaled, first[0], rel_tol=1e-6, abs_tol=1e-30):
+            return first, (unscaled, entry["label"])
+    return None

@@ -272,8 +272,8 @@ def test_a_run_resumed_inside_a_window_keeps_its_windows_and_averages_over_what_
 def test_resuming_with_another_schedule_is_refused(tiny_bert_config, tmp_path):
     fit_resumable(tiny_bert_config, tmp_path / "first")
     run = trainer(tmp_path, max_epochs=3, callbacks=[LoRA(**LORA_ARGS), GradientAccumulation({0: 1, 1: 4})])
-    with pytest.raises(ValueError, match=r"GradientAccumulation: the checkpoint was trained with \{'schedule': \{0: 1, "
-                                         r"1: 2\}, 'global_batch_size': None\}; this run has \{'schedule': \{0: 1, 1: 4\}"):
+    with pytest.raises(ValueError, match=r"GradientAccumulation: the checkpoint was trained with schedule=\{0: 1, "
+                                         r"1: 2\}; this run has schedule=\{0: 1, 1: 4\}\. Resume with the checkpoint's"):
         run.fit(Classifier(tiny_bert_config), loader(), ckpt_path=tmp_path / "first" / "epoch=0.ckpt")
     assert run.accumulate_grad_batches == 1 and "_make_zero_grad_fn" not in vars(
         run.fit_loop.epoch_loop.automatic_optimization)  # given back after the failure too
@@ -297,7 +297,7 @@ class Manual(Regression):
     (lambda tmp: trainer(tmp, accumulate_grad_batches=2, callbacks=[GradientAccumulation(4)]), ValueError,
      r"GradientAccumulation: Trainer\(accumulate_grad_batches=2\) is set as well; remove it from the Trainer"),
     (lambda tmp: trainer(tmp, callbacks=[GradientAccumulation(4), GradientAccumulationScheduler({0: 2})]), ValueError,
-     r"GradientAccumulation: the trainer also has a GradientAccumulationScheduler, which sets the accumulation too"),
+     r"GradientAccumulation: GradientAccumulationScheduler\(scheduling=\{0: 2\}\) sets the accumulation too; keep one"),
     (lambda tmp: trainer(tmp, strategy=SelfAccumulatingStrategy(torch.device("cpu")),
                          callbacks=[GradientAccumulation({0: 1, 10: 2})]), RuntimeError,
      (r"GradientAccumulation\(schedule=\{0: 1, 10: 2\}\): SelfAccumulatingStrategy accumulates gradients itself "
@@ -375,8 +375,8 @@ def test_total_steps_in_target_mode_waits_for_setup(tmp_path):
     ({}, ValueError, r"GradientAccumulation\(schedule=None, global_batch_size=None\): give exactly one of them"),
     ({"schedule": 2, "global_batch_size": 8}, ValueError,
      r"GradientAccumulation\(schedule=2, global_batch_size=8\): give exactly one of them"),
-    ({"global_batch_size": 8.0}, TypeError, r"GradientAccumulation\(global_batch_size=8\.0\): must be an integer"),
-    ({"global_batch_size": 0}, ValueError, r"GradientAccumulation\(global_batch_size=0\): must be >= 1"),
+    ({"global_batch_size": 8.0}, TypeError, r"GradientAccumulation\(global_batch_size=8\.0\): global_batch_size must be an integer"),
+    ({"global_batch_size": 0}, ValueError, r"GradientAccumulation\(global_batch_size=0\): global_batch_size must be an integer >= 1"),
     ({"schedule": {0: 0}}, ValueError, r"GradientAccumulation\(schedule=\{0: 0\}\): step 0 has count 0"),
     ({"schedule": [1, 2]}, TypeError, r"GradientAccumulation\(schedule=\[1, 2\]\): schedule must be an int or a dict"),
 ])

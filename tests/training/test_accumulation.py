@@ -157,7 +157,7 @@ def test_a_global_batch_that_is_not_a_multiple_is_refused_with_the_nearest_valid
     (lambda: AccumulationSchedule(0), ValueError, r"step 0 has count 0; a count must be >= 1"),
     (lambda: AccumulationSchedule(2).accumulation_at(-1), ValueError,
      r"AccumulationSchedule\(step=-1\): step must be an integer >= 0"),
-    (lambda: AccumulationSchedule(2).windows(3.5), ValueError,
+    (lambda: AccumulationSchedule(2).windows(3.5), TypeError,
      r"AccumulationSchedule\(num_batches=3\.5\): num_batches must be an integer >= 0"),
     (lambda: AccumulationSchedule(2).windows(3, start_step=-2), ValueError,
      r"AccumulationSchedule\(start_step=-2\): start_step must be an integer >= 0"),
@@ -171,7 +171,7 @@ def test_a_global_batch_that_is_not_a_multiple_is_refused_with_the_nearest_valid
      (r"AccumulationSchedule.micro_batches: list_iterator has no len\(\), so the last window of the epoch cannot "
       r"be sized; pass num_batches= \(math.inf for an endless stream\)")),
     (lambda: AccumulationSchedule.for_global_batch(32, 0), ValueError,
-     r"AccumulationSchedule\(micro_batch_size=0\): micro_batch_size must be a positive integer"),
+     r"AccumulationSchedule\(micro_batch_size=0\): micro_batch_size must be an integer >= 1"),
     (lambda: shorten_window([], planned=2, actual=3), ValueError,
      r"shorten_window\(planned=2, actual=3\): actual must be in \[1, planned\]"),
     (lambda: shorten_window([], planned=-1, actual=1), ValueError,

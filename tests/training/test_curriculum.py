@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_peft.training import AccumulationSchedule, curriculum
+from lightning_peft.training import AccumulationSchedule, curriculum, score_cache
 from lightning_peft.training.curriculum import (
     CurriculumSampler,
     LengthScorer,
@@ -50,14 +50,14 @@ def test_start_fraction_1_admits_everything_at_once():
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
     ({"pacing": "cosine"}, ValueError,
-     (r"pacing_fraction\(pacing='cosine'\): unknown pacing; choose one of 'linear', 'root', 'step', "
+     (r"pacing_fraction\(pacing='cosine'\): pacing must be one of 'linear', 'root', 'step', "
       r"'exponential'\.")),
     ({"start_fraction": 0.0}, ValueError,
-     r"pacing_fraction\(start_fraction=0\.0\): start_fraction must be in \(0, 1\]"),
+     r"pacing_fraction\(start_fraction=0\.0\): start_fraction must be a finite number in \(0, 1\] \(the share of "),
     ({"start_fraction": 1.5}, ValueError,
-     r"pacing_fraction\(start_fraction=1\.5\): start_fraction must be in \(0, 1\]"),
+     r"pacing_fraction\(start_fraction=1\.5\): start_fraction must be a finite number in \(0, 1\]"),
     ({"start_fraction": "0.5"}, TypeError,
-     r"pacing_fraction\(start_fraction='0\.5'\): start_fraction must be a number"),
+     r"pacing_fraction\(start_fraction='0\.5'\): start_fraction must be a finite number"),
     ({"duration": 0}, ValueError,
      (r"pacing_fraction\(duration=0\): duration must be an integer >= 1 \(the step from which all the data "
       r"is admitted\)")),
@@ -237,7 +237,7 @@ def test_a_restored_sampler_continues_the_same_draws():
     (([0.0, float("nan")],), {}, ValueError, r"CurriculumSampler: score 1 is nan; scores must be finite"),
     (([0.0],), {"batch_size": 0}, ValueError,
      r"CurriculumSampler\(batch_size=0\): batch_size must be an integer >= 1"),
-    (([0.0],), {"pacing": "sigmoid"}, ValueError, r"CurriculumSampler\(pacing='sigmoid'\): unknown pacing"),
+    (([0.0],), {"pacing": "sigmoid"}, ValueError, r"CurriculumSampler\(pacing='sigmoid'\): pacing must be one of 'linear'"),
     (([0.0],), {"rank": 2, "num_replicas": 2}, ValueError,
      r"CurriculumSampler\(rank=2, num_replicas=2\): rank must be in \[0, num_replicas\)"),
     (([0.0] * 5,), {"batch_size": 3, "num_replicas": 2, "drop_last": True}, ValueError,
@@ -324,7 +324,7 @@ def last_token(sample):
 
 
 def test_functions_are_keyed_by_name_code_and_bound_arguments(tmp_path):
-    fingerprint = curriculum._fingerprint
+    fingerprint = score_cache.scorer_fingerprint
     assert fingerprint(first_token) == fingerprint(first_token)
     scorers = [first_token, last_token, functools.partial(first_token, weight=2.0),
                functools.partial(first_token, weight=3.0), LengthScorer(), LengthScorer(pad_token_id=0)]
@@ -349,7 +349,7 @@ def threshold_scorer(limit):
 
 
 def test_what_a_function_reads_besides_its_argument_is_in_the_key(monkeypatch):
-    fingerprint = curriculum._fingerprint
+    fingerprint = score_cache.scorer_fingerprint
     assert fingerprint(threshold_scorer(1)) == fingerprint(threshold_scorer(1))
     assert fingerprint(threshold_scorer(1)) != fingerprint(threshold_scorer(100))  # the captured value
     before = fingerprint(capped)
@@ -370,7 +370,7 @@ class Scaler:
 
 
 def test_keyword_defaults_bound_objects_and_loss_scorer_settings_are_in_the_key():
-    fingerprint = curriculum._fingerprint
+    fingerprint = score_cache.scorer_fingerprint
     before = fingerprint(scaled)
     scaled.__kwdefaults__ = {"weight": 2.0}  # a keyword-only default changed: other scores
     try:
@@ -393,7 +393,7 @@ def test_a_method_of_an_object_without_state_to_key_is_refused():
             return 0.0
 
     with pytest.raises(TypeError, match=r"cannot key the score cache by the state of a .*Slots .*fingerprint\(\)"):
-        curriculum._fingerprint(Slots().score)
+        score_cache.scorer_fingerprint(Slots().score)
 
 
 def test_an_interrupted_cache_write_leaves_no_file(tmp_path, monkeypatch):
@@ -402,7 +402,7 @@ def test_an_interrupted_cache_write_leaves_no_file(tmp_path, monkeypatch):
             file.write(b"half")
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(curriculum.torch, "save", crash)
+    monkeypatch.setattr(score_cache.torch, "save", crash)
     with pytest.raises(OSError, match="No space left on device"):
         compute_scores(data(), Counting(), cache_dir=tmp_path)
     assert list(tmp_path.iterdir()) == []

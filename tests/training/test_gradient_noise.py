@@ -53,7 +53,7 @@ def test_noise_variance_example():
 
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"step": -1}, r"add_gradient_noise\(step=-1\): step must be an integer >= 0"),
-    ({"eta": 0.0}, r"add_gradient_noise\(eta=0\.0\): eta must be a positive, finite number"),
+    ({"eta": 0.0}, r"add_gradient_noise\(eta=0\.0\): eta must be a finite number > 0 \(0\.01, 0\.3 or 1\.0 in the paper\)"),
     ({"gamma": float("nan")}, r"add_gradient_noise\(gamma=nan\): gamma must be a finite number >= 0"),
 ])
 def test_bad_settings_are_refused(kwargs, match):
