@@ -17,7 +17,8 @@ MODULES = ["lightning_peft.peft.lora", "lightning_peft.peft.multi_lora", "lightn
            "lightning_peft.training.gradient_noise", "lightning_peft.training.layerwise_lr",
            "lightning_peft.training.accumulation", "lightning_peft.training.curriculum",
            "lightning_peft.strategies.device_map", "lightning_peft.strategies.pipeline",
-           "lightning_peft.strategies.tensor_parallel", "lightning_peft._seams"]
+           "lightning_peft.parallel.adapters", "lightning_peft.parallel.device_map", "lightning_peft.parallel.partition",
+           "lightning_peft.parallel.pipeline", "lightning_peft.parallel.tensor_parallel", "lightning_peft._seams"]
 
 
 @pytest.mark.parametrize("name", MODULES)
