@@ -5,7 +5,8 @@ Pure torch, ``torch.distributed`` and DeepSpeed helpers, usable from a plain tra
 
 - :mod:`~lightning_peft.parallel.partition`: a model's units, cut into consecutive balanced parts;
 - :mod:`~lightning_peft.parallel.device_map`: the device-map dispatcher (layers on several devices of one process);
-- :mod:`~lightning_peft.parallel.pipeline`: pipeline stages, schedules, ownership of parameters, merging stage files;
+- :mod:`~lightning_peft.parallel.pipeline`: pipeline pieces, stages and schedules;
+- :mod:`~lightning_peft.parallel.pipeline_state`: what each pipeline rank holds and exchanges, merging its files;
 - :mod:`~lightning_peft.parallel.tensor_parallel`: the tensor-parallel plan (automatic, LoRA-aware) and applying it;
 - :mod:`~lightning_peft.parallel.zero`: ZeRO's optimizer, FSDP2-unit and DeepSpeed helpers;
 - :mod:`~lightning_peft.parallel.checkpoint`: sharded checkpoints (DeepSpeed, torch distributed, pipeline) to one file;
@@ -16,7 +17,8 @@ from lightning_peft.parallel.adapters import adapter_wrappers
 from lightning_peft.parallel.checkpoint import convert_checkpoint
 from lightning_peft.parallel.device_map import DeviceMap, dispatch_model, infer_device_map, parse_device
 from lightning_peft.parallel.partition import balanced_cuts, balanced_groups, layer_units
-from lightning_peft.parallel.pipeline import consolidate_checkpoint, pipeline_pieces, split_pieces
+from lightning_peft.parallel.pipeline import pipeline_pieces, split_pieces
+from lightning_peft.parallel.pipeline_state import consolidate_checkpoint
 from lightning_peft.parallel.tensor_parallel import auto_plan, clip_grad_norm, parallelize, resolve_plan
 
 __all__ = [

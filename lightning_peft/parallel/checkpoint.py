@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from lightning_peft._atomic import write_files
-from lightning_peft.parallel.pipeline import consolidate_checkpoint
+from lightning_peft.parallel.pipeline_state import consolidate_checkpoint
 
 __all__ = ["convert_checkpoint", "deepspeed_checkpoint", "load_optimizer_states"]
 

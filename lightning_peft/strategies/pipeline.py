@@ -53,7 +53,6 @@ statistics) are saved by the rank whose stage runs their module only. Exports (`
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 import time
 from collections import OrderedDict
@@ -73,12 +72,22 @@ from typing_extensions import override
 from lightning_peft._checks import integer
 from lightning_peft.parallel.pipeline import (
     SCHEDULES,
-    STAGE_FILE,
     Piece,
     answering,
     batch_size,
     bubble_fraction,
     build_schedule,
+    check_schedule,
+    find_sequential,
+    forward_names,
+    pipeline_pieces,
+    split_pieces,
+    stage_inputs,
+    take_rows,
+)
+from lightning_peft.parallel.pipeline_state import (
+    STAGE_FILE,
+    agree_on_overflow,
     clip_by_global_norm,
     consolidate_checkpoint,
     free_parameters,
@@ -86,11 +95,8 @@ from lightning_peft.parallel.pipeline import (
     keep_owned_parameters,
     move_real_tensors,
     ownership,
-    pipeline_pieces,
     select_optimizer_state,
-    split_pieces,
     sum_shared_gradients,
-    take_rows,
 )
 from lightning_peft.strategies._pipeline_logs import LogRecorder as _LogRecorder
 from lightning_peft.strategies._pipeline_logs import replay as _replay
@@ -213,73 +219,10 @@ class PipelineStrategy(DDPStrategy):
 
             _optimizers_to_device(self.optimizers, self.root_device)
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
-        self._agree_on_overflow()
-
-    def _agree_on_overflow(self) -> None:
-        """Under a ``GradScaler`` (``16-mixed``), every rank skips the step (and lowers the scale) when any stage's
-        gradients overflowed, as DDP's all-reduced gradients make it; else the stages would drift apart."""
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is None or getattr(scaler, "_lightning_peft_pipeline", False) or not dist.is_initialized():
-            return
-        unscale = scaler.unscale_
-        device = self.root_device
-
-        def unscale_on_every_rank(optimizer: Any) -> None:
-            unscale(optimizer)
-            found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-            overflow = torch.zeros(1, device=device)
-            for flag in found.values():
-                overflow = torch.maximum(overflow, flag.to(device))
-            dist.all_reduce(overflow, op=dist.ReduceOp.MAX)
-            for key, flag in list(found.items()) or [(device, overflow)]:
-                found[key] = overflow.to(flag.device)
-
-        scaler.unscale_ = unscale_on_every_rank
-        scaler._lightning_peft_pipeline = True
+        agree_on_overflow(getattr(self.precision_plugin, "scaler", None), self.root_device)
 
     def _check_world(self) -> None:
-        world = self.world_size
-        if self.schedule == "interleaved_1f1b":
-            if self.num_stages % world or self.num_stages // world < 2:
-                raise ValueError(
-                    f"PipelineStrategy(num_stages={self.num_stages}, schedule='interleaved_1f1b'): the interleaved "
-                    f"schedule puts several stages on each of the {world} processes; use num_stages = {2 * world}, "
-                    f"{3 * world}, ..."
-                )
-            rounds = max(1, self.num_microbatches // world)
-            if self.num_microbatches % rounds:
-                raise ValueError(
-                    f"PipelineStrategy(num_microbatches={self.num_microbatches}, schedule='interleaved_1f1b'): "
-                    f"with {world} processes the micro-batches must be a multiple of {rounds}."
-                )
-        elif self.schedule == "1f1b" and self.num_microbatches < self.num_stages:
-            raise ValueError(
-                f"PipelineStrategy(num_microbatches={self.num_microbatches}, schedule='1f1b'): 1F1B needs at least as "
-                f"many micro-batches as stages ({self.num_stages}); raise num_microbatches or use schedule='gpipe'."
-            )
-        if self.schedule != "interleaved_1f1b" and self.num_stages != world:
-            raise ValueError(
-                f"PipelineStrategy(num_stages={self.num_stages}, schedule={self.schedule!r}): this schedule runs one "
-                f"stage per process and there are {world} processes; set num_stages={world}, or "
-                f"Trainer(devices={self.num_stages}), or schedule='interleaved_1f1b' for several stages per process."
-            )
-
-    def _find_sequential(self, module: pl.LightningModule) -> tuple[str, nn.Module]:
-        from lightning_peft.nn.transformer import TransformerDecoder, TransformerEncoder
-
-        kinds = (TransformerDecoder, TransformerEncoder, nn.Sequential)
-        if self.model_attribute is not None:
-            found = module.get_submodule(self.model_attribute) if self.model_attribute else module
-            return self.model_attribute, found
-        children = [(n, c) for n, c in module.named_children() if isinstance(c, kinds)]
-        if len(children) != 1:
-            raise ValueError(
-                f"PipelineStrategy(model_attribute=None): {type(module).__name__} has "
-                f"{'no' if not children else len(children)} TransformerDecoder / TransformerEncoder / nn.Sequential "
-                f"children{' (' + ', '.join(n for n, _ in children) + ')' if children else ''}; name the one to "
-                "split with model_attribute='...'."
-            )
-        return children[0]
+        check_schedule(self.schedule, self.num_stages, self.num_microbatches, self.world_size)
 
     def _stage_ranks(self) -> list[int]:
         return [s % self.world_size for s in range(self.num_stages)]
@@ -289,7 +232,7 @@ class PipelineStrategy(DDPStrategy):
 
     def _split(self, module: pl.LightningModule) -> None:
         """Cuts the sequential model into stages and frees the parameters of the stages other ranks hold."""
-        self._attribute, self._sequential = self._find_sequential(module)
+        self._attribute, self._sequential = find_sequential(module, self.model_attribute)
         sequential = self._sequential
         pieces = pipeline_pieces(sequential)
         stages = split_pieces(pieces, self.num_stages, self._relative(self.split_points))
@@ -306,15 +249,6 @@ class PipelineStrategy(DDPStrategy):
         prefix = self._attribute + "."
         return [p[len(prefix):] if p.startswith(prefix) else p for p in points]
 
-    def _forward_names(self, batch: Any = None) -> list[str]:
-        """The batch entries the first stage takes: those named like the sequential model's forward arguments."""
-        if isinstance(self._sequential, nn.Sequential) or batch is None:
-            return ["input"]
-        if not isinstance(batch, dict):
-            return ["input_ids"]
-        accepted = inspect.signature(self._sequential.forward).parameters
-        return [k for k in accepted if k in batch and isinstance(batch[k], Tensor) and k != "position_ids"]
-
     @override
     def model_to_device(self) -> None:
         move_real_tensors(self.lightning_module, self.root_device)
@@ -330,8 +264,8 @@ class PipelineStrategy(DDPStrategy):
         Evaluation runs forward only, with GPipe (the interleaved schedule where a rank holds several stages); a
         batch with fewer micro-batches than 1F1B needs (the short last batch of an epoch) runs under GPipe too.
         """
-        names = self._forward_names(batch)
-        inputs = self._inputs(batch, names)
+        names = forward_names(self._sequential, batch)
+        inputs = stage_inputs(batch, names)
         key = (training, microbatches, tuple(names), tuple((tuple(t.shape), t.dtype) for t in inputs))
         if key in self._schedules:
             self._schedules.move_to_end(key)
@@ -348,26 +282,9 @@ class PipelineStrategy(DDPStrategy):
         self._inference_calls = int(training and self._is_last_rank())
         return schedule, stages
 
-    def _inputs(self, batch: Any, names: list[str]) -> list[Tensor]:
-        """A tensor batch is the input; a tuple's first element; a dict's entries named like the forward's arguments
-        (an ``nn.Sequential`` takes ``input_ids`` or ``input``)."""
-        if isinstance(batch, Tensor):
-            return [batch]
-        if not isinstance(batch, dict):
-            return [batch[0]]
-        if names == ["input"]:
-            key = next((k for k in ("input_ids", "input") if k in batch), None)
-            if key is None:
-                raise ValueError(
-                    f"PipelineStrategy: the batch has no 'input_ids' or 'input' entry for the nn.Sequential model "
-                    f"(keys: {', '.join(batch)})."
-                )
-            return [batch[key]]
-        return [batch[n] for n in names]
-
     def _first_stage_inputs(self, batch: Any) -> list[Tensor]:
         """The first stage's inputs on the rank that holds it; nothing elsewhere (the others receive activations)."""
-        return self._inputs(batch, self._forward_names(batch)) if 0 in self._local_stages() else []
+        return stage_inputs(batch, forward_names(self._sequential, batch)) if 0 in self._local_stages() else []
 
     def _microbatches(self, batch: Any, training: bool, batch_idx: int = 0) -> tuple[int, int]:
         """``(batch size, micro-batches)``: ``num_microbatches``, or for a batch it does not divide, the largest

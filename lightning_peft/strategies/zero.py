@@ -19,13 +19,13 @@ moments): DDP holds ``4P + 4P + 8P``; stage 1 ``4P + 4P + 8P/N``; stage 2 ``4P +
 The frozen base of a LoRA model holds no gradient and no optimizer state on any backend: frozen parameters are
 removed from the optimizer before the engine sees it, so optimizer state and gradients are those of the adapter.
 
-With FSDP2 each LoRA layer's frozen ``base_layer`` is its own unit and the repeated blocks (the children of every
-``nn.ModuleList``) are units holding the adapter's parameters; the LightningModule is the root unit, and its
-``training_step``/``validation_step``/... run through its ``__call__`` so that the root's parameters are
-gathered for them (Lightning calls those hooks directly).
+With FSDP2 each adapter wrapper's frozen ``base_layer`` is its own unit and the repeated blocks (the children of
+every ``nn.ModuleList``) are units holding the adapter's parameters (:mod:`lightning_peft.strategies.zero_native`).
 
 This class is a front: ``ZeROStrategy(stage=3, backend="native")`` returns the backend's strategy (a
-``DeepSpeedStrategy``, ``DDPStrategy`` or ``ModelParallelStrategy`` subclass), which is also a ``ZeROStrategy``.
+``DeepSpeedStrategy``, ``DDPStrategy`` or ``ModelParallelStrategy`` subclass, defined in
+:mod:`~lightning_peft.strategies.zero_deepspeed` and :mod:`~lightning_peft.strategies.zero_native`), which is also a
+``ZeROStrategy``. The pure helpers are in :mod:`lightning_peft.parallel.zero`.
 Importing :mod:`lightning_peft.strategies` registers ``zero1``, ``zero2``, ``zero3`` (DeepSpeed),
 ``zero2_offload``, ``zero3_offload`` and ``zero1_native``, ``zero2_native``, ``zero3_native`` in Lightning's
 strategy registry.

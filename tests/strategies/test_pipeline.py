@@ -22,6 +22,7 @@ from torch.testing import assert_close
 
 from tests.strategies._launch import free_port, run_lm_example
 from lightning_peft.nn.transformer import TransformerDecoder, TransformerEncoder
+from lightning_peft.parallel.pipeline import find_sequential
 from lightning_peft.strategies import PipelineStrategy, convert_checkpoint
 from lightning_peft.strategies.pipeline import _LogRecorder, consolidate_checkpoint, pipeline_pieces, split_pieces
 
@@ -159,7 +160,7 @@ def test_model_attribute_must_be_unambiguous():
             self.a, self.b = nn.Sequential(nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2))
 
     with pytest.raises(ValueError, match=r"has 2 .* children \(a, b\); name the one to split with model_attribute"):
-        PipelineStrategy()._find_sequential(Two())
+        find_sequential(Two(), None)
 
 
 def test_consolidate_refuses_a_directory_without_stage_files(tmp_path):
