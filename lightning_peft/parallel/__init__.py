@@ -10,6 +10,7 @@ Pure torch, ``torch.distributed`` and DeepSpeed helpers, usable from a plain tra
 - :mod:`~lightning_peft.parallel.tensor_parallel`: the tensor-parallel plan (automatic, LoRA-aware) and applying it;
 - :mod:`~lightning_peft.parallel.zero`: ZeRO's optimizer, FSDP2-unit and DeepSpeed helpers;
 - :mod:`~lightning_peft.parallel.checkpoint`: sharded checkpoints (DeepSpeed, torch distributed, pipeline) to one file;
+- :mod:`~lightning_peft.parallel.memory`: the bytes a rank holds, by category (parameters, gradients, optimizer state);
 - :mod:`~lightning_peft.parallel.adapters`: which modules are adapter wrappers (asked of the PEFT adapter protocol).
 """
 

@@ -69,7 +69,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_peft._checks import integer
+from lightning_peft._checks import integer, names
 from lightning_peft.parallel.pipeline import (
     SCHEDULES,
     Piece,
@@ -162,12 +162,8 @@ class PipelineStrategy(DDPStrategy):
                 f"PipelineStrategy(schedule={schedule!r}): unknown schedule; choose one of "
                 f"{', '.join(repr(s) for s in SCHEDULES)}."
             )
-        if split_points is not None and (
-            isinstance(split_points, str) or not all(isinstance(p, str) for p in split_points)
-        ):
-            raise ValueError(
-                f"PipelineStrategy(split_points={split_points!r}): give a list of module names, e.g. ['layers.2']."
-            )
+        if split_points is not None:
+            split_points = names("PipelineStrategy", "split_points", split_points, example="['layers.2']")
         self.num_stages = num_stages
         self.schedule = schedule
         self.num_microbatches = num_microbatches
