@@ -107,7 +107,7 @@ class DeepSpeedZeRO(ZeROStrategy, DeepSpeedStrategy):
             )
         # Lightning fills gradient_clipping only when the key is missing; DeepSpeed's own default is 1.0.
         self.config["gradient_clipping"] = float(clip)
-        if any(getattr(c, "adapter_only_checkpoint", False) is True for c in trainer.callbacks):
+        if any(getattr(c, "adapter_only_checkpoint", False) for c in trainer.callbacks):  # a PEFT callback's setting
             self.exclude_frozen_parameters = True
         self._fit_buckets(self.lightning_module)
         super().setup(trainer)
