@@ -8,6 +8,7 @@ Pure torch, ``torch.distributed`` and DeepSpeed helpers, usable from a plain tra
 - :mod:`~lightning_peft.parallel.pipeline`: pipeline pieces, stages and schedules;
 - :mod:`~lightning_peft.parallel.pipeline_state`: what each pipeline rank holds and exchanges, merging its files;
 - :mod:`~lightning_peft.parallel.tensor_parallel`: the tensor-parallel plan (automatic, LoRA-aware) and applying it;
+- :mod:`~lightning_peft.parallel.dtensor`: DTensor shards next to plain tensors: global norm, data-parallel average;
 - :mod:`~lightning_peft.parallel.zero`: ZeRO's optimizer, FSDP2-unit and DeepSpeed helpers;
 - :mod:`~lightning_peft.parallel.checkpoint`: sharded checkpoints (DeepSpeed, torch distributed, pipeline) to one file;
 - :mod:`~lightning_peft.parallel.memory`: the bytes a rank holds, by category (parameters, gradients, optimizer state);
@@ -20,7 +21,8 @@ from lightning_peft.parallel.device_map import DeviceMap, dispatch_model, infer_
 from lightning_peft.parallel.partition import balanced_cuts, balanced_groups, layer_units
 from lightning_peft.parallel.pipeline import pipeline_pieces, split_pieces
 from lightning_peft.parallel.pipeline_state import consolidate_checkpoint
-from lightning_peft.parallel.tensor_parallel import auto_plan, clip_grad_norm, parallelize, resolve_plan
+from lightning_peft.parallel.dtensor import clip_grad_norm
+from lightning_peft.parallel.tensor_parallel import auto_plan, parallelize, resolve_plan
 
 __all__ = [
     "DeviceMap", "adapter_wrappers", "auto_plan", "balanced_cuts", "balanced_groups", "clip_grad_norm",

@@ -98,8 +98,7 @@ from lightning_peft.parallel.pipeline_state import (
     select_optimizer_state,
     sum_shared_gradients,
 )
-from lightning_peft.strategies._pipeline_logs import LogRecorder as _LogRecorder
-from lightning_peft.strategies._pipeline_logs import replay as _replay
+from lightning_peft.strategies._pipeline_logs import LogRecorder, replay
 
 __all__ = ["SCHEDULES", "Piece", "PipelineStrategy", "consolidate_checkpoint", "pipeline_pieces", "split_pieces"]
 
@@ -338,7 +337,7 @@ class PipelineStrategy(DDPStrategy):
         batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         self._size, self._current_microbatches = self._microbatches(batch, True, batch_idx)
         self._batch, self._batch_idx, self._losses = batch, batch_idx, []
-        self._recorder = _LogRecorder(self.lightning_module)
+        self._recorder = LogRecorder(self.lightning_module)
         schedule, _ = self._pipeline(batch, True, self._current_microbatches)
         before = {p: p.grad for p in self.lightning_module.parameters() if id(p) in self._owned}
         for p in before:
@@ -354,7 +353,7 @@ class PipelineStrategy(DDPStrategy):
                 self._stashed[p] = p.grad
             p.grad = old
         loss, calls = self._from_last_stage()
-        _replay(self.lightning_module, calls)
+        replay(self.lightning_module, calls)
         self._batch = None
         return loss
 
@@ -386,7 +385,7 @@ class PipelineStrategy(DDPStrategy):
         batch = args[0]
         schedule, _ = self._pipeline(batch, False, self._microbatches(batch, False)[1])
         output = schedule.eval(*self._first_stage_inputs(batch))
-        recorder = _LogRecorder(self.lightning_module)
+        recorder = LogRecorder(self.lightning_module)
         result = None
         if self._is_last_rank():
             with answering(self._sequential, output), recorder.recording(batch):
@@ -394,7 +393,7 @@ class PipelineStrategy(DDPStrategy):
         payload = [recorder.summary()]
         if dist.is_initialized():
             dist.broadcast_object_list(payload, src=self._stage_ranks()[-1])
-        _replay(self.lightning_module, payload[0])
+        replay(self.lightning_module, payload[0])
         return result
 
     @override

@@ -29,17 +29,8 @@ from typing_extensions import override
 from lightning_peft._checks import integer
 from lightning_peft._seams import refuse
 from lightning_peft.parallel.checkpoint import load_optimizer_states
-from lightning_peft.parallel.tensor_parallel import (
-    STYLES,
-    auto_plan,
-    average_gradients,
-    broadcast_module,
-    check_plan_styles,
-    clip_grad_norm,
-    local_parameter_bytes,
-    parallelize,
-    resolve_plan,
-)
+from lightning_peft.parallel.dtensor import average_gradients, broadcast_module, clip_grad_norm, local_parameter_bytes
+from lightning_peft.parallel.tensor_parallel import STYLES, auto_plan, check_plan_styles, parallelize, resolve_plan
 
 __all__ = [
     "STYLES", "TensorParallelStrategy", "auto_plan", "clip_grad_norm", "local_parameter_bytes", "parallelize",
