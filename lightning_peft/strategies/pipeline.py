@@ -4,8 +4,9 @@ Lightning has no pipeline strategy (pytorch-lightning issue 17180). `PipelineStr
 sequential model into ``num_stages`` consecutive stages, one rank holding each (two or more with the interleaved
 schedule), and runs every training batch as ``num_microbatches`` micro-batches through a pipeline schedule.
 
-The pieces, stages, schedules, ownership of parameters and checkpoint merging are pure torch:
-:mod:`lightning_peft.parallel.pipeline` (papers, the bubble formula and shapes are there); this is the Lightning glue.
+This is the Lightning glue. The pieces, stages and schedules are pure torch in :mod:`lightning_peft.parallel.pipeline`
+(papers, the bubble formula and shapes are there); what each rank holds and exchanges, and merging the stage files,
+in :mod:`lightning_peft.parallel.pipeline_state`.
 
 Contract with the LightningModule (nothing to change in it):
 
