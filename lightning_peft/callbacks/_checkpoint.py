@@ -34,41 +34,13 @@ from typing_extensions import override
 from lightning_peft.callbacks._lightning import refuse_changed_settings  # noqa: F401 (callbacks import it from here)
 from lightning_peft.callbacks._target import resolve_target
 
-from lightning_peft.peft.adapter import ADAPTERS_ATTRIBUTE, adapter_tensors, attached, technique, unwrap
+from lightning_peft.peft.adapter import adapter_tensors, attached, technique, unwrap
+from lightning_peft.peft.checkpoint import KEY, adapted_models, check_same_adapters, checkpoint_entry
+from lightning_peft.peft.checkpoint import TRAINING_ONLY  # noqa: F401 (callbacks import it from here)
 
-KEY = "lightning_peft"
 _HOOKED = "_lightning_peft_load_hook"
 _PATCH_LOCK = threading.Lock()
-TRAINING_ONLY = ("dropout", "init", "init_scale")  # settings that only steer training: a resume may change them
-FORMAT = 1
-LOAD_WITH = (
-    "This checkpoint holds lightning-peft adapters: its state dict has the adapted model's keys (an adapter-only one "
-    "lacks the frozen base). Load it with lightning_peft.callbacks.load_from_checkpoint(MyModule, path), which "
-    "re-applies the adapters first; MyModule.load_from_checkpoint(path) alone fails with missing or unexpected keys."
-)
 M = TypeVar("M", bound=pl.LightningModule)
-
-
-def adapted_models(pl_module: nn.Module) -> dict[str, nn.Module]:
-    """The modules of ``pl_module`` that carry adapters, by dotted path (torch.compile wrappers looked through)."""
-    found = {}
-    for name, module in pl_module.named_modules():
-        if getattr(module, ADAPTERS_ATTRIBUTE, None):
-            path = ".".join(p for p in name.split(".") if p != "_orig_mod")
-            found[path] = module
-    return found
-
-
-def checkpoint_entry(pl_module: nn.Module, dropped: list[str] | None = None) -> dict[str, Any]:
-    """The ``checkpoint["lightning_peft"]`` entry: ``pl_module``'s adapters and the keys left out (adapter-only)."""
-    return {
-        "format": FORMAT,
-        "adapter_only": dropped is not None,
-        "dropped": sorted(dropped or []),
-        "models": {path: {kind: a.config_dict() for kind, a in attached(m).items()}
-                   for path, m in adapted_models(pl_module).items()},
-        "load_with": LOAD_WITH,
-    }
 
 
 class AdapterCallback(Callback):
@@ -211,58 +183,6 @@ def fill_frozen(pl_module: nn.Module, state_dict: dict[str, Tensor], keys: list[
         state_dict.setdefault(key, params[key].detach())
 
 
-def check_same_adapters(saved: dict[str, Any], pl_module: nn.Module, who: str) -> None:
-    """Raise if the adapters recorded in a checkpoint differ from the ones ``pl_module`` has now."""
-    current = checkpoint_entry(pl_module, False)["models"]
-    for path, adapters in saved.get("models", {}).items():
-        for kind, config in adapters.items():
-            now = current.get(path, {}).get(kind)
-            if now is None:
-                raise ValueError(
-                    f"{who}: the checkpoint has a {kind} adapter on {path or 'the LightningModule'!r}, but this run "
-                    f"has none there (adapters now: {_where(current)}). Add the same callback as when it was saved."
-                )
-            if _meaning(now) != _meaning(config):
-                raise ValueError(
-                    f"{who}: the checkpoint's {kind} adapter on {path or 'the LightningModule'!r} was trained with "
-                    f"{_differences(config, now)}. Resume with the checkpoint's settings, or start a new run "
-                    "without ckpt_path."
-                )
-
-
-def _meaning(config: dict) -> dict:
-    """What must match to resume: everything but settings that only steer training (LoRA's dropout, init) and
-    which named adapter is active."""
-    def inner(entry: dict) -> dict:
-        return {**entry, "config": {k: v for k, v in entry.get("config", {}).items() if k not in TRAINING_ONLY}}
-
-    meaning = inner(config) if "config" in config else dict(config)
-    if "adapters" in config:
-        meaning["adapters"] = {name: inner(entry) for name, entry in config["adapters"].items()}
-    meaning.pop("active", None)
-    return meaning
-
-
-def _where(models: dict) -> str:
-    return ", ".join(f"{kind} on {path or 'the LightningModule'!r}" for path, a in models.items() for kind in a) or "none"
-
-
-def _fields(config: dict) -> dict:
-    """A config_dict as flat fields; a named adapter's fields as ``<name>.<field>`` (``default``'s bare)."""
-    fields = {**config.get("config", {}), **{k: v for k, v in config.items() if k not in ("config", "adapters")}}
-    for name, entry in config.get("adapters", {}).items():
-        prefix = "" if name == "default" else f"{name}."
-        fields.update({f"{prefix}{k}": v for k, v in _fields(entry).items()})
-    return fields
-
-
-def _differences(saved: dict, now: dict) -> str:
-    saved_fields, now_fields = _fields(_meaning(saved)), _fields(_meaning(now))
-    keys = [k for k in dict.fromkeys([*saved_fields, *now_fields]) if saved_fields.get(k) != now_fields.get(k)]
-    return (", ".join(f"{k}={saved_fields.get(k)!r}" for k in keys) + "; this run has "
-            + ", ".join(f"{k}={now_fields.get(k)!r}" for k in keys))
-
-
 def restore_adapters(pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
     """Re-apply the adapters a checkpoint records, then complete an adapter-only state dict from the model.
 
@@ -301,7 +221,7 @@ def load_from_checkpoint(module_class: type[M], checkpoint_path: str | os.PathLi
         ``model = load_from_checkpoint(MyModule, "checkpoints/last.ckpt", map_location="cpu")``
     """
     if Path(checkpoint_path).is_dir():
-        from lightning_peft.strategies.checkpoint import convert_checkpoint
+        from lightning_peft.parallel.checkpoint import convert_checkpoint
 
         with tempfile.TemporaryDirectory(prefix="lightning-peft-") as scratch:
             single = convert_checkpoint(checkpoint_path, Path(scratch) / "assembled.ckpt")

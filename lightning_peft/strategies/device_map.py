@@ -1,48 +1,9 @@
 """``DeviceMapStrategy``: plain model parallelism in one process, consecutive layers on different devices.
 
-What it does. The model's layers are spread over several devices of **one** process, as Hugging Face's
-``from_pretrained(device_map="auto")`` and accelerate's ``dispatch_model`` do: each *unit* (an embedding, one
-transformer block, the final norm, the head, ...) is moved to its device, and a forward pre-hook on every unit
-moves the unit's tensor inputs (positional and keyword: hidden states, masks, position ids) to that device. The
-outputs of the LightningModule's forward (and of ``model_attribute``, if set) are moved back to the first device,
-where the batch lives and the loss is computed. Backward crosses devices through the same copies (``Tensor.to`` is
-differentiable), so the gradients are those of the unsplit model, and each parameter's gradient and optimizer
-state live on the parameter's device. Nothing is replicated: a model that does not fit on one device fits on
-several. Only one device works at a time (naive model parallelism: the pipeline bubble of GPipe with one
-micro-batch), so it saves memory, not time; `PipelineStrategy` overlaps the devices.
-
-References: Huang et al. 2019, "GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism",
-arXiv:1811.06965 (naive model parallelism and its bubble, Fig. 2b); Hugging Face accelerate, "Big model
-inference" (``infer_auto_device_map`` / ``dispatch_model``), whose ``device_map`` format this follows.
-
-The map. ``device_map="auto"`` finds the model's list of layers (the ``nn.ModuleList`` / ``nn.Sequential`` that
-holds most of the parameters in modules of one class: ``layers`` of this package's blocks, ``encoder.layer`` of
-BERT, ``model.layers`` of Llama) and cuts the sequence of units (the modules before the list, each layer, the
-modules after it, in registration order) into ``len(devices)`` consecutive groups with the smallest possible
-largest group, counted in parameters (LoRA's included: LoRA is injected at Trainer ``setup``, before the strategy
-places the model). A dict ``{module name: device}`` gives the placement by hand: every module with parameters
-must be covered by its own name or an ancestor's, names must exist and must not overlap. Modules outside the map
-without parameters (dropout, metrics, rotary tables held outside the layers) and parameters held directly by a
-module the map splits go to the first device. Tied parameters (a head sharing the embedding matrix) are one tensor
-on one device: ``"auto"`` puts the later module on the earlier module's device; a dict that separates them is
-refused.
-
-Devices. ``devices`` (or, when neither it nor a dict map is given, ``Trainer(devices=...)``): ``cuda:0``,
-``cuda:1``, ...; an integer ``i`` means ``cuda:i``. ``"cpu"`` may repeat: ``Trainer(accelerator="cpu",
-devices=2)`` gives ``["cpu", "cpu"]``, two groups on the CPU, which runs every hook and copy (all no-ops) and gives
-the unsplit model's numbers exactly: the way to check a split on a machine without GPUs. Maps may mix kinds
-(``cpu`` for the embedding, ``cuda`` for the layers); the first device's kind picks Lightning's accelerator and
-its autocast.
-
-Shapes: unchanged. A unit receives what the unsplit model would give it (``(B, L, H)`` hidden states, ``(B, L)``
-masks, ...) on its own device; the forward's output (``(B, L, V)`` logits, ``(B, C)`` class scores) is returned on
-the first device.
-
-Limits. Units must be called as modules (``layer(x)``): a model that calls a layer's methods directly, such as
-this package's encoder with a token pruner (``attention_sublayer``) or reversible layers (``attention_branch``),
-bypasses the hooks and is refused on a map with more than one distinct device. One process: a data-parallel copy
-of a device-mapped model is not supported here (use `PipelineStrategy` or `TensorParallelStrategy` for more
-processes).
+The Lightning glue over :func:`lightning_peft.parallel.device_map.dispatch_model` (the map, the hooks, the limits:
+see that module): at ``model_to_device`` (after the PEFT callbacks injected their adapters) the LightningModule, or
+its ``model_attribute``, is placed by the map; ``LightningModule.device`` is the first device, where batches go;
+each parameter's optimizer state lives on the parameter's device.
 
 YAML::
 
@@ -56,8 +17,7 @@ YAML::
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -67,469 +27,24 @@ from lightning.fabric.utilities.device_dtype_mixin import _update_properties
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor, nn
-from torch.optim import Optimizer
-from torch.utils._pytree import tree_map_only
-from torch.utils.hooks import RemovableHandle
+from torch import nn
 from typing_extensions import override
+
+from lightning_peft.parallel.device_map import (
+    DeviceMap,
+    balanced_groups,
+    dispatch_model,
+    infer_device_map,
+    layer_units,
+    optimizer_state_to_params,
+    parse_device,
+    place_outside,
+)
 
 __all__ = [
     "DeviceMap", "DeviceMapStrategy", "balanced_groups", "dispatch_model", "infer_device_map", "layer_units",
     "parse_device",
 ]
-
-DeviceLike = str | int | torch.device
-
-
-# ----------------------------------------------------------------------------------------------- devices
-
-
-def parse_device(value: object, who: str) -> torch.device:
-    """``value`` as a ``torch.device`` that exists on this machine (``int`` ``i`` = ``cuda:i``).
-
-    Raises:
-        TypeError: If ``value`` is not a string, an integer or a ``torch.device``.
-        ValueError: If it names no device type, a device this machine lacks, or one that cannot hold a layer.
-    """
-    if isinstance(value, bool) or not isinstance(value, (str, int, torch.device)):
-        raise TypeError(
-            f"{who}: a device must be a string such as 'cuda:0' or 'cpu', or a CUDA index such as 0; got "
-            f"{value!r} ({type(value).__name__})."
-        )
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{who}: device {value} is negative; a CUDA index is 0, 1, ...")
-        device = torch.device("cuda", value)
-    else:
-        try:
-            device = torch.device(value)
-        except RuntimeError:
-            raise ValueError(
-                f"{who}: {value!r} is not a device; write 'cpu', 'cuda:0', 'cuda:1', ... (or a CUDA index such as 0)."
-            ) from None
-    if device.type == "cpu":
-        if device.index not in (None, 0):
-            raise ValueError(f"{who}: {value!r}: a process has one CPU device; write 'cpu' (it may repeat).")
-        return torch.device("cpu")
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        index = device.index if device.index is not None else (torch.cuda.current_device() if count else 0)
-        if index >= count:
-            have = f"cuda:0 to cuda:{count - 1}" if count else "no CUDA device"
-            raise ValueError(
-                f"{who}: device {str(device)!r} does not exist on this machine ({have}). Give devices it has, or "
-                "'cpu' entries to check a split on the CPU."
-            )
-        return torch.device("cuda", index)
-    if device.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise ValueError(f"{who}: device 'mps' does not exist on this machine (no Apple GPU).")
-        return torch.device("mps")
-    raise ValueError(
-        f"{who}: {value!r} cannot hold a layer here; use 'cpu', 'cuda:<index>' or 'mps' (offloading to disk or "
-        "'meta' is not supported)."
-    )
-
-
-# ------------------------------------------------------------------------------------------------ units
-
-
-def _numel(module: nn.Module, seen: set[int] | None = None) -> int:
-    """Parameters of ``module``; with ``seen``, each tensor counted once across calls (tied weights)."""
-    total = 0
-    for param in module.parameters():
-        if seen is not None:
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
-        total += param.numel()
-    return total
-
-
-def _has_state(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _layer_list(model: nn.Module) -> str | None:
-    """Name of the ``nn.ModuleList`` / ``nn.Sequential`` holding the model's layers, or None.
-
-    The score of a list is the parameter count of its children of its most common class (the repeated block),
-    counted only if that class repeats; the highest score wins, then the larger list, then the one with more
-    children (so ``Sequential(embed, Sequential(*blocks), head)`` picks the inner list of blocks).
-    """
-    best: tuple[int, int, int] | None = None
-    found = None
-    for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) == 0:
-            continue
-        by_class: dict[type, tuple[int, int]] = {}
-        for child in module:
-            count, size = by_class.get(type(child), (0, 0))
-            by_class[type(child)] = (count + 1, size + _numel(child))
-        count, size = max(by_class.values())  # most common class, then the larger one
-        if size == 0:
-            continue
-        key = (size if count > 1 else 0, size, len(module))  # a repeated block beats a list of unlike modules
-        if best is None or key > best:
-            best, found = key, name
-    return found
-
-
-def layer_units(model: nn.Module) -> tuple[list[str], list[str]]:
-    """``(units, layers)``: the modules ``device_map="auto"`` places, in order, and the layers among them.
-
-    Units: walking from ``model`` down to its list of layers, the children with parameters or buffers before the
-    path, each layer, then those after it (registration order, which is the order of the forward in the models
-    here, BERT and Llama).
-
-    Raises:
-        ValueError: If the model has no list of layers.
-
-    Example:
-        >>> model = nn.Sequential(nn.Embedding(10, 4), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Linear(4, 2))
-        >>> layer_units(model)
-        (['0', '1.0', '1.1', '2'], ['1.0', '1.1'])
-    """
-    path = _layer_list(model)
-    if path is None:
-        raise ValueError(
-            f"DeviceMapStrategy(device_map='auto'): found no list of layers (an nn.ModuleList or nn.Sequential of "
-            f"modules with parameters) in {type(model).__name__}. Set model_attribute to the model inside the "
-            "LightningModule, or give device_map as a dict {module name: device}."
-        )
-    parts = path.split(".") if path else []
-    units: list[str] = []
-
-    def walk(module: nn.Module, prefix: str, depth: int) -> None:
-        if depth == len(parts):  # the layer list itself
-            units.extend(_join(prefix, name) for name, child in module.named_children() if _has_state(child))
-            return
-        for name, child in module.named_children():
-            if name == parts[depth]:
-                walk(child, _join(prefix, name), depth + 1)
-            elif _has_state(child):
-                units.append(_join(prefix, name))
-
-    walk(model, "", 0)
-    list_module = model.get_submodule(path)
-    layers = [_join(path, name) for name, child in list_module.named_children() if _has_state(child)]
-    return units, layers
-
-
-def _balanced_cuts(sizes: list[int], groups: int) -> list[int]:
-    """Group index of each item: ``groups`` consecutive non-empty groups with the smallest largest sum (DP)."""
-    n = len(sizes)
-    prefix = [0]
-    for size in sizes:
-        prefix.append(prefix[-1] + size)
-    inf = float("inf")
-    # best[g][i]: smallest largest sum splitting the first i items into g groups; start[g][i]: where group g begins
-    best = [[inf] * (n + 1) for _ in range(groups + 1)]
-    start = [[0] * (n + 1) for _ in range(groups + 1)]
-    best[0][0] = 0
-    for g in range(1, groups + 1):
-        for i in range(g, n + 1):
-            for s in range(g - 1, i):
-                cost = max(best[g - 1][s], prefix[i] - prefix[s])
-                if cost < best[g][i]:
-                    best[g][i], start[g][i] = cost, s
-    owner = [0] * n
-    i = n
-    for g in range(groups, 0, -1):
-        s = start[g][i]
-        owner[s:i] = [g - 1] * (i - s)
-        i = s
-    return owner
-
-
-def infer_device_map(model: nn.Module, devices: Sequence[DeviceLike]) -> dict[str, torch.device]:
-    """A map of ``model``'s units (see `layer_units`) onto ``devices``, consecutive, balanced by parameter count.
-
-    Args:
-        model: The module to split (its parameters are counted where they are now; nothing moves).
-        devices: The devices in order; the first gets the first units (embeddings), the last the head. ``"cpu"`` may
-            repeat.
-
-    Returns:
-        ``{unit name: device}`` in forward order, ``devices[g]`` for the units of group ``g`` of `balanced_groups`.
-
-    Raises:
-        ValueError: If ``devices`` is empty, a device does not exist, the model has no list of layers, or there are
-            more devices than layers.
-
-    Example:
-        >>> model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
-        >>> {name: str(d) for name, d in infer_device_map(model, ["cpu", "cpu"]).items()}
-        {'0': 'cpu', '1': 'cpu', '2': 'cpu', '3': 'cpu'}
-    """
-    who = "DeviceMapStrategy(device_map='auto')"
-    if not devices:
-        raise ValueError(f"{who}: no devices to spread the model over; give at least one, e.g. devices=['cuda:0'].")
-    parsed = [parse_device(device, who) for device in devices]
-    return {name: parsed[group] for name, group in balanced_groups(model, len(parsed)).items()}
-
-
-def balanced_groups(model: nn.Module, count: int) -> dict[str, int]:
-    """``{unit name: group}``: ``model``'s units cut into ``count`` consecutive groups, each holding at least one
-    layer, with the smallest possible largest group in parameters (each tensor counted once).
-
-    The units before the first layer (embeddings) join the first group and those after the last layer (final norm,
-    head) the last group. A unit sharing a parameter with an earlier unit (a tied head) joins that unit's group.
-
-    Raises:
-        ValueError: If the model has no list of layers or fewer layers than ``count``.
-
-    Example:
-        >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 40))
-        >>> balanced_groups(model, 2)
-        {'0': 0, '1': 0, '2': 1}
-    """
-    units, layers = layer_units(model)
-    if count > len(layers):
-        raise ValueError(
-            f"DeviceMapStrategy(device_map='auto'): {count} devices but {type(model).__name__} has {len(layers)} "
-            f"layers ({layers[0]} to {layers[-1]}); each device needs at least one layer. Use at most {len(layers)} "
-            f"devices (Trainer(devices={len(layers)}) or devices=[...]), or a model with more layers."
-        )
-    seen: set[int] = set()
-    sizes = [_numel(model.get_submodule(name), seen) for name in units]
-    first, last = units.index(layers[0]), units.index(layers[-1])
-    owner = _balanced_cuts(_fold(sizes, first, last), count)
-    owner = [owner[0]] * first + owner + [owner[-1]] * (len(units) - 1 - last)
-    return _follow_ties(model, dict(zip(units, owner)))
-
-
-def _fold(sizes: list[int], first: int, last: int) -> list[int]:
-    """The layers' sizes, with the units before the first layer added to it and those after the last to it."""
-    inner = sizes[first : last + 1]
-    inner[0] += sum(sizes[:first])
-    inner[-1] += sum(sizes[last + 1 :])
-    return inner
-
-
-def _follow_ties(model: nn.Module, placed: dict[str, Any]) -> dict[str, Any]:
-    """A unit sharing a parameter with an earlier unit goes where that unit goes (its device or group)."""
-    owner_device: dict[int, Any] = {}
-    result = {}
-    for name, device in placed.items():
-        params = list(model.get_submodule(name).parameters())
-        earlier = next((owner_device[id(p)] for p in params if id(p) in owner_device), None)
-        device = earlier if earlier is not None else device
-        for param in params:
-            owner_device.setdefault(id(param), device)
-        result[name] = device
-    return result
-
-
-# ---------------------------------------------------------------------------------------------- dispatch
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    """Every tensor in ``value`` (tuples, lists, dicts, named tuples, Hugging Face outputs) moved to ``device``."""
-    return tree_map_only(Tensor, lambda t: t.to(device), value)
-
-
-def _module_to(module: nn.Module, device: torch.device, recurse: bool = True) -> None:
-    """Moves ``module``'s parameters and buffers (only its own with ``recurse=False``) to ``device``, in place:
-    the ``nn.Parameter`` objects stay the same, so an optimizer built before or after sees them."""
-    if recurse:
-        module.to(device)  # a metric's states go with it (torchmetrics overrides _apply)
-    else:
-        module._apply(lambda t: t.to(device), recurse=False)
-
-
-class DeviceMap:
-    """A model placed on several devices (what `dispatch_model` returns): the map, the first device, the hooks.
-
-    ``remove()`` takes the hooks off (the parameters stay where they are); a model is dispatched again after that.
-    """
-
-    def __init__(self, device_map: dict[str, torch.device], main_device: torch.device) -> None:
-        self.device_map = device_map
-        self.main_device = main_device
-        self.handles: list[RemovableHandle] = []
-
-    @property
-    def devices(self) -> list[torch.device]:
-        """The distinct devices of the map, in order of first use."""
-        return list(dict.fromkeys(self.device_map.values()))
-
-    def remove(self) -> None:
-        """Removes the hooks."""
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-
-
-def _check_map(model: nn.Module, device_map: Mapping[str, torch.device], who: str) -> None:
-    """Names exist and do not overlap; every parameter is covered; tied parameters share one device."""
-    names = dict(model.named_modules(remove_duplicate=False))
-    for key in device_map:
-        if not isinstance(key, str):
-            raise TypeError(f"{who}: device_map keys are module names (strings); got {key!r}.")
-        if key not in names:
-            close = difflib.get_close_matches(key, [n for n in names if n], n=3)
-            hint = f" Close names: {', '.join(close)}." if close else ""
-            raise ValueError(
-                f"{who}: device_map names {key!r}, which is no module of {type(model).__name__}.{hint} Names are "
-                "relative to the split model (model_attribute, or the LightningModule), as model.named_modules() "
-                "gives them."
-            )
-    keys = sorted(device_map)
-    for key in keys:
-        inside = [k for k in keys if k != key and (key == "" or k.startswith(key + "."))]
-        if inside:
-            raise ValueError(
-                f"{who}: device_map names both {key!r} and {inside[0]!r}, which lies inside it; give each module "
-                "one entry (name the children of a module to split it)."
-            )
-
-    def covered(name: str) -> bool:
-        return any(k == "" or name == k or name.startswith(k + ".") for k in keys)
-
-    missing: list[str] = []
-    for name, _ in model.named_parameters(remove_duplicate=False):
-        if covered(name):
-            continue
-        parts = name.split(".")  # report the outermost module with nothing of it in the map
-        prefixes = [".".join(parts[:depth]) for depth in range(1, len(parts))]
-        outside = next((p for p in prefixes if not any(k.startswith(p + ".") for k in keys)), None)
-        if outside is not None and outside not in missing:
-            missing.append(outside)
-        # else: a parameter held by a module the map splits (no name can place it): it goes to the first device
-    if missing:
-        shown = ", ".join(repr(m) for m in missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
-        raise ValueError(
-            f"{who}: device_map misses {shown}: every module with parameters needs a device. Add "
-            f"{missing[0]!r}: '<device>' (a module's name covers its children), or use device_map='auto'."
-        )
-    first_home: dict[int, tuple[str, torch.device]] = {}
-    for key in keys:
-        for pname, param in model.get_submodule(key).named_parameters():
-            home = first_home.setdefault(id(param), (key, device_map[key]))
-            if home[1] != device_map[key]:
-                raise ValueError(
-                    f"{who}: {_join(key, pname)!r} is tied to a parameter of {home[0]!r} (one tensor), but the map "
-                    f"puts {key!r} on {device_map[key]} and {home[0]!r} on {home[1]}; put both on one device."
-                )
-
-
-def _hook_targets(module: nn.Module) -> Iterator[nn.Module]:
-    """The modules whose calls run ``module``: itself, or the items of a ModuleList / ModuleDict (never called)."""
-    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-        for child in module.children():
-            yield from _hook_targets(child)
-    else:
-        yield module
-
-
-def _place_rest(module: nn.Module, prefix: str, keys: list[str], device: torch.device) -> None:
-    """Moves what the map does not name to ``device``: whole subtrees outside it, a split module's own tensors."""
-    if prefix in keys:
-        return
-    if not any(prefix == "" or k.startswith(prefix + ".") for k in keys):
-        _module_to(module, device)
-        return
-    _module_to(module, device, recurse=False)
-    for name, child in module.named_children():
-        _place_rest(child, _join(prefix, name), keys, device)
-
-
-def _calls_layers_directly(model: nn.Module) -> str | None:
-    """A module of this package's that runs its layers without calling them (so hooks would not fire), or None."""
-    for name, module in model.named_modules():
-        if getattr(module, "reversible", False) is True:
-            return f"{name or type(model).__name__} runs reversible layers (reversible=True)"
-        if getattr(module, "token_pruner", None) is not None:
-            return f"{name or type(model).__name__} prunes tokens (token_pruner)"
-    return None
-
-
-def dispatch_model(
-    model: nn.Module,
-    device_map: Mapping[str, DeviceLike],
-    main_device: DeviceLike | None = None,
-    outputs_of: Sequence[nn.Module] = (),
-    who: str = "dispatch_model",
-) -> DeviceMap:
-    """Moves each module of ``device_map`` to its device and hooks it to receive its inputs there.
-
-    Args:
-        model: The module to split; map keys are names inside it (``model.named_modules()``).
-        device_map: ``{module name: device}``; every parameter must be covered by its module's name or an ancestor's.
-        main_device: Where everything outside the map goes and where outputs return (default: the first entry's).
-        outputs_of: Modules whose forward outputs are moved to ``main_device`` (default: ``model`` itself).
-        who: Who complains in error messages.
-
-    Returns:
-        A `DeviceMap`; ``.remove()`` takes the hooks off.
-
-    Raises:
-        ValueError: If the map names a module that does not exist, overlaps itself, misses a module with
-            parameters, puts tied parameters on two devices, names a device that does not exist, or the model
-            calls its layers in a way the hooks cannot see while the map spans several devices.
-
-    Example:
-        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-        >>> handle = dispatch_model(model, {"0": "cpu", "2": "cpu"})
-        >>> model(torch.randn(3, 4)).shape
-        torch.Size([3, 2])
-        >>> handle.remove()
-    """
-    if not device_map:
-        raise ValueError(f"{who}: device_map is empty; give {{module name: device}} or use device_map='auto'.")
-    parsed = {key: parse_device(value, who) for key, value in device_map.items()}
-    _check_map(model, parsed, who)
-    main = parse_device(main_device, who) if main_device is not None else next(iter(parsed.values()))
-    placement = DeviceMap(parsed, main)
-    if len(set(parsed.values()) | {main}) > 1:
-        reason = _calls_layers_directly(model)
-        if reason is not None:
-            raise ValueError(
-                f"{who}: {reason}: it runs its layers' methods directly, past the hooks that move activations "
-                "between devices. Turn that option off, or keep the model on one device."
-            )
-    keys = list(parsed)
-    for key, device in parsed.items():
-        _module_to(model.get_submodule(key), device)
-    _place_rest(model, "", keys, main)
-    for key, device in parsed.items():
-        for target in _hook_targets(model.get_submodule(key)):
-            placement.handles.append(target.register_forward_pre_hook(_inputs_to(device), with_kwargs=True))
-    for module in outputs_of or (model,):
-        placement.handles.append(module.register_forward_hook(_outputs_to(main)))
-    return placement
-
-
-def _inputs_to(device: torch.device):
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return _to((args, kwargs), device)
-
-    return hook
-
-
-def _outputs_to(device: torch.device):
-    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-        return _to(output, device)
-
-    return hook
-
-
-def _optimizer_state_to_params(optimizer: Optimizer) -> None:
-    """Each parameter's optimizer state onto that parameter's device (``step`` counters stay where they are)."""
-    for param, state in optimizer.state.items():
-        if not isinstance(state, dict):
-            continue
-        for key, value in state.items():
-            if isinstance(value, Tensor) and key != "step" and value.device != param.device:
-                state[key] = value.to(param.device)
-
-
-# ---------------------------------------------------------------------------------------------- strategy
 
 
 class DeviceMapStrategy(SingleDeviceStrategy):
@@ -649,7 +164,7 @@ class DeviceMapStrategy(SingleDeviceStrategy):
         module = self.lightning_module
         outputs_of = [module] if target is module else [module, target]
         if target is not module:
-            _place_outside(module, target, self.root_device)
+            place_outside(module, target, self.root_device)
         self.placement = dispatch_model(target, device_map, self.root_device, outputs_of=outputs_of, who=who)
         _update_properties(module, device=self.root_device)  # LightningModule.device: where its batches go
 
@@ -658,14 +173,14 @@ class DeviceMapStrategy(SingleDeviceStrategy):
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             for optimizer in self.optimizers:  # Strategy.setup moved any state to the root device
-                _optimizer_state_to_params(optimizer)
+                optimizer_state_to_params(optimizer)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Loads the optimizer states, each parameter's onto its own device (not all onto the root device)."""
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(state)
-            _optimizer_state_to_params(optimizer)
+            optimizer_state_to_params(optimizer)
 
     @override
     def teardown(self) -> None:
@@ -674,12 +189,6 @@ class DeviceMapStrategy(SingleDeviceStrategy):
             self.placement.remove()
             self.placement = None
         super().teardown()
-
-
-def _place_outside(module: nn.Module, target: nn.Module, device: torch.device) -> None:
-    """Everything of ``module`` outside ``target`` to ``device`` (``target`` itself is placed by the map)."""
-    name = next(n for n, m in module.named_modules() if m is target)
-    _place_rest(module, "", [name], device)
 
 
 StrategyRegistry.register(

@@ -22,19 +22,14 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import DataLoader
 
-import lightning_peft.strategies.device_map as dm
+import lightning_peft.parallel.device_map as dm
 from lightning_peft.callbacks import LoRA, MergeOnSave
 from lightning_peft.modules import CausalLM, EncoderClassifier
 from lightning_peft.nn import TokenPruner, TransformerDecoder, TransformerEncoder
+from lightning_peft.parallel.device_map import dispatch_model, infer_device_map, layer_units, parse_device
+from lightning_peft.parallel.partition import balanced_cuts
 from lightning_peft.peft import lora_layers
 from lightning_peft.strategies import DeviceMapStrategy
-from lightning_peft.strategies.device_map import (
-    _balanced_cuts,
-    dispatch_model,
-    infer_device_map,
-    layer_units,
-    parse_device,
-)
 
 VOCAB = 50
 DECODER = {"hidden_size": 16, "num_layers": 4, "num_heads": 2, "ffn_size": 32}
@@ -82,7 +77,7 @@ def labels(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, object]]:
 @pytest.mark.parametrize("sizes,groups", [([5, 1, 1, 1, 9, 2], 3), ([3, 3, 3, 3], 2), ([1, 8, 1, 1, 1], 2),
                                           ([4, 4, 1], 3), ([2, 7, 3, 5, 1, 1, 6], 4)])
 def test_balanced_cuts_reach_the_smallest_largest_group(sizes: list[int], groups: int) -> None:
-    owner = _balanced_cuts(sizes, groups)
+    owner = balanced_cuts(sizes, groups)
     assert owner == sorted(owner) and set(owner) == set(range(groups))  # consecutive, none empty
     largest = max(sum(s for s, o in zip(sizes, owner) if o == g) for g in range(groups))
     best = min(  # brute force over every way to cut the list into `groups` pieces
@@ -246,7 +241,7 @@ def test_optimizer_state_follows_its_parameter() -> None:
     optimizer = torch.optim.AdamW([param])
     param.grad = torch.ones(2)
     optimizer.step()
-    dm._optimizer_state_to_params(optimizer)
+    dm.optimizer_state_to_params(optimizer)
     assert all(v.device == param.device for k, v in optimizer.state[param].items() if k != "step")
 
 

@@ -22,8 +22,10 @@ from torch.testing import assert_close
 
 from tests.strategies._launch import free_port, run_lm_example
 from lightning_peft.nn.transformer import TransformerDecoder, TransformerEncoder
+from lightning_peft.parallel.pipeline import find_sequential
 from lightning_peft.strategies import PipelineStrategy, convert_checkpoint
-from lightning_peft.strategies.pipeline import _LogRecorder, consolidate_checkpoint, pipeline_pieces, split_pieces
+from lightning_peft.strategies._pipeline_logs import LogRecorder
+from lightning_peft.strategies.pipeline import consolidate_checkpoint, pipeline_pieces, split_pieces
 
 SCRIPT = Path(__file__).with_name("pp_script.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,14 +118,19 @@ def test_unsupported_models_are_refused():
     [
         ({"schedule": "zero_bubble"}, r"schedule='zero_bubble'\): unknown schedule; choose one of 'gpipe'"),
         ({"num_stages": 1}, r"num_stages=1\): a pipeline needs at least 2 stages"),
-        ({"num_microbatches": 0}, r"num_microbatches=0\): must be a positive integer"),
-        ({"split_points": "layers.2"}, r"give a list of module names"),
-        ({"max_schedules": 0}, r"max_schedules=0\): must be a positive integer"),
+        ({"num_microbatches": 0}, r"num_microbatches=0\): num_microbatches must be an integer >= 1"),
+        ({"max_schedules": 0}, r"max_schedules=0\): max_schedules must be an integer >= 1"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PipelineStrategy(**kwargs)
+
+
+def test_split_points_must_be_a_list_of_names():
+    with pytest.raises(TypeError, match=r"split_points='layers.2'\): split_points must be a list of names, e.g. "
+                                        r"\['layers.2'\]"):
+        PipelineStrategy(split_points="layers.2")
 
 
 def _strategy(world: int, **kwargs) -> PipelineStrategy:
@@ -159,7 +166,7 @@ def test_model_attribute_must_be_unambiguous():
             self.a, self.b = nn.Sequential(nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2))
 
     with pytest.raises(ValueError, match=r"has 2 .* children \(a, b\); name the one to split with model_attribute"):
-        PipelineStrategy()._find_sequential(Two())
+        find_sequential(Two(), None)
 
 
 def test_consolidate_refuses_a_directory_without_stage_files(tmp_path):
@@ -202,20 +209,20 @@ def test_training_step_must_return_the_loss():
     strategy = _attached(module)
     batch = (torch.randn(4, 2), torch.randn(4, 1))
     strategy._batch, strategy._size, strategy._batch_idx, strategy._losses = batch, 4, 0, []
-    strategy._recorder = _LogRecorder(module)
+    strategy._recorder = LogRecorder(module)
     with pytest.raises(RuntimeError, match=r"training_step must return the loss tensor .* it returned NoneType"):
         strategy._loss_fn(torch.zeros(2, 1), torch.arange(2))
 
 
 def test_log_options_must_be_given_by_name():
     with pytest.raises(TypeError, match=r"log\('train_loss', ...\) got positional options \(True,\); pass them by name"):
-        _LogRecorder(_Regression())("train_loss", 1.0, True)
+        LogRecorder(_Regression())("train_loss", 1.0, True)
 
 
 def test_recorded_logs_reduce_as_one_process_would():
     """Two micro-batches of 3 and 1 rows: a mean weighted by rows (inferred from the batch, as Lightning does), a sum
     summed, a max the largest; each replayed with the whole batch's size."""
-    recorder = _LogRecorder(_Regression())
+    recorder = LogRecorder(_Regression())
     for rows, value in ((3, 1.0), (1, 5.0)):
         with recorder.recording((torch.zeros(rows, 2), torch.zeros(rows, 1))):
             recorder.module.log("mean", value)

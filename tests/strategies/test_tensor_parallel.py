@@ -187,9 +187,12 @@ def test_plan_that_is_neither_auto_nor_a_dict_is_refused(plan):
 
 @pytest.mark.parametrize("size", [0, -2, True, 1.5])
 def test_size_must_be_a_positive_integer(size):
-    with pytest.raises(ValueError, match=r"TensorParallelStrategy\(tensor_parallel_size=.*\): must be a positive"):
+    error = ValueError if isinstance(size, int) and not isinstance(size, bool) else TypeError  # a bool is no size
+    with pytest.raises(error, match=r"TensorParallelStrategy\(tensor_parallel_size=.*\): tensor_parallel_size must be "
+                                    r"an integer >= 1"):
         TensorParallelStrategy(tensor_parallel_size=size)
-    with pytest.raises(ValueError, match=r"TensorParallelStrategy\(data_parallel_size=.*\): must be a positive"):
+    with pytest.raises(error, match=r"TensorParallelStrategy\(data_parallel_size=.*\): data_parallel_size must be an "
+                                    r"integer >= 1, e.g. 'auto'"):
         TensorParallelStrategy(data_parallel_size=size)
 
 

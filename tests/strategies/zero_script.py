@@ -36,7 +36,7 @@ from lightning_peft._gather import gathered  # noqa: E402
 from lightning_peft.callbacks import GradientAccumulation, LoRA, MergeOnSave  # noqa: E402
 from lightning_peft.peft import LoRAConfig, adapter_state_dict, inject_lora  # noqa: E402
 from lightning_peft.strategies import ZeROStrategy  # noqa: E402
-from lightning_peft.strategies._memory import rank_bytes  # noqa: E402
+from lightning_peft.parallel.memory import rank_bytes  # noqa: E402
 from tests.strategies._launch import exit_worker  # noqa: E402
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["query", "value"], "modules_to_save": ["classifier"]}
