@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-MODULES = ["lightning_peft.peft.lora", "lightning_peft.peft.multi_lora", "lightning_peft.peft.bottleneck",
+MODULES = ["lightning_peft.peft.lora", "lightning_peft.peft.lora_config", "lightning_peft.peft.multi_lora", "lightning_peft.peft.bottleneck",
            "lightning_peft.peft.prompt_tuning", "lightning_peft.peft.prefix_tuning", "lightning_peft.modules.hf",
            "lightning_peft.data.bbc_news", "lightning_peft.data.bbc_news_lm",
            "lightning_peft.nn.attention", "lightning_peft.nn.transformer", "lightning_peft.nn.token_pruning",
