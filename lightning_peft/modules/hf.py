@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
 from lightning_peft._pretrained import resolve_pretrained
-from lightning_peft.callbacks._checkpoint import restore_adapters
+from lightning_peft.peft.checkpoint import restore_adapters
 
 __all__ = ["ClassifierSteps", "HFSequenceClassifier", "linear_warmup_decay", "resolve_pretrained"]
 

@@ -96,11 +96,12 @@ class Adapter(ABC):
     def unload(self, model: nn.Module, merge: bool) -> None:
         """Restore the plain modules (with the update folded in if ``merge``) and forget the adapter."""
 
-    def resume_fields(self, config: dict[str, Any]) -> dict[str, Any]:
+    @classmethod
+    def resume_fields(cls, config: dict[str, Any]) -> dict[str, Any]:
         """``config`` (a :meth:`config_dict`) as flat fields that must agree for a checkpoint to resume: the fields
         of its ``"config"`` entry and its other entries, without the :attr:`training_only` keys. Messages name them."""
         fields = {**config.get("config", {}), **{k: v for k, v in config.items() if k != "config"}}
-        return {k: v for k, v in fields.items() if k not in self.training_only}
+        return {k: v for k, v in fields.items() if k not in cls.training_only}
 
     def matches(self, config: dict[str, Any]) -> bool:
         """Whether this adapter is the one ``config`` (a :meth:`config_dict`) describes: a callback that asks again

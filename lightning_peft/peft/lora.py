@@ -183,7 +183,8 @@ class LoRAAdapter(Adapter):
         model = unwrap(model)
         return {name: model.get_submodule(name) for name in self.targets}
 
-    def resume_fields(self, config: dict[str, Any]) -> dict[str, Any]:
+    @classmethod
+    def resume_fields(cls, config: dict[str, Any]) -> dict[str, Any]:
         """Flat fields of every named adapter (``<name>.<field>``, ``default``'s bare), less the training-only ones
         and the active adapter."""
         if "adapters" not in config:  # the single-adapter format of lightning-peft 0.1 checkpoints
@@ -192,7 +193,7 @@ class LoRAAdapter(Adapter):
         for name, entry in config["adapters"].items():
             prefix = "" if name == DEFAULT else f"{name}."
             flat = {**entry.get("config", {}), **{k: v for k, v in entry.items() if k != "config"}}
-            fields.update({f"{prefix}{k}": v for k, v in flat.items() if k not in self.training_only})
+            fields.update({f"{prefix}{k}": v for k, v in flat.items() if k not in cls.training_only})
         return fields
 
     def remove(self, model: nn.Module, name: str) -> None:

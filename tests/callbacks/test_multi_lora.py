@@ -183,8 +183,8 @@ def test_bad_routing_entries_and_settings_are_refused(tiny_bert_config, tmp_path
         MultiLoRA(adapters={"a": {"r": 2}})
     with pytest.raises(ValueError, match=r"MultiLoRA\(active='golf'\): not one of the adapters \['news', 'sport'\]"):
         MultiLoRA(adapters=ADAPTERS, active="golf")
-    with pytest.raises(ValueError, match=r"MergeOnSave\(adapter_name='golf'\): the model has no LoRA adapter of that "
-                                         r"name; its LoRA adapters: \['news', 'sport'\]"):
+    with pytest.raises(ValueError, match=r"MergeOnSave\(adapter_name='golf'\): the model has no named adapter of that "
+                                         r"name; its named adapters: \['news', 'sport'\]"):
         trainer(tmp_path, max_steps=1, callbacks=[MultiLoRA(adapters=ADAPTERS),
                                                   MergeOnSave(dirpath=str(tmp_path), adapter_name="golf")]).fit(
             Routed(tiny_bert_config), loader()
