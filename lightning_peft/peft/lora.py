@@ -173,11 +173,14 @@ class LoRAAdapter(Adapter):
     def matches(self, config: dict[str, Any]) -> bool:
         """Whether the named adapters' settings are those of ``config`` (``{"adapters": {name: {"config": fields}}}``,
         targets and the active adapter not compared); ``"first_only": True``: the first adapter's, whatever its name."""
-        asked = [entry["config"] for entry in config["adapters"].values()]
-        have = [c.to_dict() for c, _ in self.adapters.values()]
+        def settings(position: int, fields: dict) -> dict:  # adapters added later record the model's modules_to_save
+            return fields if position == 0 else {k: v for k, v in fields.items() if k != "modules_to_save"}
+
+        asked = {n: settings(i, e["config"]) for i, (n, e) in enumerate(config["adapters"].items())}
+        have = {n: settings(i, c.to_dict()) for i, (n, (c, _)) in enumerate(self.adapters.items())}
         if config.get("first_only"):
-            return asked[:1] == have[:1]
-        return dict(zip(config["adapters"], asked)) == dict(zip(self.adapters, have))
+            return list(asked.values())[:1] == list(have.values())[:1]
+        return asked == have
 
     def wrapped(self, model: nn.Module) -> dict[str, nn.Module]:
         model = unwrap(model)

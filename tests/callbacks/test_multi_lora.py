@@ -190,3 +190,17 @@ def test_bad_routing_entries_and_settings_are_refused(tiny_bert_config, tmp_path
             Routed(tiny_bert_config), loader()
         )
     assert all(not layer.routing.names for layer in lora_layers(Routed(tiny_bert_config).model).values())
+
+
+def test_a_routed_batch_on_a_merged_model_is_refused_and_routing_ends_after_each_batch(tiny_bert_config, tmp_path):
+    from lightning_peft.peft import attached, merge_lora
+
+    module = Routed(tiny_bert_config).eval()
+    callback = MultiLoRA(adapters=ADAPTERS)
+    trainer(tmp_path, callbacks=[callback]).validate(module, loader())
+    spec = attached(module.model)["lora"]
+    assert spec.routing.names is None  # routing ended with the batch
+    merge_lora(module.model, "news")  # routing goes through route_adapters, which refuses a merged model
+    with pytest.raises(RuntimeError, match=r"route_adapters: adapter 'news' is merged into the base weights"):
+        trainer(tmp_path, callbacks=[callback]).validate(module, loader())
+    assert spec.routing.names is None
