@@ -88,7 +88,7 @@ class AdapterCallback(Callback):
         elif not adapter.matches(self.request()):
             raise RuntimeError(
                 f"{self.who}: {type(model).__name__} already has {self.what} with another config "
-                f"({self.shown(adapter)}); this callback asks for {self.settings()}. Use one {self.who} callback per "
+                f"({self.shown(adapter)}; this callback asks for {self.settings()}); use one {self.who} callback per "
                 "model, with the config the model was adapted with."
             )
         watch_checkpoint_loads(pl_module, self.who)

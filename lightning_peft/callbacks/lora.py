@@ -48,7 +48,7 @@ class LoRA(AdapterCallback):
         adapter_only_checkpoint: Checkpoints hold only what trains (and buffers); loading takes the frozen base
             from the model as constructed.
         model_attribute: Dotted path of the model inside the LightningModule (adapter key paths are relative to it);
-            ``""``: the LightningModule itself (then a head beside the Hugging Face model can be in ``modules_to_save``).
+            ``""``: the LightningModule itself (a head beside the Hugging Face model can then be saved in full).
             Default: the one Hugging Face model inside the LightningModule, else the LightningModule itself.
     """
 
@@ -82,8 +82,8 @@ class LoRA(AdapterCallback):
         return {"adapters": {DEFAULT: {"config": self.config.to_dict()}}, "first_only": True}
 
     def check(self, trainer: pl.Trainer) -> None:
-        precision = str(trainer.precision)
-        if precision.startswith("bf16") and isinstance(trainer.accelerator, CPUAccelerator) and not cpu_bf16_is_native():
+        precision, cpu = str(trainer.precision), isinstance(trainer.accelerator, CPUAccelerator)
+        if precision.startswith("bf16") and cpu and not cpu_bf16_is_native():
             rank_zero_warn(
                 f"LoRA: Trainer(precision={precision!r}) on a CPU without native bf16 (no AVX512-BF16 or AMX): "
                 "PyTorch emulates it, and a LoRA training step runs many times slower than in float32 (17x measured "
