@@ -34,6 +34,8 @@ encoder = n.TransformerEncoder(vocab_size=20, hidden_size=8, num_layers=2, num_h
                                token_pruner=n.TokenPruner(0.5))
 assert encoder(torch.tensor([[1, 2, 3, 4]])).shape == (1, 4, 8)
 assert n.TransformerDecoder(vocab_size=20, hidden_size=8, num_layers=1, num_heads=2)(torch.tensor([[1, 2]])).shape == (1, 2, 20)
+import lightning_peft.peft.checkpoint as c
+assert set(c.frozen_base(model)) == {"0.base_layer.weight", "0.base_layer.bias"}  # what an adapter-only checkpoint drops
 import lightning_peft._gather as g
 with g.gathered(model) as same:  # no sharded parameter: nothing to gather
     assert same is model

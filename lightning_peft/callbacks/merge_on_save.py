@@ -2,13 +2,13 @@
 
 At the end of fit (and, with ``every_checkpoint=True``, with every checkpoint) it writes::
 
-    <dirpath>/merged/    the base model with every adapter merged in (of several named LoRA adapters, the one
+    <dirpath>/merged/    the base model with every adapter merged in (of several named adapters, the one
                          ``adapter_name`` names, else the active one). For a Hugging Face model this is a
                          ``save_pretrained`` directory that ``AutoModel*.from_pretrained`` loads with no PEFT;
                          the datamodule's tokenizer is saved beside it when it has one. Otherwise
                          ``model.safetensors`` with the base model's own key names.
     <dirpath>/adapter/   the adapters in Hugging Face PEFT layout (``PeftModel.from_pretrained`` loads them):
-                         named LoRA adapters as PEFT saves them, ``default`` at the top, others in ``<name>/``.
+                         named adapters as PEFT saves them, ``default`` at the top, others in ``<name>/``.
 
 Techniques that cannot be merged into the base weights (bottleneck adapters, prompt and prefix tuning) are exported
 with ``save_merged=False``: the adapter folder only.
@@ -34,7 +34,7 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,6 @@ from lightning_peft.callbacks._target import is_hf_model, resolve_target
 from lightning_peft.peft.adapter import adapter_tensors, attached, merged_state_dict
 from lightning_peft.peft.io import check_saveable, unshared
 from lightning_peft.peft.io import save_adapter as write_adapter
-from lightning_peft.peft.lora import lora_spec
 
 
 class MergeOnSave(Callback):
@@ -63,7 +62,7 @@ class MergeOnSave(Callback):
         every_checkpoint: Also export alongside every checkpoint, into ``<dirpath>/step=<N>/``.
         save_adapter: Write ``adapter/``.
         save_merged: Write ``merged/``.
-        adapter_name: Of several named LoRA adapters, the one merged into ``merged/`` (default: the active one).
+        adapter_name: Of several named adapters (MultiLoRA), the one merged into ``merged/`` (default: the active one).
         model_attribute: Dotted path of the adapted model in the LightningModule (as for ``LoRA``).
     """
 
@@ -105,12 +104,10 @@ class MergeOnSave(Callback):
                 f"MergeOnSave: the {unmergeable[0]} adapter cannot be merged into the base weights, so there is no "
                 "merged model to write. Export the adapter only: MergeOnSave(save_merged=False)."
             )
-        if self.adapter_name is not None:
-            spec = lora_spec(model)
-            names = list(spec.names) if spec is not None else []
-            if self.adapter_name not in names:
-                raise ValueError(f"MergeOnSave(adapter_name={self.adapter_name!r}): the model has no LoRA adapter of "
-                                 f"that name; its LoRA adapters: {names}.")
+        names = [name for adapter in attached(model).values() for name in getattr(adapter, "names", ())]
+        if self.adapter_name is not None and self.adapter_name not in names:
+            raise ValueError(f"MergeOnSave(adapter_name={self.adapter_name!r}): the model has no named adapter of that "
+                             f"name; its named adapters: {names}.")
         if self.save_adapter:
             with _gathered(trainer, model, adapter_parameters(model)):
                 check_saveable(model)
@@ -156,8 +153,7 @@ class MergeOnSave(Callback):
         paths: dict[str, Path] = {}
         messages = []
         if self.save_merged:
-            with _merging(model, self.adapter_name):
-                state = merged_state_dict(model)  # raises before anything is written if a merge is non-finite
+            state = merged_state_dict(model, self.adapter_name)  # raises before anything is written if non-finite
         if self.save_adapter:
             check_saveable(model)  # likewise for the adapter, so merged/ is never written without adapter/
         if self.save_merged:
@@ -171,21 +167,6 @@ class MergeOnSave(Callback):
         rank_zero_info("MergeOnSave: " + "; ".join(messages))
         self.last_export = paths
         return paths
-
-
-@contextlib.contextmanager
-def _merging(model, adapter_name: str | None):
-    """While exporting, the named LoRA adapter is the active one (the one ``merged_state_dict`` folds in)."""
-    spec = lora_spec(model)
-    if adapter_name is None or spec is None:
-        yield
-        return
-    before = spec.routing.active
-    spec.routing.active = adapter_name
-    try:
-        yield
-    finally:
-        spec.routing.active = before
 
 
 def _gathered(trainer: pl.Trainer, model, params):

@@ -23,7 +23,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
 from lightning_peft._checks import integer
 from lightning_peft._pretrained import resolve_pretrained
-from lightning_peft.callbacks._checkpoint import restore_adapters
+from lightning_peft.peft.checkpoint import restore_adapters
 
 __all__ = ["ClassifierSteps", "HFSequenceClassifier", "linear_warmup_decay", "resolve_pretrained"]
 

@@ -1,7 +1,7 @@
 """Parameter-efficient fine-tuning in pure PyTorch (no Lightning import): LoRA and named multi-LoRA, bottleneck
 adapters, prompt tuning, prefix tuning; the adapter protocol they share; PEFT-format I/O."""
 
-from .adapter import Adapter, adapter_state_dict, attached, merged_state_dict
+from .adapter import Adapter, ParameterReport, adapter_state_dict, attached, merged_state_dict, trainable_parameters
 from .bottleneck import (
     Bottleneck,
     BottleneckAdapter,
@@ -12,22 +12,13 @@ from .bottleneck import (
     unload_bottleneck_adapters,
 )
 from .io import load_adapter, peft_config, save_adapter
-from .layers import LoRAConv2d, LoRAEmbedding, LoRALayer, LoRALinear, Routing
-from .lora import (
-    LoRAAdapter,
-    LoRAConfig,
-    ParameterReport,
-    inject_lora,
-    lora_layers,
-    merge_lora,
-    trainable_parameters,
-    unload_lora,
-    unmerge_lora,
-)
+from .layers import LoRAConv2d, LoRAEmbedding, LoRALayer, LoRALinear, Routing, lora_layers
+from .lora import LoRAAdapter, add_adapter, inject_lora, unload_lora
+from .lora_config import LoRAConfig
+from .lora_merge import merge_lora, unmerge_lora
 from .modules_to_save import ModulesToSave
 from .multi_lora import (
     active_adapter,
-    add_adapter,
     combine_adapters,
     delete_adapter,
     disable_adapters,

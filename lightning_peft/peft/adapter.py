@@ -23,6 +23,7 @@ member                     meaning
 ``config_dict()``          a JSON-able config; ``inject(model, config_dict)`` re-applies it to a fresh model
 ``mergeable``              whether ``merged_state`` can fold the adapter into plain-model weights
 ``merged_state(model, s)`` turn a full state dict ``s`` of the adapted model into the plain model's state dict
+                           (a technique with named adapters takes ``name``: the one to fold in)
 ``unload(model, merge)``   put the plain modules back (merged or not) and forget the adapter
 ``peft_config(model)``     the ``adapter_config.json`` content; ``peft_state(model)`` the tensors under PEFT's keys;
                            ``from_peft(model, config, source)`` injects what a PEFT config describes
@@ -30,6 +31,7 @@ member                     meaning
 ``peft_fields``            the ``adapter_config.json`` fields PEFT's config class has (None: the technique checks
                            its own); :func:`~lightning_peft.peft.load_adapter` warns about any other field
 ``training_only``          config keys that only steer training (dropout, init): a resume may change them
+``resume_fields(config)``  a config_dict as the flat fields that must agree to resume (less ``training_only``)
 ``matches(config)``        whether the adapter is what a config describes (a callback asking again goes on)
 ``wrapped(model)``         the wrapper modules it put in place of base layers (each has ``base_layer``)
 ``remove(model, name)``    delete one named adapter (techniques with several named adapters)
@@ -54,6 +56,7 @@ from typing import Any, ClassVar
 from torch import Tensor, nn
 
 ADAPTERS_ATTRIBUTE = "_lightning_peft_adapters"
+DEFAULT = "default"  # the name of a technique's first named adapter, as Hugging Face PEFT names it
 _COMPILED = "_orig_mod"
 
 _REGISTRY: dict[str, type[Adapter]] = {}
@@ -92,6 +95,13 @@ class Adapter(ABC):
     @abstractmethod
     def unload(self, model: nn.Module, merge: bool) -> None:
         """Restore the plain modules (with the update folded in if ``merge``) and forget the adapter."""
+
+    @classmethod
+    def resume_fields(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """``config`` (a :meth:`config_dict`) as flat fields that must agree for a checkpoint to resume: the fields
+        of its ``"config"`` entry and its other entries, without the :attr:`training_only` keys. Messages name them."""
+        fields = {**config.get("config", {}), **{k: v for k, v in config.items() if k != "config"}}
+        return {k: v for k, v in fields.items() if k not in cls.training_only}
 
     def matches(self, config: dict[str, Any]) -> bool:
         """Whether this adapter is the one ``config`` (a :meth:`config_dict`) describes: a callback that asks again
@@ -272,8 +282,10 @@ def adapter_state_dict(model: nn.Module) -> dict[str, Tensor]:
     return {clean_key(k): v.detach() for k, v in adapter_tensors(model).items()}
 
 
-def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
+def merged_state_dict(model: nn.Module, adapter_name: str | None = None) -> dict[str, Tensor]:
     """The plain model's state dict with every adapter folded in, under the plain model's own keys.
+
+    ``adapter_name``: of a technique with several named adapters, the one folded in (default: its active one).
 
     Does not change ``model``: merged weights are new tensors. Loading the result into a fresh copy of the
     original (un-adapted) model gives the merged model.
@@ -285,7 +297,8 @@ def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
     model = unwrap(model)
     state = model.state_dict()
     for adapter in adapters.values():
-        state = adapter.merged_state(model, state)
+        named = {"name": adapter_name} if adapter_name is not None and hasattr(adapter, "names") else {}
+        state = adapter.merged_state(model, state, **named)
     return {clean_key(k): v for k, v in state.items()}
 
 

@@ -1,35 +1,28 @@
-"""The adapter record of a checkpoint, without Lightning: ``checkpoint["lightning_peft"]``.
+"""Adapters in training checkpoints, without Lightning: the record a checkpoint carries, adapter-only state dicts,
+completing them from a model, and re-applying the recorded adapters to a fresh model.
 
-Every checkpoint written while a PEFT callback runs carries::
+Every checkpoint written while a PEFT callback runs carries ``checkpoint["lightning_peft"]``::
 
-    {"format": 1, "adapter_only": bool, "dropped": [<keys an adapter-only checkpoint left out>],
-     "models": {"<path of the adapted model>": {"<kind>": <config_dict>}}, "load_with": "<how to load it, in words>"}
+    {"format": 1, "adapter_only": bool, "dropped": [keys left out], "models": {"<path of the adapted model>":
+     {"<kind>": <config_dict>}}, "load_with": "<how to load it, in words>"}
 
-(the path is ``""`` for the model itself). :func:`checkpoint_entry` writes it from the adapters attached to a model
-(:mod:`lightning_peft.peft.adapter`); :func:`check_same_adapters` refuses to resume or load into a model whose
-adapters differ from the recorded ones, naming the settings that differ. The Lightning hooks that write and
-read it are in :mod:`lightning_peft.callbacks._checkpoint`; the strategies check it too.
+(the path is ``""`` for the module itself). ``load_with`` is for a person who opens the file: a plain
+``MyModule.load_from_checkpoint(path)`` builds the module without adapters and fails with torch's missing or
+unexpected keys, so the entry says what to call instead. Everything here speaks to techniques through the adapter
+protocol only (``config_dict``, ``state``, ``resume_fields``, ``inject``); the Lightning hooks that call it are in
+:mod:`lightning_peft.callbacks._adapter` and :mod:`lightning_peft.callbacks._checkpoint`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
-from lightning_peft.peft.adapter import ADAPTERS_ATTRIBUTE, attached
-
-__all__ = ["FORMAT", "KEY", "LOAD_WITH", "TRAINING_ONLY", "adapted_models", "check_same_adapters", "checkpoint_entry"]
+from .adapter import ADAPTERS_ATTRIBUTE, adapter_tensors, attached, technique, unwrap
 
 KEY = "lightning_peft"
-
-
-TRAINING_ONLY = ("dropout", "init", "init_scale")  # settings that only steer training: a resume may change them
-
-
 FORMAT = 1
-
-
 LOAD_WITH = (
     "This checkpoint holds lightning-peft adapters: its state dict has the adapted model's keys (an adapter-only one "
     "lacks the frozen base). Load it with lightning_peft.callbacks.load_from_checkpoint(MyModule, path), which "
@@ -46,7 +39,6 @@ def adapted_models(pl_module: nn.Module) -> dict[str, nn.Module]:
             found[path] = module
     return found
 
-
 def checkpoint_entry(pl_module: nn.Module, dropped: list[str] | None = None) -> dict[str, Any]:
     """The ``checkpoint["lightning_peft"]`` entry: ``pl_module``'s adapters and the keys left out (adapter-only)."""
     return {
@@ -57,6 +49,46 @@ def checkpoint_entry(pl_module: nn.Module, dropped: list[str] | None = None) -> 
                    for path, m in adapted_models(pl_module).items()},
         "load_with": LOAD_WITH,
     }
+
+
+def record_adapters(pl_module: nn.Module, checkpoint: dict[str, Any], adapter_only: bool) -> None:
+    """Write ``checkpoint["lightning_peft"]``; ``adapter_only`` drops the frozen base parameters from the state dict.
+
+    Every PEFT callback calls it: the entry covers every adapter of ``pl_module`` whichever callback writes it, and
+    what an earlier callback already dropped stays recorded (so callbacks can come in any order).
+    """
+    earlier = checkpoint.get(KEY) or {}
+    dropped = set(earlier.get("dropped", []))
+    if adapter_only:
+        dropped |= {k for k in frozen_base(pl_module) if k in checkpoint["state_dict"]}
+    checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in dropped}
+    checkpoint[KEY] = checkpoint_entry(pl_module, dropped=sorted(dropped) if dropped or adapter_only else None)
+
+
+def frozen_base(pl_module: nn.Module) -> dict[str, nn.Parameter]:
+    """Parameters an adapter-only checkpoint leaves out: inside an adapted model, owned by no adapter, frozen.
+
+    Whatever an adapter owns is kept whatever ``requires_grad`` says (a head trained, then frozen), and so is
+    everything outside the adapted models (a head next to the Hugging Face model).
+    """
+    models = adapted_models(pl_module).values()
+    owned = {id(t) for m in models for t in adapter_tensors(m).values()}
+    inside = {id(p) for m in models for p in m.parameters()}
+    return {k: p for k, p in pl_module.named_parameters(remove_duplicate=False)
+            if id(p) in inside and id(p) not in owned and not p.requires_grad}
+
+
+def fill_frozen(pl_module: nn.Module, state_dict: dict[str, Tensor], keys: list[str]) -> None:
+    """Give an adapter-only state dict the parameters ``keys`` it left out, from ``pl_module`` as built."""
+    params = dict(pl_module.named_parameters(remove_duplicate=False))
+    missing = [k for k in keys if k not in params]
+    if missing:
+        raise ValueError(
+            f"The adapter-only checkpoint left out {missing[0]!r}, which {type(pl_module).__name__} does not have; "
+            "it was written for another model."
+        )
+    for key in keys:
+        state_dict.setdefault(key, params[key].detach())
 
 
 def check_same_adapters(saved: dict[str, Any], pl_module: nn.Module, who: str) -> None:
@@ -70,42 +102,43 @@ def check_same_adapters(saved: dict[str, Any], pl_module: nn.Module, who: str) -
                     f"{who}: the checkpoint has a {kind} adapter on {path or 'the LightningModule'!r}, but this run "
                     f"has none there (adapters now: {_where(current)}). Add the same callback as when it was saved."
                 )
-            if _meaning(now) != _meaning(config):
+            cls = technique(kind)  # what must agree: its resume_fields (training-only settings may change)
+            saved_fields, now_fields = cls.resume_fields(config), cls.resume_fields(now)
+            if saved_fields != now_fields:
                 raise ValueError(
                     f"{who}: the checkpoint's {kind} adapter on {path or 'the LightningModule'!r} was trained with "
-                    f"{_differences(config, now)}. Resume with the checkpoint's settings, or start a new run "
+                    f"{_differences(saved_fields, now_fields)}. Resume with the checkpoint's settings, or start a new run "
                     "without ckpt_path."
                 )
-
-
-def _meaning(config: dict) -> dict:
-    """What must match to resume: everything but settings that only steer training (LoRA's dropout, init) and
-    which named adapter is active."""
-    def inner(entry: dict) -> dict:
-        return {**entry, "config": {k: v for k, v in entry.get("config", {}).items() if k not in TRAINING_ONLY}}
-
-    meaning = inner(config) if "config" in config else dict(config)
-    if "adapters" in config:
-        meaning["adapters"] = {name: inner(entry) for name, entry in config["adapters"].items()}
-    meaning.pop("active", None)
-    return meaning
 
 
 def _where(models: dict) -> str:
     return ", ".join(f"{kind} on {path or 'the LightningModule'!r}" for path, a in models.items() for kind in a) or "none"
 
 
-def _fields(config: dict) -> dict:
-    """A config_dict as flat fields; a named adapter's fields as ``<name>.<field>`` (``default``'s bare)."""
-    fields = {**config.get("config", {}), **{k: v for k, v in config.items() if k not in ("config", "adapters")}}
-    for name, entry in config.get("adapters", {}).items():
-        prefix = "" if name == "default" else f"{name}."
-        fields.update({f"{prefix}{k}": v for k, v in _fields(entry).items()})
-    return fields
-
-
 def _differences(saved: dict, now: dict) -> str:
-    saved_fields, now_fields = _fields(_meaning(saved)), _fields(_meaning(now))
-    keys = [k for k in dict.fromkeys([*saved_fields, *now_fields]) if saved_fields.get(k) != now_fields.get(k)]
-    return (", ".join(f"{k}={saved_fields.get(k)!r}" for k in keys) + "; this run has "
-            + ", ".join(f"{k}={now_fields.get(k)!r}" for k in keys))
+    keys = [k for k in dict.fromkeys([*saved, *now]) if saved.get(k) != now.get(k)]
+    return (", ".join(f"{k}={saved.get(k)!r}" for k in keys) + "; this run has "
+            + ", ".join(f"{k}={now.get(k)!r}" for k in keys))
+
+
+def restore_adapters(pl_module: nn.Module, checkpoint: dict[str, Any]) -> None:
+    """Re-apply the adapters a checkpoint records, then complete an adapter-only state dict from the model.
+
+    Call it from ``LightningModule.on_load_checkpoint`` (before Lightning loads the weights). Adapters the
+    module already has must match the recorded ones. Idempotent.
+
+    Raises:
+        ValueError: If an adapter the module already has differs from the checkpoint's.
+    """
+    entry = checkpoint.get(KEY)
+    if not entry:
+        return
+    for path, adapters in entry.get("models", {}).items():
+        model = unwrap(pl_module.get_submodule(path)) if path else pl_module
+        for kind, config in adapters.items():
+            if kind not in attached(model):
+                technique(kind).inject(model, config)
+    check_same_adapters(entry, pl_module, "restore_adapters")
+    if entry.get("adapter_only") and "state_dict" in checkpoint:
+        fill_frozen(pl_module, checkpoint["state_dict"], entry.get("dropped", []))

@@ -28,9 +28,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from .._atomic import write_files
-from .adapter import Adapter, attached, require_adapters, technique, technique_for_peft_type, unwrap
-from .layers import DEFAULT
-from .lora import lora_layers
+from .adapter import DEFAULT, Adapter, attached, require_adapters, technique, technique_for_peft_type, unwrap
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -204,7 +202,7 @@ def _check_fit(
     """The model tensors that ``tensors`` will be copied into; raises, naming the key, if they do not fit."""
     expected = dict(adapter.peft_state(model, **named))
     # PEFT's save_embedding_layers also writes the base weight of adapted embeddings; PEFT loads it, so do we.
-    for name, layer in lora_layers(model).items():
+    for name, layer in adapter.wrapped(model).items():
         key = f"{name}.base_layer.weight"
         if key in tensors:
             expected[key] = layer.base_layer.weight
@@ -282,8 +280,16 @@ def _is_kind_folder(folder: Path) -> bool:
 
 def _load_named_subfolders(model: nn.Module, directory: Path) -> None:
     for part in sorted(p.parent for p in directory.glob(f"*/{CONFIG_NAME}")):
-        if not _is_kind_folder(part) and read_adapter_config(part).get("peft_type") == "LORA":
+        if not _is_kind_folder(part) and _has_named_adapters(read_adapter_config(part).get("peft_type"), part):
             _load_one(model, part, part.name)
+
+
+def _has_named_adapters(peft_type: object, folder: Path) -> bool:
+    """Whether adapters of ``peft_type`` can sit beside others under their own names (PEFT's multi-adapter layout)."""
+    try:
+        return hasattr(technique_for_peft_type(peft_type, str(folder)), "names")
+    except ValueError:
+        return False
 
 
 def _load_one(model: nn.Module, directory: Path, adapter_name: str) -> None:
@@ -346,8 +352,6 @@ def _undo_injection(model, adapter, added_to, adapter_name: str, requires_grad: 
     if added_to is None:
         adapter.unload(model, merge=False)
     else:
-        from .multi_lora import delete_adapter
-
-        delete_adapter(model, adapter_name)
+        adapter.remove(model, adapter_name)
     for name, param in unwrap(model).named_parameters():
         param.requires_grad_(requires_grad[name])

@@ -44,30 +44,19 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
-from .adapter import attach, unwrap
-from .layers import LoRALayer
-from .lora import (
-    LoRAAdapter,
-    LoRAConfig,
-    _adaptable_view,
-    _inject,
-    _select,
-    _warn_about_settings,
-    as_config,
-    check_adapter_name,
-    exact_targets,
-    require_spec,
-)
-from .modules_to_save import set_submodule
+from .adapter import unwrap
+from .layers import LoRALayer, require_spec
+from .lora import LoRAAdapter, add_adapter
+from .lora_config import LoRAConfig
+from .lora_targets import _adaptable_view, exact_targets
 
 Method = Literal["linear", "cat", "svd"]
 
@@ -80,45 +69,6 @@ def _known(spec: LoRAAdapter, name: object, who: str) -> str:
 
 def _merged(model: nn.Module) -> str | None:
     return require_spec(model, "LoRA").routing.merged_adapter
-
-
-def add_adapter(model: nn.Module, name: str, config: LoRAConfig | Any | None = None, **kwargs) -> dict[str, LoRALayer]:
-    """Add LoRA adapter ``name`` to a model that already has LoRA (:func:`inject_lora`); the active adapter stays.
-
-    The new adapter has its own targets, rank, alpha and dropout; it starts at zero (the base output). Modules it
-    shares with other adapters get a second pair of factors in the same LoRA layer.
-
-    Returns:
-        The LoRA layers that received the adapter, by full module name.
-
-    Raises:
-        RuntimeError: If ``model`` has no LoRA yet.
-        ValueError: If ``name`` is taken or unusable, the targets match nothing, ``modules_to_save`` differs from
-            the model's, or ``bias`` is not ``"none"``.
-    """
-    spec = require_spec(model, "add_adapter")
-    config = as_config(config, kwargs, "add_adapter")
-    check_adapter_name(name, "add_adapter")
-    if name in spec.adapters:
-        raise ValueError(f"add_adapter: the model already has an adapter named {name!r}; pick another name "
-                         "or delete_adapter(model, name) first.")
-    if config.bias != "none" or spec.config.bias != "none":
-        raise ValueError(
-            f"add_adapter({name!r}): bias={config.bias!r} (first adapter: {spec.config.bias!r}); trained biases would "
-            "be shared by every adapter, so several adapters need bias='none' on all of them."
-        )
-    model = unwrap(model)
-    if _merged(model) is not None:
-        raise RuntimeError(f"add_adapter: adapter {_merged(model)!r} is merged; call unmerge_lora(model) first.")
-    targets, to_save = _select(model, config)
-    if config.modules_to_save is not None and set(to_save) - set(spec.modules_to_save):
-        raise ValueError(
-            f"add_adapter({name!r}): modules_to_save={config.modules_to_save!r}, but the model trains "
-            f"{list(spec.modules_to_save)} in full; modules_to_save is shared by every adapter of a model, so declare "
-            "it once, with the first adapter (inject_lora)."
-        )
-    _warn_about_settings(model, config, targets)
-    return _inject(model, dataclasses.replace(config, modules_to_save=list(spec.modules_to_save)), targets, [], name)
 
 
 def set_adapter(model: nn.Module, name: str) -> None:
@@ -148,25 +98,7 @@ def delete_adapter(model: nn.Module, name: str) -> None:
         ValueError: If ``name`` names no adapter.
         RuntimeError: If it is the active adapter, the only one, or merged.
     """
-    spec = require_spec(model, "delete_adapter")
-    _known(spec, name, "delete_adapter")
-    if len(spec.adapters) == 1:
-        raise RuntimeError(f"delete_adapter({name!r}): it is the model's only LoRA adapter; use unload_lora(model) "
-                           "to remove LoRA.")
-    if spec.routing.active == name:
-        others = [n for n in spec.adapters if n != name]
-        raise RuntimeError(f"delete_adapter({name!r}): it is the active adapter; set_adapter(model, {others[0]!r}) "
-                           "(or another) first.")
-    model = unwrap(model)
-    if _merged(model) == name:
-        raise RuntimeError(f"delete_adapter({name!r}): it is merged; call unmerge_lora(model) first.")
-    for target in spec.adapters[name][1]:
-        layer = model.get_submodule(target)
-        layer.delete_adapter(name)
-        if not layer.specs:
-            set_submodule(model, target, layer.base_layer)
-    del spec.adapters[name]
-    attach(model, spec)
+    require_spec(model, "delete_adapter").remove(model, name)
 
 
 @contextlib.contextmanager

@@ -202,7 +202,7 @@ def test_unknown_model_attribute_is_refused(tiny_bert_config, tmp_path):
 
 
 def test_static_arguments_are_checked_in_init():
-    with pytest.raises(ValueError, match=r"LoRA\(rank=-1\): rank must be a positive integer"):
+    with pytest.raises(ValueError, match=r"LoRA\(rank=-1\): rank must be an integer >= 1"):
         LoRA(rank=-1)
 
 

@@ -183,10 +183,24 @@ def test_bad_routing_entries_and_settings_are_refused(tiny_bert_config, tmp_path
         MultiLoRA(adapters={"a": {"r": 2}})
     with pytest.raises(ValueError, match=r"MultiLoRA\(active='golf'\): not one of the adapters \['news', 'sport'\]"):
         MultiLoRA(adapters=ADAPTERS, active="golf")
-    with pytest.raises(ValueError, match=r"MergeOnSave\(adapter_name='golf'\): the model has no LoRA adapter of that "
-                                         r"name; its LoRA adapters: \['news', 'sport'\]"):
+    with pytest.raises(ValueError, match=r"MergeOnSave\(adapter_name='golf'\): the model has no named adapter of that "
+                                         r"name; its named adapters: \['news', 'sport'\]"):
         trainer(tmp_path, max_steps=1, callbacks=[MultiLoRA(adapters=ADAPTERS),
                                                   MergeOnSave(dirpath=str(tmp_path), adapter_name="golf")]).fit(
             Routed(tiny_bert_config), loader()
         )
     assert all(not layer.routing.names for layer in lora_layers(Routed(tiny_bert_config).model).values())
+
+
+def test_a_routed_batch_on_a_merged_model_is_refused_and_routing_ends_after_each_batch(tiny_bert_config, tmp_path):
+    from lightning_peft.peft import attached, merge_lora
+
+    module = Routed(tiny_bert_config).eval()
+    callback = MultiLoRA(adapters=ADAPTERS)
+    trainer(tmp_path, callbacks=[callback]).validate(module, loader())
+    spec = attached(module.model)["lora"]
+    assert spec.routing.names is None  # routing ended with the batch
+    merge_lora(module.model, "news")  # routing goes through route_adapters, which refuses a merged model
+    with pytest.raises(RuntimeError, match=r"route_adapters: adapter 'news' is merged into the base weights"):
+        trainer(tmp_path, callbacks=[callback]).validate(module, loader())
+    assert spec.routing.names is None

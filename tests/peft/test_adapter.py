@@ -150,3 +150,49 @@ def test_unloading_one_technique_keeps_the_other_trainable():
     unload_lora(model)
     assert set(attached(model)) == {"test_scale"}
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {"blocks.0.value.scale", "blocks.1.value.scale"}
+
+
+def test_lora_answers_the_protocol_s_generic_members():
+    from lightning_peft.peft import add_adapter, set_adapter
+    from lightning_peft.peft.adapter import DEFAULT, wrapped_layers
+
+    model = Tiny().double().eval()
+    inject_lora(model, rank=2, target_modules=["query"])
+    add_adapter(model, "b", rank=1, target_modules=["value"])
+    lora = attached(model)["lora"]
+    # wrapped: the LoRA layers, each with its frozen base layer; wrapped_layers gathers them over techniques.
+    assert sorted(lora.wrapped(model)) == ["blocks.0.query", "blocks.0.value", "blocks.1.query", "blocks.1.value"]
+    assert wrapped_layers(model).keys() == lora.wrapped(model).keys()
+    assert all(isinstance(layer.base_layer, nn.Linear) for layer in lora.wrapped(model).values())
+    # matches: the named adapters' settings, not the targets or the active adapter.
+    config = lora.config_dict()
+    assert lora.matches(config)
+    assert not lora.matches({"adapters": {DEFAULT: config["adapters"][DEFAULT]}})
+    assert lora.matches({"adapters": {"x": config["adapters"][DEFAULT]}, "first_only": True})
+    # resume_fields: what must agree to resume, less the training-only settings (dropout, init) and the active one.
+    assert lora.training_only == ("dropout", "init")
+    fields = type(lora).resume_fields(config)
+    assert fields["rank"] == 2 and fields["b.rank"] == 1 and "dropout" not in fields and "b.init" not in fields
+    set_adapter(model, "b")
+    assert type(lora).resume_fields(lora.config_dict()) == fields
+    # merged_state with a name folds that adapter whichever is active.
+    randomise(lora.wrapped(model))
+    set_adapter(model, DEFAULT)
+    with_b, active = merged_state_dict(model, "b"), merged_state_dict(model)
+    base = model.blocks[0].value.base_layer.weight
+    assert_close(with_b["blocks.0.value.weight"], model.blocks[0].value.merged_weight("b"))
+    assert_close(active["blocks.0.value.weight"], base)  # the default adapter does not adapt value
+    # remove deletes one named adapter; the layers it alone adapted become plain modules again.
+    lora.remove(model, "b")
+    assert lora.names == (DEFAULT,) and isinstance(model.blocks[0].value, nn.Linear)
+    with pytest.raises(RuntimeError, match=r"delete_adapter\('default'\): it is the model's only LoRA adapter"):
+        lora.remove(model, DEFAULT)
+
+
+def test_a_technique_without_named_adapters_refuses_remove_and_keeps_the_defaults():
+    model = Tiny().double()
+    scale = ScaleAdapter.inject(model, {"targets": ["blocks.0.value"]})
+    assert scale.training_only == () and scale.matches({"targets": ["blocks.0.value"]})
+    assert scale.resume_fields(scale.config_dict()) == {"targets": ["blocks.0.value"]}
+    with pytest.raises(RuntimeError, match="has no named adapters to remove"):
+        scale.remove(model, "x")

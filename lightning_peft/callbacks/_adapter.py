@@ -1,0 +1,190 @@
+"""``AdapterCallback``: what every PEFT callback does around its technique's inject function, written once.
+
+A technique's callback is its constructor (plain typed keyword arguments for LightningCLI, building a config) and
+:meth:`AdapterCallback.inject` (one call of the technique's inject function). The rest is here:
+
+- ``setup``: resolve the model inside the LightningModule (``model_attribute``), keep the RNG state across resumes,
+  then inject the adapter if the model has none of this technique, or go on with the model as it is if its adapter
+  :meth:`~lightning_peft.peft.adapter.Adapter.matches` this callback's config, and refuse otherwise (naming both);
+  an info line gives the trainable-parameter report; checkpoint loads are watched (see below);
+- ``on_train_start``: refuse an optimizer built before the adapters existed; warn about dropout left in eval mode;
+- ``on_save_checkpoint``: record the adapters (:mod:`lightning_peft.peft.checkpoint`), adapter-only if asked;
+- loading a checkpoint: before any weight is copied, its adapters are compared with this run's (a changed setting
+  is refused, naming both values) and an adapter-only state dict is completed from the model as built;
+- ``state_dict`` / ``load_state_dict``: the callback's settings; a resume with other settings is refused, except the
+  technique's ``training_only`` ones.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, ClassVar
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
+from typing_extensions import override
+
+from lightning_peft.callbacks._lightning import refuse_changed_settings
+from lightning_peft.callbacks._rng import keep_rng
+from lightning_peft.callbacks._target import resolve_target
+from lightning_peft.peft.adapter import Adapter, attached, technique, trainable_parameters
+from lightning_peft.peft.checkpoint import KEY, check_same_adapters, fill_frozen, frozen_base, record_adapters
+
+_HOOKED = "_lightning_peft_load_hook"
+
+
+class AdapterCallback(Callback):
+    """Base class of the PEFT callbacks (see the module docstring).
+
+    A subclass sets ``who`` (its name in messages), ``kind`` (its :class:`~lightning_peft.peft.adapter.Adapter`'s)
+    and ``what`` (the adapter in words: ``"a LoRA adapter"``), keeps its settings in ``self.config`` (an object with
+    ``to_dict()``) or overrides :meth:`settings`, and defines :meth:`inject`.
+    """
+
+    who: ClassVar[str]
+    kind: ClassVar[str]
+    what: ClassVar[str] = "an adapter"
+    model_attribute: str | None = None
+    adapter_only_checkpoint: bool = False
+
+    def __init__(self, adapter_only_checkpoint: bool = False, model_attribute: str | None = None) -> None:
+        self.adapter_only_checkpoint = adapter_only_checkpoint
+        self.model_attribute = model_attribute
+
+    def inject(self, trainer: pl.Trainer, model: nn.Module) -> str:
+        """Inject the adapter into ``model`` (which has none of this kind); return what the info line says."""
+        raise NotImplementedError(f"{type(self).__name__} must define inject(trainer, model)")
+
+    def settings(self) -> dict[str, Any]:
+        """The callback's settings as saved in its state (default: ``self.config.to_dict()``)."""
+        return self.config.to_dict()
+
+    def request(self) -> dict[str, Any]:
+        """What :meth:`Adapter.matches` gets to decide whether the model's adapter is this callback's."""
+        return self.settings()
+
+    def shown(self, adapter: Adapter) -> Any:
+        """The model's adapter as a refusal message shows it."""
+        return getattr(adapter, "config", None) or adapter.config_dict()
+
+    def check(self, trainer: pl.Trainer) -> None:
+        """Refuse a strategy the technique cannot run under (called first in ``setup``; default: none)."""
+
+    def own_dropout(self) -> float:
+        """The dropout probability this callback's adapter uses (the largest, for several adapters)."""
+        return float(getattr(getattr(self, "config", None), "dropout", 0.0) or 0.0)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.check(trainer)
+        keep_rng(trainer)  # resume draws what the straight run drew (dropout)
+        _, model = resolve_target(pl_module, self.model_attribute, self.who)
+        self.adapted_model = model
+        adapter = attached(model).get(self.kind)
+        if adapter is None:
+            rank_zero_info(f"{self.who}: {self.inject(trainer, model)}; {trainable_parameters(pl_module)}")
+        elif not adapter.matches(self.request()):
+            raise RuntimeError(
+                f"{self.who}: {type(model).__name__} already has {self.what} with another config "
+                f"({self.shown(adapter)}; this callback asks for {self.settings()}); use one {self.who} callback per "
+                "model, with the config the model was adapted with."
+            )
+        watch_checkpoint_loads(pl_module, self.who)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _, model = resolve_target(pl_module, self.model_attribute, self.who)
+        check_optimizer_holds_adapters(trainer, model, self.who)
+        warn_about_eval_dropout(model, self.who, self.own_dropout())
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        record_adapters(pl_module, checkpoint, self.adapter_only_checkpoint)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"config": self.settings()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        refuse_changed_settings(self.who, state_dict.get("config") or {}, self.settings(),
+                                technique(self.kind).training_only)
+
+
+def warn_about_eval_dropout(model: nn.Module, who: str, own: float) -> None:
+    """Warn if dropout modules of ``model`` are in eval mode when training starts (every dropout then stays off).
+
+    ``from_pretrained`` returns a model in eval mode, and Lightning 2.6 keeps the modes of submodules, so a model
+    built in ``__init__`` trains without dropout, the adapter's own included: a different training than asked for,
+    with no error. The modes are the user's to set; this only says so, once, before the first step.
+    """
+    off = [m for m in model.modules() if isinstance(m, nn.Dropout) and m.p > 0 and not m.training]
+    if not off:
+        return
+    ours = f"{who}'s own dropout={own} included" if own > 0 else f"{who}'s adapter has dropout=0"
+    rank_zero_warn(
+        f"{who}: {len(off)} dropout module(s) of {type(model).__name__} are in eval mode as training starts, so it "
+        f"trains with them off ({ours}). from_pretrained returns models in eval mode and Lightning keeps submodules' "
+        "modes. If you want dropout, call self.model.train() in your LightningModule's __init__ after from_pretrained "
+        "(or in its on_train_start); to train without dropout on purpose, set the model's and the adapter's dropout "
+        "probabilities to 0.",
+        category=UserWarning,
+    )
+
+
+def watch_checkpoint_loads(pl_module: nn.Module, who: str) -> None:
+    """Register (once per LightningModule) the load-state-dict pre-hook that checks and completes checkpoints."""
+    if not getattr(pl_module, _HOOKED, False):
+        pl_module.register_load_state_dict_pre_hook(functools.partial(_load_hook, who=who))
+        setattr(pl_module, _HOOKED, True)
+
+
+def _load_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors, who: str) -> None:
+    """Load-state-dict pre-hook on the LightningModule, run before Lightning copies a checkpoint's weights.
+
+    It refuses a checkpoint whose adapters differ from this run's (naming both values, instead of torch's
+    size-mismatch dump), and completes an adapter-only state dict with the parameters it recorded as left out,
+    taken from the model as built. Outside a Trainer (a manual ``load_state_dict``) a state dict that holds none
+    of the frozen base parameters is taken as adapter-only; a full one with a missing key still fails.
+    """
+    if prefix:
+        return
+    # Lightning keeps the checkpoint it is restoring on its checkpoint connector (the trainer is looked up
+    # now, not kept: the module may meet another Trainer, and hooks are copied with the module).
+    connector = getattr(getattr(module, "_trainer", None), "_checkpoint_connector", None)
+    entry = (getattr(connector, "_loaded_checkpoint", None) or {}).get(KEY)
+    if entry is not None:
+        check_same_adapters(entry, module, who)
+        if entry.get("adapter_only"):
+            fill_frozen(module, state_dict, entry.get("dropped", []))
+        return
+    frozen = frozen_base(module)
+    if frozen and not frozen.keys() & state_dict.keys():
+        fill_frozen(module, state_dict, list(frozen))
+
+
+def check_optimizer_holds_adapters(trainer: pl.Trainer, model: nn.Module, who: str) -> None:
+    """Raises if the optimizers hold the model's frozen parameters but none that trains.
+
+    That is an optimizer built before the adapters were injected: LightningCLI's ``optimizer:`` section builds it
+    over ``model.parameters()`` before the Trainer starts, and such a run would train nothing. (Strategies that
+    flatten parameters into their own buffers, as DeepSpeed's ZeRO does, hold none of the model's parameters and are
+    not checked.)
+    """
+    held = {id(p) for optimizer in trainer.optimizers for group in optimizer.param_groups for p in group["params"]}
+    named = list(model.named_parameters())
+    trained = [name for name, p in named if p.requires_grad]
+    if not trained or any(id(p) in held for name, p in named if p.requires_grad):
+        return
+    if any(id(p) in held for _, p in named):
+        raise RuntimeError(
+            f"{who}: the optimizer holds none of the {len(trained)} parameters that train ({trained[0]}, ...): it was "
+            "built before the adapters were injected, so this run would train nothing. LightningCLI's optimizer: "
+            "section does that (it builds the optimizer over model.parameters() before the Trainer starts); build the "
+            "optimizer in the LightningModule's configure_optimizers instead (HFSequenceClassifier has one: drop the "
+            "optimizer: and lr_scheduler: sections)."
+        )

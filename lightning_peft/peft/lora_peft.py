@@ -1,0 +1,164 @@
+"""LoRA in Hugging Face PEFT's format: the ``adapter_config.json`` a LoRA adapter writes, its tensors under PEFT's keys,
+the checks before loading PEFT's files, and pointers on an adapted model for ``PeftModel`` methods.
+
+:class:`~lightning_peft.peft.lora.LoRAAdapter` answers the protocol's PEFT members with these functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+from typing import Any
+
+from torch import Tensor, nn
+
+from ._common import name_matches, unmatched
+from .adapter import base_model_name, clean_key, unwrap
+from .layers import DEFAULT, LoRAConv2d, lora_layers
+from .lora_config import LoRAConfig, config_from_peft
+from .lora_targets import _adaptable_view, exact_targets
+from .modules_to_save import plain_key
+
+PEFT_FIELDS = frozenset((  # peft 0.21.2's LoraConfig
+    "alora_invocation_tokens", "alpha_pattern", "arrow_config", "auto_mapping", "base_model_name_or_path", "bias",
+    "corda_config", "ensure_weight_tying", "eva_config", "exclude_modules", "fan_in_fan_out", "inference_mode",
+    "init_lora_weights", "kasa_config", "layer_replication", "layers_pattern", "layers_to_transform",
+    "loftq_config", "lora_alpha", "lora_bias", "lora_dropout", "lora_ga_config", "megatron_config",
+    "megatron_core", "modules_to_save", "monteclora_config", "peft_type", "peft_version", "qalora_group_size",
+    "r", "rank_pattern", "revision", "runtime_config", "target_modules", "target_parameters", "task_type",
+    "trainable_token_indices", "use_bdlora", "use_dora", "use_qalora", "use_rslora", "velora_config",
+))
+
+
+def _peft_key(key: str, adapter_name: str) -> str:
+    """A layer-relative key of one adapter without its adapter segment: ``lora_A.x.weight`` -> ``lora_A.weight``."""
+    container, _, rest = key.partition(f".{adapter_name}")
+    return container + rest
+
+
+def peft_state(adapter, model: nn.Module, name: str) -> dict[str, Tensor]:
+    """Adapter ``name``'s tensors (not detached) under the keys of PEFT's adapter files, without the prefix.
+
+    The trained biases and ``modules_to_save`` are shared by every adapter, so each adapter's file has them.
+    """
+    model = unwrap(model)
+    state: dict[str, Tensor] = {}
+    for target in adapter.adapters[name][1]:
+        layer = model.get_submodule(target)
+        state.update({f"{target}.{_peft_key(k, name)}": p for k, p in layer.adapter_parameters(name).items()})
+    own = {id(p) for layer in lora_layers(model).values() for p in layer.adapter_parameters().values()}
+    shared = {k: v for k, v in adapter.state(model).items() if id(v) not in own}
+    state.update(shared)
+    return {clean_key(plain_key(k)): v for k, v in state.items()}
+
+
+def peft_config(adapter, model: nn.Module, name: str) -> dict[str, Any]:
+    """Adapter ``name``'s ``adapter_config.json`` content."""
+    config, targets = adapter.adapters[name]
+    layers = {clean_key(n): unwrap(model).get_submodule(n) for n in targets}
+    specs = {n: layer.specs[name] for n, layer in layers.items()}
+    return {
+        "peft_type": "LORA",
+        "task_type": None,
+        "base_model_name_or_path": base_model_name(model),
+        "inference_mode": True,
+        "r": config.rank,
+        "lora_alpha": config.alpha,
+        "lora_dropout": config.dropout,
+        "target_modules": exact_targets(list(layers), [n for n in _adaptable_view(unwrap(model))]),
+        "exclude_modules": None,
+        "modules_to_save": [clean_key(n) for n in adapter.modules_to_save] or None,
+        "rank_pattern": {re.escape(n): s.rank for n, s in specs.items() if s.rank != config.rank},
+        "alpha_pattern": {re.escape(n): s.alpha for n, s in specs.items() if s.alpha != config.alpha},
+        "bias": config.bias,
+        "fan_in_fan_out": any(getattr(m, "fan_in_fan_out", False) for m in layers.values()),
+        "init_lora_weights": "gaussian" if config.init == "gaussian" else True,
+        "use_rslora": config.use_rslora,
+        "use_dora": False,
+    }
+
+
+def peft_problems(adapter, model: nn.Module) -> list[str]:
+    """Reasons PEFT would run the adapter differently (its Conv2d layer knows no dilation or padding mode)."""
+    problems = []
+    for name in adapter.targets:
+        layer = unwrap(model).get_submodule(name)
+        if isinstance(layer, LoRAConv2d):
+            base = layer.base_layer
+            if any(d != 1 for d in base.dilation):
+                problems.append(f"{name!r} is a Conv2d with dilation={base.dilation}")
+            if base.padding_mode != "zeros":
+                problems.append(f"{name!r} is a Conv2d with padding_mode={base.padding_mode!r}")
+    return problems
+
+
+def check_peft_config(adapter, model: nn.Module, config: Any, source: str, adapter_name: str = DEFAULT) -> None:
+    """Raise if PEFT ``config`` cannot be loaded into adapter ``adapter_name``, which ``model`` already has."""
+    merged = [name for name, layer in lora_layers(model).items() if layer.merged]
+    if merged:
+        raise RuntimeError(f"load_adapter: layer {merged[0]!r} is merged; call unmerge_lora(model) before loading.")
+    ours = config_from_peft(config, source)
+    for name in adapter.adapters[adapter_name][1]:
+        spec = unwrap(model).get_submodule(name).specs[adapter_name]
+        alpha = ours.alpha_for(name)
+        if (spec.alpha, spec.use_rslora) != (alpha, ours.use_rslora):
+            raise ValueError(
+                f"load_adapter: {source} gives {name!r} alpha={alpha}, use_rslora={ours.use_rslora}, but the "
+                f"model's LoRA adapter {adapter_name!r} there has alpha={spec.alpha}, use_rslora={spec.use_rslora}; "
+                "the adapter would be scaled differently. Load it into a model without LoRA layers, or under "
+                "another adapter_name."
+            )
+
+
+def config_for_model(model: nn.Module, config: dict[str, Any], source: str) -> LoRAConfig:
+    """The :class:`LoRAConfig` a PEFT ``adapter_config.json`` means on ``model``, read as PEFT reads it."""
+    ours = config_from_peft(config, source)
+    view = _adaptable_view(unwrap(model))
+    names = [n for n in view if n]
+    # PEFT's SEQ_CLS task writes ["classifier", "score"] whatever the model calls its head: drop the absent.
+    present = [m for m in dict.fromkeys(ours.modules_to_save or []) if any(name_matches(n, [m]) for n in names)]
+    ours = dataclasses.replace(ours, modules_to_save=present)
+    missing = unmatched(ours.target_modules, names)
+    if missing and len(missing) < len(ours.target_modules):
+        # PEFT accepts entries that match nothing when others match; its files are read as it reads them.
+        warnings.warn(f"load_adapter: {source} lists target_modules {missing} that match no module of "
+                      f"{type(unwrap(model)).__name__}; they are ignored, as PEFT ignores them.",
+                      UserWarning, stacklevel=4)
+        ours = dataclasses.replace(ours, target_modules=[t for t in ours.target_modules if t not in missing])
+    return ours
+
+
+# Hugging Face PEFT's PeftModel methods a user may call on a model adapted here, and what does it in lightning-peft.
+_PEFT_METHODS = {
+    "merge_and_unload": "lightning_peft.peft.unload_lora(model) returns the plain model with the active adapter "
+                        "merged (merge_lora(model) merges in place and keeps the LoRA layers)",
+    "unload": "lightning_peft.peft.unload_lora(model, merge=False) returns the plain model without the adapter",
+    "merge_adapter": "lightning_peft.peft.merge_lora(model) merges the active adapter in place",
+    "unmerge_adapter": "lightning_peft.peft.unmerge_lora(model) subtracts it again",
+}
+
+
+class _PeftMethod:
+    """Stands, on an adapted model, for a PEFT ``PeftModel`` method the model's class lacks: says what to call."""
+
+    def __init__(self, owner: str, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def __call__(self, *args, **kwargs):
+        raise AttributeError(
+            f"{self.owner}.{self.name}() is a method of Hugging Face PEFT's PeftModel; this {self.owner} carries "
+            f"lightning-peft LoRA layers instead: {_PEFT_METHODS[self.name]}."
+        )
+
+
+def point_peft_methods(model: nn.Module, present: bool) -> None:
+    """Add (or remove) the :class:`_PeftMethod` pointers on ``model``, for names its class does not define."""
+    for name in _PEFT_METHODS:
+        if hasattr(type(model), name):
+            continue
+        if present and name not in model.__dict__:
+            model.__dict__[name] = _PeftMethod(type(model).__name__, name)
+        elif not present and isinstance(model.__dict__.get(name), _PeftMethod):
+            del model.__dict__[name]
+

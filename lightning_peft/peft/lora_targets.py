@@ -1,0 +1,247 @@
+"""Which modules LoRA adapts: target selection, checked before anything changes.
+
+Target selection follows Hugging Face PEFT so that configs mean the same thing in both:
+
+- ``target_modules`` as a list: a module matches if its full name equals an entry or ends with ``"." + entry``;
+- as a string: a regular expression that must match the full module name (``re.fullmatch``);
+- ``"all-linear"``: every ``nn.Linear`` / ``Conv1D`` except the output head (the model's output embeddings when
+  it has them, else its last linear layer) and ``modules_to_save``. This differs from PEFT, which keeps a
+  classifier head or a pooler in when no ``task_type`` is given; adapters are saved with the exact module
+  names, so PEFT still adapts the same modules when it loads them;
+- the children of ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` are never adapted: those
+  modules read their children's weights directly (the fused inference fast path), so an adapter there would
+  be silently ignored;
+- ``exclude_modules`` uses the same rules and wins over ``target_modules``;
+- ``modules_to_save`` left at None on a Hugging Face task model (``*ForSequenceClassification``,
+  ``*ForTokenClassification``, ``*ForQuestionAnswering``, ``*ForMultipleChoice``) saves its task head
+  (``classifier`` / ``score`` / ``qa_outputs``), which ``from_pretrained`` created at random, as PEFT's task
+  types do; ``modules_to_save=[]`` keeps it frozen;
+- ``rank_pattern`` / ``alpha_pattern`` keys are regular expressions matched against the end of the name
+  (``(.*\\.)?(key)$``); the first key that matches wins.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+
+from torch import nn
+
+from ._common import name_matches, pattern_matches, refuse_unmatched, task_heads
+from .adapter import attached
+from .layers import LoRALayer, conv1d_type
+from .lora_config import LoRAConfig
+from .modules_to_save import ModulesToSave
+
+log = logging.getLogger("lightning_peft.peft.lora")
+
+# Modules whose forward reads their children's weights directly instead of calling the children.
+_READS_CHILD_WEIGHTS = (nn.MultiheadAttention, nn.TransformerEncoderLayer)
+
+
+def _linear_types() -> tuple[type, ...]:
+    conv1d = conv1d_type()
+    return (nn.Linear,) if conv1d is None else (nn.Linear, conv1d)
+
+
+def supported_types() -> tuple[type, ...]:
+    """Module types :func:`inject_lora` can adapt."""
+    return (*_linear_types(), nn.Embedding, nn.Conv2d)
+
+
+def _supported_names() -> str:
+    return ", ".join(t.__name__ for t in supported_types())
+
+
+def _output_head(model: nn.Module) -> str | None:
+    """Name of the output head that ``"all-linear"`` leaves alone."""
+    get_output = getattr(model, "get_output_embeddings", None)
+    head = get_output() if callable(get_output) else None
+    view = _adaptable_view(model)
+    names = {id(m): n for n, m in view.items()}
+    if isinstance(head, nn.Module) and id(head) in names:
+        return names[id(head)]
+    linears = [n for n, m in view.items() if isinstance(m, _linear_types())]
+    return linears[-1] if linears else None
+
+
+def _describe_modules(model: nn.Module) -> str:
+    """'query, key, value (x6 each), ...' for error messages: leaf names of the adaptable modules."""
+    counts: dict[str, int] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, supported_types()):
+            leaf = name.rsplit(".", 1)[-1]
+            counts[leaf] = counts.get(leaf, 0) + 1
+    if not counts:
+        return f"none (LoRA supports {_supported_names()}, and {type(model).__name__} has no such module)"
+    return ", ".join(f"{leaf} (x{n})" if n > 1 else leaf for leaf, n in counts.items())
+
+
+def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]:
+    """(targets, modules_to_save) full names; raises before anything is changed."""
+    modules = _adaptable_view(model)
+    names = [n for n in modules if n]
+    to_save = _select_modules_to_save(model, config, names)
+
+    def saved(name: str) -> bool:
+        return any(name == s or name.startswith(f"{s}.") for s in to_save)
+
+    inside_fused = {f"{n}.{c}" if n else c: type(m).__name__ for n, m in modules.items()
+                    if isinstance(m, _READS_CHILD_WEIGHTS) for c, _ in m.named_children()}
+    if config.target_modules == "all-linear":
+        head = _output_head(model)
+        linear = _linear_types()
+        chosen = [n for n in names if isinstance(modules[n], linear) and n != head and n not in inside_fused]
+    else:
+        chosen = [n for n in names if name_matches(n, config.target_modules)]
+        if chosen:
+            refuse_unmatched("LoRA", config.target_modules, names, model, _describe_modules)
+    chosen = [n for n in chosen if not saved(n)]
+    if not chosen:
+        hint = ""
+        if isinstance(config.target_modules, str) and config.target_modules != "all-linear":
+            hint = (f" A string is a regular expression that must match the full module name "
+                    f"(e.g. 'bert.encoder.layer.0.attention.self.query'); to match by name, give a list: "
+                    f"[{config.target_modules!r}].")
+        raise ValueError(
+            f"LoRA(target_modules={config.target_modules!r}) matched no module of {type(model).__name__}. "
+            f"Modules it can adapt: {_describe_modules(model)}.{hint}"
+        )
+    if config.exclude_modules is not None:
+        kept = [n for n in chosen if not name_matches(n, config.exclude_modules)]
+        if not kept:
+            raise ValueError(
+                f"LoRA(exclude_modules={config.exclude_modules!r}) excludes every module that "
+                f"target_modules={config.target_modules!r} matched ({_preview(chosen)}), so nothing is left to "
+                "adapt. Narrow exclude_modules."
+            )
+        chosen = kept
+    _check_types(model, config, chosen, modules, inside_fused)
+    _check_aliases(chosen, names, modules)
+    return chosen, to_save
+
+
+def _adaptable_view(model: nn.Module) -> dict[str, nn.Module]:
+    """``model.named_modules()`` as a new adapter sees it: a LoRA layer stands for its base module (so another
+    adapter can target it) and the insides of LoRA layers and ``modules_to_save`` wrappers are hidden."""
+    view: dict[str, nn.Module] = {}
+    hidden: list[str] = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        if any(name.startswith(h) for h in hidden):
+            continue
+        if isinstance(module, LoRALayer):
+            view[name] = module.base_layer
+            hidden.append(f"{name}.")
+        else:
+            view[name] = module
+            if isinstance(module, ModulesToSave):
+                hidden.append(f"{name}.")
+    return view
+
+
+def _select_modules_to_save(model: nn.Module, config: LoRAConfig, names: list[str]) -> list[str]:
+    spec = attached(model).get("lora")
+    ours = set(spec.modules_to_save) if spec is not None else set()
+    if config.modules_to_save is None:
+        # A head another technique already trains in full (a ModulesToSave wrapper) stays that technique's.
+        heads = [h for h in task_heads(model) if h in ours or not isinstance(model.get_submodule(h), ModulesToSave)]
+        if heads:
+            log.info(
+                "LoRA: %s's task head %s is trained and saved in full (modules_to_save); from_pretrained creates "
+                "it at random. Pass modules_to_save=[] to keep it frozen.", type(model).__name__, heads,
+            )
+        return heads
+    to_save = [n for n in names if name_matches(n, config.modules_to_save)]
+    missing = [m for m in config.modules_to_save if not any(name_matches(n, [m]) for n in to_save)]
+    if missing:
+        raise ValueError(
+            f"LoRA(modules_to_save={config.modules_to_save!r}): {missing} matched no module of "
+            f"{type(model).__name__}. Check the names with model.named_modules()."
+        )
+    taken = [n for n in to_save if n not in ours and isinstance(model.get_submodule(n), ModulesToSave)]
+    if taken:
+        raise ValueError(
+            f"LoRA(modules_to_save={config.modules_to_save!r}): {taken[0]!r} is already trained in full by another "
+            "technique on this model (its modules_to_save); leave it out here, it trains and is saved once."
+        )
+    # A module inside another saved module is saved with it.
+    return [n for n in to_save if not any(n.startswith(f"{o}.") for o in to_save)]
+
+
+def _preview(names: list[str]) -> str:
+    return ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _check_types(model, config, chosen, modules, inside_fused) -> None:
+    unsupported = [n for n in chosen if not isinstance(modules[n], supported_types())]
+    if unsupported:
+        kinds = sorted({type(modules[n]).__name__ for n in unsupported})
+        raise TypeError(
+            f"LoRA(target_modules={config.target_modules!r}) matched {unsupported[0]!r} of type {kinds[0]}"
+            f"{' and others' if len(unsupported) > 1 else ''}; LoRA supports {_supported_names()}. "
+            f"Name modules of those types instead; {type(model).__name__} has: {_describe_modules(model)}."
+        )
+    for name in chosen:
+        module = modules[name]
+        if name in inside_fused:
+            raise TypeError(
+                f"LoRA: {name!r} belongs to an nn.{inside_fused[name]}, which reads its children's weights directly "
+                "(fused fast path), so an adapter there would be silently ignored. Exclude it (exclude_modules), "
+                "or build the block from separate Linear layers."
+            )
+        if isinstance(module, nn.Conv2d) and module.groups != 1:
+            raise TypeError(f"LoRA: {name!r} is a grouped Conv2d (groups={module.groups}); only groups=1 is supported.")
+
+
+def _check_aliases(chosen: list[str], names: list[str], modules: dict[str, nn.Module]) -> None:
+    """A module registered under two names would be adapted under one and called bare under the other."""
+    paths: dict[int, list[str]] = {}
+    for name in names:
+        paths.setdefault(id(modules[name]), []).append(name)
+    for name in chosen:
+        aliases = paths[id(modules[name])]
+        if len(aliases) > 1:
+            raise ValueError(
+                f"LoRA: the module at {name!r} is also registered as {[a for a in aliases if a != name]}; "
+                "an adapter would apply under one name only. Register the module once, or untie it first."
+            )
+
+
+def _warn_about_settings(model: nn.Module, config: LoRAConfig, targets: list[str]) -> None:
+    """Settings that are valid but almost surely not what the user meant."""
+    for what, patterns in (("rank_pattern", config.rank_pattern), ("alpha_pattern", config.alpha_pattern)):
+        for key in patterns:
+            if not any(pattern_matches(key, n) for n in targets):
+                warnings.warn(
+                    f"LoRA({what}={{{key!r}: ...}}) matches none of the {len(targets)} adapted modules "
+                    f"(e.g. {_preview(targets)}), so it changes nothing. Keys match the end of a module name.",
+                    UserWarning, stacklevel=4,
+                )
+    too_big = []
+    for name in targets:
+        limit = _max_rank(model.get_submodule(name))
+        if config.rank_for(name) > limit:
+            too_big.append(f"{name!r} (rank {config.rank_for(name)} > {limit})")
+    if too_big:
+        warnings.warn(
+            f"LoRA: the rank exceeds what {len(too_big)} layer(s) can use: {', '.join(too_big[:3])}"
+            f"{' ...' if len(too_big) > 3 else ''}. An update of such a layer has rank at most min(in, out), so the "
+            "extra rank costs memory and time for nothing; lower rank or use rank_pattern.",
+            UserWarning, stacklevel=4,
+        )
+
+
+def _max_rank(module: nn.Module) -> int:
+    weight = module.weight  # Linear (out, in), Conv1D (in, out), Embedding (V, d), Conv2d (out, in, kh, kw)
+    return min(weight.shape[0], weight[0].numel())
+
+
+
+def exact_targets(targets: list[str], names: list[str]) -> list[str] | str:
+    """``targets`` as PEFT's ``target_modules``: the list of names when suffix matching picks exactly them, else
+    a regular expression that matches exactly them (a list entry ``"0"`` would also match ``"1.0"``)."""
+    chosen = set(targets)
+    if all(name in chosen for name in names if name and name_matches(name, targets)):
+        return list(targets)
+    return "(?:" + "|".join(re.escape(t) for t in targets) + ")"
