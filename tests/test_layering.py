@@ -1,9 +1,12 @@
-"""The pure-PyTorch layers (peft/, nn/, training/, and _gather) never import Lightning: they must work without `lightning`."""
+"""The pure-PyTorch layers (peft/, nn/, training/, parallel/, and _gather) never import Lightning: they must work
+without `lightning`; and the package's imports point one way: no cycle between modules or between layers."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 BLOCKER = """
 import importlib.abc, sys
@@ -54,3 +57,104 @@ def test_blocker_really_blocks_lightning():
     code = BLOCKER.split("import lightning_peft.peft")[0] + "import lightning_peft.callbacks\n"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "blocked import of lightning" in result.stderr
+
+
+# ------------------------------------------------------------------------------------------------ import cycles
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lightning_peft"
+
+
+def _module_name(path: Path, package: Path) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, from every import statement anywhere in the file (inside
+    functions and ``TYPE_CHECKING`` blocks too). ``from a import b`` points at module ``a.b`` when there is one, else
+    at ``a``. A package's ``__init__`` importing its own children is not an edge (it only gathers them)."""
+    files = {_module_name(p, package): p for p in package.rglob("*.py")}
+    root = package.name
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        is_package = path.name == "__init__.py"
+        here = name if is_package else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = here.split(".")[: len(here.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                targets |= {f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names}
+        targets = {t for t in targets if t in files and t != name and t.split(".")[0] == root}
+        if is_package:
+            targets = {t for t in targets if not t.startswith(f"{name}.")}
+        graph[name] = targets
+    return graph
+
+
+def layer_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The same edges between layers: ``lightning_peft.<layer>`` (a subpackage, or a top-level module)."""
+    def layer(module: str) -> str:
+        return module.split(".")[1] if "." in module else module
+    layers: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        layers.setdefault(layer(module), set()).update(layer(t) for t in targets if layer(t) != layer(module))
+    return layers
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycle_between_modules():
+    assert cycles(import_graph()) == []
+
+
+def test_no_import_cycle_between_layers():
+    assert cycles(layer_graph(import_graph())) == []
+
+
+def test_the_cycle_check_finds_a_lazy_cycle(tmp_path):
+    package = tmp_path / "lightning_peft"
+    (package / "a").mkdir(parents=True)
+    (package / "__init__.py").write_text("from lightning_peft.a import x\n")  # its own child: not an edge
+    (package / "a" / "__init__.py").write_text("from .x import f\n")
+    (package / "a" / "x.py").write_text("def f():\n    from lightning_peft.b import y\n")
+    (package / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a.x import f\n")
+    (package / "c.py").write_text("import lightning_peft.b\n")
+    graph = import_graph(package)
+    assert cycles(graph) == [["lightning_peft.a.x", "lightning_peft.b"]]
+    assert cycles(layer_graph(graph)) == [["a", "b"]]
+    assert graph["lightning_peft"] == set()
