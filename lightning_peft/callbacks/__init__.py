@@ -1,6 +1,6 @@
 """Lightning callbacks: thin glue over the pure-PyTorch techniques in :mod:`lightning_peft.peft`."""
 
-from lightning_peft.callbacks._checkpoint import load_from_checkpoint, restore_adapters
+from lightning_peft.callbacks._checkpoint import load_from_checkpoint
 from lightning_peft.callbacks.bottleneck import BottleneckAdapters
 from lightning_peft.callbacks.curriculum import Curriculum
 from lightning_peft.callbacks.gradient_accumulation import GradientAccumulation
@@ -12,6 +12,7 @@ from lightning_peft.callbacks.multi_lora import MultiLoRA
 from lightning_peft.callbacks.prefix_tuning import PrefixTuning
 from lightning_peft.callbacks.prompt_tuning import PromptTuning
 from lightning_peft.callbacks.token_pruning import TokenPruning
+from lightning_peft.peft.checkpoint import restore_adapters
 
 __all__ = [
     "BottleneckAdapters", "Curriculum", "GradientAccumulation", "GradientNoise", "LayerwiseLRDecay", "LoRA",

@@ -72,6 +72,11 @@ class AdapterCallback(Callback):
     def check(self, trainer: pl.Trainer) -> None:
         """Refuse a strategy the technique cannot run under (called first in ``setup``; default: none)."""
 
+    def saving(self, model: nn.Module) -> str:
+        """``", saving <modules> in full"`` for the info line (empty if the adapter saves no module in full)."""
+        saved = getattr(attached(model).get(self.kind), "modules_to_save", ())
+        return f", saving {', '.join(saved)} in full" if saved else ""
+
     def own_dropout(self) -> float:
         """The dropout probability this callback's adapter uses (the largest, for several adapters)."""
         return float(getattr(getattr(self, "config", None), "dropout", 0.0) or 0.0)

@@ -8,7 +8,7 @@ weights, so a module whose ``on_load_checkpoint`` calls ``restore_adapters`` (``
 its adapter checkpoints directly; any other module loads them with :func:`load_from_checkpoint`.
 
 The callbacks' side (recording, checking and completing checkpoints as they are written and loaded) is
-:class:`~lightning_peft.callbacks._adapter.AdapterCallback`. The names below stay importable from here.
+:class:`~lightning_peft.callbacks._adapter.AdapterCallback`.
 """
 
 from __future__ import annotations
@@ -21,25 +21,7 @@ from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 
-from lightning_peft.callbacks._adapter import (  # noqa: F401 (importable from here: strategies and callbacks use them)
-    AdapterCallback,
-    check_optimizer_holds_adapters,
-    warn_about_eval_dropout,
-    watch_checkpoint_loads,
-)
-from lightning_peft.callbacks._lightning import refuse_changed_settings  # noqa: F401
-from lightning_peft.peft.checkpoint import (  # noqa: F401
-    FORMAT,
-    KEY,
-    LOAD_WITH,
-    adapted_models,
-    check_same_adapters,
-    checkpoint_entry,
-    fill_frozen,
-    frozen_base,
-    record_adapters,
-    restore_adapters,
-)
+from lightning_peft.peft.checkpoint import restore_adapters
 
 _PATCH_LOCK = threading.Lock()
 M = TypeVar("M", bound=pl.LightningModule)

@@ -1,17 +1,12 @@
 """``BottleneckAdapters`` callback: Houlsby / Pfeiffer bottleneck adapters on a LightningModule's model.
 
-The math lives in :mod:`lightning_peft.peft.bottleneck`; this callback decides when to call it:
-
-- ``setup``: :func:`~lightning_peft.peft.bottleneck.inject_bottleneck_adapters` on the model (before
-  ``configure_optimizers``, so the optimizer sees only what trains) and a log line with the trainable-parameter
-  report. A model that already has bottleneck adapters (a later ``validate``/``test``, or an injection in the
-  module's ``__init__``) is used as it is if the config agrees, and refused otherwise;
-- ``on_save_checkpoint``: every checkpoint records the adapters (``checkpoint["lightning_peft"]``, see
-  :mod:`lightning_peft.callbacks._checkpoint`), so ``load_from_checkpoint`` and ``Trainer.fit(ckpt_path=...)``
-  rebuild them; with ``adapter_only_checkpoint=True`` the frozen base parameters are left out;
-- loading: the checkpoint's adapter config is compared with this run's before any weight is copied (a different
-  placement, size or non-linearity is refused, naming both values); an adapter-only checkpoint takes the frozen
-  parameters from the model as built.
+The math lives in :mod:`lightning_peft.peft.bottleneck`; :class:`~lightning_peft.callbacks._adapter.AdapterCallback`
+calls :func:`~lightning_peft.peft.bottleneck.inject_bottleneck_adapters` at ``setup`` (before
+``configure_optimizers``, so the optimizer sees only what trains). A model that already has bottleneck adapters (a
+later ``validate``/``test``, or an injection in the module's ``__init__``) is used as it is if the config agrees, and
+refused otherwise. Checkpoints record the adapters (``adapter_only_checkpoint=True`` leaves the frozen base out);
+resuming with another placement, size or non-linearity is refused, naming both values (dropout and ``init_scale``
+may change).
 
 With the ``LoRA`` callback on the same model, list ``BottleneckAdapters`` first: callbacks set up in list order,
 and LoRA then adapts the layers inside the bottleneck wrappers (the other order is refused with that advice when
@@ -30,22 +25,10 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info
-from typing_extensions import override
+from torch import nn
 
-from lightning_peft.callbacks._rng import keep_rng
-from lightning_peft.callbacks._checkpoint import (
-    AdapterCallback,
-    refuse_changed_settings,
-    watch_checkpoint_loads,
-)
-from lightning_peft.callbacks._target import resolve_target
-from lightning_peft.peft.adapter import attached
+from lightning_peft.callbacks._adapter import AdapterCallback
 from lightning_peft.peft.bottleneck import BottleneckConfig, inject_bottleneck_adapters
-from lightning_peft.peft.adapter import trainable_parameters
-
-# Settings that only steer training: a resumed run may change them.
-_TRAINING_ONLY = ("dropout", "init_scale")
 
 
 class BottleneckAdapters(AdapterCallback):
@@ -70,7 +53,7 @@ class BottleneckAdapters(AdapterCallback):
             itself. Default: the one Hugging Face model inside the LightningModule, else the LightningModule.
     """
 
-    who = "BottleneckAdapters"
+    who, kind, what = "BottleneckAdapters", "bottleneck", "bottleneck adapters"
 
     def __init__(
         self,
@@ -85,41 +68,17 @@ class BottleneckAdapters(AdapterCallback):
         adapter_only_checkpoint: bool = False,
         model_attribute: str | None = None,
     ) -> None:
+        super().__init__(adapter_only_checkpoint, model_attribute)
         self.config = BottleneckConfig(
             placement=placement, target_modules=target_modules, reduction_factor=reduction_factor,
             bottleneck_size=bottleneck_size, non_linearity=non_linearity, dropout=dropout, init_scale=init_scale,
             modules_to_save=modules_to_save,
         )
-        self.adapter_only_checkpoint = adapter_only_checkpoint
-        self.model_attribute = model_attribute
 
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        keep_rng(trainer)  # resume draws what the straight run drew (dropout)
-        _, model = resolve_target(pl_module, self.model_attribute, "BottleneckAdapters")
-        spec = attached(model).get("bottleneck")
-        if spec is None:
-            layers = inject_bottleneck_adapters(model, self.config)
-            saved = attached(model)["bottleneck"].modules_to_save
-            rank_zero_info(
-                f"BottleneckAdapters: {len(layers)} adapters in {type(model).__name__} "
-                f"({self.config.placement or 'target_modules'}, non-linearity {self.config.non_linearity}"
-                f"{', saving ' + ', '.join(saved) + ' in full' if saved else ''}); {trainable_parameters(pl_module)}"
-            )
-        elif spec.config != self.config:
-            raise RuntimeError(
-                f"BottleneckAdapters: {type(model).__name__} already has bottleneck adapters with another config "
-                f"({spec.config}); use one BottleneckAdapters callback per model, with the config the model was "
-                "adapted with."
-            )
-        watch_checkpoint_loads(pl_module, "BottleneckAdapters")
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
+    def request(self) -> dict[str, Any]:  # targets and modules_to_save are not resolved yet
         return {"config": self.config.to_dict()}
 
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        refuse_changed_settings("BottleneckAdapters", state_dict.get("config") or {}, self.config.to_dict(),
-                                _TRAINING_ONLY)
-
+    def inject(self, trainer: pl.Trainer, model: nn.Module) -> str:
+        layers = inject_bottleneck_adapters(model, self.config)
+        return (f"{len(layers)} adapters in {type(model).__name__} ({self.config.placement or 'target_modules'}, "
+                f"non-linearity {self.config.non_linearity}{self.saving(model)})")

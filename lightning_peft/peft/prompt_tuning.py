@@ -240,8 +240,9 @@ class PromptTuningAdapter(PromptLearningAdapter):
         "prompt_tuning_init", "prompt_tuning_init_text", "revision", "task_type", "token_dim", "tokenizer_kwargs",
         "tokenizer_name_or_path",
     ))
-    #: ``config_dict()["config"]`` keys that only steer training: how the prompt started.
-    training_only: ClassVar[tuple[str, ...]] = ("init",)
+    #: Keys that only steer training, how the prompt started: ``config_dict()["config"]["init"]``, and the fields of
+    #: that record as the ``PromptTuning`` callback's settings name them one by one.
+    training_only: ClassVar[tuple[str, ...]] = ("init", "init_text", "tokenizer")
     module_name: ClassVar[str] = PROMPT_MODULE
     technique: ClassVar[str] = "prompt tuning"
     thing: ClassVar[str] = "prompt"

@@ -152,13 +152,18 @@ def test_resuming_with_another_length_is_refused(tiny_bert_config, tmp_path):
                                          r"run has num_virtual_tokens=6"):
         callback.load_state_dict(PromptTuning(num_virtual_tokens=N).state_dict())
     callback.load_state_dict(PromptTuning(num_virtual_tokens=6, init="vocab").state_dict())  # init only steers
+    started = PromptTuning(num_virtual_tokens=6, init="text", init_text="Topic:", tokenizer="bert").state_dict()
+    callback.load_state_dict(started)  # so do the init text and its tokenizer
+    with pytest.raises(ValueError, match=r"with modules_to_save=\['classifier'\]; this run has modules_to_save=None"):
+        callback.load_state_dict(PromptTuning(num_virtual_tokens=6, modules_to_save=["classifier"]).state_dict())
 
 
 def test_a_prompt_of_another_length_on_the_model_is_refused(tiny_bert_config, tmp_path):
     module = Classifier(tiny_bert_config)
     inject_prompt_tuning(module.model, num_virtual_tokens=2)
-    with pytest.raises(RuntimeError, match=r"PromptTuning\(num_virtual_tokens=4\): BertForSequenceClassification "
-                                           r"already has a prompt of 2 virtual tokens"):
+    with pytest.raises(RuntimeError, match=r"PromptTuning: BertForSequenceClassification already has a soft "
+                                           r"prompt with another config \(PromptTuningAdapter\(num_virtual_tokens=2, "
+                                           r".*; this callback asks for \{'num_virtual_tokens': 4, .*one PromptTuning"):
         trainer(tmp_path, max_steps=1, callbacks=[PromptTuning(num_virtual_tokens=N)]).fit(module, loader())
 
 

@@ -628,7 +628,8 @@ def test_protocol_members_training_only_matches_and_wrapped():
     model = _base("bert")
     inject_prompt_tuning(model, num_virtual_tokens=N, init="vocab")
     adapter = attached(model)["prompt_tuning"]
-    assert PromptTuningAdapter.training_only == ("init",)  # how the prompt started steers training only
+    # how the prompt started steers training only (the callback's settings name the init record's fields)
+    assert PromptTuningAdapter.training_only == ("init", "init_text", "tokenizer")
     assert adapter.matches(adapter.config_dict())
     assert adapter.matches({"config": {"num_virtual_tokens": N, "init": {"init": "random"}}})
     assert not adapter.matches({"config": {"num_virtual_tokens": N + 1}})
