@@ -9,7 +9,7 @@ from torch import nn
 
 from ._bottleneck_config import BottleneckConfig, Placement
 from ._bottleneck_layers import BottleneckLayer, output_size
-from ._common import name_matches, refuse_unmatched, wraps_a_layer
+from ._common import chosen_by_name, inside, refuse_no_target, wraps_a_layer
 from .adapter import attached
 from .modules_to_save import ModulesToSave, select_modules_to_save
 
@@ -63,27 +63,14 @@ def select(model: nn.Module, config: BottleneckConfig) -> tuple[list[str], list[
     """(targets, modules_to_save) full names; raises before anything is changed."""
     names = [n for n, _ in model.named_modules() if n]
     to_save = select_modules_to_save(model, config.modules_to_save, _WHO)
-
-    def saved(name: str) -> bool:
-        return any(name == s or name.startswith(f"{s}.") for s in to_save)
-
     if config.target_modules is None:
         chosen = _placement_targets(model, config.placement, names)
     else:
-        chosen = [n for n in names if name_matches(n, config.target_modules)]
-        if chosen:
-            refuse_unmatched("BottleneckAdapters", config.target_modules, names, model, describe_modules)
-    chosen = [n for n in chosen if not saved(n)]
+        chosen = chosen_by_name(_WHO, config.target_modules, names, model, describe_modules)
+    chosen = [n for n in chosen if not inside(n, to_save)]
     if not chosen:
-        hint = ""
-        if isinstance(config.target_modules, str):
-            hint = (" A string is a regular expression that must match the full module name (e.g. "
-                    "'bert.encoder.layer.0.output.dense'); to match by name or suffix, give a list: "
-                    f"[{config.target_modules!r}].")
-        raise ValueError(
-            f"BottleneckAdapters(target_modules={config.target_modules!r}) matched no module of "
-            f"{type(model).__name__}. Modules it can take an adapter after: {describe_modules(model)}.{hint}"
-        )
+        refuse_no_target(_WHO, config.target_modules, model, "take an adapter after", describe_modules(model),
+                         "bert.encoder.layer.0.output.dense")
     check_targets(model, chosen, "BottleneckAdapters")
     return chosen, to_save
 

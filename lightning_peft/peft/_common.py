@@ -68,6 +68,35 @@ def refuse_unmatched(who: str, targets: Targets, names: Iterable[str], model: nn
         )
 
 
+def chosen_by_name(who: str, targets: Targets, names: list[str], model: nn.Module, describe) -> list[str]:
+    """The ``names`` that ``targets`` matches; raises (:func:`refuse_unmatched`) if some match and a list entry
+    matches none. An empty choice is left to :func:`refuse_no_target`, after other exclusions."""
+    chosen = [n for n in names if name_matches(n, targets)]
+    if chosen:
+        refuse_unmatched(who, targets, names, model, describe)
+    return chosen
+
+
+def inside(name: str, modules: Iterable[str]) -> bool:
+    """Whether module ``name`` is one of ``modules`` or inside one of them (a ``modules_to_save`` entry)."""
+    return any(name == m or name.startswith(f"{m}.") for m in modules)
+
+
+def refuse_no_target(who: str, targets: Targets | None, model: nn.Module, can: str, described: str,
+                     example: str) -> None:
+    """Raise: ``target_modules`` left no module of ``model`` to adapt. ``can`` is what the technique does to a
+    module ("adapt"), ``described`` the modules it can do it to, ``example`` a full module name for the hint that
+    a string is a regular expression."""
+    hint = ""
+    if isinstance(targets, str) and targets != "all-linear":
+        hint = (" A string is a regular expression that must match the full module name "
+                f"(e.g. {example!r}); to match by name or suffix, give a list: [{targets!r}].")
+    raise ValueError(
+        f"{who}(target_modules={targets!r}) matched no module of {type(model).__name__}. "
+        f"Modules it can {can}: {described}.{hint}"
+    )
+
+
 def task_heads(model: nn.Module) -> list[str]:
     """Names of the task head a Hugging Face task model creates at random (empty for other models)."""
     kind = next((suffix for suffix in _TASK_HEADS if type(model).__name__.endswith(suffix)), None)

@@ -23,6 +23,13 @@ PEFT_PROMPT_KEY = "prompt_embeddings"
 #: Prefix of ``modules_to_save`` keys in PEFT's file for prompt-learning methods.
 PEFT_MODULE_PREFIX = "base_model."
 
+#: The ``adapter_config.json`` fields of peft 0.21.2's ``PromptLearningConfig``, which both techniques' configs extend.
+PROMPT_LEARNING_FIELDS = frozenset((
+    "auto_mapping", "base_model_name_or_path", "inference_mode", "modules_to_save", "num_attention_heads",
+    "num_layers", "num_transformer_submodules", "num_virtual_tokens", "peft_type", "peft_version", "revision",
+    "task_type", "token_dim",
+))
+
 # PEFT's task type by Hugging Face model class-name suffix: which PeftModelFor* class from_pretrained builds.
 _TASK_TYPES = {"ForSequenceClassification": "SEQ_CLS", "ForCausalLM": "CAUSAL_LM", "LMHeadModel": "CAUSAL_LM",
                "ForTokenClassification": "TOKEN_CLS", "ForQuestionAnswering": "QUESTION_ANS"}

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .adapter import attached, unwrap
-from .lora_layer import AdapterSpec, Init, LoRALayer, _adapter_dtype, _compute_dtype  # noqa: F401 (re-exported)
+from .lora_layer import AdapterSpec, Init, LoRALayer, _compute_dtype  # noqa: F401 (re-exported)
 from .lora_routing import DEFAULT, Routing  # noqa: F401 (re-exported: lightning_peft.peft.layers.Routing)
 
 __all__ = ["DEFAULT", "AdapterSpec", "Init", "LoRAConv2d", "LoRAEmbedding", "LoRALayer", "LoRALinear", "Routing",

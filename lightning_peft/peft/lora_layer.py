@@ -15,22 +15,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._common import LayerWrapper, adapter_dtype
 from .lora_routing import DEFAULT, RoutedPath, Routing
 
 Init = Literal["kaiming", "gaussian"]
-
-
-def _adapter_dtype(weight: Tensor) -> torch.dtype:
-    # Half-precision bases get float32 adapters (as PEFT does): tiny, and they keep small updates.
-    return torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     # Merges are computed in at least float32 and cast back.
     return torch.promote_types(dtype, torch.float32)
 
-
-_HALF = (torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class AdapterSpec:
@@ -47,9 +41,11 @@ class AdapterSpec:
         )
 
 
-class LoRALayer(RoutedPath, nn.Module):
+class LoRALayer(RoutedPath, LayerWrapper):
     """Base class: a frozen ``base_layer`` plus low-rank updates of its weight, one per named adapter.
 
+    As every :class:`~lightning_peft.peft._common.LayerWrapper`, it reads missing attributes (``in_features``,
+    ``padding_idx``, ``kernel_size``) from the base layer, and a half-precision cast reaches the base layer only.
     Subclasses define the adapter parameters (:meth:`_create`), :meth:`delta_weight` and the update paths.
 
     Args:
@@ -72,8 +68,7 @@ class LoRALayer(RoutedPath, nn.Module):
         init: Init = "kaiming",
         adapter_name: str = DEFAULT,
     ) -> None:
-        super().__init__()
-        self.base_layer = base_layer
+        super().__init__(base_layer)
         self.specs: dict[str, AdapterSpec] = {}
         self.lora_dropout = nn.ModuleDict()
         self.routing = Routing(adapter_name)
@@ -86,31 +81,9 @@ class LoRALayer(RoutedPath, nn.Module):
         self.register_load_state_dict_pre_hook(_unmerge_before_load)
         self.register_load_state_dict_post_hook(_remerge_after_load)
 
-    def __getattr__(self, name: str):
-        # nn.Module's lookup (parameters, buffers, submodules) first; then the base layer's attributes, so
-        # code that reads ``in_features``, ``padding_idx`` or ``kernel_size`` keeps working.
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "base_layer":
-                raise
-            return getattr(self.base_layer, name)
-
     def _apply(self, fn, recurse: bool = True):
-        # A cast to half precision (model.half(), Trainer(precision="bf16-true")) reaches the base only: the
-        # adapter follows device moves but keeps its dtype, so small updates are not lost.
-        self._forget_cached_tensors()
-        probe = fn(torch.zeros((), dtype=torch.float32))
-        if not (isinstance(probe, Tensor) and probe.dtype in _HALF) or not recurse:
-            return super()._apply(fn, recurse)
-        device = probe.device
-
-        def move(t: Tensor) -> Tensor:
-            return t.to(device=device)
-
-        for name, child in self.named_children():
-            child._apply(fn if name == "base_layer" else move)
-        return super()._apply(move, recurse=False)
+        self._forget_cached_tensors()  # then LayerWrapper's: a half-precision cast reaches the base layer only
+        return super()._apply(fn, recurse)
 
     def _forget_cached_tensors(self) -> None:
         # After a move, a cast or a load (assign=True replaces the Parameter objects) the references would be stale.
@@ -137,21 +110,11 @@ class LoRALayer(RoutedPath, nn.Module):
             name = self.routing.active if self.routing.active in self.specs else next(iter(self.specs))
         return self.specs[name]
 
-    @property
-    def rank(self) -> int:
-        return self._spec().rank
-
-    @property
-    def alpha(self) -> float:
-        return self._spec().alpha
-
-    @property
-    def use_rslora(self) -> bool:
-        return self._spec().use_rslora
-
-    @property
-    def scaling(self) -> float:
-        return self._spec().scaling
+    # The active adapter's settings (read-only), as a single-adapter layer has them.
+    rank = property(lambda self: self._spec().rank, doc="The active adapter's rank ``r``.")
+    alpha = property(lambda self: self._spec().alpha, doc="The active adapter's scale numerator.")
+    use_rslora = property(lambda self: self._spec().use_rslora, doc="Whether its scale is ``alpha / sqrt(r)``.")
+    scaling = property(lambda self: self._spec().scaling, doc="The active adapter's scale ``s``.")
 
     @property
     def merged(self) -> bool:
@@ -167,7 +130,7 @@ class LoRALayer(RoutedPath, nn.Module):
         self.specs[name] = AdapterSpec(rank, alpha, use_rslora)
         self.lora_dropout[name] = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         weight = self.base_layer.weight
-        self._create(name, rank, device=weight.device, dtype=_adapter_dtype(weight))
+        self._create(name, rank, device=weight.device, dtype=adapter_dtype(weight))
         self.reset_parameters(init, name)
         # New submodules start in training mode; those of an eval layer must not (dropout would stay on).
         for module in (self.lora_dropout[name], *(c[name] for c in self._containers())):

@@ -28,7 +28,7 @@ import warnings
 
 from torch import nn
 
-from ._common import name_matches, pattern_matches, refuse_unmatched, task_heads
+from ._common import chosen_by_name, inside, name_matches, pattern_matches, refuse_no_target, task_heads
 from .adapter import attached
 from .layers import LoRALayer, conv1d_type
 from .lora_config import LoRAConfig
@@ -83,10 +83,6 @@ def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]
     modules = _adaptable_view(model)
     names = [n for n in modules if n]
     to_save = _select_modules_to_save(model, config, names)
-
-    def saved(name: str) -> bool:
-        return any(name == s or name.startswith(f"{s}.") for s in to_save)
-
     inside_fused = {f"{n}.{c}" if n else c: type(m).__name__ for n, m in modules.items()
                     if isinstance(m, _READS_CHILD_WEIGHTS) for c, _ in m.named_children()}
     if config.target_modules == "all-linear":
@@ -94,20 +90,11 @@ def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]
         linear = _linear_types()
         chosen = [n for n in names if isinstance(modules[n], linear) and n != head and n not in inside_fused]
     else:
-        chosen = [n for n in names if name_matches(n, config.target_modules)]
-        if chosen:
-            refuse_unmatched("LoRA", config.target_modules, names, model, _describe_modules)
-    chosen = [n for n in chosen if not saved(n)]
+        chosen = chosen_by_name("LoRA", config.target_modules, names, model, _describe_modules)
+    chosen = [n for n in chosen if not inside(n, to_save)]
     if not chosen:
-        hint = ""
-        if isinstance(config.target_modules, str) and config.target_modules != "all-linear":
-            hint = (f" A string is a regular expression that must match the full module name "
-                    f"(e.g. 'bert.encoder.layer.0.attention.self.query'); to match by name, give a list: "
-                    f"[{config.target_modules!r}].")
-        raise ValueError(
-            f"LoRA(target_modules={config.target_modules!r}) matched no module of {type(model).__name__}. "
-            f"Modules it can adapt: {_describe_modules(model)}.{hint}"
-        )
+        refuse_no_target("LoRA", config.target_modules, model, "adapt", _describe_modules(model),
+                         "bert.encoder.layer.0.attention.self.query")
     if config.exclude_modules is not None:
         kept = [n for n in chosen if not name_matches(n, config.exclude_modules)]
         if not kept:

@@ -63,7 +63,7 @@ from torch import Tensor, nn
 from .._checks import boolean, integer, names
 from ._common import refuse_absent, refuse_second_injection, require
 from ._prefix import PREFIX_ATTRIBUTE, PrefixEncoder, PrefixHook, cache_module, geometry, refuse_gradient_checkpointing
-from ._prompt_learning import PromptLearningAdapter, task_type
+from ._prompt_learning import PROMPT_LEARNING_FIELDS, PromptLearningAdapter, task_type
 from .adapter import attach, attached, refreeze, register, remove_adapter, trainable_parameters, unwrap
 from .modules_to_save import present_modules, select_modules_to_save, wrap_modules_to_save
 
@@ -164,11 +164,8 @@ class PrefixTuningAdapter(PromptLearningAdapter):
 
     kind: ClassVar[str] = "prefix_tuning"
     peft_type: ClassVar[str] = "PREFIX_TUNING"
-    peft_fields: ClassVar[frozenset[str]] = frozenset((  # peft 0.21.2's PrefixTuningConfig
-        "auto_mapping", "base_model_name_or_path", "encoder_hidden_size", "inference_mode", "init_weights",
-        "modules_to_save", "num_attention_heads", "num_layers", "num_transformer_submodules", "num_virtual_tokens",
-        "peft_type", "peft_version", "prefix_projection", "revision", "task_type", "token_dim",
-    ))
+    peft_fields: ClassVar[frozenset[str]] = PROMPT_LEARNING_FIELDS | {  # peft 0.21.2's PrefixTuningConfig
+        "encoder_hidden_size", "init_weights", "prefix_projection"}
     module_name: ClassVar[str] = PREFIX_ATTRIBUTE
     technique: ClassVar[str] = "prefix tuning"
     thing: ClassVar[str] = "prefix"

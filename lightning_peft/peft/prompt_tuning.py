@@ -68,7 +68,13 @@ from ._prompt import (
     token_dim,
     tokenizer_name,
 )
-from ._prompt_learning import PEFT_MODULE_PREFIX, PEFT_PROMPT_KEY, PromptLearningAdapter, task_type
+from ._prompt_learning import (
+    PEFT_MODULE_PREFIX,
+    PEFT_PROMPT_KEY,
+    PROMPT_LEARNING_FIELDS,
+    PromptLearningAdapter,
+    task_type,
+)
 from .adapter import attach, attached, register, remove_adapter, unwrap
 from .modules_to_save import present_modules, select_modules_to_save, wrap_modules_to_save
 
@@ -234,12 +240,8 @@ class PromptTuningAdapter(PromptLearningAdapter):
 
     kind: ClassVar[str] = "prompt_tuning"
     peft_type: ClassVar[str] = "PROMPT_TUNING"
-    peft_fields: ClassVar[frozenset[str]] = frozenset((  # peft 0.21.2's PromptTuningConfig
-        "auto_mapping", "base_model_name_or_path", "inference_mode", "modules_to_save", "num_attention_heads",
-        "num_layers", "num_transformer_submodules", "num_virtual_tokens", "peft_type", "peft_version",
-        "prompt_tuning_init", "prompt_tuning_init_text", "revision", "task_type", "token_dim", "tokenizer_kwargs",
-        "tokenizer_name_or_path",
-    ))
+    peft_fields: ClassVar[frozenset[str]] = PROMPT_LEARNING_FIELDS | {  # peft 0.21.2's PromptTuningConfig
+        "prompt_tuning_init", "prompt_tuning_init_text", "tokenizer_kwargs", "tokenizer_name_or_path"}
     #: Keys that only steer training, how the prompt started: ``config_dict()["config"]["init"]``, and the fields of
     #: that record as the ``PromptTuning`` callback's settings name them one by one.
     training_only: ClassVar[tuple[str, ...]] = ("init", "init_text", "tokenizer")
