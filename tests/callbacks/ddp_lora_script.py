@@ -19,11 +19,10 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
-from transformers import BertConfig  # noqa: E402
 
 from lightning_peft.callbacks import GradientNoise, LoRA, MergeOnSave  # noqa: E402
 from lightning_peft.peft import adapter_state_dict  # noqa: E402
-from tests.callbacks.test_lora import LORA_ARGS, Classifier  # noqa: E402
+from tests._models import LORA_ARGS, Classifier, ResumableLoader, bert_config, dataset  # noqa: E402
 
 
 class RoundRobinData(pl.LightningDataModule):
@@ -42,13 +41,8 @@ class RoundRobinData(pl.LightningDataModule):
 
 def main(out: Path, devices: int, batch_size: int) -> None:
     torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-        max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )
-    module = Classifier(config)
-    generator = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randint(0, 64, (16, 8), generator=generator), torch.randint(0, 3, (16,), generator=generator))
+    module = Classifier(bert_config())
+    data = dataset()
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_steps=2, logger=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out, use_distributed_sampler=False,
@@ -89,12 +83,9 @@ class PerRankSeed(Classifier):
 
 
 def rng_fit(out: Path, config, ckpt_path=None) -> PerRankSeed:
-    from tests.callbacks.test_rng import ResumableLoader
-
     torch.manual_seed(0)
     module = PerRankSeed(config)
-    generator = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randint(0, 64, (16, 8), generator=generator), torch.randint(0, 3, (16,), generator=generator))
+    data = dataset()
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, logger=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=out, use_distributed_sampler=False,
@@ -108,10 +99,7 @@ def rng_fit(out: Path, config, ckpt_path=None) -> PerRankSeed:
 
 
 def main_rng(out: Path) -> None:
-    config = BertConfig(
-        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-        max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
-    )
+    config = bert_config(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
     straight = rng_fit(out / "straight", config)
     mid = rng_fit(out / "mid", config, ckpt_path=out / "straight" / "steps" / "step=2.ckpt")
     boundary = rng_fit(out / "boundary", config, ckpt_path=out / "straight" / "steps" / "step=4.ckpt")

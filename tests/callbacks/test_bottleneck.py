@@ -7,7 +7,6 @@ import logging
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torch.utils.data import DataLoader
 
 from lightning_peft.callbacks._checkpoint import load_from_checkpoint
 from lightning_peft.callbacks.bottleneck import BottleneckAdapters
@@ -16,14 +15,11 @@ from lightning_peft.modules.hf import HFSequenceClassifier
 from lightning_peft.peft.adapter import adapter_state_dict, attached
 from lightning_peft.peft.bottleneck import BottleneckConfig, bottleneck_layers, inject_bottleneck_adapters
 from lightning_peft.peft.lora import lora_layers
-from tests.callbacks.test_lora import Classifier, loader, trainer
+from tests._models import Classifier, dict_loader, loader, save_tiny_bert, trainer
 
 transformers = pytest.importorskip("transformers")
 
 ARGS = {"placement": "houlsby", "reduction_factor": 4, "non_linearity": "gelu", "modules_to_save": ["classifier"]}
-
-
-
 
 
 def fit(module, tmp_path, callbacks, ckpt_path=None, **kwargs):
@@ -174,20 +170,7 @@ def test_load_from_checkpoint_rebuilds_the_adapters(tiny_bert_config, tmp_path, 
 
 @pytest.fixture
 def tiny_bert_dir(tmp_path) -> str:
-    config = transformers.BertConfig(
-        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    path = tmp_path / "tiny_bert"
-    transformers.BertModel(config).save_pretrained(path)
-    return str(path)
-
-
-def dict_loader() -> DataLoader:
-    ids, labels = loader().dataset.tensors
-    rows = [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": y} for i, y in zip(ids, labels)]
-    return DataLoader(rows, batch_size=4)
+    return save_tiny_bert(tmp_path / "tiny_bert")
 
 
 def test_hf_sequence_classifier_trains_the_adapters_and_head_and_loads_an_adapter_only_checkpoint(

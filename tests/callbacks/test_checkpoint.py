@@ -13,7 +13,7 @@ from lightning_peft.callbacks import LoRA, MergeOnSave, load_from_checkpoint
 from lightning_peft.peft import adapter_state_dict, inject_lora, lora_layers
 from lightning_peft.peft.lora import lora_spec
 
-from .test_lora import LORA_ARGS, Classifier, loader, trainer
+from tests._models import LORA_ARGS, Classifier, loader, trainer
 
 
 def fit(module, tmp_path, callbacks, ckpt_path=None, **kwargs):

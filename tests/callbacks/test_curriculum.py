@@ -18,7 +18,7 @@ from lightning_peft.callbacks import Curriculum, GradientNoise, LoRA
 from lightning_peft.peft import adapter_state_dict, inject_lora
 from lightning_peft.training import CurriculumSampler, LossScorer, compute_scores, warmup_length
 
-from .test_lora import LORA_ARGS, Classifier, loader, trainer
+from tests._models import LORA_ARGS, Classifier, loader, trainer
 
 
 def token_sum(sample) -> float:

@@ -13,47 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_peft.callbacks import LoRA
 from lightning_peft.peft import LoRAConfig, adapter_state_dict, inject_lora, lora_layers
-
-LORA_ARGS = {"rank": 4, "alpha": 8.0, "target_modules": ["query", "value"], "modules_to_save": ["classifier"]}
-
-
-class Classifier(pl.LightningModule):
-    """A tiny BERT classifier: the Hugging Face model sits at ``self.model``, as in user code."""
-
-    def __init__(self, config, lr: float = 0.05) -> None:
-        super().__init__()
-        from transformers import BertForSequenceClassification
-
-        self.model = BertForSequenceClassification(config)
-        self.lr = lr
-        self.trainable_at_configure: int | None = None
-
-    def training_step(self, batch, batch_idx):
-        ids, labels = batch
-        return self.model(input_ids=ids, labels=labels).loss
-
-    def test_step(self, batch, batch_idx):
-        ids, labels = batch
-        self.log("test_loss", self.model(input_ids=ids, labels=labels).loss)
-
-    def configure_optimizers(self):
-        self.trainable_at_configure = sum(p.numel() for p in self.parameters() if p.requires_grad)
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
-
-
-def loader() -> DataLoader:
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 64, (16, 8), generator=generator)
-    labels = torch.randint(0, 3, (16,), generator=generator)
-    return DataLoader(TensorDataset(ids, labels), batch_size=4, shuffle=False)
-
-
-def trainer(tmp_path, **kwargs) -> pl.Trainer:
-    defaults = {
-        "accelerator": "cpu", "devices": 1, "logger": False, "enable_progress_bar": False,
-        "enable_model_summary": False, "enable_checkpointing": False, "default_root_dir": tmp_path,
-    }
-    return pl.Trainer(**{**defaults, **kwargs})
+from tests._models import LORA_ARGS, Classifier, loader, trainer
 
 
 class RecordInitialAdapter(Callback):

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from lightning_peft.callbacks import MergeOnSave, MultiLoRA
 from lightning_peft.peft import active_adapter, add_adapter, inject_lora, lora_layers, route_adapters, set_adapter
+from tests._models import Classifier, trainer
 
 ADAPTERS = {
     "news": {"rank": 2, "alpha": 4, "target_modules": ["query", "value"]},
@@ -23,22 +24,15 @@ ADAPTERS = {
 ROUTES = [["news", "sport", None, "news"], [1, 0, 0, -1], ["sport", "sport", "news", None]]
 
 
-class Routed(pl.LightningModule):
+class Routed(Classifier):
+    """The shared tiny BERT classifier, seeded, with weight decay and a validation loss; batches are dicts."""
+
     def __init__(self, config) -> None:
-        super().__init__()
-        from transformers import BertForSequenceClassification
-
         torch.manual_seed(0)
-        self.model = BertForSequenceClassification(config)
-
-    def training_step(self, batch, batch_idx):
-        return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        super().__init__(config, weight_decay=0.1)
 
     def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.05, weight_decay=0.1)
+        self.log("val_loss", self.loss(batch))
 
 
 def batches(routes=ROUTES) -> list[dict]:
@@ -52,12 +46,6 @@ def batches(routes=ROUTES) -> list[dict]:
 
 def loader(routes=ROUTES) -> DataLoader:
     return DataLoader(batches(routes), batch_size=None)
-
-
-def trainer(tmp_path, **kwargs) -> pl.Trainer:
-    defaults = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_progress_bar": False,
-                "enable_model_summary": False, "enable_checkpointing": False, "default_root_dir": tmp_path}
-    return pl.Trainer(**{**defaults, **kwargs})
 
 
 def _names(route):

@@ -2,53 +2,22 @@
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_peft.callbacks._checkpoint import load_from_checkpoint
 from lightning_peft.callbacks.prefix_tuning import PrefixTuning
 from lightning_peft.peft.adapter import adapter_state_dict
 from lightning_peft.peft.prefix_tuning import PREFIX_ATTRIBUTE, inject_prefix_tuning, prefix_tuning_spec
-from tests.callbacks.test_lora import trainer
+from tests._models import Classifier, padded_loader, trainer
 
 ARGS = {"num_virtual_tokens": 3, "modules_to_save": ["classifier"]}
 
 
-class Classifier(pl.LightningModule):
-    """A tiny BERT classifier fed (ids, attention mask, labels); records which parameters the optimizer gets."""
-
-    def __init__(self, config, lr: float = 0.05) -> None:
-        super().__init__()
-        from transformers import BertForSequenceClassification
-
-        self.model = BertForSequenceClassification(config)
-        self.lr = lr
-        self.trainable_at_configure: set[str] | None = None
-
-    def training_step(self, batch, batch_idx):
-        ids, mask, labels = batch
-        return self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
-
-    def test_step(self, batch, batch_idx):
-        ids, mask, labels = batch
-        self.log("test_loss", self.model(input_ids=ids, attention_mask=mask, labels=labels).loss)
-
-    def configure_optimizers(self):
-        self.trainable_at_configure = {n for n, p in self.named_parameters() if p.requires_grad}
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
-
-
-def loader() -> DataLoader:
-    """Padded batches: the last two tokens of every other row are padding."""
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 64, (16, 8), generator=generator)
-    mask = torch.ones_like(ids)
-    mask[::2, -2:] = 0
-    labels = torch.randint(0, 3, (16,), generator=generator)
-    return DataLoader(TensorDataset(ids, mask, labels), batch_size=4, shuffle=False)
+def loader():
+    """Padded batches ``(ids, mask, labels)``: the last two tokens of every other row are padding."""
+    return padded_loader()
 
 
 class RecordInitialAdapter(Callback):
@@ -61,7 +30,7 @@ def test_only_the_prefix_and_the_head_train(tiny_bert_config, tmp_path):
     base = {k: v.clone() for k, v in module.model.state_dict().items()}
     record = RecordInitialAdapter()
     trainer(tmp_path, max_steps=4, callbacks=[PrefixTuning(**ARGS), record]).fit(module, loader())
-    assert module.trainable_at_configure == {
+    assert module.trainable_names_at_configure == {
         f"model.{PREFIX_ATTRIBUTE}.embedding.weight", "model.classifier.trained_module.weight",
         "model.classifier.trained_module.bias",
     }
@@ -113,7 +82,7 @@ def test_the_projection_trains_and_is_folded_at_fit_end(tiny_bert_config, tmp_pa
     trainer(tmp_path, max_epochs=1, enable_checkpointing=True, callbacks=[callback, checkpoint, before]).fit(
         module, loader()
     )
-    assert f"model.{PREFIX_ATTRIBUTE}.transform.0.weight" in module.trainable_at_configure
+    assert f"model.{PREFIX_ATTRIBUTE}.transform.0.weight" in module.trainable_names_at_configure
     saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
     assert f"model.{PREFIX_ATTRIBUTE}.transform.2.weight" in saved["state_dict"]  # checkpoints keep the MLP
     encoder = getattr(module.model, PREFIX_ATTRIBUTE)

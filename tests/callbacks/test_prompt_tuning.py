@@ -14,7 +14,7 @@ from lightning_peft.callbacks._checkpoint import load_from_checkpoint
 from lightning_peft.callbacks.prompt_tuning import PromptTuning
 from lightning_peft.peft.adapter import adapter_state_dict, attached
 from lightning_peft.peft.prompt_tuning import PROMPT_MODULE, inject_prompt_tuning, prompt_embedding
-from tests.callbacks.test_lora import Classifier, loader, trainer
+from tests._models import Classifier, loader, trainer
 
 N = 4
 HEAD = ["model.classifier.trained_module.weight", "model.classifier.trained_module.bias"]

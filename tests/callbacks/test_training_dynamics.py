@@ -12,7 +12,7 @@ from lightning_peft.callbacks import Curriculum, GradientAccumulation, GradientN
 from lightning_peft.peft import adapter_state_dict
 
 from .test_curriculum import Indexed, indexed_data, token_sum
-from .test_lora import LORA_ARGS, Classifier, loader, trainer
+from tests._models import LORA_ARGS, Classifier, loader, trainer
 
 
 class Metrics(Callback):
