@@ -89,7 +89,7 @@ class Technique:
     peft_config: Callable[[list[str]], Any] | None = None  # LoRA targets -> PEFT's causal-LM config, where PEFT has it
     keeps_float32: bool = False  # its own weights stay float32 when the model is cast to half precision
     record: Callable[[dict], None] = lambda record: None  # extra checks of the checkpoint's lightning_peft record
-    folds_on_save: bool = False  # save_adapter writes another parametrisation (the table an MLP computes)
+    folds_on_save: bool = False  # save_adapter (and fit end) write another parametrisation (the table an MLP computes)
 
 
 def _multi_lora(model: nn.Module, news: list[str], sport: list[str]) -> None:
@@ -194,9 +194,15 @@ def test_every_registered_technique_has_a_row():
 # ------------------------------------------------------------------------------------- Trainer runs (shared)
 
 
-class CountSteps(Callback):
+class Record(Callback):
+    """Counts the training steps; keeps each adapter's config as training starts (before any fold at fit end)."""
+
     def __init__(self) -> None:
         self.steps = 0
+        self.configs: dict[str, dict] = {}
+
+    def on_train_start(self, trainer, pl_module):
+        self.configs = {kind: a.config_dict() for kind, a in attached(pl_module.model).items()}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.steps += 1
@@ -208,32 +214,34 @@ class Runs:
     full: Classifier  # 1 epoch, full checkpoints
     resumed: dict[str, Classifier]  # "adapter_only" / "full": from the epoch-0 checkpoint of the runs above
     steps: dict[str, int]  # optimizer steps the resumed runs took
+    configs: dict[str, dict]  # the straight run's adapter configs as it started
     ckpt: dict[str, Path]  # "adapter_only" / "full": the epoch-0 checkpoints
 
 
 def fit(technique: Technique, root: Path, epochs: int, adapter_only: bool, ckpt_path=None, callback=None):
     torch.manual_seed(0)
     module = Classifier(bert_config())
-    count = CountSteps()
-    callbacks = [callback or technique.callback(adapter_only_checkpoint=adapter_only), count,
+    record = Record()
+    callbacks = [callback or technique.callback(adapter_only_checkpoint=adapter_only), record,
                  ModelCheckpoint(dirpath=root, filename="{epoch}", save_top_k=-1)]
     quiet_trainer(root, max_epochs=epochs, callbacks=callbacks, enable_checkpointing=True).fit(
         module, technique.data(), ckpt_path=ckpt_path)
-    return module, count.steps
+    return module, record
 
 
 @pytest.fixture(scope="module", params=list(TECHNIQUES))
 def runs(request, tmp_path_factory) -> tuple[str, Runs]:
     name, technique = request.param, TECHNIQUES[request.param]
     root = tmp_path_factory.mktemp(name)
-    straight, _ = fit(technique, root / "straight", 2, adapter_only=True)
+    straight, record = fit(technique, root / "straight", 2, adapter_only=True)
     full, _ = fit(technique, root / "full", 1, adapter_only=False)
     ckpt = {"adapter_only": root / "straight" / "epoch=0.ckpt", "full": root / "full" / "epoch=0.ckpt"}
     resumed, steps = {}, {}
     for kind, path in ckpt.items():
-        resumed[kind], steps[kind] = fit(technique, root / f"resumed-{kind}", 2, kind == "adapter_only",
-                                         ckpt_path=path)
-    return name, Runs(straight, full, resumed, steps, ckpt)
+        resumed[kind], resumed_record = fit(technique, root / f"resumed-{kind}", 2, kind == "adapter_only",
+                                            ckpt_path=path)
+        steps[kind] = resumed_record.steps
+    return name, Runs(straight, full, resumed, steps, record.configs, ckpt)
 
 
 @pytest.mark.parametrize("kind", ["adapter_only", "full"])
@@ -256,6 +264,8 @@ def test_an_adapter_only_checkpoint_holds_what_trains_alone_and_is_smaller(runs)
     trained = run.straight.trainable_names_at_configure
     assert "model.classifier.trained_module.weight" in trained  # the task head is the adapter's too
     assert set(adapter_only["state_dict"]) == trained  # nothing but the adapter and the head
+    if not TECHNIQUES[name].folds_on_save:
+        assert trained == {f"model.{k}" for k in adapter_state_dict(run.straight.model)}
     assert trained < set(full["state_dict"]) and "model.bert.embeddings.word_embeddings.weight" in full["state_dict"]
     assert run.ckpt["adapter_only"].stat().st_size < run.ckpt["full"].stat().st_size
     for saved in (adapter_only, full):
@@ -271,7 +281,11 @@ def test_load_from_checkpoint_rebuilds_the_trained_model(runs, kind):
     torch.manual_seed(0)  # an adapter-only checkpoint takes the frozen base from the module as built
     loaded = load_from_checkpoint(Classifier, path, config=bert_config())
     assert type(loaded) is Classifier
-    assert set(attached(loaded.model)) == set(attached(trained.model))
+    adapters, expected = attached(loaded.model), attached(trained.model)
+    assert adapters.keys() == expected.keys()
+    for kind, adapter in adapters.items():
+        assert adapter.config_dict() == run.configs[kind]  # as trained (a prefix MLP is folded only at fit end)
+        assert sorted(adapter.wrapped(loaded.model)) == sorted(expected[kind].wrapped(trained.model))
     ids, mask, _ = next(iter(padded_loader()))
     trained.eval(), loaded.eval()
     with torch.no_grad():

@@ -6,10 +6,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_peft.callbacks._checkpoint import load_from_checkpoint
 from lightning_peft.callbacks.prefix_tuning import PrefixTuning
 from lightning_peft.peft.adapter import adapter_state_dict
-from lightning_peft.peft.prefix_tuning import PREFIX_ATTRIBUTE, inject_prefix_tuning, prefix_tuning_spec
+from lightning_peft.peft.prefix_tuning import PREFIX_ATTRIBUTE, inject_prefix_tuning
 from tests._models import Classifier, padded_loader, trainer
 
 ARGS = {"num_virtual_tokens": 3, "modules_to_save": ["classifier"]}
@@ -99,57 +98,9 @@ def test_later_stages_reuse_the_folded_adapter(tiny_bert_config, tmp_path):
     assert torch.equal(getattr(module.model, PREFIX_ATTRIBUTE).embedding.weight, table)
 
 
-def fit_epochs(config, tmp_path, epochs: int, adapter_only: bool, projection: bool, ckpt_path=None) -> Classifier:
-    torch.manual_seed(0)
-    module = Classifier(config)
-    checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1)
-    callback = PrefixTuning(**ARGS, prefix_projection=projection, adapter_only_checkpoint=adapter_only)
-    trainer(tmp_path, max_epochs=epochs, enable_checkpointing=True, callbacks=[callback, checkpoint]).fit(
-        module, loader(), ckpt_path=ckpt_path
-    )
-    return module
-
-
-@pytest.mark.parametrize(("adapter_only", "projection"), [(False, False), (True, True)])
-def test_resumed_run_equals_straight_run(tiny_bert_config, tmp_path, adapter_only, projection):
-    straight = fit_epochs(tiny_bert_config, tmp_path / "straight", 3, adapter_only, projection)
-    fit_epochs(tiny_bert_config, tmp_path / "first", 1, adapter_only, projection)
-    ckpt = tmp_path / "first" / "epoch=0.ckpt"
-    saved = torch.load(ckpt, weights_only=False)["state_dict"]
-    if adapter_only:
-        assert all(k.startswith((f"model.{PREFIX_ATTRIBUTE}.", "model.classifier.")) for k in saved)
-    else:
-        assert "model.bert.embeddings.word_embeddings.weight" in saved
-    resumed = fit_epochs(tiny_bert_config, tmp_path / "resumed", 3, adapter_only, projection, ckpt_path=ckpt)
-    ours, reference = adapter_state_dict(resumed.model), adapter_state_dict(straight.model)
-    assert ours.keys() == reference.keys()
-    for key in reference:
-        assert torch.equal(ours[key], reference[key]), key
-    for key, value in straight.model.state_dict().items():
-        assert torch.equal(resumed.model.state_dict()[key], value), key
-
-
-def test_load_from_checkpoint_rebuilds_the_prefix(tiny_bert_config, tmp_path):
-    trained = fit_epochs(tiny_bert_config, tmp_path, 1, adapter_only=True, projection=True)
-    torch.manual_seed(0)  # the frozen base of an adapter-only checkpoint comes from the module as built
-    loaded = load_from_checkpoint(Classifier, tmp_path / "epoch=0.ckpt", config=tiny_bert_config)
-    assert prefix_tuning_spec(loaded.model).config.prefix_projection  # the checkpoint was written before the fold
-    ids, mask, _ = next(iter(loader()))
-    trained.eval(), loaded.eval()
-    torch.testing.assert_close(loaded.model(input_ids=ids, attention_mask=mask).logits,
-                               trained.model(input_ids=ids, attention_mask=mask).logits, rtol=0, atol=0)
-
-
-def test_resuming_with_another_config_is_refused(tiny_bert_config, tmp_path):
-    fit_epochs(tiny_bert_config, tmp_path / "first", 1, adapter_only=False, projection=False)
-    module = Classifier(tiny_bert_config)
-    callback = PrefixTuning(num_virtual_tokens=4, modules_to_save=["classifier"])
-    with pytest.raises(ValueError, match=r"PrefixTuning: the checkpoint's prefix_tuning adapter on 'model' was "
-                                         r"trained with num_virtual_tokens=3; this run has num_virtual_tokens=4"):
-        trainer(tmp_path, max_epochs=2, callbacks=[callback]).fit(
-            module, loader(), ckpt_path=tmp_path / "first" / "epoch=0.ckpt"
-        )
+def test_the_callback_state_refuses_another_config():
     saved = PrefixTuning(**ARGS).state_dict()  # the callback's own record, checked when Lightning restores callbacks
+    callback = PrefixTuning(num_virtual_tokens=4, modules_to_save=["classifier"])
     with pytest.raises(ValueError, match=r"PrefixTuning: the checkpoint was trained with num_virtual_tokens=3; "
                                          r"this run has num_virtual_tokens=4\. Resume with the checkpoint's settings"):
         callback.load_state_dict(saved)
