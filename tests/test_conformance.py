@@ -111,8 +111,8 @@ TECHNIQUES: dict[str, Technique] = {
                       r"LoRA: the checkpoint's lora adapter on 'model' was trained with alpha=8\.0; this run has "
                       r"alpha=16\.0\. Resume with the checkpoint's settings"),
             # the shapes differ too: refused before any weight is copied, not by a size mismatch
-            "rank": (lambda **kw: LoRA(**{**LORA_ARGS, "rank": 2}, **kw), r"was trained with rank=4(, .*)?; this run has "
-                                                                          r"rank=2"),
+            "rank": (lambda **kw: LoRA(**{**LORA_ARGS, "rank": 2}, **kw),
+                     r"was trained with rank=4(, .*)?; this run has rank=2"),
         },
         inject={"bert": lambda m: inject_lora(m, rank=4, alpha=8, target_modules=["query", "value"]),
                 "gpt2": lambda m: inject_lora(m, rank=4, alpha=8, target_modules=["c_attn"])},
@@ -141,8 +141,8 @@ TECHNIQUES: dict[str, Technique] = {
         inject={family: lambda m: inject_bottleneck_adapters(m, placement="houlsby", non_linearity="gelu_tanh",
                                                              reduction_factor=4)
                 for family in ("bert", "gpt2")},
-        keeps_float32=True,  # no PEFT format: PEFT has no bottleneck adapters
-        record=_bottleneck_record,
+        keeps_float32=True,
+        record=_bottleneck_record,  # no peft_config: PEFT has no bottleneck adapters
     ),
     "prompt_tuning": Technique(
         callback=lambda **kw: PromptTuning(num_virtual_tokens=4, **kw),
