@@ -12,13 +12,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 @pytest.fixture
 def tiny_bert_config():
-    """A 2-layer BERT config small enough to build in milliseconds."""
-    from transformers import BertConfig
+    """A 2-layer BERT config small enough to build in milliseconds (``tests._models.bert_config``)."""
+    from tests._models import bert_config
 
-    return BertConfig(
-        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-        max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )
+    return bert_config()
 
 
 @pytest.fixture(autouse=True)

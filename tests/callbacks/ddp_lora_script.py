@@ -1,7 +1,8 @@
 """Run by tests/callbacks/test_lora_ddp.py: LoRA + MergeOnSave under a real Lightning Trainer.
 
 Usage: python ddp_lora_script.py OUT_DIR DEVICES BATCH_SIZE [--no-teardown]. With DEVICES=2 Lightning's DDP launcher starts a
-second process (gloo on CPU) by re-running this script. Every rank saves its adapter to OUT_DIR/rank<N>.pt.
+second process (gloo on CPU) by re-running this script. Every rank saves its adapter to OUT_DIR/rank<N>.pt; then, in
+the same launch, every other PEFT technique trains 2 steps and saves OUT_DIR/<technique>-rank<N>.pt.
 
 ``python ddp_lora_script.py OUT_DIR rng``: with dropout on (BERT's and LoRA's) and each rank on its own random
 generator, a straight 2-process fit and two fits resumed from its checkpoints (mid-epoch, epoch boundary); every
@@ -19,11 +20,18 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
-from transformers import BertConfig  # noqa: E402
 
-from lightning_peft.callbacks import GradientNoise, LoRA, MergeOnSave  # noqa: E402
+from lightning_peft.callbacks import (  # noqa: E402
+    BottleneckAdapters,
+    GradientNoise,
+    LoRA,
+    MergeOnSave,
+    MultiLoRA,
+    PrefixTuning,
+    PromptTuning,
+)
 from lightning_peft.peft import adapter_state_dict  # noqa: E402
-from tests.callbacks.test_lora import LORA_ARGS, Classifier  # noqa: E402
+from tests._models import LORA_ARGS, Classifier, ResumableLoader, bert_config, dataset  # noqa: E402
 
 
 class RoundRobinData(pl.LightningDataModule):
@@ -42,13 +50,8 @@ class RoundRobinData(pl.LightningDataModule):
 
 def main(out: Path, devices: int, batch_size: int) -> None:
     torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-        max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )
-    module = Classifier(config)
-    generator = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randint(0, 64, (16, 8), generator=generator), torch.randint(0, 3, (16,), generator=generator))
+    module = Classifier(bert_config())
+    data = dataset()
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_steps=2, logger=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out, use_distributed_sampler=False,
@@ -72,6 +75,32 @@ def main(out: Path, devices: int, batch_size: int) -> None:
         (out / f"failing-rank{trainer.global_rank}.txt").write_text(outcome)
 
 
+# The other PEFT techniques (the rows of tests/test_conformance.py), each fitted in the same launch after LoRA.
+OTHERS = {
+    "multi_lora": lambda: MultiLoRA(adapters={"news": {"rank": 2, "alpha": 4, "target_modules": ["query", "value"]},
+                                              "sport": {"rank": 4, "alpha": 4, "target_modules": ["query", "key"]}},
+                                    active="sport", adapter_only_checkpoint=True),  # unrouted batches: "sport"
+    "bottleneck": lambda: BottleneckAdapters(placement="houlsby", reduction_factor=4, adapter_only_checkpoint=True),
+    "prompt_tuning": lambda: PromptTuning(num_virtual_tokens=4, adapter_only_checkpoint=True),
+    "prefix_tuning": lambda: PrefixTuning(num_virtual_tokens=3, adapter_only_checkpoint=True),
+}
+
+
+def others(out: Path, devices: int, batch_size: int) -> None:
+    """Each technique of ``OTHERS`` for 2 steps: every rank saves OUT_DIR/<name>-rank<N>.pt (its adapter) and
+    rank 0 an adapter-only checkpoint OUT_DIR/<name>/last.ckpt."""
+    for name, callback in OTHERS.items():
+        torch.manual_seed(0)
+        module = Classifier(bert_config())
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_steps=2, logger=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=out, use_distributed_sampler=False,
+            callbacks=[callback(), ModelCheckpoint(dirpath=out / name, save_last=True)],
+        )
+        trainer.fit(module, datamodule=RoundRobinData(dataset(), batch_size))
+        torch.save(adapter_state_dict(module.model), out / f"{name}-rank{trainer.global_rank}.pt")
+
+
 class FailsOnRankZero(MergeOnSave):
     def _write(self, trainer, pl_module, directory):
         raise OSError("No space left on device")
@@ -89,12 +118,9 @@ class PerRankSeed(Classifier):
 
 
 def rng_fit(out: Path, config, ckpt_path=None) -> PerRankSeed:
-    from tests.callbacks.test_rng import ResumableLoader
-
     torch.manual_seed(0)
     module = PerRankSeed(config)
-    generator = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randint(0, 64, (16, 8), generator=generator), torch.randint(0, 3, (16,), generator=generator))
+    data = dataset()
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, logger=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=out, use_distributed_sampler=False,
@@ -108,10 +134,7 @@ def rng_fit(out: Path, config, ckpt_path=None) -> PerRankSeed:
 
 
 def main_rng(out: Path) -> None:
-    config = BertConfig(
-        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-        max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
-    )
+    config = bert_config(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
     straight = rng_fit(out / "straight", config)
     mid = rng_fit(out / "mid", config, ckpt_path=out / "straight" / "steps" / "step=2.ckpt")
     boundary = rng_fit(out / "boundary", config, ckpt_path=out / "straight" / "steps" / "step=4.ckpt")
@@ -126,6 +149,7 @@ if __name__ == "__main__":
         main_rng(Path(sys.argv[1]))
     else:
         main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+        others(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
     # A gloo group left to interpreter shutdown was once seen to abort the process ("terminate called without an
     # active exception"); measured since: 0 aborts in 18 launches (test_lora_ddp.py keeps one launch without it).
     if "--no-teardown" not in sys.argv and torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -7,7 +7,6 @@ import logging
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torch.utils.data import DataLoader
 
 from lightning_peft.callbacks._checkpoint import load_from_checkpoint
 from lightning_peft.callbacks.bottleneck import BottleneckAdapters
@@ -16,14 +15,11 @@ from lightning_peft.modules.hf import HFSequenceClassifier
 from lightning_peft.peft.adapter import adapter_state_dict, attached
 from lightning_peft.peft.bottleneck import BottleneckConfig, bottleneck_layers, inject_bottleneck_adapters
 from lightning_peft.peft.lora import lora_layers
-from tests.callbacks.test_lora import Classifier, loader, trainer
+from tests._models import Classifier, dict_loader, loader, save_tiny_bert, trainer
 
 transformers = pytest.importorskip("transformers")
 
 ARGS = {"placement": "houlsby", "reduction_factor": 4, "non_linearity": "gelu", "modules_to_save": ["classifier"]}
-
-
-
 
 
 def fit(module, tmp_path, callbacks, ckpt_path=None, **kwargs):
@@ -94,61 +90,6 @@ def test_later_stages_reuse_the_adapter_and_another_config_is_refused(tiny_bert_
         trainer(tmp_path, max_steps=1, callbacks=[BottleneckAdapters(placement="pfeiffer")]).fit(module, loader())
 
 
-class CountSteps(Callback):
-    def __init__(self) -> None:
-        self.steps = 0
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.steps += 1
-
-
-def fit_epochs(config, tmp_path, epochs: int, adapter_only: bool, ckpt_path=None) -> tuple[Classifier, int]:
-    torch.manual_seed(0)
-    module = Classifier(config)
-    checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1)
-    count = CountSteps()
-    # No dropout: the global RNG is not in the checkpoint, so a resumed run would draw other masks.
-    callbacks = [BottleneckAdapters(**ARGS, adapter_only_checkpoint=adapter_only), checkpoint, count]
-    trainer(tmp_path, max_epochs=epochs, callbacks=callbacks, enable_checkpointing=True).fit(
-        module, loader(), ckpt_path=ckpt_path
-    )
-    return module, count.steps
-
-
-@pytest.mark.parametrize("adapter_only", [False, True])
-def test_resumed_run_equals_straight_run(tiny_bert_config, tmp_path, adapter_only):
-    straight, _ = fit_epochs(tiny_bert_config, tmp_path / "straight", 2, adapter_only)
-    fit_epochs(tiny_bert_config, tmp_path / "first", 1, adapter_only)
-    ckpt = tmp_path / "first" / "epoch=0.ckpt"
-    saved = torch.load(ckpt, weights_only=False)
-    adapter_keys = {f"model.{k}" for k in adapter_state_dict(straight.model)}
-    if adapter_only:
-        assert set(saved["state_dict"]) == adapter_keys  # nothing but the adapters and the classifier head
-    else:
-        assert adapter_keys < set(saved["state_dict"]) and "model.bert.embeddings.word_embeddings.weight" in saved[
-            "state_dict"]
-    assert saved["lightning_peft"]["models"]["model"]["bottleneck"]["targets"] == [
-        f"bert.encoder.layer.{i}.{s}" for i in (0, 1) for s in ("attention.output.dense", "output.dense")]
-    resumed, steps = fit_epochs(tiny_bert_config, tmp_path / "resumed", 2, adapter_only, ckpt_path=ckpt)
-    assert steps == 4  # it ran the second epoch only: it did resume
-    reference = straight.model.state_dict()
-    assert resumed.model.state_dict().keys() == reference.keys()
-    for key, value in resumed.model.state_dict().items():
-        assert torch.equal(value, reference[key]), key
-
-
-@pytest.mark.parametrize("adapter_only", [False, True])
-def test_resume_with_another_config_is_refused_naming_both_values(tiny_bert_config, tmp_path, adapter_only):
-    ckpt = fit(Classifier(tiny_bert_config), tmp_path / "a",
-               [BottleneckAdapters(**ARGS, adapter_only_checkpoint=adapter_only)], max_steps=2)
-    other = {**ARGS, "non_linearity": "relu"}
-    with pytest.raises(ValueError, match=r"BottleneckAdapters: the checkpoint's bottleneck adapter on 'model' was "
-                                         r"trained with non_linearity='gelu'; this run has non_linearity='relu'\. "
-                                         r"Resume with the checkpoint's settings"):
-        fit(Classifier(tiny_bert_config), tmp_path / "b",
-            [BottleneckAdapters(**other, adapter_only_checkpoint=adapter_only)], ckpt_path=ckpt, max_steps=4)
-
-
 def test_callback_state_refuses_a_changed_config_but_not_a_changed_dropout():
     state = BottleneckAdapters(**ARGS).state_dict()
     BottleneckAdapters(**ARGS, dropout=0.2).load_state_dict(state)
@@ -158,36 +99,9 @@ def test_callback_state_refuses_a_changed_config_but_not_a_changed_dropout():
         BottleneckAdapters(**{**ARGS, "reduction_factor": 8}).load_state_dict(state)
 
 
-@pytest.mark.parametrize("adapter_only", [False, True])
-def test_load_from_checkpoint_rebuilds_the_adapters(tiny_bert_config, tmp_path, adapter_only):
-    torch.manual_seed(0)
-    module = Classifier(tiny_bert_config)
-    ckpt = fit(module, tmp_path, [BottleneckAdapters(**ARGS, adapter_only_checkpoint=adapter_only)], max_steps=3)
-    torch.manual_seed(0)  # an adapter-only checkpoint takes the frozen base from the module as built
-    loaded = load_from_checkpoint(Classifier, ckpt, config=tiny_bert_config)
-    assert sorted(bottleneck_layers(loaded.model)) == sorted(bottleneck_layers(module.model))
-    ids, _ = next(iter(loader()))
-    module.eval(), loaded.eval()
-    with torch.no_grad():
-        assert torch.equal(loaded.model(input_ids=ids).logits, module.model(input_ids=ids).logits)
-
-
 @pytest.fixture
 def tiny_bert_dir(tmp_path) -> str:
-    config = transformers.BertConfig(
-        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    path = tmp_path / "tiny_bert"
-    transformers.BertModel(config).save_pretrained(path)
-    return str(path)
-
-
-def dict_loader() -> DataLoader:
-    ids, labels = loader().dataset.tensors
-    rows = [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": y} for i, y in zip(ids, labels)]
-    return DataLoader(rows, batch_size=4)
+    return save_tiny_bert(tmp_path / "tiny_bert")
 
 
 def test_hf_sequence_classifier_trains_the_adapters_and_head_and_loads_an_adapter_only_checkpoint(

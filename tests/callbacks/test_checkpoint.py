@@ -10,10 +10,10 @@ from torch import nn
 from torch.testing import assert_close
 
 from lightning_peft.callbacks import LoRA, MergeOnSave, load_from_checkpoint
-from lightning_peft.peft import adapter_state_dict, inject_lora, lora_layers
+from lightning_peft.peft import adapter_state_dict, inject_lora
 from lightning_peft.peft.lora import lora_spec
 
-from .test_lora import LORA_ARGS, Classifier, loader, trainer
+from tests._models import LORA_ARGS, Classifier, loader, trainer
 
 
 def fit(module, tmp_path, callbacks, ckpt_path=None, **kwargs):
@@ -28,37 +28,6 @@ def logits(module) -> torch.Tensor:
     module.eval()
     with torch.no_grad():
         return module.model(input_ids=ids).logits
-
-
-@pytest.mark.parametrize("adapter_only", [False, True])
-def test_load_from_checkpoint_rebuilds_the_adapter(tiny_bert_config, tmp_path, adapter_only):
-    torch.manual_seed(0)
-    module = Classifier(tiny_bert_config)
-    ckpt = fit(module, tmp_path, [LoRA(**LORA_ARGS, adapter_only_checkpoint=adapter_only)], max_steps=3)
-    torch.manual_seed(0)  # an adapter-only checkpoint takes the frozen base from the module as built
-    loaded = load_from_checkpoint(Classifier, ckpt, config=tiny_bert_config)
-    assert type(loaded) is Classifier
-    assert sorted(lora_layers(loaded.model)) == sorted(lora_layers(module.model))
-    assert lora_spec(loaded.model).config == lora_spec(module.model).config
-    assert_close(logits(loaded), logits(module), rtol=0, atol=0)
-
-
-def test_resume_with_another_alpha_is_refused_naming_both_values(tiny_bert_config, tmp_path):
-    ckpt = fit(Classifier(tiny_bert_config), tmp_path / "a", [LoRA(**LORA_ARGS)], max_steps=2)
-    other = {**LORA_ARGS, "alpha": 16.0}
-    with pytest.raises(ValueError, match=r"LoRA: the checkpoint's lora adapter on 'model' was trained with alpha=8\.0; "
-                                         r"this run has alpha=16\.0\. Resume with the checkpoint's settings"):
-        fit(Classifier(tiny_bert_config), tmp_path / "b", [LoRA(**other)], ckpt_path=ckpt, max_steps=4)
-
-
-@pytest.mark.parametrize("adapter_only", [False, True])
-def test_resume_with_another_rank_is_refused_before_any_weight_is_copied(tiny_bert_config, tmp_path, adapter_only):
-    ckpt = fit(Classifier(tiny_bert_config), tmp_path / "a", [LoRA(**LORA_ARGS, adapter_only_checkpoint=adapter_only)],
-               max_steps=2)
-    other = {**LORA_ARGS, "rank": 2}
-    module = Classifier(tiny_bert_config)
-    with pytest.raises(ValueError, match=r"was trained with rank=4(, .*)?; this run has rank=2"):
-        fit(module, tmp_path / "b", [LoRA(**other, adapter_only_checkpoint=adapter_only)], ckpt_path=ckpt, max_steps=4)
 
 
 class FreezeHeadAfterFirstStep(Callback):

@@ -12,48 +12,13 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 from lightning_peft.callbacks import Curriculum, GradientNoise, LoRA
 from lightning_peft.peft import adapter_state_dict, inject_lora
 from lightning_peft.training import CurriculumSampler, LossScorer, compute_scores, warmup_length
 
-from .test_lora import LORA_ARGS, Classifier, loader, trainer
-
-
-def token_sum(sample) -> float:
-    """A scorer for (ids, labels, index) samples: the sum of the token ids."""
-    return float(sample[0].sum())
-
-
-def indexed_data(n: int = 16) -> TensorDataset:
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 64, (n, 8), generator=generator)
-    return TensorDataset(ids, torch.randint(0, 3, (n,), generator=generator), torch.arange(n))
-
-
-class Indexed(Classifier):
-    """The tiny BERT classifier of the LoRA tests, recording the sample indices of every batch it trains on.
-
-    With ``estimate=True`` it asks for ``estimated_stepping_batches`` in ``configure_optimizers`` (as
-    ``HFSequenceClassifier`` does), which makes Lightning build the train loader before the training state is
-    restored.
-    """
-
-    def __init__(self, config, lr: float = 0.05, estimate: bool = False) -> None:
-        super().__init__(config, lr)
-        self.seen: list[list[int]] = []
-        self.estimate = estimate
-
-    def training_step(self, batch, batch_idx):
-        ids, labels, index = batch
-        self.seen.append(index.tolist())
-        return self.model(input_ids=ids, labels=labels).loss
-
-    def configure_optimizers(self):
-        if self.estimate:
-            assert self.trainer.estimated_stepping_batches > 0
-        return super().configure_optimizers()
+from tests._models import LORA_ARGS, Classifier, Indexed, indexed_data, loader, token_sum, trainer
 
 
 class RestoreAfterSetup(SingleDeviceStrategy):
@@ -328,9 +293,9 @@ def test_a_trainer_without_the_loader_request_it_wraps_is_reported(tiny_bert_con
 
 
 def test_a_dotted_path_names_the_scorer():
-    curriculum = Curriculum(duration=4, scorer="tests.callbacks.test_curriculum.token_sum")
+    curriculum = Curriculum(duration=4, scorer="tests._models.token_sum")
     assert curriculum.scoring_function is token_sum
-    assert Curriculum(duration=4, scorer=token_sum).scorer == "tests.callbacks.test_curriculum.token_sum"
+    assert Curriculum(duration=4, scorer=token_sum).scorer == "tests._models.token_sum"
 
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [

@@ -24,7 +24,7 @@ from lightning_peft.callbacks import GradientAccumulation, GradientNoise, LoRA
 from lightning_peft.peft import adapter_state_dict, inject_lora
 from lightning_peft.training import AccumulationSchedule, add_gradient_noise, noise_variance, parameter_generator
 
-from .test_lora import LORA_ARGS, Classifier, loader, trainer
+from tests._models import LORA_ARGS, Classifier, loader, trainer
 
 
 class Regression(pl.LightningModule):

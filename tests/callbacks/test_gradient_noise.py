@@ -10,7 +10,7 @@ from lightning_peft.callbacks import GradientNoise, LoRA
 from lightning_peft.peft import adapter_state_dict
 from lightning_peft.training import add_gradient_noise, parameter_generator
 
-from .test_lora import LORA_ARGS, Classifier, loader, trainer
+from tests._models import LORA_ARGS, Classifier, loader, trainer
 
 
 class RecordStart(Callback):

@@ -11,7 +11,7 @@ from lightning_peft.callbacks import LayerwiseLRDecay, LoRA
 from lightning_peft.peft import adapter_state_dict, inject_lora
 from lightning_peft.training import layerwise_lr_groups
 
-from .test_lora import LORA_ARGS, Classifier, loader, trainer
+from tests._models import LORA_ARGS, Classifier, loader, trainer
 
 LORA_ALL = {**LORA_ARGS, "target_modules": ["query", "value", "pooler.dense"]}
 

@@ -13,47 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_peft.callbacks import LoRA
 from lightning_peft.peft import LoRAConfig, adapter_state_dict, inject_lora, lora_layers
-
-LORA_ARGS = {"rank": 4, "alpha": 8.0, "target_modules": ["query", "value"], "modules_to_save": ["classifier"]}
-
-
-class Classifier(pl.LightningModule):
-    """A tiny BERT classifier: the Hugging Face model sits at ``self.model``, as in user code."""
-
-    def __init__(self, config, lr: float = 0.05) -> None:
-        super().__init__()
-        from transformers import BertForSequenceClassification
-
-        self.model = BertForSequenceClassification(config)
-        self.lr = lr
-        self.trainable_at_configure: int | None = None
-
-    def training_step(self, batch, batch_idx):
-        ids, labels = batch
-        return self.model(input_ids=ids, labels=labels).loss
-
-    def test_step(self, batch, batch_idx):
-        ids, labels = batch
-        self.log("test_loss", self.model(input_ids=ids, labels=labels).loss)
-
-    def configure_optimizers(self):
-        self.trainable_at_configure = sum(p.numel() for p in self.parameters() if p.requires_grad)
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
-
-
-def loader() -> DataLoader:
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 64, (16, 8), generator=generator)
-    labels = torch.randint(0, 3, (16,), generator=generator)
-    return DataLoader(TensorDataset(ids, labels), batch_size=4, shuffle=False)
-
-
-def trainer(tmp_path, **kwargs) -> pl.Trainer:
-    defaults = {
-        "accelerator": "cpu", "devices": 1, "logger": False, "enable_progress_bar": False,
-        "enable_model_summary": False, "enable_checkpointing": False, "default_root_dir": tmp_path,
-    }
-    return pl.Trainer(**{**defaults, **kwargs})
+from tests._models import LORA_ARGS, Classifier, loader, trainer
 
 
 class RecordInitialAdapter(Callback):
@@ -109,36 +69,6 @@ def test_later_stages_reuse_the_adapter(tiny_bert_config, tmp_path):
     run.test(module, loader())
     assert lora_layers(module.model) == layers
     assert run.callback_metrics["test_loss"].isfinite()
-
-
-def fit_epochs(config, tmp_path, epochs: int, adapter_only: bool, ckpt_path=None) -> Classifier:
-    torch.manual_seed(0)
-    module = Classifier(config)
-    checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1)
-    callbacks = [LoRA(**LORA_ARGS, adapter_only_checkpoint=adapter_only), checkpoint]
-    trainer(tmp_path, max_epochs=epochs, callbacks=callbacks, enable_checkpointing=True).fit(
-        module, loader(), ckpt_path=ckpt_path
-    )
-    return module
-
-
-@pytest.mark.parametrize("adapter_only", [False, True])
-def test_resumed_run_equals_straight_run(tiny_bert_config, tmp_path, adapter_only):
-    straight = fit_epochs(tiny_bert_config, tmp_path / "straight", 3, adapter_only)
-    fit_epochs(tiny_bert_config, tmp_path / "first", 1, adapter_only)
-    ckpt = tmp_path / "first" / "epoch=0.ckpt"
-    saved = torch.load(ckpt, weights_only=False)["state_dict"]
-    adapter_keys = {f"model.{k}" for k in adapter_state_dict(straight.model)}
-    if adapter_only:
-        assert set(saved) == adapter_keys  # nothing but the adapter and the classifier head
-    else:
-        assert adapter_keys < set(saved) and "model.bert.embeddings.word_embeddings.weight" in saved
-    resumed = fit_epochs(tiny_bert_config, tmp_path / "resumed", 3, adapter_only, ckpt_path=ckpt)
-    ours, reference = adapter_state_dict(resumed.model), adapter_state_dict(straight.model)
-    for key in reference:
-        assert torch.equal(ours[key], reference[key]), key
-    for key, value in straight.model.state_dict().items():
-        assert torch.equal(resumed.model.state_dict()[key], value), key
 
 
 def test_adapter_only_loading_still_rejects_a_full_state_dict_with_a_missing_key(tiny_bert_config, tmp_path):

@@ -1,5 +1,7 @@
-"""LoRA (+ GradientNoise) under DDP, 2 CPU processes on gloo: the same adapter on both ranks as a single process
-on the full batch, so the noise was the same on both ranks and equal to the single process's."""
+"""PEFT under DDP, 2 CPU processes on gloo. LoRA (+ GradientNoise): the same adapter on both ranks as a single
+process on the full batch, so the noise was the same on both ranks and equal to the single process's. Every other
+PEFT technique (MultiLoRA, BottleneckAdapters, PromptTuning, PrefixTuning), in the same launch: identical replicas,
+equal to one process on the joint batch, an adapter-only checkpoint written by rank 0."""
 
 from __future__ import annotations
 
@@ -48,6 +50,15 @@ def test_ddp_two_processes_equal_one_process_on_the_joint_batch(tmp_path):
         "RuntimeError: MergeOnSave: the export on rank 0 failed (OSError: No space left on device); "
         "stopping this rank as well."
     )
+    for name in ("multi_lora", "bottleneck", "prompt_tuning", "prefix_tuning"):
+        rank0, rank1 = (torch.load(tmp_path / "ddp" / f"{name}-rank{r}.pt") for r in (0, 1))
+        single = torch.load(tmp_path / "single" / f"{name}-rank0.pt")
+        assert rank0.keys() == single.keys(), name
+        for key in single:
+            assert torch.equal(rank0[key], rank1[key]), (name, key)
+            assert_close(rank0[key], single[key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+        state = torch.load(tmp_path / "ddp" / name / "last.ckpt", weights_only=False)["state_dict"]
+        assert set(state) == {f"model.{k}" for k in single}, name  # rank 0 wrote it, adapter-only
 
 
 @pytest.mark.multiprocess

@@ -12,7 +12,7 @@ from torch.testing import assert_close
 
 from lightning_peft.callbacks import LoRA, MergeOnSave
 from lightning_peft.peft import inject_lora, lora_layers
-from tests.callbacks.test_lora import LORA_ARGS, Classifier, loader, trainer
+from tests._models import LORA_ARGS, Classifier, loader, trainer
 
 
 def fit_with_export(config, tmp_path, **merge_kwargs) -> tuple[Classifier, dict, MergeOnSave, pl.Trainer]:

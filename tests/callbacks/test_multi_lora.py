@@ -9,12 +9,12 @@ import lightning.pytorch as pl
 import peft
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.testing import assert_close
 from torch.utils.data import DataLoader
 
 from lightning_peft.callbacks import MergeOnSave, MultiLoRA
 from lightning_peft.peft import active_adapter, add_adapter, inject_lora, lora_layers, route_adapters, set_adapter
+from tests._models import Classifier, trainer
 
 ADAPTERS = {
     "news": {"rank": 2, "alpha": 4, "target_modules": ["query", "value"]},
@@ -23,22 +23,15 @@ ADAPTERS = {
 ROUTES = [["news", "sport", None, "news"], [1, 0, 0, -1], ["sport", "sport", "news", None]]
 
 
-class Routed(pl.LightningModule):
+class Routed(Classifier):
+    """The shared tiny BERT classifier, seeded, with weight decay and a validation loss; batches are dicts."""
+
     def __init__(self, config) -> None:
-        super().__init__()
-        from transformers import BertForSequenceClassification
-
         torch.manual_seed(0)
-        self.model = BertForSequenceClassification(config)
-
-    def training_step(self, batch, batch_idx):
-        return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        super().__init__(config, weight_decay=0.1)
 
     def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.05, weight_decay=0.1)
+        self.log("val_loss", self.loss(batch))
 
 
 def batches(routes=ROUTES) -> list[dict]:
@@ -52,12 +45,6 @@ def batches(routes=ROUTES) -> list[dict]:
 
 def loader(routes=ROUTES) -> DataLoader:
     return DataLoader(batches(routes), batch_size=None)
-
-
-def trainer(tmp_path, **kwargs) -> pl.Trainer:
-    defaults = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_progress_bar": False,
-                "enable_model_summary": False, "enable_checkpointing": False, "default_root_dir": tmp_path}
-    return pl.Trainer(**{**defaults, **kwargs})
 
 
 def _names(route):
@@ -118,31 +105,6 @@ def test_batches_without_the_key_use_the_active_adapter_and_counts_are_logged(ti
         expected = model(input_ids=unrouted[0]["input_ids"]).logits
         with route_adapters(model, ["sport"] * 4):
             assert torch.equal(model(input_ids=unrouted[0]["input_ids"]).logits, expected)
-
-
-def test_resume_of_a_multi_adapter_run_equals_a_straight_run(tiny_bert_config, tmp_path):
-    two = ROUTES[:2]  # epochs of two batches; the checkpoint is written at the end of the first
-    straight = Routed(tiny_bert_config)
-    trainer(tmp_path / "a", max_epochs=2, callbacks=[MultiLoRA(adapters=ADAPTERS)]).fit(straight, loader(two))
-
-    first = Routed(tiny_bert_config)
-    save = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="step2")
-    callbacks = [MultiLoRA(adapters=ADAPTERS, adapter_only_checkpoint=True), save]
-    trainer(tmp_path / "b", max_epochs=1, callbacks=callbacks, enable_checkpointing=True).fit(first, loader(two))
-    resumed = Routed(tiny_bert_config)
-    trainer(tmp_path / "c", max_epochs=2, callbacks=[MultiLoRA(adapters=ADAPTERS, adapter_only_checkpoint=True)]).fit(
-        resumed, loader(two), ckpt_path=tmp_path / "ckpt" / "step2.ckpt"
-    )
-    expected = dict(straight.named_parameters())
-    for name, param in resumed.named_parameters():
-        assert_close(param, expected[name], rtol=1e-6, atol=1e-6, msg=name)
-
-    other = {**ADAPTERS, "sport": {**ADAPTERS["sport"], "rank": 3}}
-    with pytest.raises(ValueError, match=r"the checkpoint's lora adapter on 'model' was trained with sport\.rank=4; "
-                                         r"this run has sport\.rank=3\. Resume with the checkpoint's settings"):
-        trainer(tmp_path / "d", max_epochs=2, callbacks=[MultiLoRA(adapters=other)]).fit(
-            Routed(tiny_bert_config), loader(), ckpt_path=tmp_path / "ckpt" / "step2.ckpt"
-        )
 
 
 def test_merge_on_save_exports_every_adapter_and_the_chosen_merged_model(tiny_bert_config, tmp_path):

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_peft.callbacks import LoRA
 from lightning_peft.peft import lora_layers
 
-from .test_lora import trainer
+from tests._models import trainer
 
 
 class EveryLayerType(pl.LightningModule):

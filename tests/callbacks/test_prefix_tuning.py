@@ -2,53 +2,21 @@
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_peft.callbacks._checkpoint import load_from_checkpoint
 from lightning_peft.callbacks.prefix_tuning import PrefixTuning
 from lightning_peft.peft.adapter import adapter_state_dict
-from lightning_peft.peft.prefix_tuning import PREFIX_ATTRIBUTE, inject_prefix_tuning, prefix_tuning_spec
-from tests.callbacks.test_lora import trainer
+from lightning_peft.peft.prefix_tuning import PREFIX_ATTRIBUTE, inject_prefix_tuning
+from tests._models import Classifier, padded_loader, trainer
 
 ARGS = {"num_virtual_tokens": 3, "modules_to_save": ["classifier"]}
 
 
-class Classifier(pl.LightningModule):
-    """A tiny BERT classifier fed (ids, attention mask, labels); records which parameters the optimizer gets."""
-
-    def __init__(self, config, lr: float = 0.05) -> None:
-        super().__init__()
-        from transformers import BertForSequenceClassification
-
-        self.model = BertForSequenceClassification(config)
-        self.lr = lr
-        self.trainable_at_configure: set[str] | None = None
-
-    def training_step(self, batch, batch_idx):
-        ids, mask, labels = batch
-        return self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
-
-    def test_step(self, batch, batch_idx):
-        ids, mask, labels = batch
-        self.log("test_loss", self.model(input_ids=ids, attention_mask=mask, labels=labels).loss)
-
-    def configure_optimizers(self):
-        self.trainable_at_configure = {n for n, p in self.named_parameters() if p.requires_grad}
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
-
-
-def loader() -> DataLoader:
-    """Padded batches: the last two tokens of every other row are padding."""
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 64, (16, 8), generator=generator)
-    mask = torch.ones_like(ids)
-    mask[::2, -2:] = 0
-    labels = torch.randint(0, 3, (16,), generator=generator)
-    return DataLoader(TensorDataset(ids, mask, labels), batch_size=4, shuffle=False)
+def loader():
+    """Padded batches ``(ids, mask, labels)``: the last two tokens of every other row are padding."""
+    return padded_loader()
 
 
 class RecordInitialAdapter(Callback):
@@ -61,7 +29,7 @@ def test_only_the_prefix_and_the_head_train(tiny_bert_config, tmp_path):
     base = {k: v.clone() for k, v in module.model.state_dict().items()}
     record = RecordInitialAdapter()
     trainer(tmp_path, max_steps=4, callbacks=[PrefixTuning(**ARGS), record]).fit(module, loader())
-    assert module.trainable_at_configure == {
+    assert module.trainable_names_at_configure == {
         f"model.{PREFIX_ATTRIBUTE}.embedding.weight", "model.classifier.trained_module.weight",
         "model.classifier.trained_module.bias",
     }
@@ -113,7 +81,7 @@ def test_the_projection_trains_and_is_folded_at_fit_end(tiny_bert_config, tmp_pa
     trainer(tmp_path, max_epochs=1, enable_checkpointing=True, callbacks=[callback, checkpoint, before]).fit(
         module, loader()
     )
-    assert f"model.{PREFIX_ATTRIBUTE}.transform.0.weight" in module.trainable_at_configure
+    assert f"model.{PREFIX_ATTRIBUTE}.transform.0.weight" in module.trainable_names_at_configure
     saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
     assert f"model.{PREFIX_ATTRIBUTE}.transform.2.weight" in saved["state_dict"]  # checkpoints keep the MLP
     encoder = getattr(module.model, PREFIX_ATTRIBUTE)
@@ -130,57 +98,9 @@ def test_later_stages_reuse_the_folded_adapter(tiny_bert_config, tmp_path):
     assert torch.equal(getattr(module.model, PREFIX_ATTRIBUTE).embedding.weight, table)
 
 
-def fit_epochs(config, tmp_path, epochs: int, adapter_only: bool, projection: bool, ckpt_path=None) -> Classifier:
-    torch.manual_seed(0)
-    module = Classifier(config)
-    checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1)
-    callback = PrefixTuning(**ARGS, prefix_projection=projection, adapter_only_checkpoint=adapter_only)
-    trainer(tmp_path, max_epochs=epochs, enable_checkpointing=True, callbacks=[callback, checkpoint]).fit(
-        module, loader(), ckpt_path=ckpt_path
-    )
-    return module
-
-
-@pytest.mark.parametrize(("adapter_only", "projection"), [(False, False), (True, True)])
-def test_resumed_run_equals_straight_run(tiny_bert_config, tmp_path, adapter_only, projection):
-    straight = fit_epochs(tiny_bert_config, tmp_path / "straight", 3, adapter_only, projection)
-    fit_epochs(tiny_bert_config, tmp_path / "first", 1, adapter_only, projection)
-    ckpt = tmp_path / "first" / "epoch=0.ckpt"
-    saved = torch.load(ckpt, weights_only=False)["state_dict"]
-    if adapter_only:
-        assert all(k.startswith((f"model.{PREFIX_ATTRIBUTE}.", "model.classifier.")) for k in saved)
-    else:
-        assert "model.bert.embeddings.word_embeddings.weight" in saved
-    resumed = fit_epochs(tiny_bert_config, tmp_path / "resumed", 3, adapter_only, projection, ckpt_path=ckpt)
-    ours, reference = adapter_state_dict(resumed.model), adapter_state_dict(straight.model)
-    assert ours.keys() == reference.keys()
-    for key in reference:
-        assert torch.equal(ours[key], reference[key]), key
-    for key, value in straight.model.state_dict().items():
-        assert torch.equal(resumed.model.state_dict()[key], value), key
-
-
-def test_load_from_checkpoint_rebuilds_the_prefix(tiny_bert_config, tmp_path):
-    trained = fit_epochs(tiny_bert_config, tmp_path, 1, adapter_only=True, projection=True)
-    torch.manual_seed(0)  # the frozen base of an adapter-only checkpoint comes from the module as built
-    loaded = load_from_checkpoint(Classifier, tmp_path / "epoch=0.ckpt", config=tiny_bert_config)
-    assert prefix_tuning_spec(loaded.model).config.prefix_projection  # the checkpoint was written before the fold
-    ids, mask, _ = next(iter(loader()))
-    trained.eval(), loaded.eval()
-    torch.testing.assert_close(loaded.model(input_ids=ids, attention_mask=mask).logits,
-                               trained.model(input_ids=ids, attention_mask=mask).logits, rtol=0, atol=0)
-
-
-def test_resuming_with_another_config_is_refused(tiny_bert_config, tmp_path):
-    fit_epochs(tiny_bert_config, tmp_path / "first", 1, adapter_only=False, projection=False)
-    module = Classifier(tiny_bert_config)
-    callback = PrefixTuning(num_virtual_tokens=4, modules_to_save=["classifier"])
-    with pytest.raises(ValueError, match=r"PrefixTuning: the checkpoint's prefix_tuning adapter on 'model' was "
-                                         r"trained with num_virtual_tokens=3; this run has num_virtual_tokens=4"):
-        trainer(tmp_path, max_epochs=2, callbacks=[callback]).fit(
-            module, loader(), ckpt_path=tmp_path / "first" / "epoch=0.ckpt"
-        )
+def test_the_callback_state_refuses_another_config():
     saved = PrefixTuning(**ARGS).state_dict()  # the callback's own record, checked when Lightning restores callbacks
+    callback = PrefixTuning(num_virtual_tokens=4, modules_to_save=["classifier"])
     with pytest.raises(ValueError, match=r"PrefixTuning: the checkpoint was trained with num_virtual_tokens=3; "
                                          r"this run has num_virtual_tokens=4\. Resume with the checkpoint's settings"):
         callback.load_state_dict(saved)

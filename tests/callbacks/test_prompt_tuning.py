@@ -7,19 +7,16 @@ import logging
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
-from lightning_peft.callbacks._checkpoint import load_from_checkpoint
 from lightning_peft.callbacks.prompt_tuning import PromptTuning
 from lightning_peft.peft.adapter import adapter_state_dict, attached
 from lightning_peft.peft.prompt_tuning import PROMPT_MODULE, inject_prompt_tuning, prompt_embedding
-from tests.callbacks.test_lora import Classifier, loader, trainer
+from tests._models import Classifier, loader, trainer
 
 N = 4
 HEAD = ["model.classifier.trained_module.weight", "model.classifier.trained_module.bias"]
-
-
 
 
 class Data(pl.LightningDataModule):
@@ -36,7 +33,6 @@ class StubTokenizer:
 
     def __call__(self, text: str) -> dict[str, list[int]]:
         return {"input_ids": [2, 9, 11, 3]}
-
 
 
 class RecordStart(Callback):
@@ -105,48 +101,7 @@ def test_later_stages_reuse_the_prompt(tiny_bert_config, tmp_path):
     assert run.callback_metrics["test_loss"].isfinite()
 
 
-def fit_epochs(config, tmp_path, epochs: int, adapter_only: bool, ckpt_path=None, n: int = N) -> Classifier:
-    torch.manual_seed(0)
-    module = Classifier(config)
-    checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1)
-    callbacks = [PromptTuning(num_virtual_tokens=n, adapter_only_checkpoint=adapter_only), checkpoint]
-    trainer(tmp_path, max_epochs=epochs, callbacks=callbacks, enable_checkpointing=True).fit(
-        module, loader(), ckpt_path=ckpt_path
-    )
-    return module
-
-
-@pytest.mark.parametrize("adapter_only", [False, True])
-def test_resumed_run_equals_straight_run(tiny_bert_config, tmp_path, adapter_only):
-    straight = fit_epochs(tiny_bert_config, tmp_path / "straight", 3, adapter_only)
-    fit_epochs(tiny_bert_config, tmp_path / "first", 1, adapter_only)
-    ckpt = tmp_path / "first" / "epoch=0.ckpt"
-    saved = torch.load(ckpt, weights_only=False)["state_dict"]
-    adapter_keys = {f"model.{k}" for k in adapter_state_dict(straight.model)}
-    assert adapter_keys == {f"model.{PROMPT_MODULE}.weight", *HEAD}
-    if adapter_only:
-        assert set(saved) == adapter_keys  # nothing but the prompt and the classifier head
-    else:
-        assert adapter_keys < set(saved) and "model.bert.embeddings.word_embeddings.weight" in saved
-    resumed = fit_epochs(tiny_bert_config, tmp_path / "resumed", 3, adapter_only, ckpt_path=ckpt)
-    for key, value in straight.state_dict().items():
-        assert torch.equal(resumed.state_dict()[key], value), key
-
-    torch.manual_seed(0)  # an adapter-only checkpoint takes the frozen base from the module as built: the same one
-    loaded = load_from_checkpoint(Classifier, tmp_path / "straight" / "epoch=2.ckpt", config=tiny_bert_config)
-    assert attached(loaded.model)["prompt_tuning"].num_virtual_tokens == N
-    ids = next(iter(loader()))[0]
-    straight.eval(), loaded.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(loaded.model(input_ids=ids).logits, straight.model(input_ids=ids).logits,
-                                   rtol=0, atol=0)
-
-
-def test_resuming_with_another_length_is_refused(tiny_bert_config, tmp_path):
-    fit_epochs(tiny_bert_config, tmp_path / "first", 1, False)
-    with pytest.raises(ValueError, match=r"trained with num_virtual_tokens=4.*this run has num_virtual_tokens=6"):
-        fit_epochs(tiny_bert_config, tmp_path / "resumed", 2, False, ckpt_path=tmp_path / "first" / "epoch=0.ckpt",
-                   n=6)
+def test_the_callback_state_refuses_another_length():
     callback = PromptTuning(num_virtual_tokens=6)
     with pytest.raises(ValueError, match=r"PromptTuning: the checkpoint was trained with num_virtual_tokens=4; this "
                                          r"run has num_virtual_tokens=6"):

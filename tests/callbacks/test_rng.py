@@ -14,48 +14,12 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torch.utils.data import DataLoader, Sampler, TensorDataset
+from torch.utils.data import DataLoader
 
 from lightning_peft.callbacks import LoRA
 from lightning_peft.callbacks._rng import RNGState, keep_rng
 from lightning_peft.peft import adapter_state_dict
-from tests.callbacks.test_lora import LORA_ARGS, Classifier
-
-
-class _Tail(Sampler):
-    """Indices in order from ``start`` on; counts what it handed out (the loader's state)."""
-
-    def __init__(self, size: int) -> None:
-        self.size, self.start, self.position = size, 0, 0
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __iter__(self):
-        self.position, self.start = self.start, 0
-        while self.position < self.size:
-            self.position += 1
-            yield self.position - 1
-
-
-class ResumableLoader(DataLoader):
-    """A real ``DataLoader`` (its iterator draws its seed from the global generator, as every one does) that resumes
-    mid-epoch where the checkpoint left it: Lightning calls ``state_dict`` / ``load_state_dict`` on it."""
-
-    def __init__(self, dataset: TensorDataset, batch_size: int) -> None:
-        super().__init__(dataset, batch_size=batch_size, sampler=_Tail(len(dataset)))
-
-    def state_dict(self) -> dict[str, int]:
-        position = self.sampler.position
-        return {"position": position if position < len(self.sampler) else 0}  # at the end: the next epoch's start
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.sampler.start = state["position"]
-
-
-def data() -> TensorDataset:
-    generator = torch.Generator().manual_seed(1)
-    return TensorDataset(torch.randint(0, 64, (16, 8), generator=generator), torch.randint(0, 3, (16,), generator=generator))
+from tests._models import LORA_ARGS, Classifier, ResumableLoader, bert_config, dataset
 
 
 class NumpyAndPythonDraws(Callback):
@@ -85,18 +49,14 @@ def fit(config, root, *, ckpt_path=None, max_epochs=3, extra_callbacks=()):
         callbacks=[LoRA(**LORA_ARGS, dropout=0.1), NumpyAndPythonDraws(), steps, epochs, *extra_callbacks],
     )
     # Validation runs mid-epoch, after the step-2 checkpoint: its loader's seed is drawn from the global generator.
-    trainer.fit(module, ResumableLoader(data(), batch_size=4), DataLoader(data(), batch_size=4), ckpt_path=ckpt_path)
+    trainer.fit(module, ResumableLoader(dataset(), batch_size=4), DataLoader(dataset(), batch_size=4),
+                ckpt_path=ckpt_path)
     return module
 
 
 @pytest.fixture(scope="module")
 def dropout_config():
-    from transformers import BertConfig
-
-    return BertConfig(  # the tiny BERT of tests/conftest.py, with its dropout on
-        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-        max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
-    )
+    return bert_config(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)  # the tiny BERT, dropout on
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,7 @@ from torch.utils.data import DataLoader
 from lightning_peft.callbacks import Curriculum, GradientAccumulation, GradientNoise, LayerwiseLRDecay, LoRA
 from lightning_peft.peft import adapter_state_dict
 
-from .test_curriculum import Indexed, indexed_data, token_sum
-from .test_lora import LORA_ARGS, Classifier, loader, trainer
+from tests._models import LORA_ARGS, Indexed, indexed_data, token_sum, trainer
 
 
 class Metrics(Callback):

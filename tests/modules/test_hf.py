@@ -13,20 +13,14 @@ from torch.utils.data import DataLoader
 
 import lightning_peft.modules.hf as hf
 from lightning_peft.modules import HFSequenceClassifier, resolve_pretrained
+from tests._models import save_tiny_bert
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> str:
-    config = transformers.BertConfig(
-        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny_bert")
-    transformers.BertModel(config).save_pretrained(path)
-    return str(path)
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny_bert"))
 
 
 def _batch(size: int = 4, length: int = 7, num_labels: int = 3) -> dict[str, torch.Tensor]:

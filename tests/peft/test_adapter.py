@@ -27,7 +27,7 @@ from lightning_peft.peft import (
 from lightning_peft.peft.adapter import attach, detach, register
 from lightning_peft.peft.modules_to_save import set_submodule
 
-from .test_lora import Tiny, randomise
+from tests._models import Tiny, randomise
 
 
 class Scaled(nn.Module):

@@ -37,6 +37,7 @@ from lightning_peft.peft.bottleneck import (  # noqa: E402
 )
 from lightning_peft.peft.io import load_adapter, save_adapter  # noqa: E402
 from lightning_peft.peft.lora import inject_lora, lora_layers, trainable_parameters  # noqa: E402
+from tests._models import bert_config, gpt2_config, llama_config  # noqa: E402
 
 VOCAB = 64
 PREFIX = "base_model.model."
@@ -46,27 +47,15 @@ PREFIX = "base_model.model."
 
 
 def _bert() -> nn.Module:
-    config = transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-        max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )
-    return transformers.BertForSequenceClassification(config)
+    return transformers.BertForSequenceClassification(bert_config())
 
 
 def _gpt2() -> nn.Module:
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )
-    return transformers.GPT2LMHeadModel(config)
+    return transformers.GPT2LMHeadModel(gpt2_config(bos_token_id=0, eos_token_id=0))
 
 
 def _llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(llama_config())
 
 
 BUILDERS: dict[str, Callable[[], nn.Module]] = {"bert": _bert, "gpt2": _gpt2, "llama": _llama}

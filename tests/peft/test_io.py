@@ -37,6 +37,7 @@ from lightning_peft.peft import (  # noqa: E402
     save_adapter,
 )
 from lightning_peft.peft.lora import lora_spec  # noqa: E402
+from tests._models import bert_config, gpt2_config, llama_config  # noqa: E402
 
 # PEFT calls a transformers API that transformers deprecates; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
@@ -52,29 +53,16 @@ VOCAB = 64
 
 
 def _bert(hidden: int = 16) -> nn.Module:
-    config = transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=32, max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return transformers.BertForSequenceClassification(config)
+    return transformers.BertForSequenceClassification(bert_config(hidden_size=hidden))
 
 
 def _gpt2() -> nn.Module:
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    return transformers.GPT2LMHeadModel(config)
+    return transformers.GPT2LMHeadModel(gpt2_config())
 
 
 def _llama() -> nn.Module:
     # One key/value head: v_proj is (8, 16) and q_proj is (16, 16), so per-module ranks give distinct shapes.
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(llama_config())
 
 
 BUILDERS: dict[str, Callable[[], nn.Module]] = {"bert": _bert, "gpt2": _gpt2, "llama": _llama}

@@ -24,41 +24,7 @@ from lightning_peft.peft import (
     trainable_parameters,
     unmerge_lora,
 )
-
-
-def randomise(layers) -> None:
-    """Give every adapter non-zero values, so that no check passes because B starts at zero."""
-    with torch.no_grad():
-        for layer in layers.values() if isinstance(layers, dict) else layers:
-            for param in layer.adapter_parameters().values():
-                param.normal_(0.0, 0.5)
-
-
-def conv1d(n_in: int, n_out: int) -> nn.Module:
-    from transformers.pytorch_utils import Conv1D
-
-    layer = Conv1D(n_out, n_in)
-    nn.init.normal_(layer.weight)
-    nn.init.normal_(layer.bias)
-    return layer
-
-
-class Tiny(nn.Module):
-    """Two blocks of linear layers plus a head; names like a transformer's."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(10, 6)
-        self.blocks = nn.ModuleList(
-            nn.ModuleDict({"query": nn.Linear(6, 6), "value": nn.Linear(6, 6), "norm": nn.LayerNorm(6)}) for _ in range(2)
-        )
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(ids)  # (B, T, 6)
-        for block in self.blocks:
-            h = block["norm"](h + block["query"](h).tanh() * block["value"](h))
-        return self.head(h.mean(1))  # (B, 3)
+from tests._models import Tiny, conv1d, randomise
 
 
 # ----------------------------------------------------------------------------- layers against a reference

@@ -9,7 +9,7 @@ from torch.testing import assert_close
 
 from lightning_peft.peft import LoRAConv2d, LoRAEmbedding, LoRALinear
 
-from .test_lora import conv1d, randomise
+from tests._models import conv1d, randomise
 
 LAYERS = {
     "linear": (lambda: nn.Linear(6, 5), LoRALinear, lambda: torch.randn(2, 3, 6)),

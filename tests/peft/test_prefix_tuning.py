@@ -33,6 +33,7 @@ from lightning_peft.peft.prefix_tuning import (  # noqa: E402
     prefix_tuning_spec,
     unload_prefix_tuning,
 )
+from tests._models import bert_config, gpt2_config, llama_config  # noqa: E402
 
 pytestmark = [
     # PEFT calls transformers APIs that transformers deprecates (and passes the cache by its old name); not ours.
@@ -45,24 +46,15 @@ N = 3  # virtual tokens
 
 
 def _gpt2() -> nn.Module:
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=32, bos_token_id=None, eos_token_id=None,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    ))
+    return transformers.GPT2LMHeadModel(gpt2_config(bos_token_id=None, eos_token_id=None))
 
 
 def _llama() -> nn.Module:
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32, bos_token_id=None, eos_token_id=None,
-    ))
+    return transformers.LlamaForCausalLM(llama_config(bos_token_id=None, eos_token_id=None))
 
 
 def _bert_config() -> transformers.BertConfig:
-    return transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-        max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )
+    return bert_config()
 
 
 def _bert() -> nn.Module:

