@@ -113,7 +113,8 @@ class GradientAccumulation(PatchingCallback):
         return self._active.min_count if self._active is not None and self._active.is_constant else None
 
     def accumulation_for(self, micro_batch_size: int, data_parallel_size: int) -> int | AccumulationSchedule | None:
-        """Its schedule, or the count a target global batch gives with these loaders (``_lightning.accumulation_of``)."""
+        """Its schedule, or the count a target global batch gives with these loaders (what
+        ``_accumulation.accumulation_of`` asks)."""
         if self.global_batch_size is None:
             return self.schedule
         return AccumulationSchedule.for_global_batch(
