@@ -45,7 +45,7 @@ from _report import say, write_results  # noqa: E402
 from bench_lora import alternate  # noqa: E402
 from lightning_peft.nn import TransformerDecoder  # noqa: E402
 from lightning_peft.peft import inject_lora  # noqa: E402
-from lightning_peft.strategies.device_map import balanced_groups, dispatch_model  # noqa: E402
+from lightning_peft.parallel import balanced_groups, dispatch_model  # noqa: E402
 
 CPU_GOAL = 1.05
 

@@ -15,7 +15,7 @@ timed and the slowest rank counts; a run's time is its median step. Contenders a
 order rotates between repeats); tables show the median over ``--repeats`` and ratios to one process.
 
 Memory per rank, after the last step: the bytes of parameters, gradients and optimizer state the rank holds
-(``lightning_peft.strategies._memory.rank_bytes``: a pipeline rank holds its stages only) and the process's peak
+(``lightning_peft.parallel.memory.rank_bytes``: a pipeline rank holds its stages only) and the process's peak
 RSS (``VmHWM``; it includes the interpreter, torch and Lightning, about the same for every contender).
 
 Bubble: for ``m`` in 1, 2, 4, 8 (``--microbatches``) the pipeline's tokens per second against the prediction
@@ -66,7 +66,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from lightning_peft.modules import CausalLM
     from lightning_peft.strategies import PipelineStrategy
-    from lightning_peft.strategies._memory import rank_bytes
+    from lightning_peft.parallel.memory import rank_bytes
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)

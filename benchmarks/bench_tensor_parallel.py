@@ -8,14 +8,14 @@ the same global batch and the same CPU cores:
 
 - **single**: one process, 2 threads, the whole batch;
 - **ddp**: ``torch.nn.parallel.DistributedDataParallel``, 2 processes (gloo, 1 thread each), 4 sequences each;
-- **tp**: :func:`lightning_peft.strategies.tensor_parallel.parallelize` with ``plan="auto"`` (what
+- **tp**: :func:`lightning_peft.parallel.tensor_parallel.parallelize` with ``plan="auto"`` (what
   ``TensorParallelStrategy(tensor_parallel_size=2)`` applies), 2 processes (gloo, 1 thread each), every rank the
   whole batch and half of every layer.
 
 The loop is plain PyTorch (the engines the strategies drive, without Lightning's per-step overhead, the same for
 all three).
 
-Memory: :func:`lightning_peft.strategies._memory.rank_bytes` on each rank: parameters (local shards), gradients
+Memory: :func:`lightning_peft.parallel.memory.rank_bytes` on each rank: parameters (local shards), gradients
 (just before the optimizer step of the last step), optimizer state and every other live tensor (after it); and the
 peak RSS growth of one step (``VmHWM`` reset to the current RSS before the last step), which adds the activations.
 Tables show rank 0; ratios are to ``single``. Memory is deterministic: measured in the first repeat.
@@ -79,7 +79,7 @@ def worker(args: argparse.Namespace) -> None:
     from _memory import reset_peak_rss, rss_kb
     from lightning_peft.nn import TransformerDecoder
     from lightning_peft.peft import inject_lora
-    from lightning_peft.strategies._memory import rank_bytes
+    from lightning_peft.parallel.memory import rank_bytes
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -98,7 +98,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.contender == "tp":
         from torch.distributed.device_mesh import init_device_mesh
 
-        from lightning_peft.strategies.tensor_parallel import parallelize
+        from lightning_peft.parallel.tensor_parallel import parallelize
 
         parallelize(model, init_device_mesh("cpu", (world,)))
         run = model

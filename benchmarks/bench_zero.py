@@ -8,7 +8,7 @@ trained by a real ``Trainer(accelerator="cpu", devices=2)`` on 2 processes (gloo
 DeepSpeed stage 3 gets ``stage3_param_persistence_threshold = 10 * hidden`` (the rule of Hugging Face's "auto"
 DeepSpeed config; DeepSpeed's default of 1e5 elements would keep most of this small model whole on every rank).
 
-Memory: :func:`lightning_peft.strategies._memory.rank_bytes` on each rank during the 4th step: the tensors the
+Memory: :func:`lightning_peft.parallel.memory.rank_bytes` on each rank during the 4th step: the tensors the
 rank holds, found and measured (local shards, ZeRO-3 partitions, optimizer state tensors, engine master copies,
 every other live tensor), not computed from shapes. Gradients are read just before the optimizer step,
 ``parameters (in step)`` between forward and backward, the rest right after the step. **model states** =
@@ -79,7 +79,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from lightning_peft.peft import LoRAConfig, inject_lora
     from lightning_peft.strategies import ZeROStrategy
-    from lightning_peft.strategies._memory import rank_bytes
+    from lightning_peft.parallel.memory import rank_bytes
 
     size = shapes(args.quick)
     rank = int(os.environ["RANK"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from lightning_peft._submodule import submodule
 from lightning_peft.peft.adapter import unwrap
 
 
@@ -37,14 +38,7 @@ def resolve_target(pl_module: nn.Module, model_attribute: str | None, who: str) 
     if model_attribute == "":
         return "", pl_module
     if model_attribute:
-        try:
-            return model_attribute, unwrap(pl_module.get_submodule(model_attribute))
-        except AttributeError:
-            children = ", ".join(n for n, _ in pl_module.named_children()) or "none"
-            raise ValueError(
-                f"{who}(model_attribute={model_attribute!r}): {type(pl_module).__name__} has no such submodule. "
-                f"Its children: {children}."
-            ) from None
+        return model_attribute, unwrap(submodule(pl_module, model_attribute, who))
     found = hf_models(pl_module)
     if len(found) > 1:
         choices = ", ".join(repr(n) for n in found)

@@ -1,11 +1,11 @@
 """``Curriculum`` callback: easiest data first (a scoring and a pacing function); sequence-length warm-up.
 
 The rules live in :mod:`lightning_peft.training.curriculum` (Hacohen & Weinshall, arXiv:1904.03626). In ``setup``
-the callback wraps Lightning's one request for the train loader (``_lightning.wrap_train_loader``, undone at
-``teardown``), so the user's ``train_dataloader`` stays as it is: the wrapper scores the loader's dataset (once per fit,
-on rank 0, broadcast so that every rank sorts alike) and hands Lightning a copy with a
-:class:`~lightning_peft.training.curriculum.CurriculumSampler` (``_lightning.ResampledLoader``, which Lightning's DDP
-wrapping leaves alone: rank ``r`` takes positions ``r::R`` of one global stream).
+the callback wraps Lightning's one request for the train loader (``_train_loader.wrap_train_loader``, undone
+at ``teardown``), so the user's ``train_dataloader`` stays as it is: the wrapper scores the loader's dataset (once
+per fit, on rank 0, broadcast so that every rank sorts alike) and hands Lightning a copy with a
+:class:`~lightning_peft.training.curriculum.CurriculumSampler` (``_train_loader.ResampledLoader``, which
+Lightning's DDP wrapping leaves alone: rank ``r`` takes positions ``r::R`` of one global stream).
 
 Resume. The callback's state holds its settings (a resume with others is refused), the scores (so a self-paced run
 keeps the order of its untrained model) and the position ``(epoch, batches done)``, read from the trainer's own
@@ -29,7 +29,6 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader
@@ -37,9 +36,9 @@ from typing_extensions import override
 
 from lightning_peft._checks import integer
 from lightning_peft._seams import data_parallel, refuse, splits_layers, strategy_family
-from lightning_peft.callbacks._lightning import Patches, ResampledLoader, accumulation_of, check_resamplable
-from lightning_peft.callbacks._lightning import limited_batches, on_rank_zero, refuse_changed_settings
-from lightning_peft.callbacks._lightning import refuse_epoch_accumulation, wrap_train_loader
+from lightning_peft.callbacks._accumulation import accumulation_of, limited_batches, refuse_epoch_accumulation
+from lightning_peft.callbacks._lightning import Patches, PatchingCallback, on_rank_zero, refuse_changed_settings
+from lightning_peft.callbacks._train_loader import ResampledLoader, check_resamplable, wrap_train_loader
 from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.callbacks._target import resolve_target
 from lightning_peft.callbacks.merge_on_save import TRAINING_RECORD
@@ -54,7 +53,7 @@ _SETTINGS = ("duration", "scorer", "teacher", "pacing", "start_fraction", "stair
              "length_warmup_steps", "min_length", "max_length")
 
 
-class Curriculum(Callback):
+class Curriculum(PatchingCallback):
     """Train on the easiest share of the data first, growing it with the optimizer step; resumable, DDP-aware.
 
     Args:
@@ -133,14 +132,6 @@ class Curriculum(Callback):
         self._trainer, self.scores, self.sampler, self._loader = trainer, None, None, None
         wrap_train_loader(trainer, self._patches, lambda loader: self._curriculum_loader(loader, trainer, pl_module),
                           "Curriculum", "replaces the train sampler", "use Lightning 2.x (tested: 2.6)")
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._patches.undo()
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.teardown(trainer, pl_module, "fit")  # Lightning skips teardown hooks after an exception
 
     def _curriculum_loader(self, loader: object, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
         loader = check_resamplable(loader, "Curriculum")

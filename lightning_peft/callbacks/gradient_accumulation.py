@@ -3,7 +3,7 @@
 The windows come from :class:`lightning_peft.training.AccumulationSchedule` and are laid, also across a resume or a
 stream that ends inside one, by :class:`lightning_peft.training.windows.WindowTracker`. Lightning decides by modulo
 arithmetic on the batch index within the epoch, so for the fit the callback replaces its two decisions
-(:func:`~lightning_peft.callbacks._lightning.take_over_accumulation`) and sets ``trainer.accumulate_grad_batches`` to
+(:func:`~lightning_peft.callbacks._accumulation.take_over_accumulation`) and sets ``trainer.accumulate_grad_batches`` to
 the current window's size before each micro-batch: Lightning divides the loss by the size of *its* window (a short
 last window of 2 divides by 2, not by the count).
 
@@ -19,21 +19,21 @@ import math
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_peft._checks import integer
 from lightning_peft._seams import data_parallel, refuse, strategy_family
-from lightning_peft.callbacks._lightning import Patches, loader_batch_size, refuse_changed_settings, train_loader
-from lightning_peft.callbacks._lightning import refuse_epoch_accumulation, take_over_accumulation, wrap_train_loader
+from lightning_peft.callbacks._accumulation import refuse_epoch_accumulation, take_over_accumulation
+from lightning_peft.callbacks._lightning import Patches, PatchingCallback, refuse_changed_settings
+from lightning_peft.callbacks._train_loader import loader_batch_size, train_loader, wrap_train_loader
 from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.training.accumulation import AccumulationSchedule, shorten_window
 from lightning_peft.training.windows import WindowTracker, fit_steps
 
 
-class GradientAccumulation(Callback):
+class GradientAccumulation(PatchingCallback):
     """Accumulate gradients over a step-keyed number of micro-batches, or up to a target global batch size.
 
     Args:
@@ -113,7 +113,8 @@ class GradientAccumulation(Callback):
         return self._active.min_count if self._active is not None and self._active.is_constant else None
 
     def accumulation_for(self, micro_batch_size: int, data_parallel_size: int) -> int | AccumulationSchedule | None:
-        """Its schedule, or the count a target global batch gives with these loaders (``_lightning.accumulation_of``)."""
+        """Its schedule, or the count a target global batch gives with these loaders (what
+        ``_accumulation.accumulation_of`` asks)."""
         if self.global_batch_size is None:
             return self.schedule
         return AccumulationSchedule.for_global_batch(
@@ -182,14 +183,6 @@ class GradientAccumulation(Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
         if self.log_count:
             pl_module.log("grad_accumulation", float(trainer.accumulate_grad_batches), on_step=True, on_epoch=False)
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._patches.undo()
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._patches.undo()  # Lightning skips teardown hooks after an exception
 
     @staticmethod
     def total_steps(trainer: pl.Trainer) -> int | float:

@@ -29,12 +29,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_peft._checks import real
-from lightning_peft.callbacks._lightning import Patches, refuse_changed_settings
+from lightning_peft.callbacks._lightning import Patches, PatchingCallback, refuse_changed_settings
 from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.callbacks._target import resolve_target
 from lightning_peft.training.layerwise_lr import GROUP_KEY, broken_decay, check_decay, decayed_groups, layer_depths
@@ -45,7 +44,7 @@ from lightning_peft.training.layerwise_lr import optimizers_and_schedulers, scal
 _PLATEAU_FITTED = "_lightning_peft_llrd_fitted"
 
 
-class LayerwiseLRDecay(Callback):
+class LayerwiseLRDecay(PatchingCallback):
     """Give layer ``i`` of ``L`` the learning rate ``lr * decay ** (L - i)``, the embeddings ``decay ** (L + 1)``.
 
     Args:
@@ -96,14 +95,6 @@ class LayerwiseLRDecay(Callback):
 
         # An instance attribute, undone in teardown (one LightningCLI set on the instance comes back).
         self._patches.set(pl_module, "configure_optimizers", configure_optimizers)
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._patches.undo()
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._patches.undo()  # Lightning skips teardown hooks after an exception
 
     def _depths(self, pl_module: pl.LightningModule) -> tuple[dict[int, str], dict[str, int], int]:
         prefix, model = resolve_target(pl_module, self.model_attribute, "LayerwiseLRDecay")

@@ -53,7 +53,7 @@ from lightning_peft.nn.transformer import TransformerEncoder
 from lightning_peft.peft.adapter import unwrap
 from lightning_peft.training.token_pruning import KeptTokenShare, anneal_scale, anneal_steps
 
-__all__ = ["TokenPruning", "anneal_scale"]
+__all__ = ["TokenPruning"]
 
 _SETTINGS = ("keep_ratio", "start_layer", "importance", "anneal_fraction")
 
@@ -155,19 +155,14 @@ class TokenPruning(Callback):
             pl_module.log("token_pruning_scale", self.scale, on_step=True, on_epoch=False)
             self._log_share(pl_module, "kept_token_share", on_step=True, on_epoch=False)
 
+    # The evaluation hooks log the last forward's share: they read no outputs, batch or index.
     @override
-    def on_validation_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any, **__: Any) -> None:
         if self.log_values and not trainer.sanity_checking:
             self._log_share(pl_module, "val_kept_token_share", on_step=False, on_epoch=True)
 
     @override
-    def on_test_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
+    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any, **__: Any) -> None:
         if self.log_values:
             self._log_share(pl_module, "test_kept_token_share", on_step=False, on_epoch=True)
 

@@ -19,6 +19,7 @@ token received when asked, which token pruning needs (`lightning_peft.nn.TokenPr
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -98,38 +99,23 @@ class TransformerBlock(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.norm_first = norm_first
 
-    def attention_branch(
-        self,
-        x: Tensor,
-        key_padding_mask: Tensor | None = None,
-        position_ids: Tensor | None = None,
-        cu_seqlens: Tensor | None = None,
-        need_importance: bool | str = False,
-    ) -> tuple[Tensor, Tensor | None]:
-        """``(F(x), importance)``: the attention branch without its residual (pre-norm: ``attn(norm_1(x))``)."""
-        h = self.attn_norm(x) if self.norm_first else x
-        out = self.attn(
-            h, key_padding_mask=key_padding_mask, position_ids=position_ids, cu_seqlens=cu_seqlens,
-            need_importance=need_importance,
-        )
-        if need_importance:
-            return out[0], out[1]
-        return out, None
+    def attention_branch(self, x: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        """``(F(x), importance)``: the attention branch without its residual (pre-norm: ``attn(norm_1(x))``).
+
+        The arguments after ``x`` are `FlashAttention.forward`'s (``key_padding_mask``, ``position_ids``,
+        ``cu_seqlens``, ``need_importance``), passed on as given; ``importance`` is None unless asked.
+        """
+        out = self.attn(self.attn_norm(x) if self.norm_first else x, *args, **kwargs)
+        return (out[0], out[1]) if isinstance(out, tuple) else (out, None)
 
     def feed_forward_branch(self, x: Tensor) -> Tensor:
         """``G(x)``: the feed-forward branch without its residual (pre-norm: ``mlp(norm_2(x))``)."""
         return self.mlp(self.mlp_norm(x) if self.norm_first else x)
 
-    def attention_sublayer(
-        self,
-        x: Tensor,
-        key_padding_mask: Tensor | None = None,
-        position_ids: Tensor | None = None,
-        cu_seqlens: Tensor | None = None,
-        need_importance: bool | str = False,
-    ) -> tuple[Tensor, Tensor | None]:
-        """``(x', importance)``: the first residual sublayer; ``importance`` (B, L) when asked, else None."""
-        delta, importance = self.attention_branch(x, key_padding_mask, position_ids, cu_seqlens, need_importance)
+    def attention_sublayer(self, x: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        """``(x', importance)``: the first residual sublayer; ``importance`` (B, L) when asked, else None (the
+        arguments are `attention_branch`'s)."""
+        delta, importance = self.attention_branch(x, *args, **kwargs)
         if self.norm_first:
             return x + self.dropout(delta), importance
         return self.attn_norm(x + self.dropout(delta)), importance

@@ -59,11 +59,10 @@ from torch.optim import Optimizer
 from torch.utils._pytree import tree_map_only
 from torch.utils.hooks import RemovableHandle
 
-from lightning_peft.parallel.partition import _join, balanced_groups, layer_units
+from lightning_peft.parallel.partition import _join, balanced_groups
 
 __all__ = [
-    "DeviceMap", "balanced_groups", "dispatch_model", "infer_device_map", "layer_units", "optimizer_state_to_params",
-    "parse_device", "place_outside",
+    "DeviceMap", "dispatch_model", "infer_device_map", "optimizer_state_to_params", "parse_device", "place_outside",
 ]
 
 
@@ -121,7 +120,8 @@ def parse_device(value: object, who: str) -> torch.device:
 
 
 def infer_device_map(model: nn.Module, devices: Sequence[DeviceLike]) -> dict[str, torch.device]:
-    """A map of ``model``'s units (see `layer_units`) onto ``devices``, consecutive, balanced by parameter count.
+    """A map of ``model``'s units (see `lightning_peft.parallel.partition.layer_units`) onto ``devices``,
+    consecutive, balanced by parameter count.
 
     Args:
         model: The module to split (its parameters are counted where they are now; nothing moves).

@@ -65,7 +65,7 @@ def average_gradients(params: Iterable[nn.Parameter], mesh: Any) -> None:
     """Averages the gradients of the trainable parameters over the data-parallel group, as DDP does.
 
     Every rank puts every trainable parameter into the flat buffers, in the same order: its gradient, or zeros where
-    this rank's batch did not reach it (``None``: a ``MultiLoRA`` adapter another replica's batch used). A presence
+    this rank's batch did not reach it (``None``: a named adapter only another replica's batch used). A presence
     mask is reduced first, so that a parameter no replica reached keeps ``None`` (an optimizer then leaves it alone,
     as under DDP) and one that some replica reached gets the average, zeros counted, on every rank.
     """

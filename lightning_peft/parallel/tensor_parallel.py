@@ -18,12 +18,14 @@ With LoRA (``y = W x + s B (A x)``, A (r, in), B (out, r)) the adapter follows i
     rowwise base:  A row-wise (its input dim sharded), B replicated -> hidden = sum_i A_i x_i is partial on each
                    rank and joins the base output's partial sum, so one all-reduce covers both.
 
-`LoRALinear` reads ``lora_A[n].weight`` with ``F.linear`` directly, so per-module hooks on ``lora_A``/``lora_B``
-never fire. The parallel style is therefore put on the whole LoRA layer: its input becomes a DTensor (replicated
-for column-wise, sharded on the last dim for row-wise), every parameter inside (base, A, B) is a DTensor with the
-placement above, and the adapter arithmetic runs on DTensors, whose autograd inserts the all-reduce of the
+LoRA's linear layer reads ``lora_A[n].weight`` with ``F.linear`` directly, so per-module hooks on ``lora_A`` /
+``lora_B`` never fire. The parallel style is therefore put on the whole wrapper: its input becomes a DTensor
+(replicated for column-wise, sharded on the last dim for row-wise), every parameter inside (base, A, B) is a DTensor
+with the placement above, and the adapter arithmetic runs on DTensors, whose autograd inserts the all-reduce of the
 hidden gradient (a ``Partial`` placement reduced where it meets a replicated tensor). Gradients of replicated
-parameters are therefore full and equal on every rank.
+parameters are therefore full and equal on every rank. A wrapper whose class declares ``tensor_parallel_split``
+(``{style: the factor that splits with its base}``, as LoRA's layers do) is planned as one unit; other wrappers
+(bottleneck adapters) are transparent: a plan sees the layers inside them.
 
 Attention: each rank keeps whole heads. The plan divides the local head-count attributes the modules use to
 reshape (``num_heads``/``num_kv_heads`` of `lightning_peft.nn.FlashAttention`, ``num_attention_heads`` /
@@ -43,10 +45,8 @@ Shapes (t = tensor-parallel size):
     =====================  =====================  ==========================================================
 
 Data parallelism (a 2-D mesh ``(data_parallel, tensor_parallel)``): the ranks of one tensor-parallel group see the
-same batch; the gradients of the trainable parameters are averaged over the data-parallel group after each
-backward (as DDP does, unbucketed: a parameter one replica's batch did not reach counts as a zero gradient there,
-one that no replica's batch reached keeps no gradient), and the model is broadcast from the first data-parallel
-replica at setup.
+same batch; the model is broadcast from the first data-parallel replica at setup, and the trainable parameters'
+gradients are averaged over the data-parallel group after each backward, as DDP does (see ``parallel/dtensor.py``).
 """
 
 from __future__ import annotations
@@ -61,11 +61,7 @@ from torch import nn
 __all__ = ["STYLES", "auto_plan", "check_plan_styles", "parallelize", "resolve_plan"]
 
 STYLES = ("colwise", "rowwise")
-
-
 WHO = "TensorParallelStrategy"
-
-
 _AUTO_RULES: list[tuple[str, str]] = [
     (r"(?:^|\.)(?:attn|self_attn)\.(?:q_proj|k_proj|v_proj)$", "colwise"),
     (r"(?:^|\.)(?:attn|self_attn)\.o_proj$", "rowwise"),
@@ -76,47 +72,32 @@ _AUTO_RULES: list[tuple[str, str]] = [
     (r"(?:^|\.)intermediate\.dense$", "colwise"),
     (r"(?:^|\.)layer\.\d+\.output\.dense$", "rowwise"),
 ]
-
-
 _AUTO_EMBEDDINGS = r"(?:^|\.)(?:embed_tokens|word_embeddings)$"  # row-wise: vocabulary split
-
-
 _AUTO_HEADS = r"(?:^|\.)lm_head$"  # column-wise, output gathered
-
-
 _HEAD_ATTRIBUTES = ("num_heads", "num_kv_heads", "num_attention_heads", "num_key_value_heads")
-
-
 _WIDTH_ATTRIBUTES = ("all_head_size",)
 
 
 # ------------------------------------------------------------------------------------------------ the plan
 
 
-def _lora_kind(module: nn.Module) -> str | None:
-    """``"linear"`` for a LoRA layer on an ``nn.Linear`` (what the LoRA-aware styles split), ``"other"`` for a LoRA
-    layer on another base (refused if planned), None for any other module.
-
-    The one place tensor parallelism names a PEFT technique: LoRA's factors need placements of their own (A replicated
-    and B column-wise, or A row-wise and B replicated; see the module docstring) and its layer reads them with
-    ``F.linear`` directly, which the wrapper protocol (``base_layer``) does not describe. Other wrappers (bottleneck
-    adapters) are transparent: a plan sees the layers inside them.
-    """
-    from lightning_peft.peft.layers import LoRALayer, LoRALinear
-
-    if not isinstance(module, LoRALayer):
+def _split(module: nn.Module) -> dict[str, str] | None:
+    """A plan unit's ``tensor_parallel_split``, read from its class (a wrapper may forward attributes to its base);
+    ``{}``: it cannot be split (refused if planned; e.g. its base is no ``nn.Linear``); None: not a unit."""
+    split = getattr(type(module), "tensor_parallel_split", None)
+    if not isinstance(split, dict):
         return None
-    return "linear" if isinstance(module, LoRALinear) and isinstance(module.base_layer, nn.Linear) else "other"
+    return split if isinstance(module.base_layer, nn.Linear) else {}
 
 
 def _targets(model: nn.Module) -> dict[str, nn.Module]:
-    """Modules a plan can name: Linear and Embedding leaves and LoRA layers (not the modules inside a LoRA layer)."""
+    """Modules a plan can name: Linear and Embedding leaves and wrappers planned as a unit (not what is inside)."""
     found: dict[str, nn.Module] = {}
     inside: list[str] = []
     for name, module in model.named_modules():
         if any(name.startswith(prefix) for prefix in inside):
             continue
-        if _lora_kind(module):
+        if _split(module) is not None:
             inside.append(f"{name}." if name else "")
             found[name] = module
         elif isinstance(module, (nn.Linear, nn.Embedding)):
@@ -125,7 +106,7 @@ def _targets(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def _base(module: nn.Module) -> nn.Module:
-    return module.base_layer if _lora_kind(module) else module
+    return module.base_layer if _split(module) is not None else module
 
 
 def _is_tied(model: nn.Module, module: nn.Module) -> bool:
@@ -156,7 +137,7 @@ def auto_plan(model: nn.Module, tensor_parallel_size: int = 2) -> dict[str, str]
                 style = "colwise" if base.out_features % tensor_parallel_size == 0 else None
             if style is not None:
                 plan[name] = style
-        elif isinstance(base, nn.Embedding) and not _lora_kind(module):
+        elif isinstance(base, nn.Embedding) and _split(module) is None:
             if re.search(_AUTO_EMBEDDINGS, name) and not _is_tied(model, module):
                 if base.num_embeddings % tensor_parallel_size == 0:
                     plan[name] = "rowwise"
@@ -207,7 +188,7 @@ def resolve_plan(model: nn.Module, plan: str | dict[str, str], tensor_parallel_s
 
     Raises:
         ValueError: For an unknown style, a pattern matching no module, a pattern matching a module that is not a
-            Linear or Embedding (or LoRA on a Linear), a model the automatic plan does not recognise, or a size
+            Linear or Embedding (or an adapter on a Linear), a model the automatic plan does not recognise, or a size
             that does not divide the heads, the key/value heads or a split dimension.
     """
     check_plan_styles(plan)
@@ -252,18 +233,20 @@ def _check_plan(model: nn.Module, plan: dict[str, str], size: int, who: str) -> 
     for name, style in plan.items():
         module = targets[name]
         base = _base(module)
-        if _lora_kind(module) == "other":
+        if _split(module) == {}:
             raise ValueError(
                 f"{WHO}: {name!r} is a {type(module).__name__} on a {type(base).__name__}; tensor parallelism "
                 "supports LoRA on nn.Linear layers only. Leave this module out of the plan (it stays replicated)."
             )
         if isinstance(base, nn.Linear):
             dim, what = (base.out_features, "output") if style == "colwise" else (base.in_features, "input")
+            shape = f"{base.in_features} -> {base.out_features}"
         else:
             dim, what = (base.embedding_dim, "embedding") if style == "colwise" else (base.num_embeddings, "vocabulary")
+            shape = f"{base.num_embeddings} x {base.embedding_dim}"
         if dim % size:
             raise ValueError(
-                f"{who}: {name!r} ({type(base).__name__} {_shape(base)}) is split {style} over its {dim} {what} "
+                f"{who}: {name!r} ({type(base).__name__} {shape}) is split {style} over its {dim} {what} "
                 f"features, and {size} does not divide {dim}; choose a tensor_parallel_size that divides the "
                 "hidden, head and feed-forward sizes."
             )
@@ -291,12 +274,6 @@ def _check_plan(model: nn.Module, plan: dict[str, str], size: int, who: str) -> 
                 f"{', '.join(c for c in children if c not in planned)}; shard the query, key and value projections "
                 "alike (column-wise) and the output projection row-wise, or none of them."
             )
-
-
-def _shape(base: nn.Module) -> str:
-    if isinstance(base, nn.Linear):
-        return f"{base.in_features} -> {base.out_features}"
-    return f"{base.num_embeddings} x {base.embedding_dim}"
 
 
 def _head_counts(module: nn.Module) -> dict[str, int]:
@@ -340,57 +317,49 @@ def _gathered_output(plan: dict[str, str], name: str, targets: dict[str, nn.Modu
 
 
 def _styles():
-    """The two LoRA-aware parallel styles (built lazily: torch.distributed may be absent)."""
+    """The two adapter-aware parallel styles (built lazily: torch.distributed may be absent)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    def shard(module: nn.Module, key: str, placement, src: int | None, mesh) -> None:
-        param = module._parameters[key]
-        module.register_parameter(key, nn.Parameter(
-            distribute_tensor(param.data, mesh, [placement], src_data_rank=src), requires_grad=param.requires_grad,
-        ))
-
-    class LoRAColwise(ColwiseParallel):
-        """ColwiseParallel on a `LoRALinear`: base and B split on their output dim, A (and the rest) replicated."""
-
-        def _partition_lora(self, name: str, module: nn.Module, mesh) -> None:
-            if name == "base_layer" or (name.startswith("lora_B.") and isinstance(module, nn.Linear)):
-                for key in [k for k, p in module._parameters.items() if p is not None]:
-                    shard(module, key, Shard(0), self.src_data_rank, mesh)
+    class Wrapped:
+        """The style on a whole wrapper that declares ``tensor_parallel_split`` (other modules: the style itself).
+        Column-wise: the base's and the split factor's parameters on their output dim; row-wise: their weights on
+        the input dim (biases replicated); distribute_module replicates the rest. ``kind``: the subclass's style."""
 
         def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-            if _lora_kind(module) != "linear":
+            split = _split(module)
+            if not split:
                 return super()._apply(module, device_mesh)
-            module._forget_cached_tensors()
+            factor, colwise = f"{split[self.kind]}.", self.kind == "colwise"
+            if not colwise:
+                self.desired_input_layouts = (Shard(-1),)  # RowwiseParallel sets it for a Linear or Embedding only
+
+            def partition(name: str, sub: nn.Module, mesh) -> None:
+                if name != "base_layer" and not (name.startswith(factor) and isinstance(sub, nn.Linear)):
+                    return
+                for key in [k for k, p in sub._parameters.items() if p is not None] if colwise else ["weight"]:
+                    param = sub._parameters[key]
+                    sub.register_parameter(key, nn.Parameter(distribute_tensor(
+                        param.data, mesh, [Shard(0 if colwise else 1)], src_data_rank=self.src_data_rank,
+                    ), requires_grad=param.requires_grad))
+
             return distribute_module(
-                module, device_mesh, self._partition_lora,
+                module, device_mesh, partition,
                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
             )
 
-    class LoRARowwise(RowwiseParallel):
-        """RowwiseParallel on a `LoRALinear`: base weight and A split on their input dim, B (and bias) replicated."""
+    class AdapterColwise(Wrapped, ColwiseParallel):
+        kind = "colwise"
 
-        def _partition_lora(self, name: str, module: nn.Module, mesh) -> None:
-            if name == "base_layer" or (name.startswith("lora_A.") and isinstance(module, nn.Linear)):
-                shard(module, "weight", Shard(1), self.src_data_rank, mesh)
+    class AdapterRowwise(Wrapped, RowwiseParallel):
+        kind = "rowwise"
 
-        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-            if _lora_kind(module) != "linear":
-                return super()._apply(module, device_mesh)
-            module._forget_cached_tensors()
-            self.desired_input_layouts = (Shard(-1),)
-            return distribute_module(
-                module, device_mesh, self._partition_lora,
-                partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-                partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-            )
-
-    return LoRAColwise, LoRARowwise, Replicate
+    return AdapterColwise, AdapterRowwise, Replicate
 
 
 def parallelize(model: nn.Module, mesh: Any, plan: str | dict[str, str] = "auto") -> dict[str, str]:
-    """Split ``model`` over the 1-D ``mesh`` (its ranks: one tensor-parallel group) in place; LoRA-aware.
+    """Split ``model`` over the 1-D ``mesh`` (its ranks: one tensor-parallel group) in place; adapter-aware.
 
     Every rank of the mesh must call this with the same model; the values are taken from the mesh's first rank.
     Head-count attributes of the attention modules become the local counts.

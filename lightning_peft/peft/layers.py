@@ -120,6 +120,10 @@ class _ABLayer(LoRALayer):
 class LoRALinear(_ABLayer):
     """LoRA for ``nn.Linear`` and for ``transformers``' ``Conv1D`` (``fan_in_fan_out=True``: weight is (in, out))."""
 
+    # A column-wise base (output dim split): B (out, r) splits with it, A replicated; a row-wise base (input dim
+    # split): A (r, in) splits with it, B replicated (lightning_peft.parallel.tensor_parallel).
+    tensor_parallel_split = {"colwise": "lora_B", "rowwise": "lora_A"}
+
     def __init__(self, base_layer: nn.Module, *args, **kwargs) -> None:
         self.fan_in_fan_out = not isinstance(base_layer, nn.Linear)
         super().__init__(base_layer, *args, **kwargs)

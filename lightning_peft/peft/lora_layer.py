@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +57,11 @@ class LoRALayer(RoutedPath, LayerWrapper):
         init: Initialisation of ``A`` (``"kaiming"`` or ``"gaussian"``); ``B`` starts at zero.
         adapter_name: The first adapter's name.
     """
+
+    #: How tensor parallelism splits the layer's own tensors with its base (it reads its factors with ``F.linear``,
+    #: so the layer is placed as one unit): ``{style: container}``, the factor container whose weights split as the
+    #: base's weight does under that style; the rest is replicated. Empty: the layer cannot be split.
+    tensor_parallel_split: ClassVar[dict[str, str]] = {}
 
     def __init__(
         self,

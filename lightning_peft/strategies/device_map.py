@@ -30,21 +30,17 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
+from lightning_peft._submodule import submodule
 from lightning_peft.parallel.device_map import (
     DeviceMap,
-    balanced_groups,
     dispatch_model,
     infer_device_map,
-    layer_units,
     optimizer_state_to_params,
     parse_device,
     place_outside,
 )
 
-__all__ = [
-    "DeviceMap", "DeviceMapStrategy", "balanced_groups", "dispatch_model", "infer_device_map", "layer_units",
-    "parse_device",
-]
+__all__ = ["DeviceMapStrategy"]
 
 
 class DeviceMapStrategy(SingleDeviceStrategy):
@@ -138,16 +134,7 @@ class DeviceMapStrategy(SingleDeviceStrategy):
 
     def _split_model(self) -> nn.Module:
         module = self.lightning_module
-        if not self.model_attribute:
-            return module
-        try:
-            return module.get_submodule(self.model_attribute)
-        except AttributeError:
-            children = ", ".join(n for n, _ in module.named_children()) or "none"
-            raise ValueError(
-                f"DeviceMapStrategy(model_attribute={self.model_attribute!r}): {type(module).__name__} has no such "
-                f"submodule. Its children: {children}."
-            ) from None
+        return submodule(module, self.model_attribute, "DeviceMapStrategy") if self.model_attribute else module
 
     @override
     def model_to_device(self) -> None:

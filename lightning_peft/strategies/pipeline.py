@@ -73,7 +73,6 @@ from typing_extensions import override
 from lightning_peft._checks import integer, names
 from lightning_peft.parallel.pipeline import (
     SCHEDULES,
-    Piece,
     answering,
     batch_size,
     bubble_fraction,
@@ -101,7 +100,7 @@ from lightning_peft.parallel.pipeline_state import (
 )
 from lightning_peft.strategies._pipeline_logs import LogRecorder, replay
 
-__all__ = ["SCHEDULES", "Piece", "PipelineStrategy", "consolidate_checkpoint", "pipeline_pieces", "split_pieces"]
+__all__ = ["PipelineStrategy", "consolidate_checkpoint"]  # consolidate_checkpoint: its documented path
 
 
 class PipelineStrategy(DDPStrategy):

@@ -30,28 +30,11 @@ from lightning_peft._checks import integer
 from lightning_peft._seams import refuse
 from lightning_peft.parallel.checkpoint import load_optimizer_states
 from lightning_peft.parallel.dtensor import average_gradients, broadcast_module, clip_grad_norm, local_parameter_bytes
-from lightning_peft.parallel.tensor_parallel import STYLES, auto_plan, check_plan_styles, parallelize, resolve_plan
+from lightning_peft.parallel.tensor_parallel import check_plan_styles, parallelize
 
-__all__ = [
-    "STYLES", "TensorParallelStrategy", "auto_plan", "clip_grad_norm", "local_parameter_bytes", "parallelize",
-    "resolve_plan",
-]
+__all__ = ["TensorParallelStrategy"]
 
 WHO = "TensorParallelStrategy"
-
-
-# (regex on the module's full dotted name, style) of plan="auto". Projections of the project's blocks
-# (`lightning_peft.nn`), Hugging Face Llama-style (self_attn.*, mlp.*) and BERT-style names; embeddings and head.
-# Head-count attributes a module reshapes with, divided by the tensor-parallel size on each rank.
-
-
-# ------------------------------------------------------------------------------------------------ the plan
-
-
-# ------------------------------------------------------------------------------------------------ applying it
-
-
-# ------------------------------------------------------------------------------------------------ strategy
 
 
 class TensorParallelStrategy(ModelParallelStrategy):
@@ -79,11 +62,11 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     Raises:
         ValueError: If ``tensor_parallel_size`` is not a positive integer, the plan is malformed, the device count
-            is not a multiple of it, or (at setup) the plan does not fit the model (see :func:`resolve_plan`).
+            is not a multiple of it, or (at setup) the plan does not fit the model (see :func:`lightning_peft.parallel.tensor_parallel.resolve_plan`).
     """
 
     # Its data-parallel average takes every trainable gradient in one order, zeros for a replica that left one
-    # unused (MultiLoRA's routing): MultiLoRA asks for this before refusing sharded data parallelism.
+    # unused (per-sample adapter routing), which the routing callback asks before refusing sharded data parallelism.
     averages_missing_gradients = True
 
     strategy_name = "tensor_parallel"

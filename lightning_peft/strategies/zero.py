@@ -95,26 +95,16 @@ class ZeROStrategy(Strategy):
         options: dict[str, Any] | None = None,
         **engine_options: Any,
     ) -> ZeROStrategy:
+        # The one signature of the front: LightningCLI (jsonargparse) and inspect.signature read a class's own
+        # __new__, and a backend's __init__ binds its arguments to it (_arguments). Python then calls the returned
+        # backend class's __init__ with the same arguments.
         if cls is ZeROStrategy:
             cls = _backend_class(stage, backend, offload_optimizer, offload_parameters)
         return super().__new__(cls)
 
-    def __init__(
-        self,
-        stage: int = 2,
-        backend: Backend = "deepspeed",
-        offload_optimizer: bool = False,
-        offload_parameters: bool = False,
-        options: dict[str, Any] | None = None,
-        **engine_options: Any,
-    ) -> None:
-        # Never runs: __new__ returns a backend class, whose own __init__ Python calls. This signature is the one
-        # LightningCLI reads to build the strategy from YAML.
-        del stage, backend, offload_optimizer, offload_parameters, options, engine_options
-
     def _arguments(self, *args: Any, **kwargs: Any) -> tuple[int, str, bool, bool, dict[str, Any]]:
         """The front's arguments (a backend's ``__init__`` gets what ``ZeROStrategy(...)`` was called with)."""
-        bound = inspect.signature(ZeROStrategy.__init__).bind(self, *args, **kwargs)
+        bound = inspect.signature(ZeROStrategy.__new__).bind(type(self), *args, **kwargs)
         bound.apply_defaults()
         _, stage, backend, offload_optimizer, offload_parameters, options, engine_options = bound.arguments.values()
         both = sorted(set(options or {}) & set(engine_options))

@@ -9,9 +9,10 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_peft.callbacks.token_pruning import TokenPruning, anneal_scale
+from lightning_peft.callbacks.token_pruning import TokenPruning
 from lightning_peft.nn.token_pruning import TokenPruner
 from lightning_peft.nn.transformer import TransformerEncoder
+from lightning_peft.training.token_pruning import anneal_scale
 
 LENGTH, LAYERS = 12, 3
 

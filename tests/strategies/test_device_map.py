@@ -26,8 +26,8 @@ import lightning_peft.parallel.device_map as dm
 from lightning_peft.callbacks import LoRA, MergeOnSave
 from lightning_peft.modules import CausalLM, EncoderClassifier
 from lightning_peft.nn import TokenPruner, TransformerDecoder, TransformerEncoder
-from lightning_peft.parallel.device_map import dispatch_model, infer_device_map, layer_units, parse_device
-from lightning_peft.parallel.partition import balanced_cuts
+from lightning_peft.parallel.device_map import dispatch_model, infer_device_map, parse_device
+from lightning_peft.parallel.partition import balanced_cuts, layer_units
 from lightning_peft.peft import lora_layers
 from lightning_peft.strategies import DeviceMapStrategy
 

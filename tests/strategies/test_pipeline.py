@@ -25,7 +25,8 @@ from lightning_peft.nn.transformer import TransformerDecoder, TransformerEncoder
 from lightning_peft.parallel.pipeline import find_sequential
 from lightning_peft.strategies import PipelineStrategy, convert_checkpoint
 from lightning_peft.strategies._pipeline_logs import LogRecorder
-from lightning_peft.strategies.pipeline import consolidate_checkpoint, pipeline_pieces, split_pieces
+from lightning_peft.parallel.pipeline import pipeline_pieces, split_pieces
+from lightning_peft.strategies.pipeline import consolidate_checkpoint
 
 SCRIPT = Path(__file__).with_name("pp_script.py")
 ROOT = Path(__file__).resolve().parents[2]

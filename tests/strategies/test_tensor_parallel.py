@@ -22,7 +22,8 @@ from tests.strategies._launch import free_port, run_lm_example
 from lightning_peft.nn import TransformerDecoder
 from lightning_peft.peft import inject_lora
 from lightning_peft.strategies import TensorParallelStrategy
-from lightning_peft.strategies.tensor_parallel import auto_plan, clip_grad_norm, local_parameter_bytes, resolve_plan
+from lightning_peft.parallel.dtensor import clip_grad_norm, local_parameter_bytes
+from lightning_peft.parallel.tensor_parallel import auto_plan, resolve_plan
 
 SCRIPT = Path(__file__).with_name("tp_script.py")
 ROOT = Path(__file__).resolve().parents[2]

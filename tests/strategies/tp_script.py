@@ -110,7 +110,8 @@ def logits_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def section_pure(out: Path, mesh) -> dict:
-    from lightning_peft.strategies.tensor_parallel import clip_grad_norm, local_parameter_bytes, parallelize
+    from lightning_peft.parallel.dtensor import clip_grad_norm, local_parameter_bytes
+    from lightning_peft.parallel.tensor_parallel import parallelize
 
     result: dict = {}
     ids = torch.randint(0, 32, (3, 8), generator=torch.Generator().manual_seed(5))
@@ -163,7 +164,7 @@ def section_pure(out: Path, mesh) -> dict:
 def section_peft(out: Path, mesh) -> dict:
     from lightning_peft._gather import gathered
     from lightning_peft.peft import save_adapter
-    from lightning_peft.strategies.tensor_parallel import parallelize
+    from lightning_peft.parallel.tensor_parallel import parallelize
 
     reference = tiny_llama(torch.float32)
     split = copy.deepcopy(reference)
@@ -274,7 +275,7 @@ def fit(out: Path, epochs: int, batch_size: int, ckpt_path: Path | None = None, 
 
 
 def section_trainer(out: Path, mesh) -> dict:
-    from lightning_peft.strategies.tensor_parallel import local_parameter_bytes
+    from lightning_peft.parallel.dtensor import local_parameter_bytes
 
     result: dict = {}
     reference = reference_run(epochs=2, batch_size=4)
