@@ -1,9 +1,7 @@
 """``PromptTuning`` callback: a trainable soft prompt in front of a LightningModule's model, injected at ``setup``.
 
-The technique lives in :mod:`lightning_peft.peft.prompt_tuning`;
-:class:`~lightning_peft.callbacks._adapter.AdapterCallback` calls
-:func:`~lightning_peft.peft.prompt_tuning.inject_prompt_tuning` at ``setup`` (before ``configure_optimizers``, so the
-optimizer sees only the prompt and the saved head). With ``init="text"`` and no ``tokenizer``, the
+:class:`~lightning_peft.callbacks._adapter.AdapterCallback` calls :func:`~lightning_peft.peft.inject_prompt_tuning`
+at ``setup`` (before ``configure_optimizers``, so the optimizer sees only the prompt and the saved head). With ``init="text"`` and no ``tokenizer``, the
 datamodule's ``tokenizer`` attribute is used (``BBCNewsDataModule`` has one). A model that already has a prompt (a
 later ``validate``/``test``, or a module restored from a checkpoint) is used as it is, if its length agrees.
 Checkpoints record the prompt (``adapter_only_checkpoint=True`` leaves the frozen base out); resuming with another
