@@ -497,7 +497,8 @@ def memory_child(args: argparse.Namespace) -> None:
 def measure_memory(args: argparse.Namespace) -> dict[str, dict[str, dict]]:
     """Peak RSS growth per malloc mode and side, each in a fresh subprocess."""
     results: dict[str, dict[str, dict]] = {}
-    for mode, extra_env in MALLOC_MODES.items():
+    for mode in args.malloc_modes:
+        extra_env = MALLOC_MODES[mode]
         env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
         env.update(extra_env)
         results[mode] = {}
@@ -580,6 +581,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--small-steps", type=int, default=20, help="consecutive calls timed per repeat, small shape")
     add("--memory-steps", type=int, default=3, help="training steps in each memory subprocess (>= 2)")
     add("--skip-memory", action="store_true", help="do not run the memory subprocesses")
+    add("--malloc-modes", nargs="+", choices=sorted(MALLOC_MODES), default=list(MALLOC_MODES),
+        help="glibc malloc settings to measure memory under (3 subprocesses each)")
     add("--skip-precision", action="store_true", help="do not time the bf16-autocast and floor rows")
     add("--json", type=Path, default=None, help="also write every number to this JSON file")
     add("--memory-child", choices=sorted(BUILDERS), default=None, help=argparse.SUPPRESS)

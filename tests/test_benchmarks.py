@@ -20,7 +20,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_lora.py"
 def test_bench_lora_runs_and_reports_every_ratio(tmp_path):
     out = tmp_path / "bench.json"
     args = ["--batch-size", "2", "--seq-len", "8", "--repeats", "1", "--steps", "1", "--warmup", "0",
-            "--small-batch-size", "0", "--memory-steps", "2", "--json", str(out)]
+            "--small-batch-size", "0", "--memory-steps", "2", "--malloc-modes", "default", "--json", str(out)]
     result = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
