@@ -11,6 +11,8 @@ on first access and ``trainer`` imports Lightning when called.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -273,3 +275,21 @@ def __getattr__(name: str):
         value = globals()[name] = _LAZY[name]()
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ------------------------------------------------------------------------------------------- Lightning blocked
+
+# Run first in a fresh interpreter, it makes any import of Lightning fail: the pure layers must not need it.
+BLOCK_LIGHTNING = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('lightning', 'pytorch_lightning', 'lightning_fabric'):
+            raise ImportError(f'blocked import of {name}')
+sys.meta_path.insert(0, Block())
+"""
+
+
+def run_with_lightning_blocked(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter in which importing Lightning raises ImportError."""
+    return subprocess.run([sys.executable, "-c", BLOCK_LIGHTNING + code], capture_output=True, text=True, timeout=120)

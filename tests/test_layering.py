@@ -4,17 +4,11 @@ without `lightning`; and the package's imports point one way: no cycle between m
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
 from pathlib import Path
 
+from tests._models import run_with_lightning_blocked
+
 BLOCKER = """
-import importlib.abc, sys
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('lightning', 'pytorch_lightning', 'lightning_fabric'):
-            raise ImportError(f'blocked import of {name}')
-sys.meta_path.insert(0, Block())
 import lightning_peft.peft as p
 import torch
 model = torch.nn.Sequential(torch.nn.Linear(4, 4))
@@ -48,14 +42,13 @@ print('ok')
 
 
 def test_peft_layer_imports_and_runs_with_lightning_blocked():
-    result = subprocess.run([sys.executable, "-c", BLOCKER], capture_output=True, text=True, timeout=120)
+    result = run_with_lightning_blocked(BLOCKER)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
 
 
 def test_blocker_really_blocks_lightning():
-    code = BLOCKER.split("import lightning_peft.peft")[0] + "import lightning_peft.callbacks\n"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = run_with_lightning_blocked("import lightning_peft.callbacks\n")
     assert result.returncode != 0 and "blocked import of lightning" in result.stderr
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,7 +35,7 @@ from lightning_peft.peft.bottleneck import (  # noqa: E402
 )
 from lightning_peft.peft.io import load_adapter, save_adapter  # noqa: E402
 from lightning_peft.peft.lora import inject_lora, lora_layers, trainable_parameters  # noqa: E402
-from tests._models import bert_config, gpt2_config, llama_config  # noqa: E402
+from tests._models import bert_config, gpt2_config, llama_config, run_with_lightning_blocked  # noqa: E402
 
 VOCAB = 64
 PREFIX = "base_model.model."
@@ -667,12 +665,6 @@ def test_loading_into_a_different_existing_adapter_is_refused(tmp_path):
 
 def test_the_technique_imports_and_runs_with_lightning_blocked():
     code = """
-import importlib.abc, sys
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('lightning', 'pytorch_lightning', 'lightning_fabric'):
-            raise ImportError(f'blocked import of {name}')
-sys.meta_path.insert(0, Block())
 import torch
 from lightning_peft.peft.bottleneck import inject_bottleneck_adapters
 model = torch.nn.Sequential(torch.nn.Linear(4, 4))
@@ -681,7 +673,7 @@ model(torch.zeros(1, 4)).sum().backward()
 assert not any(m.split('.')[0] in ('lightning', 'pytorch_lightning') for m in sys.modules)
 print('ok')
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = run_with_lightning_blocked(code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
 

@@ -5,13 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from tests._models import run_with_lightning_blocked
+
 BLOCKED = """
-import importlib.abc, sys
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('lightning', 'pytorch_lightning', 'lightning_fabric'):
-            raise ImportError(f'blocked import of {name}')
-sys.meta_path.insert(0, Block())
 import torch
 from torch import nn
 import lightning_peft.parallel as par
@@ -37,7 +33,7 @@ print('ok')
 
 
 def test_parallel_layer_runs_with_lightning_blocked():
-    result = subprocess.run([sys.executable, "-c", BLOCKED], capture_output=True, text=True, timeout=120)
+    result = run_with_lightning_blocked(BLOCKED)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
 
