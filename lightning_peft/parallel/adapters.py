@@ -3,9 +3,9 @@
 A wrapper is a module a PEFT technique put in place of a base layer; it holds that layer as ``base_layer``
 (LoRA's layers, the bottleneck adapters' wrappers). Sharding and planning code treats a wrapper through its
 ``base_layer``, never through one technique's class: FSDP2 makes each wrapper's frozen base its own unit,
-tensor parallelism plans the wrapper by its base's shape. The answer comes from the adapter protocol
-(:func:`lightning_peft.peft.adapter.wrapped_layers`, asked of every adapted module inside the model) and from the
-attribute itself, so a technique that does not list its wrappers is seen too.
+tensor parallelism plans the wrapper by its base's shape. The answer comes from the adapter protocol alone
+(:func:`lightning_peft.peft.adapter.wrapped_layers`, asked of every adapted module inside the model): a technique
+lists its wrappers in :meth:`~lightning_peft.peft.adapter.Adapter.wrapped`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ def adapter_wrappers(model: nn.Module) -> dict[str, nn.Module]:
     listed: set[int] = set()
     for module in model.modules():
         listed.update(id(layer) for layer in wrapped_layers(module).values())
-    return {name: module for name, module in model.named_modules()
-            if id(module) in listed or isinstance(getattr(module, "base_layer", None), nn.Module)}
+    return {name: module for name, module in model.named_modules() if id(module) in listed}
 
 
 def frozen_base(wrapper: nn.Module) -> nn.Module:
