@@ -144,6 +144,22 @@ def adapter_dtype(base: nn.Module | Tensor | None) -> torch.dtype | None:
     return torch.promote_types(base.dtype, torch.float32) if base.dtype.is_floating_point else torch.float32
 
 
+def dense_weight(weight: Tensor) -> Tensor:
+    """A base weight as a plain tensor in its own layout: a quantized weight (a tensor subclass that can
+    dequantize itself, such as torchao's ``NF4Tensor``) is dequantized; a plain tensor is returned as it is.
+
+    Every reader of a frozen base weight that needs its values (DoRA's column norm, merging, exports) goes
+    through here, so a quantized base is handled in one place.
+    """
+    if type(weight) in (Tensor, nn.Parameter):
+        return weight
+    data = weight.data if isinstance(weight, nn.Parameter) else weight
+    for method in ("get_original_weight", "dequantize"):
+        if callable(getattr(data, method, None)):
+            return getattr(data, method)()
+    return weight
+
+
 def wraps_a_layer(module: nn.Module) -> bool:
     """Whether ``module`` is a technique's wrapper around a base layer (it holds it as ``base_layer``)."""
     return isinstance(module._modules.get(BASE_LAYER), nn.Module)
