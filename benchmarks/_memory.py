@@ -27,3 +27,44 @@ def reset_peak_rss() -> bool:
     except OSError:
         return False
     return True
+
+
+def fresh_runs(main, argvs: list[list[str]], jobs: int = 1) -> list[dict]:
+    """``main(argv)`` for each ``argv`` in a new process of its own; their return values, in order.
+
+    Each process is forked from one server process that imported the benchmark script (torch included) once, so
+    a run starts in milliseconds instead of the seconds of a new interpreter, and still starts clean: no allocator
+    cache, no tensors and no peak from an earlier measurement (the server itself computes nothing). ``jobs`` runs
+    that many at once; each measures its own peak. A run that fails ends the benchmark with its traceback.
+    """
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["__main__"])
+    results: list[dict] = [{} for _ in argvs]
+    pending = list(enumerate(argvs))
+    while pending:
+        batch, pending = pending[:jobs], pending[jobs:]
+        running = []
+        for index, argv in batch:
+            receive, send = context.Pipe(duplex=False)
+            process = context.Process(target=_fresh_run, args=(main, argv, send))
+            process.start()
+            send.close()
+            running.append((index, argv, process, receive))
+        for index, argv, process, receive in running:
+            status, value = receive.recv()
+            process.join()
+            if status != "ok":
+                raise SystemExit(f"run {' '.join(argv)} failed:\n{value}")
+            results[index] = value
+    return results
+
+
+def _fresh_run(main, argv: list[str], send) -> None:
+    import traceback
+
+    try:
+        send.send(("ok", main(argv)))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which stops the benchmark
+        send.send(("error", traceback.format_exc()))

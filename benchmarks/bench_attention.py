@@ -11,8 +11,9 @@ after one untimed warm-up call each; tables show the median over ``--repeats`` (
 Two modes: *forward* (under ``torch.no_grad``: inference) and *forward+backward* (inputs require grad; forward,
 then ``backward`` with a fixed output gradient: training).
 
-Peak memory: each (contender, mode, length) in a fresh subprocess (``--memory-child``), so no allocator cache from
-an earlier measurement hides or adds memory. The child makes one small warm-up call (thread pools, kernels), builds
+Peak memory: each (contender, mode, length) in a fresh process (``--memory-child``; forked from a server that
+imported this script once: ``_memory.fresh_runs``), so no allocator cache from an earlier measurement hides or adds
+memory. The child makes one small warm-up call (thread pools, kernels), builds
 the inputs (and the output gradient), then resets the kernel's peak-RSS counter (``VmHWM``) to the current RSS
 through ``/proc/self/clear_refs`` and runs the call once; ``VmHWM`` after minus RSS before is the peak RSS growth
 of the call: everything the call allocates and touches (scores, softmax, saved activations, the output, the
@@ -32,7 +33,6 @@ import gc
 import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _memory import reset_peak_rss, rss_kb  # noqa: E402
+from _memory import fresh_runs, reset_peak_rss, rss_kb  # noqa: E402
 from _report import say, write_results  # noqa: E402
 from lightning_peft.nn.attention import attention, select_backend  # noqa: E402
 
@@ -93,8 +93,8 @@ def call_fn(name: str, mode: str, inputs: list[torch.Tensor]) -> Callable[[], No
 # ------------------------------------------------------------------------------------------------ memory
 
 
-def memory_child(args: argparse.Namespace) -> None:
-    """Print, as JSON, the peak RSS growth of one call of one contender at one length."""
+def memory_child(args: argparse.Namespace) -> dict:
+    """The peak RSS growth of one call of one contender at one length (also printed, as JSON)."""
     torch.set_num_threads(args.threads)
     name, mode, length = args.memory_child, args.memory_mode, args.memory_length
     call_fn(name, mode, make_inputs(args, 64, mode != "forward"))()  # warm-up: thread pools, kernel choice
@@ -104,26 +104,25 @@ def memory_child(args: argparse.Namespace) -> None:
     before, _ = rss_kb()
     step()
     _, after = rss_kb()
-    print(json.dumps({"growth_mb": (after - before) / 1024, "before_mb": before / 1024, "peak_was_reset": was_reset}))
+    result = {"growth_mb": (after - before) / 1024, "before_mb": before / 1024, "peak_was_reset": was_reset}
+    print(json.dumps(result))
+    return result
 
 
 def measure_memory(args: argparse.Namespace) -> dict[str, dict[str, dict[str, float]]]:
-    """Peak RSS growth in MB: memory[mode][contender][str(length)], each in a fresh subprocess."""
+    """Peak RSS growth in MB: memory[mode][contender][str(length)], each in a fresh process."""
     memory: dict[str, dict[str, dict[str, float]]] = {mode: {name: {} for name in CONTENDERS} for mode in MODES}
-    for mode in MODES:
-        for length in args.lengths:
-            for name in CONTENDERS:
-                command = [sys.executable, str(Path(__file__).resolve()), "--memory-child", name, "--memory-mode",
-                           mode, "--memory-length", str(length)]
-                for flag in ("batch_size", "heads", "head_dim", "threads"):
-                    command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-                done = subprocess.run(command, capture_output=True, text=True, check=False)
-                if done.returncode != 0:
-                    sys.exit(f"bench_attention: memory child {name} {mode} {length} failed:\n{done.stderr[-3000:]}")
-                result = json.loads(done.stdout.strip().splitlines()[-1])
-                if not result["peak_was_reset"]:
-                    say("bench_attention: cannot reset the peak RSS here; the memory numbers are upper bounds")
-                memory[mode][name][str(length)] = result["growth_mb"]
+    cells = [(mode, length, name) for mode in MODES for length in args.lengths for name in CONTENDERS]
+    argvs = []
+    for mode, length, name in cells:
+        argv = ["--memory-child", name, "--memory-mode", mode, "--memory-length", str(length)]
+        for flag in ("batch_size", "heads", "head_dim", "threads"):
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        argvs.append(argv)
+    for (mode, length, name), result in zip(cells, fresh_runs(main, argvs), strict=True):
+        if not result["peak_was_reset"]:
+            say("bench_attention: cannot reset the peak RSS here; the memory numbers are upper bounds")
+        memory[mode][name][str(length)] = result["growth_mb"]
     return memory
 
 
@@ -242,8 +241,7 @@ def plot(times: dict, memory: dict, lengths: list[int], path: str, title: str) -
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.memory_child:
-        memory_child(args)
-        return {}
+        return memory_child(args)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     shape = f"batch {args.batch_size}, {args.heads} heads x {args.head_dim}, fp32, {args.threads} CPU threads"

@@ -18,9 +18,9 @@ again before measuring: the reversible backward's gradients (input and every par
 same couplings. Here in fp32, at each depth, on a small input (1 x 64 tokens); the run aborts if the largest
 difference exceeds 1e-3 of the largest gradient.
 
-Peak memory: each (contender, depth) in a fresh subprocess (``--memory-child``), as in ``bench_attention.py``: a
-warm-up step of a one-block stack on 16 tokens (thread pools, kernels), then the blocks and inputs are built, the
-kernel's peak-RSS counter (``VmHWM``) is reset to the current RSS through ``/proc/self/clear_refs`` and one
+Peak memory: each (contender, depth) in a fresh process (``--memory-child``, ``_memory.fresh_runs``), as in
+``bench_attention.py``: a warm-up step of a one-block stack on 16 tokens (thread pools, kernels), then the blocks
+and inputs are built, the kernel's peak-RSS counter (``VmHWM``) is reset to the current RSS through ``/proc/self/clear_refs`` and one
 forward + backward runs; ``VmHWM`` after minus RSS before is its peak RSS growth. That growth includes the
 parameter gradients backward allocates, the same on both sides (4 bytes x parameters, shown beside it); the rest
 is activation memory. Goals: the reversible stack's memory **flat in depth** (the slope of growth minus parameter
@@ -38,7 +38,7 @@ Usage (the numbers on ``docs/reversible.md``)::
     python benchmarks/bench_reversible.py --json benchmarks/results/reversible.json \\
         --txt benchmarks/results/reversible.txt --plot docs/img/reversible.png
 
-``--quick``: depths 1 and 2 of 64-wide blocks on 1 x 64 tokens, 1 repeat, 1 thread, the four memory subprocesses
+``--quick``: depths 1 and 2 of 64-wide blocks on 1 x 64 tokens, 1 repeat, 1 thread, the four memory processes
 at once (a smoke run of about 15 s, most of it imports; its numbers mean nothing).
 """
 
@@ -48,7 +48,6 @@ import argparse
 import gc
 import json
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -61,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _report import say, write_results  # noqa: E402
-from _memory import reset_peak_rss, rss_kb  # noqa: E402
+from _memory import fresh_runs, reset_peak_rss, rss_kb  # noqa: E402
 from lightning_peft.nn.reversible import ReversibleSequence  # noqa: E402
 from lightning_peft.nn.transformer import TransformerBlock  # noqa: E402
 
@@ -174,8 +173,8 @@ def check_gradients(args: argparse.Namespace) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------------ memory
 
 
-def memory_child(args: argparse.Namespace) -> None:
-    """Print, as JSON, the peak RSS growth of one forward + backward of one contender at one depth."""
+def memory_child(args: argparse.Namespace) -> dict:
+    """The peak RSS growth of one forward + backward of one contender at one depth (also printed, as JSON)."""
     torch.set_num_threads(args.threads)
     step_fn(args.memory_child, build(args, 1), make_inputs(args, 1, 16))()  # warm-up: thread pools, kernels
     blocks = build(args, args.memory_depth)
@@ -185,34 +184,29 @@ def memory_child(args: argparse.Namespace) -> None:
     before, _ = rss_kb()
     step()
     _, after = rss_kb()
-    print(json.dumps({"growth_mb": (after - before) / 1024, "before_mb": before / 1024, "peak_was_reset": was_reset,
-                      "parameter_grad_mb": parameter_grad_mb(blocks)}))
+    result = {"growth_mb": (after - before) / 1024, "before_mb": before / 1024, "peak_was_reset": was_reset,
+              "parameter_grad_mb": parameter_grad_mb(blocks)}
+    print(json.dumps(result))
+    return result
 
 
 def measure_memory(args: argparse.Namespace) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """Peak RSS growth in MB, memory[contender][str(depth)], and the parameter gradients' MB per depth."""
     memory: dict[str, dict[str, float]] = {name: {} for name in CONTENDERS}
     grads: dict[str, float] = {}
-    jobs = [(depth, name) for depth in args.depths for name in CONTENDERS]
-    while jobs:  # --memory-jobs children at a time: each measures its own peak, so they may overlap
-        batch, jobs = jobs[:args.memory_jobs], jobs[args.memory_jobs:]
-        running = []
-        for depth, name in batch:
-            command = [sys.executable, str(Path(__file__).resolve()), "--memory-child", name, "--memory-depth",
-                       str(depth)]
-            for flag in ("batch_size", "seq_len", "hidden", "heads", "ffn", "threads"):
-                command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-            running.append((depth, name, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                          text=True)))
-        for depth, name, child in running:
-            stdout, stderr = child.communicate()
-            if child.returncode != 0:
-                sys.exit(f"bench_reversible: memory child {name} at depth {depth} failed:\n{stderr[-3000:]}")
-            result = json.loads(stdout.strip().splitlines()[-1])
-            if not result["peak_was_reset"]:
-                say("bench_reversible: cannot reset the peak RSS here; the memory numbers are upper bounds")
-            memory[name][str(depth)] = result["growth_mb"]
-            grads[str(depth)] = result["parameter_grad_mb"]
+    cells = [(depth, name) for depth in args.depths for name in CONTENDERS]
+    argvs = []
+    for depth, name in cells:
+        argv = ["--memory-child", name, "--memory-depth", str(depth)]
+        for flag in ("batch_size", "seq_len", "hidden", "heads", "ffn", "threads"):
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        argvs.append(argv)
+    # --memory-jobs processes at a time: each measures its own peak, so they may overlap
+    for (depth, name), result in zip(cells, fresh_runs(main, argvs, jobs=args.memory_jobs), strict=True):
+        if not result["peak_was_reset"]:
+            say("bench_reversible: cannot reset the peak RSS here; the memory numbers are upper bounds")
+        memory[name][str(depth)] = result["growth_mb"]
+        grads[str(depth)] = result["parameter_grad_mb"]
     return memory, grads
 
 
@@ -321,8 +315,7 @@ def plot(args: argparse.Namespace, times: dict, memory: dict, grads: dict, path:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.memory_child:
-        memory_child(args)
-        return {}
+        return memory_child(args)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     shape = (f"pre-norm blocks H={args.hidden}, {args.heads} heads, ffn {args.ffn}; batch {args.batch_size} x "
@@ -361,7 +354,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--json", default=None)
     add("--txt", default=None, help="write the printed tables here")
     add("--plot", default=None)
-    add("--memory-jobs", type=int, default=1, help="memory subprocesses run at once (each measures its own peak)")
+    add("--memory-jobs", type=int, default=1, help="memory processes run at once (each measures its own peak)")
     add("--memory-child", choices=CONTENDERS, default=None, help=argparse.SUPPRESS)
     add("--memory-depth", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
