@@ -31,3 +31,13 @@ def _environment():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(scope="session")
+def two_ranks(request, tmp_path_factory):
+    """One 2-rank launch (gloo) for the session's multi-process modules (``tests/_two_ranks.py``):
+    ``two_ranks.path(job)`` is where that job's results are."""
+    from tests import _two_ranks
+
+    jobs = _two_ranks.jobs_for({item.path for item in request.session.items})
+    return _two_ranks.launch(tmp_path_factory.mktemp("two_ranks"), jobs)

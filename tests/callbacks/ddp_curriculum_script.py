@@ -70,5 +70,10 @@ def main(out: Path) -> None:
     (out / f"failing-rank{rank}.txt").write_text(outcome)
 
 
+def run(out: Path) -> None:
+    """The job ``curriculum_ddp`` of ``tests/_two_ranks.py`` (2 ranks started for it)."""
+    main(out)
+
+
 if __name__ == "__main__":
     main(Path(sys.argv[1]))

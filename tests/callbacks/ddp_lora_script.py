@@ -1,4 +1,5 @@
-"""Run by tests/callbacks/test_lora_ddp.py: LoRA + MergeOnSave under a real Lightning Trainer.
+"""Run for tests/callbacks/test_lora_ddp.py: LoRA + MergeOnSave under a real Lightning Trainer. On 2 ranks it is the
+job ``lora_ddp`` of ``tests/_two_ranks.py`` (``run``); the single-process reference runs it from the command line.
 
 Usage: python ddp_lora_script.py OUT_DIR DEVICES BATCH_SIZE [--no-teardown]. With DEVICES=2 Lightning's DDP launcher starts a
 second process (gloo on CPU) by re-running this script. Every rank saves its adapter to OUT_DIR/rank<N>.pt; then, in
@@ -142,6 +143,13 @@ def main_rng(out: Path) -> None:
     torch.save({"straight": adapter_state_dict(straight.model), "mid": adapter_state_dict(mid.model),
                 "boundary": adapter_state_dict(boundary.model), "first_draw": straight.first_draw},
                out / f"rng-rank{rank}.pt")
+
+
+def run(out: Path) -> None:
+    """The job of ``tests/_two_ranks.py``: the 2-rank fits into ``OUT/ddp`` and the dropout resume into ``OUT/rng``."""
+    main(out / "ddp", 2, 4)
+    others(out / "ddp", 2, 4)
+    main_rng(out / "rng")
 
 
 if __name__ == "__main__":

@@ -4,10 +4,6 @@ scoring error on rank 0 stops rank 1 too."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -16,16 +12,11 @@ from lightning_peft.training import CurriculumSampler, compute_scores
 
 from . import ddp_curriculum_script as script
 
-SCRIPT = Path(__file__).with_name("ddp_curriculum_script.py")
-
 
 @pytest.mark.multiprocess
-def test_ddp_ranks_train_on_disjoint_shares_of_the_curriculum(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+def test_ddp_ranks_train_on_disjoint_shares_of_the_curriculum(two_ranks):
+    out = two_ranks.path("curriculum_ddp")
+    ranks = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
     assert torch.equal(ranks[0]["scores"], ranks[1]["scores"])  # rank 0's scores, broadcast
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 32, (script.SAMPLES, 4), generator=generator)
@@ -46,8 +37,8 @@ def test_ddp_ranks_train_on_disjoint_shares_of_the_curriculum(tmp_path):
     last_epoch = [i for r in (0, 1) for batch in ranks[r]["seen"][batches_per_epoch:] for i in batch]
     assert sorted(last_epoch) == list(range(script.SAMPLES))  # all admitted: disjoint and covering
 
-    zero = (tmp_path / "failing-rank0.txt").read_text()
+    zero = (out / "failing-rank0.txt").read_text()
     assert zero.startswith("ValueError: compute_scores: nan_score gave nan for sample 0; scores must be "
                            "finite.")
-    assert (tmp_path / "failing-rank1.txt").read_text() == (
+    assert (out / "failing-rank1.txt").read_text() == (
         f"RuntimeError: Curriculum: scoring on rank 0 failed ({zero}); stopping this rank as well.")

@@ -5,8 +5,6 @@ from __future__ import annotations
 import csv
 import logging
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -410,24 +408,9 @@ def test_the_yaml_form_parses_with_integer_steps(init_args, expected, tmp_path, 
 
 # ------------------------------------------------------------------ data-parallel size (2 processes, gloo)
 
-ACCUMULATION_SCRIPT = Path(__file__).with_name("accumulation_script.py")
-
-
 @pytest.fixture(scope="module")
-def model_parallel_runs(tmp_path_factory) -> Path:
-    from tests.strategies._launch import ROOT, free_port
-
-    out = tmp_path_factory.mktemp("accumulation")
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
-           "NODE_RANK": "0", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("PL_GLOBAL_SEED", None)
-    procs = [subprocess.Popen([sys.executable, str(ACCUMULATION_SCRIPT), str(out)],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    outputs = [p.communicate(timeout=600)[0] for p in procs]
-    for p, output in zip(procs, outputs):
-        assert p.returncode == 0, output[-4000:]
-    return out
+def model_parallel_runs(two_ranks) -> Path:
+    return two_ranks.path("accumulation")  # accumulation_script.py on 2 ranks (tests/_two_ranks.py)
 
 
 @pytest.mark.multiprocess

@@ -5,75 +5,58 @@ equal to one process on the joint batch, an adapter-only checkpoint written by r
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch.testing import assert_close
 
-SCRIPT = Path(__file__).with_name("ddp_lora_script.py")
-
-
-def run(out: Path, devices: int, batch_size: int, *flags: str) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), str(devices), str(batch_size), *flags],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
+from . import ddp_lora_script as script
 
 
 @pytest.mark.multiprocess
-def test_ddp_two_processes_equal_one_process_on_the_joint_batch(tmp_path):
-    # Issue 18, suspicion 18: a script that leaves the gloo group to interpreter shutdown exits cleanly (it was once
-    # seen to abort there, exit 134; measured since: 0 aborts in 18 launches). This launch leaves it.
-    result = run(tmp_path / "ddp", 2, 4, "--no-teardown")
-    assert "terminate called" not in result.stderr
-    run(tmp_path / "single", devices=1, batch_size=8)
-    rank0, rank1 = (torch.load(tmp_path / "ddp" / f"rank{r}.pt") for r in (0, 1))
+def test_ddp_two_processes_equal_one_process_on_the_joint_batch(two_ranks, tmp_path):
+    ddp = two_ranks.path("lora_ddp") / "ddp"  # the 2-rank fits (job lora_ddp of tests/_two_ranks.py)
+    script.main(tmp_path / "single", devices=1, batch_size=8)  # the reference: one process, the joint batch
+    script.others(tmp_path / "single", devices=1, batch_size=8)
+    rank0, rank1 = (torch.load(ddp / f"rank{r}.pt") for r in (0, 1))
     single = torch.load(tmp_path / "single" / "rank0.pt")
     assert rank0.keys() == single.keys()
     for key in single:
         assert torch.equal(rank0[key], rank1[key]), key  # DDP keeps the replicas identical
         assert_close(rank0[key], single[key], rtol=1e-5, atol=1e-6)  # and averages gradients correctly
     # Rank 0 alone wrote the export and an adapter-only checkpoint.
-    assert (tmp_path / "ddp" / "export-rank0.txt").read_text() == "['adapter', 'merged']"
-    assert (tmp_path / "ddp" / "export-rank1.txt").read_text() == "[]"
-    assert (tmp_path / "ddp" / "export" / "merged" / "model.safetensors").is_file()
-    state = torch.load(tmp_path / "ddp" / "ckpt" / "last.ckpt", weights_only=False)["state_dict"]
+    assert (ddp / "export-rank0.txt").read_text() == "['adapter', 'merged']"
+    assert (ddp / "export-rank1.txt").read_text() == "[]"
+    assert (ddp / "export" / "merged" / "model.safetensors").is_file()
+    state = torch.load(ddp / "ckpt" / "last.ckpt", weights_only=False)["state_dict"]
     assert set(state) == {f"model.{k}" for k in single}
     # An export failing on rank 0 raised there and, through a broadcast, on rank 1 as well.
-    assert (tmp_path / "ddp" / "failing-rank0.txt").read_text() == "OSError: No space left on device"
-    assert (tmp_path / "ddp" / "failing-rank1.txt").read_text() == (
+    assert (ddp / "failing-rank0.txt").read_text() == "OSError: No space left on device"
+    assert (ddp / "failing-rank1.txt").read_text() == (
         "RuntimeError: MergeOnSave: the export on rank 0 failed (OSError: No space left on device); "
         "stopping this rank as well."
     )
     for name in ("multi_lora", "bottleneck", "prompt_tuning", "prefix_tuning"):
-        rank0, rank1 = (torch.load(tmp_path / "ddp" / f"{name}-rank{r}.pt") for r in (0, 1))
+        rank0, rank1 = (torch.load(ddp / f"{name}-rank{r}.pt") for r in (0, 1))
         single = torch.load(tmp_path / "single" / f"{name}-rank0.pt")
         assert rank0.keys() == single.keys(), name
         for key in single:
             assert torch.equal(rank0[key], rank1[key]), (name, key)
             assert_close(rank0[key], single[key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
-        state = torch.load(tmp_path / "ddp" / name / "last.ckpt", weights_only=False)["state_dict"]
+        state = torch.load(ddp / name / "last.ckpt", weights_only=False)["state_dict"]
         assert set(state) == {f"model.{k}" for k in single}, name  # rank 0 wrote it, adapter-only
 
 
 @pytest.mark.multiprocess
-def test_ddp_resume_with_dropout_restores_each_ranks_generators(tmp_path):
+def test_ddp_resume_with_dropout_restores_each_ranks_generators(two_ranks):
     """Two ranks with their own generators (different dropout masks): resumed mid-epoch and at an epoch boundary,
     each rank ends with the straight run's adapter, to the bit; the checkpoint holds both ranks' generators."""
-    result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "rng"], capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    ranks = [torch.load(tmp_path / f"rng-rank{r}.pt") for r in (0, 1)]
+    out = two_ranks.path("lora_ddp") / "rng"
+    ranks = [torch.load(out / f"rng-rank{r}.pt") for r in (0, 1)]
     assert ranks[0]["first_draw"] != ranks[1]["first_draw"]  # the ranks did draw differently
     for rank in ranks:
         for resumed in ("mid", "boundary"):
             for key, value in rank["straight"].items():
                 assert torch.equal(rank[resumed][key], value), (resumed, key)
-    saved = torch.load(tmp_path / "straight" / "steps" / "step=2.ckpt", weights_only=False)
+    saved = torch.load(out / "straight" / "steps" / "step=2.ckpt", weights_only=False)
     states = saved["callbacks"]["lightning_peft.RNGState"]["ranks"]
     assert len(states) == 2 and not torch.equal(states[0]["torch"], states[1]["torch"])

@@ -36,6 +36,11 @@ def main(out: Path, names: list[str]) -> None:
             print(f"[matrix] {column.name} | resume done", flush=True)
 
 
+def run(out: Path) -> None:
+    """The job ``matrix`` of ``tests/_two_ranks.py``: every 2-process column."""
+    main(out, [])
+
+
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2:])
     if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -1,6 +1,6 @@
 """The compatibility matrix: every callback under every strategy equals the one-process run or is refused at setup.
 
-One launch of ``matrix_script.py`` on 2 gloo ranks trains every row under every 2-process column (and the resume
+``matrix_script.py`` (the job ``matrix`` of the session's 2-rank launch, ``tests/_two_ranks.py``) trains every row under every 2-process column (and the resume
 check per strategy family); the one-process columns run here. Then each cell is compared with the reference, and
 ``docs/compatibility.md`` must be what ``page.py`` writes from the outcomes.
 """
@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,35 +19,13 @@ pytest.importorskip("deepspeed")
 
 from tests.matrix import cells, page  # noqa: E402
 from tests.matrix.cells import COLUMNS, REFERENCE, ROWS, Column, Row, cell_dir  # noqa: E402
-from tests.strategies._launch import free_port  # noqa: E402
 
 TOLERANCES = {"default": 1e-5, "tensor parallel": 5e-5}  # the strategy tests' bars (TP with AdamW: 5e-5)
-SCRIPT = Path(cells.__file__).with_name("matrix_script.py")
-
-
-def launch(out: Path) -> str:
-    port, procs = free_port(), []
-    for rank in range(2):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-               "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "HF_HUB_OFFLINE": "1"}
-        env.pop("PL_GLOBAL_SEED", None)
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), str(out)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    try:
-        outputs = [p.communicate(timeout=1200)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, output in zip(procs, outputs):
-        progress = [line for line in output.splitlines() if line.startswith("[matrix]")]
-        assert p.returncode == 0, "\n".join(progress[-3:]) + "\n" + output[-4000:]
-    return outputs[0]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("matrix")
-    launch(out)
+def runs(two_ranks) -> Path:
+    out = two_ranks.path("matrix")  # matrix_script.py on 2 ranks (tests/_two_ranks.py); the one-process cells here
     for column in (c for c in COLUMNS if c.devices == 1):
         for row in ROWS:
             cells.run_cell(out, row, column)

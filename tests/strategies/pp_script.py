@@ -446,15 +446,19 @@ def case_buffers(out: Path, rank: int) -> None:
                out / f"buffers-rank{rank}.pt")
 
 
-def main(out: Path, cases: list[str]) -> None:
+CASES = ["gradients", "resume", "lora_export", "clip_tied", "bubble", "scaler", "logging", "buffers"]
+
+
+def run(out: Path) -> None:
+    """The job ``pipeline`` of ``tests/_two_ranks.py``: every case."""
     rank = int(__import__("os").environ["RANK"])
-    for case in cases:
+    for case in CASES:
         globals()[f"case_{case}"](out, rank)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2].split(","))
+    run(Path(sys.argv[1]))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
     exit_worker()

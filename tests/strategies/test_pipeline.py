@@ -1,15 +1,12 @@
 """PipelineStrategy: the cut into pieces and stages (one process), and real 2-rank fits on gloo against one process.
 
-The multi-process checks run once (``pp_script.py``, both ranks started here, several fits in one process group);
-each rank computes its single-process reference itself and the tests compare.
+The multi-process checks run once (``pp_script.py``, the job ``pipeline`` of ``tests/_two_ranks.py``: several fits in
+one process group); each rank computes its single-process reference itself and the tests compare.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -20,7 +17,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 from torch.testing import assert_close
 
-from tests.strategies._launch import free_port, run_lm_example
+from tests.strategies._launch import run_lm_example
 from lightning_peft.nn.transformer import TransformerDecoder, TransformerEncoder
 from lightning_peft.parallel.pipeline import find_sequential
 from lightning_peft.strategies import PipelineStrategy, convert_checkpoint
@@ -28,9 +25,6 @@ from lightning_peft.strategies._pipeline_logs import LogRecorder
 from lightning_peft.parallel.pipeline import pipeline_pieces, split_pieces
 from lightning_peft.strategies.pipeline import consolidate_checkpoint
 
-SCRIPT = Path(__file__).with_name("pp_script.py")
-ROOT = Path(__file__).resolve().parents[2]
-CASES = "gradients,resume,lora_export,clip_tied,bubble,scaler,logging,buffers"
 
 
 def _decoder(**kwargs) -> TransformerDecoder:
@@ -255,19 +249,8 @@ def test_checkpoints_of_another_split_are_refused(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- two processes
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("pipeline")
-    port = str(free_port())
-    procs = []
-    for rank in (0, 1):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2", "RANK": str(rank),
-               "LOCAL_RANK": str(rank), "NODE_RANK": "0", "HF_HUB_OFFLINE": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), str(out), CASES], env=env, cwd=ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    for proc, log in zip(procs, logs, strict=True):
-        assert proc.returncode == 0, log[-4000:]
-    return out
+def runs(two_ranks) -> Path:
+    return two_ranks.path("pipeline")  # pp_script.py on 2 ranks (tests/_two_ranks.py)
 
 
 def _load(runs: Path, case: str, rank: int):

@@ -1,14 +1,11 @@
 """TensorParallelStrategy: the plan and its errors (one process), and real 2-rank runs on gloo against one process.
 
-The multi-process checks run once (``tp_script.py``, both ranks started here, several checks and fits in one
-process group); each rank computes its single-process reference itself and the tests compare.
+The multi-process checks run once (``tp_script.py``, the job ``tensor_parallel`` of ``tests/_two_ranks.py``, several
+checks and fits in one process group); each rank computes its single-process reference itself and the tests compare.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -18,16 +15,13 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 from torch.testing import assert_close
 
-from tests.strategies._launch import free_port, run_lm_example
+from tests.strategies._launch import run_lm_example
 from lightning_peft.nn import TransformerDecoder
 from lightning_peft.peft import inject_lora
 from lightning_peft.strategies import TensorParallelStrategy
 from lightning_peft.parallel.dtensor import clip_grad_norm, local_parameter_bytes
 from lightning_peft.parallel.tensor_parallel import auto_plan, resolve_plan
 
-SCRIPT = Path(__file__).with_name("tp_script.py")
-ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = "pure,peft,trainer,multilora"
 
 
 def _decoder(**kwargs) -> TransformerDecoder:
@@ -216,26 +210,8 @@ def test_registry_names():
 
 # ---------------------------------------------------------------------------------------------- two processes
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tp")
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
-           "NODE_RANK": "0", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    procs = [
-        subprocess.Popen([sys.executable, str(SCRIPT), str(out), SECTIONS],
-                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in (0, 1)
-    ]
-    logs = []
-    for proc in procs:
-        try:
-            logs.append(proc.communicate(timeout=600)[0])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
-    return out
+def runs(two_ranks) -> Path:
+    return two_ranks.path("tensor_parallel")  # tp_script.py on 2 ranks (tests/_two_ranks.py)
 
 
 def _load(runs: Path, section: str, rank: int) -> dict:

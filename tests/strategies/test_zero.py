@@ -1,8 +1,9 @@
 """ZeROStrategy: every stage on DeepSpeed and natively against DDP, on 2 CPU processes (gloo).
 
-One launch of ``zero_script.py`` on 2 ranks runs every strategy in turn (LoRA: 2 epochs with checkpoints and
-exports, a resume; full fine-tuning: memory and a full checkpoint; LoRA with accumulation); a second launch runs two of them as a 2-node
-cluster (``num_nodes=2, devices=1``, ``NODE_RANK`` 0 and 1). The tests below check what those runs left behind.
+``zero_script.py``, run on 2 ranks as the job ``zero`` of the session's launch (``tests/_two_ranks.py``), runs every
+strategy in turn (LoRA: 2 epochs with checkpoints and exports, a resume; full fine-tuning: memory and a full
+checkpoint; LoRA with accumulation), then two of them as a 2-node cluster (``num_nodes=2, devices=1``, ``NODE_RANK``
+0 and 1). The tests below check what those runs left behind.
 """
 
 from __future__ import annotations
@@ -31,36 +32,15 @@ from lightning_peft.peft import save_adapter  # noqa: E402
 from lightning_peft.strategies import ZeROStrategy, convert_checkpoint  # noqa: E402
 from lightning_peft.strategies import zero as zero_module  # noqa: E402
 from tests.strategies import zero_script  # noqa: E402
-from tests.strategies._launch import free_port  # noqa: E402
-from tests.strategies.zero_script import PROBE, STRATEGIES, Classifier, config  # noqa: E402
+from tests.strategies.zero_script import MULTINODE, PROBE, STRATEGIES, Classifier, config  # noqa: E402
 
-SCRIPT = Path(zero_script.__file__)
 ZERO = [name for name in STRATEGIES if name != "ddp"]
-MULTINODE = ["deepspeed3", "native3"]
 STAGE = {name: int(name[-1]) for name in ZERO}
 
 
-def launch(out: Path, cases: list[str], nodes: bool = False) -> None:
-    """Start 2 ranks as torchrun (one node, 2 devices) or a 2-node cluster (one device per node) would."""
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-               "RANK": str(rank), "LOCAL_RANK": "0" if nodes else str(rank), "NODE_RANK": str(rank) if nodes else "0"}
-        env.pop("PL_GLOBAL_SEED", None)
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), str(out), *cases], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [p.communicate(timeout=900)[0] for p in procs]
-    for p, output in zip(procs, outputs):
-        assert p.returncode == 0, output[-4000:]
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("zero")
-    launch(out, [*STRATEGIES, "regressions", "accumulation"])
-    launch(out, [f"multinode:{name}" for name in MULTINODE], nodes=True)
-    return out
+def runs(two_ranks) -> Path:
+    return two_ranks.path("zero")  # zero_script.py on 2 ranks (tests/_two_ranks.py)
 
 
 def adapter(path: Path) -> dict[str, torch.Tensor]:

@@ -1,6 +1,6 @@
 """Run by tests/strategies/test_tensor_parallel.py on each of 2 ranks (gloo, CPU), started by the test itself.
 
-Usage: RANK=r WORLD_SIZE=2 MASTER_ADDR=... MASTER_PORT=... python tp_script.py OUT_DIR SECTION[,SECTION...]
+Usage: RANK=r WORLD_SIZE=2 MASTER_ADDR=... MASTER_PORT=... python tp_script.py OUT_DIR (every section of SECTIONS)
 
 Every check runs in one process group: the reference (the same model, unsplit) is computed in each process, so no
 second launch is needed. Results go to OUT_DIR/<section>-rank<r>.pt (tensors and maximal errors); the test asserts.
@@ -377,20 +377,24 @@ def section_multilora(out: Path, mesh) -> dict:
     return {"replicas": replicas, "reference": reference, "initial": initial}
 
 
-def main(out: Path, sections: list[str]) -> None:
+SECTIONS = ["pure", "peft", "trainer", "multilora"]
+
+
+def run(out: Path) -> None:
+    """The job ``tensor_parallel`` of ``tests/_two_ranks.py``: every section, in the process group it joins (or
+    starts)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    try:
-        for section in sections:
-            result = globals()[f"section_{section}"](out, mesh)
-            torch.save(result, out / f"{section}-rank{RANK}.pt")
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+    for section in SECTIONS:
+        result = globals()[f"section_{section}"](out, mesh)
+        torch.save(result, out / f"{section}-rank{RANK}.pt")
+    dist.barrier()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2].split(","))
+    run(Path(sys.argv[1]))
+    dist.destroy_process_group()
     exit_worker()

@@ -306,6 +306,22 @@ def main(out: Path, cases: list[str]) -> None:
             run_case(out / case, case)
 
 
+MULTINODE = ["deepspeed3", "native3"]
+
+
+def run(out: Path) -> None:
+    """The job ``zero`` of ``tests/_two_ranks.py``: every strategy, the regressions and accumulation on one node of 2
+    devices, then ``MULTINODE`` as 2 nodes of one device (the same 2 processes and process group: only what
+    Lightning reads, ``LOCAL_RANK`` and ``NODE_RANK``, changes)."""
+    main(out, [*STRATEGIES, "regressions", "accumulation"])
+    saved = {key: os.environ[key] for key in ("LOCAL_RANK", "NODE_RANK")}
+    os.environ.update(LOCAL_RANK="0", NODE_RANK=os.environ["RANK"])
+    try:
+        main(out, [f"multinode:{name}" for name in MULTINODE])
+    finally:
+        os.environ.update(saved)
+
+
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2:])
     if torch.distributed.is_available() and torch.distributed.is_initialized():
