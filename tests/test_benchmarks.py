@@ -161,3 +161,18 @@ def test_bench_zero_quick_runs_and_reports_memory_and_time(tmp_path):
     for name in ("deepspeed3", "native3"):  # stage 3 holds about half the parameters on each of 2 ranks
         assert 0.4 < rows[name]["parameters"] / rows["ddp"]["parameters"] < 0.6
         assert rows[name]["step_ms"] > 0 and math.isfinite(rows[name]["time_vs_ddp"])
+
+
+def test_bench_checkpointing_quick_runs_reports_memory_time_and_plots(tmp_path):
+    script = SCRIPT.parent / "bench_checkpointing.py"
+    out, txt, plot = tmp_path / "ckpt.json", tmp_path / "ckpt.txt", tmp_path / "ckpt.png"
+    args = ["--quick", "--json", str(out), "--txt", str(txt), "--plot", str(plot)]
+    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["gradient_rel_error"] <= 1e-6
+    rows = report["rows"]
+    assert [r["blocks"] for r in rows["memory"]] == [1, 2] and set(report["memory_mb"]) == {"checkpointed", "plain"}
+    assert all(math.isfinite(rows["time"][k]) and rows["time"][k] > 0 for k in ("ratio", "floor", "ratio_over_floor"))
+    assert 1 < rows["time"]["floor"] < 2
+    assert "| blocks | checkpointed (MB)" in txt.read_text() and plot.stat().st_size > 1000

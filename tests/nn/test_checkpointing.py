@@ -103,6 +103,7 @@ def test_gradients_equal_those_without_checkpointing(build):
         assert_close(loss_of(model), loss_of(plain.eval()), rtol=0, atol=1e-12)
 
 
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad=True:UserWarning")
 def test_reentrant_checkpointing_gives_zero_gradients_where_ours_does_not():
     """transformers issue 26221: frozen embeddings, so no block input requires grad; reentrant checkpointing
     then builds no graph through the block and the LoRA factors get no gradient."""
@@ -229,3 +230,19 @@ def test_prefix_tuning_refuses_in_both_orders():
     with pytest.raises(RuntimeError, match=r"inject_prefix_tuning: activation checkpointing is on in GPT2LMHeadModel "
                                            r"\(transformer.h.0, transformer.h.1, .*a recomputed layer would write it"):
         inject_prefix_tuning(model, num_virtual_tokens=2)
+
+
+def test_a_mixture_of_experts_aux_loss_backpropagates_through_the_recomputed_blocks():
+    from lightning_peft.nn import moe_aux_loss
+
+    torch.manual_seed(0)
+    plain = TransformerDecoder(vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=2, ffn_size=16,
+                               moe={"num_experts": 4, "top_k": 2}).double()
+    model = copy.deepcopy(plain)
+    apply_activation_checkpointing(model)
+    grads = []
+    for m in (plain, model):
+        (m.train()(IDS).square().mean() + moe_aux_loss(m)).backward()  # the aux loss of the forward, not a recompute
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    for name, expected in grads[0].items():
+        assert_close(grads[1][name], expected, rtol=0, atol=1e-12, msg=name)
