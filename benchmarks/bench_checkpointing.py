@@ -53,13 +53,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _memory import reset_peak_rss, rss_kb  # noqa: E402
-from _report import say, write_results  # noqa: E402
+from _report import finish, output_arguments, save_figure, say  # noqa: E402
 from lightning_peft.nn import TransformerDecoder, apply_activation_checkpointing  # noqa: E402
 from lightning_peft.peft import inject_lora  # noqa: E402
 
 DEPTHS = (4, 8, 16, 24)
 CONTENDERS = ("checkpointed", "plain")
 GRADIENT_TOLERANCE = 1e-6
+# The model's and the batch's sizes: (the real run's, --quick's); a memory child gets the same.
+SIZES = {"batch_size": (4, 1), "seq_len": (256, 16), "hidden": (256, 32), "heads": (4, 2), "ffn": (1024, 64),
+         "vocab": (2048, 64), "threads": (torch.get_num_threads(), 1)}
 
 
 def build(args: argparse.Namespace, depth: int, checkpointed: bool) -> nn.Module:
@@ -149,8 +152,8 @@ def measure_memory(args: argparse.Namespace) -> dict[str, dict[str, dict[str, fl
             else:
                 command = [sys.executable, str(Path(__file__).resolve()), "--memory-child", name, "--memory-depth",
                            str(depth)]
-                for flag in ("batch_size", "seq_len", "hidden", "heads", "ffn", "vocab", "threads"):
-                    command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+                for field in SIZES:
+                    command += [f"--{field.replace('_', '-')}", str(getattr(args, field))]
                 child = subprocess.run(command, capture_output=True, text=True)
                 if child.returncode != 0:
                     sys.exit(f"bench_checkpointing: memory child {name} at depth {depth} failed:\n{child.stderr[-3000:]}")
@@ -259,61 +262,50 @@ def plot(args: argparse.Namespace, memory: dict, path: str, title: str) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend()
     ax.set_title(title, fontsize=8)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    say(f"\nwrote {path}")
+    save_figure(fig, path)
+
+
+def describe(args: argparse.Namespace) -> str:
+    return (f"TransformerDecoder H={args.hidden}, {args.heads} heads, ffn {args.ffn}, vocab {args.vocab}, LoRA r=8 "
+            f"on q/k/v/o; batch {args.batch_size} x {args.seq_len}, fp32, {args.threads} CPU threads")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    if args.memory_child:
+    started, args = time.perf_counter(), parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.memory_child:  # one measurement, as JSON for the parent
         print(json.dumps(measure_one(args, args.memory_child, args.memory_depth)))
         return {}
-    torch.set_num_threads(args.threads)
-    started = time.perf_counter()
-    shape = (f"TransformerDecoder H={args.hidden}, {args.heads} heads, ffn {args.ffn}, vocab {args.vocab}, LoRA r=8 "
-             f"on q/k/v/o; batch {args.batch_size} x {args.seq_len}, fp32, {args.threads} CPU threads")
+    shape = describe(args)
     say(f"## Activation checkpointing vs plain ({shape}; torch {torch.__version__})")
-    report: dict = {"config": {k: v for k, v in vars(args).items() if not k.startswith("memory_")},
-                    "torch": torch.__version__}
-    report["gradient_rel_error"] = check_gradients(args)
-    times = measure_time(args)
+    error, times = check_gradients(args), measure_time(args)
     memory = measure_memory(args)
-    report |= {"raw_ms": times, "memory_mb": memory}
-    report["rows"] = report_tables(args, times, memory, report["gradient_rel_error"])
+    report = {"config": {k: v for k, v in vars(args).items() if not k.startswith("memory_")},
+              "torch": torch.__version__, "gradient_rel_error": error, "raw_ms": times, "memory_mb": memory,
+              "rows": report_tables(args, times, memory, error)}
     if args.plot:
         plot(args, memory, args.plot, f"activation checkpointing: {shape}")
-    report["seconds"] = time.perf_counter() - started
-    say(f"\nwhole run: {report['seconds']:.0f} s")
-    write_results(args.json, args.txt, report)
-    return report
+    return finish(report, started, args.json, args.txt)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--depths", type=int, nargs="+", default=list(DEPTHS))
-    add("--batch-size", type=int, default=4)
-    add("--seq-len", type=int, default=256)
-    add("--hidden", type=int, default=256)
-    add("--heads", type=int, default=4)
-    add("--ffn", type=int, default=1024)
-    add("--vocab", type=int, default=2048)
+    for field, (real, _) in SIZES.items():
+        add(f"--{field.replace('_', '-')}", type=int, default=real)
     add("--repeats", type=int, default=5)
-    add("--threads", type=int, default=torch.get_num_threads())
     add("--goal-memory", type=float, default=0.3)
     add("--goal-time", type=float, default=1.1, help="checkpointed/plain over its floor (2F+B)/(F+B)")
     add("--quick", action="store_true", help="smoke run: depths 1 2, 32 wide, 1 x 16 tokens, 1 repeat")
-    add("--json", default=None)
-    add("--txt", default=None, help="write the printed tables here")
-    add("--plot", default=None)
+    output_arguments(parser)
     add("--memory-child", choices=CONTENDERS, default=None, help=argparse.SUPPRESS)
     add("--memory-depth", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
-        args.depths, args.batch_size, args.seq_len, args.hidden, args.heads, args.ffn = [1, 2], 1, 16, 32, 2, 64
-        args.vocab, args.repeats, args.threads = 64, 1, 1
+        for field, (_, quick) in SIZES.items():
+            setattr(args, field, quick)
+        args.depths, args.repeats = [1, 2], 1
     args.depths = sorted(args.depths)
     return args
 

@@ -163,16 +163,21 @@ def test_bench_zero_quick_runs_and_reports_memory_and_time(tmp_path):
         assert rows[name]["step_ms"] > 0 and math.isfinite(rows[name]["time_vs_ddp"])
 
 
-def test_bench_checkpointing_quick_runs_reports_memory_time_and_plots(tmp_path):
-    script = SCRIPT.parent / "bench_checkpointing.py"
-    out, txt, plot = tmp_path / "ckpt.json", tmp_path / "ckpt.txt", tmp_path / "ckpt.png"
-    args = ["--quick", "--json", str(out), "--txt", str(txt), "--plot", str(plot)]
-    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
+def quick_run(tmp_path: Path, script: str) -> tuple[dict, str, Path]:
+    """``benchmarks/<script> --quick`` writing its JSON, text and plot under ``tmp_path``: (report, text, plot)."""
+    out, txt, plot = tmp_path / "report.json", tmp_path / "report.txt", tmp_path / "plot.png"
+    command = [sys.executable, str(SCRIPT.parent / script), "--quick", "--json", str(out), "--txt", str(txt),
+               "--plot", str(plot)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text()), txt.read_text(), plot
+
+
+def test_bench_checkpointing_quick_runs_reports_memory_time_and_plots(tmp_path):
+    report, text, plot = quick_run(tmp_path, "bench_checkpointing.py")
     assert report["gradient_rel_error"] <= 1e-6
     rows = report["rows"]
     assert [r["blocks"] for r in rows["memory"]] == [1, 2] and set(report["memory_mb"]) == {"checkpointed", "plain"}
     assert all(math.isfinite(rows["time"][k]) and rows["time"][k] > 0 for k in ("ratio", "floor", "ratio_over_floor"))
     assert 1 < rows["time"]["floor"] < 2
-    assert "| blocks | checkpointed (MB)" in txt.read_text() and plot.stat().st_size > 1000
+    assert "| blocks | checkpointed (MB)" in text and plot.stat().st_size > 1000
