@@ -16,8 +16,10 @@ trainable gradient is the same on both sides (aborts above 1e-6 relative).
 Activation memory: each (contender, depth) in a fresh subprocess (``--memory-child``): a warm-up step on 8 tokens,
 then the model and inputs are built, the kernel's peak-RSS counter (``VmHWM``) is reset through
 ``/proc/self/clear_refs``, and one forward + backward runs; the peak RSS growth above model + inputs, minus the
-trainable parameters' gradients (a few hundred KB, shown), is the activation memory. Goal: checkpointed / plain
-**<= 0.3 at 24 blocks**. Plot: activation memory against depth, both contenders (``--plot``).
+trainable parameters' gradients (1.5 MB at 24 blocks, shown), is the activation memory. Twice (``--malloc-modes``,
+as ``bench_lora.py`` does): glibc malloc as a user gets it, where freed blocks stay in the heap and fragment it, and
+with ``MALLOC_MMAP_THRESHOLD_=131072``, where RSS follows the live tensors. Goal: checkpointed / plain **<= 0.3 at
+24 blocks**. Plot: activation memory against depth, both contenders, both modes (``--plot``).
 
 Time, at the deepest depth: the checkpointed step, the plain step, and the plain model's forward (building the
 graph, ``F``) and backward (``B``) timed apart run in every repeat, in an order that rotates, after one untimed
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -60,6 +63,10 @@ from lightning_peft.peft import inject_lora  # noqa: E402
 DEPTHS = (4, 8, 16, 24)
 CONTENDERS = ("checkpointed", "plain")
 GRADIENT_TOLERANCE = 1e-6
+MALLOC_MODES = {
+    "default": {},  # glibc as a user gets it: freed blocks under the (self-raising) mmap threshold stay in the heap
+    "mmap128k": {"MALLOC_MMAP_THRESHOLD_": "131072"},  # each block >= 128 KiB its own mapping: RSS follows live tensors
+}
 # The model's and the batch's sizes: (the real run's, --quick's); a memory child gets the same.
 SIZES = {"batch_size": (4, 1), "seq_len": (256, 16), "hidden": (256, 32), "heads": (4, 2), "ffn": (1024, 64),
          "vocab": (2048, 64), "threads": (torch.get_num_threads(), 1)}
@@ -142,25 +149,30 @@ def measure_one(args: argparse.Namespace, name: str, depth: int) -> dict[str, fl
             "trainable_grad_mb": grads, "peak_was_reset": was_reset}
 
 
-def measure_memory(args: argparse.Namespace) -> dict[str, dict[str, dict[str, float]]]:
-    """memory[contender][str(depth)]: ``measure_one``'s numbers, each from a fresh process (in this one if quick)."""
-    memory: dict[str, dict[str, dict[str, float]]] = {name: {} for name in CONTENDERS}
-    for depth in args.depths:
-        for name in CONTENDERS:
-            if args.quick:
-                result = measure_one(args, name, depth)
-            else:
-                command = [sys.executable, str(Path(__file__).resolve()), "--memory-child", name, "--memory-depth",
-                           str(depth)]
-                for field in SIZES:
-                    command += [f"--{field.replace('_', '-')}", str(getattr(args, field))]
-                child = subprocess.run(command, capture_output=True, text=True)
-                if child.returncode != 0:
-                    sys.exit(f"bench_checkpointing: memory child {name} at depth {depth} failed:\n{child.stderr[-3000:]}")
-                result = json.loads(child.stdout.strip().splitlines()[-1])
-            if not result["peak_was_reset"]:
-                say("bench_checkpointing: cannot reset the peak RSS here; the memory numbers are upper bounds")
-            memory[name][str(depth)] = result
+def measure_memory(args: argparse.Namespace) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
+    """memory[malloc mode][contender][str(depth)]: ``measure_one``'s numbers, each from a fresh process with the
+    mode's environment (quick: in this process, glibc as it is)."""
+    memory: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+    for mode in args.malloc_modes:
+        memory[mode] = {name: {} for name in CONTENDERS}
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}, **MALLOC_MODES[mode]}
+        for depth in args.depths:
+            for name in CONTENDERS:
+                if args.quick:
+                    result = measure_one(args, name, depth)
+                else:
+                    command = [sys.executable, str(Path(__file__).resolve()), "--memory-child", name,
+                               "--memory-depth", str(depth)]
+                    for field in SIZES:
+                        command += [f"--{field.replace('_', '-')}", str(getattr(args, field))]
+                    child = subprocess.run(command, capture_output=True, text=True, env=env)
+                    if child.returncode != 0:
+                        sys.exit(f"bench_checkpointing: memory child {name} at depth {depth} ({mode}) failed:\n"
+                                 f"{child.stderr[-3000:]}")
+                    result = json.loads(child.stdout.strip().splitlines()[-1])
+                if not result["peak_was_reset"]:
+                    say("bench_checkpointing: cannot reset the peak RSS here; the memory numbers are upper bounds")
+                memory[mode][name][str(depth)] = result
     return memory
 
 
@@ -213,18 +225,20 @@ def report_tables(args: argparse.Namespace, times: dict, memory: dict, error: fl
     rows = []
     say("\n### Activation memory (MB: peak RSS growth of one forward + backward above model + inputs, minus the "
         "trainable gradients; a fresh process each)\n")
-    say("| blocks | checkpointed (MB) | plain (MB) | ratio checkpointed / plain | goal | met? |")
-    say("| ---: | ---: | ---: | ---: | ---: | :---: |")
-    for d in depths:
-        ours, base = memory["checkpointed"][str(d)]["activation_mb"], memory["plain"][str(d)]["activation_mb"]
-        ratio = ours / base if base > 0 else float("nan")
-        goal = args.goal_memory if d == deepest else None
-        rows.append({"blocks": d, "checkpointed_mb": ours, "plain_mb": base, "ratio": ratio, "goal": goal,
-                     "met": None if goal is None else ratio <= goal})
-        say(f"| {d} | {ours:.1f} | {base:.1f} | {ratio:.3f} | {'—' if goal is None else f'≤ {goal:.2f}'} | "
-            f"{'—' if goal is None else ('yes' if ratio <= goal else 'NO')} |")
-    grads = memory["plain"][str(deepest)]["trainable_grad_mb"]
-    say(f"\nTrainable (LoRA) gradients subtracted: {grads:.2f} MB at {deepest} blocks.")
+    say("| glibc malloc | blocks | checkpointed (MB) | plain (MB) | ratio checkpointed / plain | goal | met? |")
+    say("| :--- | ---: | ---: | ---: | ---: | ---: | :---: |")
+    for mode, measured in memory.items():
+        for d in depths:
+            ours, base = measured["checkpointed"][str(d)]["activation_mb"], measured["plain"][str(d)]["activation_mb"]
+            ratio = ours / base if base > 0 else float("nan")
+            goal = args.goal_memory if d == deepest else None
+            rows.append({"malloc": mode, "blocks": d, "checkpointed_mb": ours, "plain_mb": base, "ratio": ratio,
+                         "goal": goal, "met": None if goal is None else ratio <= goal})
+            say(f"| {mode} | {d} | {ours:.1f} | {base:.1f} | {ratio:.3f} | "
+                f"{'—' if goal is None else f'≤ {goal:.2f}'} | {'—' if goal is None else ('yes' if ratio <= goal else 'NO')} |")
+    grads = next(iter(memory.values()))["plain"][str(deepest)]["trainable_grad_mb"]
+    say(f"\nTrainable (LoRA) gradients subtracted: {grads:.2f} MB at {deepest} blocks. mmap128k: "
+        "MALLOC_MMAP_THRESHOLD_=131072, every block of 128 KiB or more its own mapping, returned on free.")
     med = {k: statistics.median(v) for k, v in times.items()}
     f_ms, b_ms = med["forward"], med["backward"]
     floor = (2 * f_ms + b_ms) / (f_ms + b_ms)
@@ -252,9 +266,10 @@ def plot(args: argparse.Namespace, memory: dict, path: str, title: str) -> None:
 
     depths = list(args.depths)
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    for name, color, marker in (("plain", "tab:red", "s"), ("checkpointed", "tab:blue", "o")):
-        ax.plot(depths, [memory[name][str(d)]["activation_mb"] for d in depths], "-", color=color, marker=marker,
-                label=name)
+    for (mode, measured), style in zip(memory.items(), ("--", "-")):
+        for name, color, marker in (("plain", "tab:red", "s"), ("checkpointed", "tab:blue", "o")):
+            ax.plot(depths, [measured[name][str(d)]["activation_mb"] for d in depths], style, color=color,
+                    marker=marker, label=f"{name} (glibc malloc: {mode})")
     ax.set_xticks(depths, [str(d) for d in depths])
     ax.set_xlabel("blocks")
     ax.set_ylabel("activation memory (MB, peak RSS growth)")
@@ -295,6 +310,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for field, (real, _) in SIZES.items():
         add(f"--{field.replace('_', '-')}", type=int, default=real)
     add("--repeats", type=int, default=5)
+    add("--malloc-modes", nargs="+", choices=sorted(MALLOC_MODES), default=list(MALLOC_MODES),
+        help="glibc malloc settings to measure memory under (a fresh process each)")
     add("--goal-memory", type=float, default=0.3)
     add("--goal-time", type=float, default=1.1, help="checkpointed/plain over its floor (2F+B)/(F+B)")
     add("--quick", action="store_true", help="smoke run: depths 1 2, 32 wide, 1 x 16 tokens, 1 repeat")
@@ -305,7 +322,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         for field, (_, quick) in SIZES.items():
             setattr(args, field, quick)
-        args.depths, args.repeats = [1, 2], 1
+        args.depths, args.repeats, args.malloc_modes = [1, 2], 1, ["default"]  # quick: measured in this process
     args.depths = sorted(args.depths)
     return args
 
