@@ -44,6 +44,7 @@ import os
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -276,7 +277,7 @@ def plot(args: argparse.Namespace, memory: dict, path: str, title: str) -> None:
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     ax.legend()
-    ax.set_title(title, fontsize=8)
+    ax.set_title(textwrap.fill(title, 90), fontsize=8)
     save_figure(fig, path)
 
 
