@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 LINES: list[str] = []
 
@@ -32,3 +34,27 @@ def exit_worker() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def output_arguments(parser: Any) -> None:
+    """The flags every benchmark writes its results with: ``--json``, ``--txt``, ``--plot``."""
+    parser.add_argument("--json", default=None, help="write the numbers here")
+    parser.add_argument("--txt", default=None, help="write the printed tables here")
+    parser.add_argument("--plot", default=None, help="write the figure here (PNG)")
+
+
+def save_figure(fig: Any, path: str) -> None:
+    """Lay out and write a matplotlib figure (120 dpi), creating its folder, and say where."""
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    say(f"\nwrote {path}")
+
+
+def finish(report: dict, started: float, json_path: str | None, txt_path: str | None) -> dict:
+    """Record and print the run's wall time since ``started`` (``time.perf_counter``), write the results, return
+    ``report``."""
+    report["seconds"] = time.perf_counter() - started
+    say(f"\nwhole run: {report['seconds']:.0f} s")
+    write_results(json_path, txt_path, report)
+    return report

@@ -161,3 +161,24 @@ def test_bench_zero_quick_runs_and_reports_memory_and_time(tmp_path):
     for name in ("deepspeed3", "native3"):  # stage 3 holds about half the parameters on each of 2 ranks
         assert 0.4 < rows[name]["parameters"] / rows["ddp"]["parameters"] < 0.6
         assert rows[name]["step_ms"] > 0 and math.isfinite(rows[name]["time_vs_ddp"])
+
+
+def quick_run(tmp_path: Path, script: str) -> tuple[dict, str, Path]:
+    """``benchmarks/<script> --quick`` writing its JSON, text and plot under ``tmp_path``: (report, text, plot)."""
+    out, txt, plot = tmp_path / "report.json", tmp_path / "report.txt", tmp_path / "plot.png"
+    command = [sys.executable, str(SCRIPT.parent / script), "--quick", "--json", str(out), "--txt", str(txt),
+               "--plot", str(plot)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(out.read_text()), txt.read_text(), plot
+
+
+def test_bench_checkpointing_quick_runs_reports_memory_time_and_plots(tmp_path):
+    report, text, plot = quick_run(tmp_path, "bench_checkpointing.py")
+    assert report["gradient_rel_error"] <= 1e-6
+    rows = report["rows"]
+    assert [r["blocks"] for r in rows["memory"]] == [1, 2]
+    assert set(report["memory_mb"]) == {"default"} and set(report["memory_mb"]["default"]) == {"checkpointed", "plain"}
+    assert all(math.isfinite(rows["time"][k]) and rows["time"][k] > 0 for k in ("ratio", "floor", "ratio_over_floor"))
+    assert 1 < rows["time"]["floor"] < 2
+    assert "| blocks | checkpointed (MB)" in text and plot.stat().st_size > 1000

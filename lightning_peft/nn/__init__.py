@@ -1,9 +1,9 @@
 """Blocks: attention (flash-attn on CUDA, SDPA otherwise), transformer blocks, encoder and decoder, token pruning,
-mixture of experts, reversible layers.
+mixture of experts, reversible layers, activation checkpointing of chosen blocks.
 
 Pure PyTorch: nothing here imports Lightning. See `lightning_peft.nn.attention`, `lightning_peft.nn.transformer`,
-`lightning_peft.nn.token_pruning`, `lightning_peft.nn.moe` and
-`lightning_peft.nn.reversible`.
+`lightning_peft.nn.token_pruning`, `lightning_peft.nn.moe`,
+`lightning_peft.nn.reversible` and `lightning_peft.nn.checkpointing`.
 """
 
 from lightning_peft.nn.attention import (
@@ -16,6 +16,11 @@ from lightning_peft.nn.attention import (
     flash_attn_available,
     packed_attention,
     select_backend,
+)
+from lightning_peft.nn.checkpointing import (
+    apply_activation_checkpointing,
+    checkpointed_modules,
+    remove_activation_checkpointing,
 )
 from lightning_peft.nn.moe import MoE
 from lightning_peft.nn.reversible import ReversibleSequence
@@ -42,12 +47,15 @@ __all__ = [
     "TransformerBlock",
     "TransformerDecoder",
     "TransformerEncoder",
+    "apply_activation_checkpointing",
     "apply_rotary",
     "attention",
     "attention_received",
+    "checkpointed_modules",
     "flash_attn_available",
     "moe_aux_loss",
     "moe_layers",
     "packed_attention",
+    "remove_activation_checkpointing",
     "select_backend",
 ]

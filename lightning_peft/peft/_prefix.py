@@ -13,11 +13,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..nn.checkpointing import checkpointed_modules
 from ._hf_call import CACHE_ARGUMENTS, bind, cached_length, extend_mask, given_cache, shift_positions, the_input
 
 #: Name of the module that holds the prefix on the adapted model.
 PREFIX_ATTRIBUTE = "lightning_peft_prefix"
 _WHO = "prefix tuning"
+_CHECKPOINTING_REASON = (
+    "prefix tuning passes its prefix as the attention cache, which every layer writes into in place; a recomputed "
+    "layer would write it a second time (and transformers' own checkpointing drops the cache in training). Train "
+    "prefix tuning without activation checkpointing (remove the ActivationCheckpointing callback), or use LoRA or "
+    "prompt tuning with it."
+)
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,9 @@ class PrefixEncoder(nn.Module):
         token_dim: ``d``, the MLP input size (with ``encoder_hidden_size``).
         encoder_hidden_size: ``h``; None: no MLP, the table itself is the parameter.
     """
+
+    #: Read by :func:`lightning_peft.nn.apply_activation_checkpointing`, which refuses a model holding this module.
+    refuses_activation_checkpointing = _CHECKPOINTING_REASON
 
     def __init__(self, num_virtual_tokens: int, width: int, token_dim: int, encoder_hidden_size: int | None) -> None:
         super().__init__()
@@ -128,6 +138,14 @@ class PrefixHook:
 
 
 def refuse_gradient_checkpointing(model: nn.Module, who: str) -> None:
+    """Refuse transformers' gradient checkpointing and lightning-peft's activation checkpointing, with the reason."""
+    ours = checkpointed_modules(model)
+    if ours:
+        raise RuntimeError(
+            f"{who}: activation checkpointing is on in {type(model).__name__} ({', '.join(ours) or 'the model'}, "
+            f"lightning_peft.nn.apply_activation_checkpointing or the ActivationCheckpointing callback); "
+            f"{_CHECKPOINTING_REASON}"
+        )
     if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         raise RuntimeError(
             f"{who}: gradient checkpointing is on in {type(model).__name__}; transformers then drops the attention "
