@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 JOBS = {  # pp_script and accumulation_script silence warnings when imported: they go last
     "lora_ddp": ("tests/callbacks/test_lora_ddp.py", "tests.callbacks.ddp_lora_script:run"),
     "curriculum_ddp": ("tests/callbacks/test_curriculum_ddp.py", "tests.callbacks.ddp_curriculum_script:run"),
+    "checkpointing": ("tests/callbacks/test_activation_checkpointing.py", "tests.callbacks.checkpointing_script:main"),
     "zero": ("tests/strategies/test_zero.py", "tests.strategies.zero_script:run"),
     "matrix": ("tests/matrix/test_matrix.py", "tests.matrix.matrix_script:run"),
     "tensor_parallel": ("tests/strategies/test_tensor_parallel.py", "tests.strategies.tp_script:run"),
@@ -99,9 +100,11 @@ def main(out: Path, jobs: list[str]) -> None:
         module, function = JOBS[job][1].split(":")
         here = out / job
         here.mkdir(parents=True, exist_ok=True)
-        start = time.perf_counter()
+        start, environment = time.perf_counter(), dict(os.environ)
         try:
             getattr(importlib.import_module(module), function)(here)
+            os.environ.clear()  # what a job sets (seed_everything's PL_GLOBAL_SEED) does not reach the next
+            os.environ.update(environment)
         except BaseException:  # noqa: BLE001 - reported to the tests through the file, then this rank ends
             (here / f"error-rank{rank}.txt").write_text(traceback.format_exc())
             print(f"[two_ranks] {job} FAILED on rank {rank}", flush=True)

@@ -4,10 +4,6 @@ unaffected; bad selections and prefix tuning are refused at setup. Under DDP and
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,11 +12,9 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning_peft.callbacks import ActivationCheckpointing, LoRA, PrefixTuning, load_from_checkpoint
 from lightning_peft.nn import checkpointed_modules
 from tests._models import LORA_ARGS, Classifier, ResumableLoader, bert_config, dataset, trainer
-from tests.strategies._launch import free_port
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 DROPOUT = {"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1}
-SCRIPT = Path(__file__).with_name("checkpointing_script.py")
 
 
 class Probe(Callback):
@@ -98,20 +92,10 @@ def test_bad_input_is_refused_before_training(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_ddp_and_fsdp2_give_the_same_weights_with_and_without_checkpointing(tmp_path):
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-               "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0"}
-        env.pop("PL_GLOBAL_SEED", None)
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    for p, output in zip(procs, outputs):
-        assert p.returncode == 0, output[-4000:]
+def test_ddp_and_fsdp2_give_the_same_weights_with_and_without_checkpointing(two_ranks):
+    out = two_ranks.path("checkpointing")  # checkpointing_script.py on 2 ranks (tests/_two_ranks.py)
     for rank in (0, 1):
-        result = torch.load(tmp_path / f"rank{rank}.pt")
+        result = torch.load(out / f"rank{rank}.pt")
         for strategy in ("ddp", "native3"):
             plain, checkpointed = result[f"{strategy}/plain"], result[f"{strategy}/checkpointed"]
             assert result[f"{strategy}/seen"] == ["model.bert.encoder.layer.0", "model.bert.encoder.layer.1"]
