@@ -1,9 +1,9 @@
 """Blocks: attention (flash-attn on CUDA, SDPA otherwise), transformer blocks, encoder and decoder, token pruning,
-mixture of experts, reversible layers.
+mixture of experts, reversible layers, the chunked language-model loss.
 
 Pure PyTorch: nothing here imports Lightning. See `lightning_peft.nn.attention`, `lightning_peft.nn.transformer`,
-`lightning_peft.nn.token_pruning`, `lightning_peft.nn.moe` and
-`lightning_peft.nn.reversible`.
+`lightning_peft.nn.token_pruning`, `lightning_peft.nn.moe`,
+`lightning_peft.nn.reversible` and `lightning_peft.nn.chunked_loss`.
 """
 
 from lightning_peft.nn.attention import (
@@ -17,6 +17,7 @@ from lightning_peft.nn.attention import (
     packed_attention,
     select_backend,
 )
+from lightning_peft.nn.chunked_loss import chunked_cross_entropy
 from lightning_peft.nn.moe import MoE
 from lightning_peft.nn.reversible import ReversibleSequence
 from lightning_peft.nn.token_pruning import TokenPruner
@@ -45,6 +46,7 @@ __all__ = [
     "apply_rotary",
     "attention",
     "attention_received",
+    "chunked_cross_entropy",
     "flash_attn_available",
     "moe_aux_loss",
     "moe_layers",
