@@ -161,3 +161,20 @@ def test_bench_zero_quick_runs_and_reports_memory_and_time(tmp_path):
     for name in ("deepspeed3", "native3"):  # stage 3 holds about half the parameters on each of 2 ranks
         assert 0.4 < rows[name]["parameters"] / rows["ddp"]["parameters"] < 0.6
         assert rows[name]["step_ms"] > 0 and math.isfinite(rows[name]["time_vs_ddp"])
+
+
+def test_bench_chunked_loss_quick_runs_reports_memory_time_and_plots(tmp_path):
+    import importlib.util
+
+    script = SCRIPT.with_name("bench_chunked_loss.py")
+    spec = importlib.util.spec_from_file_location("bench_chunked_loss", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # in this process: a fresh interpreter would cost more than the whole smoke run
+    out, txt, plot = tmp_path / "chunked.json", tmp_path / "chunked.txt", tmp_path / "chunked.png"
+    bench.main(["--quick", "--json", str(out), "--txt", str(txt), "--plot", str(plot)])
+    report = json.loads(out.read_text())
+    assert report["check_rel_error"] < 1e-4
+    memory, time_row = report["rows"]
+    assert memory["baseline"] >= 0 and math.isfinite(time_row["ratio"]) and time_row["ratio"] > 0
+    assert set(report["headline"]["memory_mb"]["plain"]) == {"256", "512"} and len(report["sweep"]["rows"]) == 2
+    assert "| vocabulary | chunked | plain |" in txt.read_text() and plot.stat().st_size > 1000

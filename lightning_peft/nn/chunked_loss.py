@@ -162,11 +162,16 @@ def _loss_and_grads(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels:
     any_grad = any(needs)
     loss = torch.zeros((), dtype=acc, device=device)
     weight_t = weight.t()  # (H, V), a view
+    buffer = torch.empty(min(chunk_size, n), vocab, dtype=hidden.dtype, device=device)  # reused by every chunk
     for start in range(0, n, chunk_size):
         stop = min(start + chunk_size, n)
         h = hidden[start:stop]  # (c, H)
-        logits = torch.mm(h, weight_t) if bias is None else torch.addmm(bias, h, weight_t)  # (c, V)
-        logits = logits.to(acc)  # a no-op for float32 / float64
+        logits = buffer[: stop - start]  # (c, V)
+        if bias is None:
+            torch.mm(h, weight_t, out=logits)
+        else:
+            torch.addmm(bias, h, weight_t, out=logits)
+        logits = logits.to(acc)  # a no-op for float32 / float64; a float32 copy of a bfloat16 chunk
         keep = kept[start:stop]  # (c,)
         target = labels[start:stop].masked_fill(~keep, 0)  # (c,): ignored rows point at class 0, weighted 0
         logits.sub_(logits.amax(dim=1, keepdim=True))  # shifted: the largest logit of each row is 0
