@@ -182,3 +182,20 @@ def test_bench_checkpointing_quick_runs_reports_memory_time_and_plots(tmp_path):
     assert all(math.isfinite(rows["time"][k]) and rows["time"][k] > 0 for k in ("ratio", "floor", "ratio_over_floor"))
     assert 1 < rows["time"]["floor"] < 2
     assert "| blocks | checkpointed (MB)" in text and plot.stat().st_size > 1000
+
+
+def test_bench_chunked_loss_quick_runs_reports_memory_time_and_plots(tmp_path):
+    import importlib.util
+
+    script = SCRIPT.with_name("bench_chunked_loss.py")
+    spec = importlib.util.spec_from_file_location("bench_chunked_loss", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # in this process: a fresh interpreter would cost more than the whole smoke run
+    out, txt, plot = tmp_path / "chunked.json", tmp_path / "chunked.txt", tmp_path / "chunked.png"
+    bench.main(["--quick", "--json", str(out), "--txt", str(txt), "--plot", str(plot)])
+    report = json.loads(out.read_text())
+    assert report["check_rel_error"] < 1e-4
+    memory, time_row = report["rows"]
+    assert memory["baseline"] >= 0 and math.isfinite(time_row["ratio"]) and time_row["ratio"] > 0
+    assert set(report["headline"]["memory_mb"]["plain"]) == {"256", "512"} and len(report["sweep"]["rows"]) == 2
+    assert "| vocabulary | chunked | plain |" in txt.read_text() and plot.stat().st_size > 1000

@@ -25,7 +25,10 @@ Shapes:
 Causal-LM loss and perplexity: with ``t`` over the real target tokens (``labels[:, 1:] != -100``),
 ``loss = sum_t -log p(token_t | tokens_<t) / n`` and ``ppl = exp(loss)``. Validation and test sum the token
 losses and counts over the whole split (across batches and processes) before dividing, so ``val_ppl`` is the
-perplexity of the split, not a mean of per-batch perplexities.
+perplexity of the split, not a mean of per-batch perplexities. With ``CausalLM(chunked_loss=n)`` training,
+validation and test compute that sum with `lightning_peft.nn.chunked_cross_entropy` from the decoder's hidden states,
+``n`` tokens at a time, never the ``(B, L, V)`` logits, when the head is a plain ``nn.Linear`` (see
+`CausalLM.chunked_head`); any other head keeps the plain loss.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from lightning_peft.modules.hf import (
     _param_groups,
     linear_warmup_decay,
 )
+from lightning_peft.nn.chunked_loss import chunked_cross_entropy
 from lightning_peft.nn.transformer import TransformerDecoder, TransformerEncoder, moe_aux_loss, moe_layers
 
 __all__ = ["CausalLM", "EncoderClassifier", "TokenLoss", "add_moe_losses", "shifted_token_losses"]
@@ -225,12 +229,17 @@ def shifted_token_losses(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor
         >>> round(loss_sum.item() / math.log(4), 4), count.item()
         (1.0, 1)
     """
-    target = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, L): the last position predicts nothing
+    target = _shifted(labels)  # (B, L)
     loss_sum = F.cross_entropy(  # on the logits as they are: slicing off the last position would copy them
         logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
     return loss_sum, (target != IGNORE_INDEX).sum()
+
+
+def _shifted(labels: Tensor) -> Tensor:
+    """``(B, L)`` targets: position ``t`` gets ``labels[:, t + 1]``; the last position predicts nothing (-100)."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
 class TokenLoss(Metric):
@@ -282,6 +291,10 @@ class CausalLM(LightningModule):
         learning_rate: Peak AdamW learning rate.
         weight_decay: AdamW weight decay on matrices (embeddings included), not on norm weights.
         warmup_fraction: Fraction of the optimizer steps spent warming the learning rate up.
+        chunked_loss: Tokens per chunk of `lightning_peft.nn.chunked_cross_entropy` for the training, validation
+            and test loss (memory ``O(chunked_loss * V)`` instead of ``O(B * L * V)``; equal to the plain loss up to
+            float rounding); ``None`` (the default) computes the ``(B, L, V)`` logits. Used only while the head is
+            a plain ``nn.Linear`` (see `chunked_head`).
 
     Raises:
         ValueError: If an argument is out of range, or ``decoder`` sets ``vocab_size`` (use the argument).
@@ -303,9 +316,13 @@ class CausalLM(LightningModule):
         learning_rate: float = 1e-3,
         weight_decay: float = 0.1,
         warmup_fraction: float = 0.05,
+        chunked_loss: int | None = None,
     ) -> None:
         super().__init__()
         _check_args("CausalLM", learning_rate, weight_decay, warmup_fraction)
+        if chunked_loss is not None:
+            integer("CausalLM", "chunked_loss", chunked_loss, minimum=1, example="1024",
+                    meaning="tokens per chunk of the loss; None for the plain loss")
         options = _check_options("CausalLM", "decoder", decoder)
         if "vocab_size" in options:
             raise ValueError(
@@ -350,9 +367,40 @@ class CausalLM(LightningModule):
             labels = input_ids if mask is None else input_ids.masked_fill(mask == 0, IGNORE_INDEX)
         return input_ids, mask, labels
 
+    def chunked_head(self) -> nn.Linear | None:
+        """The head the chunked loss runs on, or None for the plain loss (``chunked_loss=None``, or a head it
+        cannot see through).
+
+        The chunked loss reads ``lm_head.weight`` and ``bias`` itself and runs the decoder up to its final norm
+        (``TransformerDecoder.hidden_states``), so it applies only where that equals calling the model: the head is
+        exactly ``nn.Linear`` (not an adapter such as LoRA's wrapper, nor a modules-to-save copy) with plain tensors
+        (not quantized, not DTensor shards of tensor parallelism), and no hook or replaced ``forward`` sits on this
+        module, the decoder or the head (device maps, pipeline stages).
+        """
+        if self.hparams.get("chunked_loss") is None:
+            return None
+        head = self.decoder.lm_head
+        if type(head) is not nn.Linear or type(self.decoder).forward is not TransformerDecoder.forward:
+            return None
+        if any(p is not None and type(p) not in (nn.Parameter, Tensor) for p in (head.weight, head.bias)):
+            return None
+        for module in (self, self.decoder, head):
+            if module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module):
+                return None
+        return head
+
     def _token_losses(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         input_ids, mask, labels = self._inputs_and_labels(batch)
-        return shifted_token_losses(self(input_ids, mask), labels)
+        head = self.chunked_head()
+        if head is None:
+            return shifted_token_losses(self(input_ids, mask), labels)
+        target = _shifted(labels)  # (B, L)
+        hidden = self.decoder.hidden_states(input_ids, mask)  # (B, L, H)
+        loss_sum = chunked_cross_entropy(  # under autocast the head's own dtype (the plain head would run lower)
+            hidden.to(head.weight.dtype), head.weight, target, chunk_size=self.hparams.chunked_loss,
+            ignore_index=IGNORE_INDEX, reduction="sum", bias=head.bias,
+        )
+        return loss_sum.float(), (target != IGNORE_INDEX).sum()
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         """Token-mean cross-entropy of the batch (logged as ``train_loss``) plus any MoE auxiliary losses."""

@@ -1,9 +1,9 @@
 """Blocks: attention (flash-attn on CUDA, SDPA otherwise), transformer blocks, encoder and decoder, token pruning,
-mixture of experts, reversible layers, activation checkpointing of chosen blocks.
+mixture of experts, reversible layers, activation checkpointing of chosen blocks, the chunked language-model loss.
 
 Pure PyTorch: nothing here imports Lightning. See `lightning_peft.nn.attention`, `lightning_peft.nn.transformer`,
-`lightning_peft.nn.token_pruning`, `lightning_peft.nn.moe`,
-`lightning_peft.nn.reversible` and `lightning_peft.nn.checkpointing`.
+`lightning_peft.nn.token_pruning`, `lightning_peft.nn.moe`, `lightning_peft.nn.reversible`,
+`lightning_peft.nn.checkpointing` and `lightning_peft.nn.chunked_loss`.
 """
 
 from lightning_peft.nn.attention import (
@@ -22,6 +22,7 @@ from lightning_peft.nn.checkpointing import (
     checkpointed_modules,
     remove_activation_checkpointing,
 )
+from lightning_peft.nn.chunked_loss import chunked_cross_entropy
 from lightning_peft.nn.moe import MoE
 from lightning_peft.nn.reversible import ReversibleSequence
 from lightning_peft.nn.token_pruning import TokenPruner
@@ -52,6 +53,7 @@ __all__ = [
     "attention",
     "attention_received",
     "checkpointed_modules",
+    "chunked_cross_entropy",
     "flash_attn_available",
     "moe_aux_loss",
     "moe_layers",

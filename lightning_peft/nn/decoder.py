@@ -126,6 +126,13 @@ class TransformerDecoder(nn.Module):
         self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
     ) -> Tensor:
         """Logits ``(B, L, V)`` of ``input_ids`` ``(B, L)``; ``attention_mask`` marks real tokens (1)."""
+        return self.lm_head(self.hidden_states(input_ids, attention_mask, position_ids))
+
+    def hidden_states(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+    ) -> Tensor:
+        """The final-norm hidden states ``(B, L, H)`` that ``lm_head`` turns into logits (for a loss that applies
+        the head itself, such as `lightning_peft.nn.chunked_cross_entropy`)."""
         if input_ids.shape[1] > self.max_position_embeddings:
             raise ValueError(
                 f"TransformerDecoder: input of {input_ids.shape[1]} tokens exceeds max_position_embeddings="
@@ -138,7 +145,7 @@ class TransformerDecoder(nn.Module):
         else:
             for layer in self.layers:
                 x = layer(x, key_padding_mask=mask, position_ids=position_ids)
-        return self.lm_head(self.norm(x))
+        return self.norm(x)
 
     @classmethod
     def from_pretrained(cls, path: str, **overrides: Any) -> TransformerDecoder:

@@ -404,3 +404,67 @@ def test_moe_losses_are_added_and_utilisation_logged() -> None:
     dense = _lm()
     dense.log = lambda *args, **kwargs: None
     assert not hasattr(dense.decoder.layers[0].mlp, "aux_loss")  # a dense model: the task loss alone
+
+
+# ---------------------------------------------------------------- CausalLM(chunked_loss=...)
+
+
+def _step_and_grads(module: CausalLM, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    module.log = lambda *args, **kwargs: None  # no Trainer: the real training_step, its logging dropped
+    module.zero_grad(set_to_none=True)
+    loss = module.training_step(batch, 0)
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in module.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("variant", ["plain head", "tied head", "LoRA on the head", "LoRA elsewhere"])
+def test_chunked_loss_equals_the_plain_loss_and_gradients_in_float64(variant: str) -> None:
+    from lightning_peft.peft import inject_lora
+    from tests._models import randomise
+
+    options = {**DECODER, "tie_word_embeddings": variant == "tied head"}
+    modules = []
+    for chunked in (None, 7):  # 7 does not divide the 4 x 9 tokens
+        torch.manual_seed(0)
+        module = CausalLM(VOCAB, options, chunked_loss=chunked).double()
+        if variant.startswith("LoRA"):
+            targets = ["q_proj", "v_proj", "lm_head"] if variant == "LoRA on the head" else ["q_proj", "v_proj"]
+            torch.manual_seed(1)
+            randomise(inject_lora(module, rank=2, target_modules=targets))
+        modules.append(module)
+    plain, chunked = modules
+    # the chunked loss runs where the head is a plain nn.Linear (frozen under LoRA elsewhere); LoRA's wrapper falls back
+    assert plain.chunked_head() is None
+    assert (chunked.chunked_head() is None) == (variant == "LoRA on the head")
+    batch = _lm_batch(4, 9, padding=[0, 2, 0, 5], seed=3)
+    expected, expected_grads = _step_and_grads(plain, batch)
+    loss, grads = _step_and_grads(chunked, batch)
+    assert grads.keys() == expected_grads.keys() and len(grads) > 0
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-7)  # the plain loss rounds its logits to float32
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    with torch.no_grad():  # validation and test: the same sums without gradients
+        torch.testing.assert_close(chunked._token_losses(batch), plain._token_losses(batch), rtol=1e-6, atol=1e-7)
+
+
+def test_chunked_loss_falls_back_where_the_head_is_not_a_plain_linear_and_rejects_bad_sizes() -> None:
+    torch.manual_seed(0)
+    module = CausalLM(VOCAB, DECODER, chunked_loss=16)
+    head = module.decoder.lm_head
+    assert module.chunked_head() is head
+    handle = head.register_forward_pre_hook(lambda *args: None)  # e.g. a device map moving the head's inputs
+    assert module.chunked_head() is None
+    handle.remove()
+    module.decoder.forward = lambda *args, **kwargs: None  # a pipeline stage answering for the decoder
+    assert module.chunked_head() is None
+    del module.decoder.forward
+    head.weight = torch.nn.Parameter(torch.nn.Buffer(head.weight.detach()).as_subclass(_Marked))  # quantized, DTensor
+    assert module.chunked_head() is None
+    for bad, error in ((0, ValueError), (2.0, TypeError)):
+        with pytest.raises(error, match=rf"^CausalLM\(chunked_loss={bad}\): chunked_loss must be an integer >= 1, "
+                                        r"e\.g\. 1024 \(tokens per chunk of the loss; None for the plain loss\)"):
+            CausalLM(VOCAB, DECODER, chunked_loss=bad)
+
+
+class _Marked(torch.Tensor):
+    """A tensor subclass standing in for a quantized or sharded weight (NF4Tensor, DTensor)."""
