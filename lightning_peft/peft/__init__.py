@@ -17,6 +17,7 @@ from .lora import LoRAAdapter, add_adapter, inject_lora, unload_lora
 from .lora_config import LoRAConfig
 from .lora_merge import merge_lora, unmerge_lora
 from .modules_to_save import ModulesToSave
+from .quantize import quantize_base
 from .multi_lora import (
     active_adapter,
     combine_adapters,
@@ -82,6 +83,7 @@ __all__ = [
     "peft_config",
     "prefix_tuning_spec",
     "prompt_embedding",
+    "quantize_base",
     "route_adapters",
     "save_adapter",
     "set_adapter",

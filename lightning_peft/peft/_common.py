@@ -151,13 +151,27 @@ def dense_weight(weight: Tensor) -> Tensor:
     Every reader of a frozen base weight that needs its values (DoRA's column norm, merging, exports) goes
     through here, so a quantized base is handled in one place.
     """
-    if type(weight) in (Tensor, nn.Parameter):
-        return weight
+    method = _dequantizer(weight)
+    return weight if method is None else method()
+
+
+def _dequantizer(weight: Tensor | None):
+    """The bound method that dequantizes ``weight``, if its class defines one (``Tensor.dequantize`` itself, which
+    DTensor and other wrapper subclasses inherit, is for torch's own quantized tensors and does not count)."""
+    if weight is None or type(weight) in (Tensor, nn.Parameter):
+        return None
     data = weight.data if isinstance(weight, nn.Parameter) else weight
-    for method in ("get_original_weight", "dequantize"):
-        if callable(getattr(data, method, None)):
-            return getattr(data, method)()
-    return weight
+    for name in ("get_original_weight", "dequantize"):
+        own = getattr(type(data), name, None)
+        if callable(own) and own is not getattr(Tensor, name, None):
+            return getattr(data, name)
+    return None
+
+
+def is_quantized(weight: Tensor | None) -> bool:
+    """Whether ``weight`` is a quantized tensor (a subclass that dequantizes itself, such as torchao's ``NF4Tensor``):
+    its values must be read through :func:`dense_weight`, and it cannot be written in place without requantizing."""
+    return _dequantizer(weight) is not None
 
 
 def wraps_a_layer(module: nn.Module) -> bool:

@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
+from ._common import dense_weight
 from .adapter import Adapter, attach, attached, detach, register, remove_adapter, trainable_parameters, unwrap
 from .layers import DEFAULT, LoRAConv2d, LoRAEmbedding, LoRALayer, LoRALinear, Routing, lora_layers, lora_spec, require_spec
 from .lora_config import LoRAConfig, as_config, check_adapter_name
@@ -37,6 +38,7 @@ from .lora_peft import PEFT_FIELDS, check_peft_config, config_for_model, peft_co
 from .lora_peft import point_peft_methods
 from .lora_targets import _select, _warn_about_settings
 from .modules_to_save import fold_modules_to_save, set_submodule, wrap_modules_to_save
+from .quantize import quantize_layers
 
 log = logging.getLogger(__name__)
 
@@ -153,12 +155,13 @@ class LoRAAdapter(Adapter):
                 state[f"{name}.weight"] = layer.merged_weight(chosen)
             except RuntimeError as err:
                 raise RuntimeError(f"merged_state_dict: layer {name!r}: {err}") from None
-        return fold_modules_to_save(model, state)
+        # A quantized base weight no adapter was merged into is exported as its values (a plain tensor).
+        return {k: dense_weight(v) for k, v in fold_modules_to_save(model, state).items()}
 
     def unload(self, model: nn.Module, merge: bool) -> None:
         model = unwrap(model)
         if merge:
-            merge_lora(model)
+            merge_lora(model, dequantize=True)
         elif any(layer.merged for layer in lora_layers(model).values()):
             unmerge_lora(model)
         for name in self.targets:
@@ -299,6 +302,9 @@ def _inject(
     model: nn.Module, config: LoRAConfig, targets: list[str], to_save: list[str], adapter_name: str
 ) -> dict[str, LoRALayer]:
     """Add adapter ``adapter_name`` to exactly ``targets`` and wrap ``to_save`` (full names, already checked)."""
+    if config.quantize is not None:  # first: a named layer that cannot be quantized is refused before any change
+        quantize_layers(model, targets, config.quantize, f"LoRA(quantize={config.quantize!r})",
+                        named=isinstance(config.target_modules, list))
     spec = lora_spec(model)
     routing = spec.routing if spec is not None else Routing(adapter_name)
     for wrapper in wrap_modules_to_save(model, to_save).values():

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._common import LayerWrapper, adapter_dtype
+from ._common import LayerWrapper, adapter_dtype, dense_weight, is_quantized
 from .lora_routing import DEFAULT, RoutedPath, Routing
 
 Init = Literal["kaiming", "gaussian"]
@@ -218,8 +218,8 @@ class LoRALayer(RoutedPath, LayerWrapper):
                     "unmerge_lora(model) first."
                 )
             return weight.detach().clone()
-        with torch.no_grad():
-            merged = weight.to(_compute_dtype(weight.dtype)) + self.delta_weight(name)
+        with torch.no_grad():  # a quantized base is dequantized (to the dtype it had) first
+            merged = dense_weight(weight).to(_compute_dtype(weight.dtype)) + self.delta_weight(name)
         if not torch.isfinite(merged).all():
             raise RuntimeError(
                 f"{type(self).__name__}: merging would write inf or NaN into the base weight "
@@ -229,9 +229,12 @@ class LoRALayer(RoutedPath, LayerWrapper):
         return merged.to(weight.dtype)
 
     @torch.no_grad()
-    def merge(self, name: str | None = None) -> None:
+    def merge(self, name: str | None = None, dequantize: bool = False) -> None:
         """Add one adapter's update (default: the active one) into the base weight. Merging the merged adapter
-        again changes nothing; merging a second one is refused."""
+        again changes nothing; merging a second one is refused.
+
+        A quantized base weight is never requantized: merging into it is refused unless ``dequantize``, which
+        replaces it by the merged weight in full precision (the dtype it had before quantization)."""
         name = name or self._active_name()
         if self.merged_adapter == name:
             return
@@ -239,7 +242,16 @@ class LoRALayer(RoutedPath, LayerWrapper):
             raise RuntimeError(
                 f"{type(self).__name__}: adapter {self.merged_adapter!r} is merged; unmerge it before merging {name!r}."
             )
-        self.base_layer.weight.copy_(self.merged_weight(name))
+        if is_quantized(self.base_layer.weight):
+            if not dequantize:
+                raise RuntimeError(
+                    f"{type(self).__name__}: the base weight is quantized ({type(self.base_layer.weight).__name__}); "
+                    "merging in place would requantize it and lose most of the update. Use unload_lora(model, "
+                    "merge=True) for a plain full-precision model, or merged_state_dict(model) for an export."
+                )
+            self.base_layer.weight = nn.Parameter(self.merged_weight(name), requires_grad=False)
+        else:
+            self.base_layer.weight.copy_(self.merged_weight(name))
         self.merged_adapter = name
         self.routing.merged[name] = self.routing.merged.get(name, 0) + 1
 
