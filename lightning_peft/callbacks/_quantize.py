@@ -36,10 +36,14 @@ def check_quantized_strategy(who: str, method: str | None, strategy: Any) -> Non
     if tensor_parallel_size(strategy) > 1 or splits_layers(strategy):
         raise refuse(whom, strategy, "the tensor-parallel plan and the pipeline split move base weights as plain "
                      "tensors, which a quantized weight (a tensor subclass) is not", _FIX)
+    if method == "int8" and strategy_family(strategy) == "dtensor" and data_parallel(strategy)[0] > 1:
+        raise refuse(whom, strategy, "FSDP2 shards every base weight, and torchao 0.18 has no FSDP2 support for its "
+                     "int8 weight-only tensor", "use quantize='nf4' (torchao shards NF4 weights), or DDP")
 
 
 def check_quantized_shards(who: str, model: nn.Module, strategy: Any) -> None:
-    """After injection: refuse quantized weights FSDP2 cannot shard; under DDP, broadcast them from rank 0."""
+    """After injection: refuse quantized weights FSDP2 cannot shard; under DDP, broadcast them from rank 0.
+    ``who`` names the callback and its setting (``"LoRA(quantize='nf4')"``)."""
     layers = quantized_layers(model)
     size = data_parallel(strategy)[0]
     if not layers or size == 1:

@@ -99,7 +99,7 @@ class LoRA(AdapterCallback):
 
     def inject(self, trainer: pl.Trainer, model: nn.Module) -> str:
         layers = inject_lora(model, self.config)
-        check_quantized_shards("LoRA", model, trainer.strategy)
+        check_quantized_shards(f"LoRA(quantize={self.config.quantize!r})", model, trainer.strategy)
         saved = lora_spec(model).modules_to_save
         return (f"adapted {len(layers)} modules of {type(model).__name__} (rank {self.config.rank}, alpha "
                 f"{self.config.alpha}{', saving ' + ', '.join(saved) + ' in full' if saved else ''})")

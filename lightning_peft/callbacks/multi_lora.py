@@ -92,7 +92,7 @@ class MultiLoRA(RoutesBatches, AdapterCallback):
         for name in others:
             add_adapter(model, name, self.configs[name])
         set_adapter(model, self.active)
-        check_quantized_shards("MultiLoRA", model, trainer.strategy)
+        check_quantized_shards("MultiLoRA", model, trainer.strategy)  # FSDP2 is refused above
         return f"adapters {self.names} on {type(model).__name__}"
 
     @override
