@@ -161,3 +161,17 @@ def test_bench_zero_quick_runs_and_reports_memory_and_time(tmp_path):
     for name in ("deepspeed3", "native3"):  # stage 3 holds about half the parameters on each of 2 ranks
         assert 0.4 < rows[name]["parameters"] / rows["ddp"]["parameters"] < 0.6
         assert rows[name]["step_ms"] > 0 and math.isfinite(rows[name]["time_vs_ddp"])
+
+
+@pytest.mark.slow
+def test_bench_qlora_tiny_runs_and_reports_bytes_and_step_ratio(tmp_path):
+    pytest.importorskip("torchao")
+    out = tmp_path / "qlora.json"
+    args = ["--tiny", "--repeats", "1", "--steps", "1", "--warmup", "0", "--json", str(out)]
+    result = subprocess.run([sys.executable, str(SCRIPT.parent / "bench_qlora.py"), *args], capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert 0 < report["bytes"]["ratio"] <= 0.15 and report["bytes"]["met"]  # measured from the stored tensors
+    assert len(report["rows"]) == 1 and math.isfinite(report["rows"][0]["ratio"]) and report["rows"][0]["ratio"] > 0
+    assert 0.05 < report["weight_error"]["median"] < 0.12  # NF4 on Gaussian-initialised weights: about 9%

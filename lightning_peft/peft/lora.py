@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from ._common import dense_weight
+from ._common import dense_weight, is_quantized
 from .adapter import Adapter, attach, attached, detach, register, remove_adapter, trainable_parameters, unwrap
 from .layers import DEFAULT, LoRAConv2d, LoRAEmbedding, LoRALayer, LoRALinear, Routing, lora_layers, lora_spec, require_spec
 from .lora_config import LoRAConfig, as_config, check_adapter_name
@@ -151,6 +151,9 @@ class LoRAAdapter(Adapter):
             chosen = layer.merged_adapter or wanted or self.routing.active
             if chosen not in layer.specs:
                 continue
+            if is_quantized(layer.base_layer.weight):  # a quantizer's own entries (bitsandbytes' scales) go too
+                for key in [k for k in state if k.startswith(f"{name}.") and k[len(name) + 1:] not in ("weight", "bias")]:
+                    state.pop(key)
             try:
                 state[f"{name}.weight"] = layer.merged_weight(chosen)
             except RuntimeError as err:

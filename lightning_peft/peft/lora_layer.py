@@ -219,14 +219,15 @@ class LoRALayer(RoutedPath, LayerWrapper):
                 )
             return weight.detach().clone()
         with torch.no_grad():  # a quantized base is dequantized (to the dtype it had) first
-            merged = dense_weight(weight).to(_compute_dtype(weight.dtype)) + self.delta_weight(name)
+            dense = dense_weight(weight, self.base_layer)
+            merged = dense.to(_compute_dtype(dense.dtype)) + self.delta_weight(name)
         if not torch.isfinite(merged).all():
             raise RuntimeError(
                 f"{type(self).__name__}: merging would write inf or NaN into the base weight "
                 f"(shape {tuple(weight.shape)}); the adapter or base weight holds non-finite or overflowing "
                 "values. Nothing was merged into this layer."
             )
-        return merged.to(weight.dtype)
+        return merged.to(dense.dtype)
 
     @torch.no_grad()
     def merge(self, name: str | None = None, dequantize: bool = False) -> None:
@@ -249,11 +250,26 @@ class LoRALayer(RoutedPath, LayerWrapper):
                     "merging in place would requantize it and lose most of the update. Use unload_lora(model, "
                     "merge=True) for a plain full-precision model, or merged_state_dict(model) for an export."
                 )
-            self.base_layer.weight = nn.Parameter(self.merged_weight(name), requires_grad=False)
+            self._dequantize_base(self.merged_weight(name))
         else:
             self.base_layer.weight.copy_(self.merged_weight(name))
         self.merged_adapter = name
         self.routing.merged[name] = self.routing.merged.get(name, 0) + 1
+
+    def _dequantize_base(self, weight: Tensor) -> None:
+        """Put ``weight`` (full precision) in place of the quantized base weight; a base layer of another class
+        (bitsandbytes' ``Linear4bit`` / ``Linear8bitLt``, whose forward needs its own weights) becomes a plain
+        ``nn.Linear`` with the same bias."""
+        base = self.base_layer
+        if type(base) is nn.Linear:
+            base.weight = nn.Parameter(weight, requires_grad=False)
+            return
+        plain = nn.Linear(base.in_features, base.out_features, bias=base.bias is not None, device=weight.device,
+                          dtype=weight.dtype)
+        plain.weight = nn.Parameter(weight, requires_grad=False)
+        if base.bias is not None:
+            plain.bias = nn.Parameter(base.bias.detach().to(weight.dtype), requires_grad=base.bias.requires_grad)
+        self.base_layer = plain.train(base.training)
 
     @torch.no_grad()
     def unmerge(self) -> None:

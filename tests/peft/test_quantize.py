@@ -237,3 +237,36 @@ def test_importing_lightning_peft_does_not_import_torchao():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
                             env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert (result.returncode, result.stdout, result.stderr) == (0, "False\n", "")
+
+
+def test_lora_on_bitsandbytes_layers_trains_and_unloads_to_plain_linears():
+    bnb = pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    dense = Net()
+    four = bnb.nn.Linear4bit(64, 64, quant_type="nf4", compute_dtype=torch.float32)
+    eight = bnb.nn.Linear8bitLt(64, 32, has_fp16_weights=False)
+    four.load_state_dict(dense.query.state_dict())
+    eight.load_state_dict(dense.value.state_dict())
+    model = copy.deepcopy(dense)
+    model.query, model.value = four.to("cpu"), eight.to("cpu")  # quantized as they move to the device
+    inject_lora(model, rank=4, target_modules=["query", "value"])
+    randomise_b(model)
+    x = torch.randn(5, 64)
+    model(x).sum().backward()  # bitsandbytes moves Linear8bitLt's scales to the layer here
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+    reference = copy.deepcopy(dense).double()
+    with torch.no_grad():
+        for name in ("query", "value"):
+            layer = model.get_submodule(name)
+            reference.get_submodule(name).weight.copy_(dense_weight(layer.base_layer.weight, layer.base_layer)
+                                                       + layer.delta_weight())
+        expected = model(x)
+        assert_close(expected.double(), reference(x.double()), rtol=1e-4, atol=1e-4)
+        exported = merged_state_dict(model)
+    assert sorted(exported) == sorted(dense.state_dict())  # no bitsandbytes entries (absmax, SCB, ...) left
+    with pytest.raises(RuntimeError, match=r"the base weight is quantized \(Params4bit\)"):
+        merge_lora(model)
+    plain = unload_lora(model, merge=True)
+    assert type(plain.query) is nn.Linear and type(plain.value) is nn.Linear
+    with torch.no_grad():
+        assert_close(plain(x), expected, rtol=1e-5, atol=1e-5)
