@@ -94,6 +94,21 @@ def test_a_quantized_lora_model_computes_its_dequantized_float64_reference(metho
     assert error < (0.12 if method == "nf4" else 0.01)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nf4_values_are_torchaos_bit_for_bit(dtype):
+    from lightning_peft.peft.quantize import _torchao
+
+    to_nf4 = _torchao()[0]  # torchao, with our faster decoding in place
+    weight = torch.randn(96, 64, dtype=dtype)
+    quantized = to_nf4(weight, 64, 12)
+    first = (quantized.quantized_data >> 4).long()  # torchao's own decoding, written out: high nibble first
+    second = (quantized.quantized_data & 15).long()
+    scales = quantized.dequantize_scalers(quantized.quantized_scalers, quantized.quantization_factor, 12)
+    scales = scales.repeat_interleave(32)
+    expected = torch.stack([quantized.nf4[first] * scales, quantized.nf4[second] * scales], dim=-1).view(96, 64)
+    assert torch.equal(quantized.get_original_weight(), expected) and quantized.get_original_weight().dtype == dtype
+
+
 def test_nf4_stores_under_fifteen_percent_of_the_float32_bytes():
     model = Net()
     quantize_base(model, "nf4", target_modules=["query"])
