@@ -24,11 +24,14 @@ from torch.testing import assert_close
 from lightning_peft.peft import (
     LoRAConfig,
     adapter_state_dict,
+    add_adapter,
     inject_lora,
     load_adapter,
     merge_lora,
     merged_state_dict,
+    route_adapters,
     save_adapter,
+    set_adapter,
     unload_lora,
 )
 from lightning_peft.peft._common import dense_weight, is_quantized
@@ -285,3 +288,20 @@ def test_lora_on_bitsandbytes_layers_trains_and_unloads_to_plain_linears():
     assert type(plain.query) is nn.Linear and type(plain.value) is nn.Linear
     with torch.no_grad():
         assert_close(plain(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_named_adapters_share_the_quantized_base_and_route_per_sample():
+    model = Net()
+    inject_lora(model, rank=2, target_modules=["query"], quantize="nf4", adapter_name="a")
+    add_adapter(model, "b", rank=2, target_modules=["query", "value"], quantize="nf4")
+    randomise_b(model)
+    assert sorted(quantized_layers(model)) == ["query.base_layer", "value.base_layer"]
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        singles = []
+        for name in ("a", "b"):
+            set_adapter(model, name)
+            singles.append(model(x))
+        with route_adapters(model, ["a", "b"]):  # the routed path: one batched product over both adapters
+            routed = model(x)
+    assert_close(routed, torch.stack([singles[0][0], singles[1][1]]))
