@@ -29,7 +29,6 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from ._common import dense_weight, is_quantized
 from .adapter import Adapter, attach, attached, detach, register, remove_adapter, trainable_parameters, unwrap
 from .layers import DEFAULT, LoRAConv2d, LoRAEmbedding, LoRALayer, LoRALinear, Routing, lora_layers, lora_spec, require_spec
 from .lora_config import LoRAConfig, as_config, check_adapter_name
@@ -38,7 +37,7 @@ from .lora_peft import PEFT_FIELDS, check_peft_config, config_for_model, peft_co
 from .lora_peft import point_peft_methods
 from .lora_targets import _select, _warn_about_settings
 from .modules_to_save import fold_modules_to_save, set_submodule, wrap_modules_to_save
-from .quantize import quantize_layers
+from .quantize import drop_quantizer_entries, plain_state, quantize_layers
 
 log = logging.getLogger(__name__)
 
@@ -151,15 +150,12 @@ class LoRAAdapter(Adapter):
             chosen = layer.merged_adapter or wanted or self.routing.active
             if chosen not in layer.specs:
                 continue
-            if is_quantized(layer.base_layer.weight):  # a quantizer's own entries (bitsandbytes' scales) go too
-                for key in [k for k in state if k.startswith(f"{name}.") and k[len(name) + 1:] not in ("weight", "bias")]:
-                    state.pop(key)
+            drop_quantizer_entries(state, name, layer.base_layer)
             try:
                 state[f"{name}.weight"] = layer.merged_weight(chosen)
             except RuntimeError as err:
                 raise RuntimeError(f"merged_state_dict: layer {name!r}: {err}") from None
-        # A quantized base weight no adapter was merged into is exported as its values (a plain tensor).
-        return {k: dense_weight(v) for k, v in fold_modules_to_save(model, state).items()}
+        return plain_state(fold_modules_to_save(model, state))
 
     def unload(self, model: nn.Module, merge: bool) -> None:
         model = unwrap(model)
@@ -174,7 +170,6 @@ class LoRAAdapter(Adapter):
             set_submodule(model, name, wrapper.trained_module if merge else wrapper.original_module)
         detach(model, self.kind)
         point_peft_methods(model, present=False)
-
 
     def matches(self, config: dict[str, Any]) -> bool:
         """Whether the named adapters' settings are those of ``config`` (``{"adapters": {name: {"config": fields}}}``,
@@ -305,9 +300,7 @@ def _inject(
     model: nn.Module, config: LoRAConfig, targets: list[str], to_save: list[str], adapter_name: str
 ) -> dict[str, LoRALayer]:
     """Add adapter ``adapter_name`` to exactly ``targets`` and wrap ``to_save`` (full names, already checked)."""
-    if config.quantize is not None:  # first: a named layer that cannot be quantized is refused before any change
-        quantize_layers(model, targets, config.quantize, f"LoRA(quantize={config.quantize!r})",
-                        named=isinstance(config.target_modules, list))
+    quantize_layers(model, targets, config.quantize, "LoRA", isinstance(config.target_modules, list))  # first
     spec = lora_spec(model)
     routing = spec.routing if spec is not None else Routing(adapter_name)
     for wrapper in wrap_modules_to_save(model, to_save).values():

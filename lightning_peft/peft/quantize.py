@@ -42,7 +42,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from ._common import Targets, is_quantized, name_matches, refuse_unmatched, wraps_a_layer
+from ._common import Targets, dense_weight, is_quantized, name_matches, refuse_unmatched, wraps_a_layer
 from .modules_to_save import ModulesToSave
 
 __all__ = ["METHODS", "NF4_BLOCK", "is_quantized", "quantize_base", "quantized_layers", "shard_problems"]
@@ -168,16 +168,24 @@ def check_method(method: object, who: str) -> str:
     return method
 
 
-def quantize_layers(model: nn.Module, names: list[str], method: str, who: str, named: bool) -> dict[str, nn.Linear]:
-    """Quantize the base layers of modules ``names`` of ``model`` (a wrapper's ``base_layer``, else the module).
+def quantize_layers(model: nn.Module, names: list[str], method: str | None, who: str, named: bool,
+                    keyword: str = "quantize") -> dict[str, nn.Linear]:
+    """Quantize the base layers of modules ``names`` of ``model`` (a wrapper's ``base_layer``, else the module);
+    ``method`` None: nothing (a full-precision base).
+
+    ``who`` and ``keyword`` name the caller and its argument in messages (``LoRA(quantize='nf4')``).
 
     ``named``: the caller named the layers one by one, so one that cannot be quantized is an error (nothing changed);
-    otherwise such layers are left as they are, with one warning listing them and why.
+    otherwise such layers are left as they are, with one warning listing them and why. Called before any other
+    change to the model, so that a refusal leaves it as it was.
     """
+    if method is None:
+        return {}
     layers = {}
     for name in names:
         module = model.get_submodule(name)
         layers[name] = module.base_layer if wraps_a_layer(module) else module
+    who = f"{who}({keyword}={method!r})"
     refused = {name: reason for name, layer in layers.items() if (reason := why_not(layer, method))}
     if refused and named:
         name, reason = next(iter(refused.items()))
@@ -254,7 +262,7 @@ def quantize_base(
     if exclude_modules is not None:
         chosen = [n for n in chosen if not name_matches(n, exclude_modules)]
     named = isinstance(target_modules, list)
-    return quantize_layers(model, chosen, method, f"quantize_base(method={method!r})", named)
+    return quantize_layers(model, chosen, method, "quantize_base", named, keyword="method")
 
 
 def quantized_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -282,3 +290,16 @@ def shard_problems(model: nn.Module, shards: int) -> list[str]:
                             f"{shards} shards")
     return problems
 
+
+
+def drop_quantizer_entries(state: dict[str, Tensor], name: str, base: nn.Module) -> None:
+    """Remove from ``state`` what a quantizer added beside module ``name``'s ``weight`` and ``bias`` (bitsandbytes'
+    scales and quantization state): a merged export of the layer replaces the quantized weight by a plain one."""
+    if is_quantized(base.weight):
+        for key in [k for k in state if k.startswith(f"{name}.") and k[len(name) + 1:] not in ("weight", "bias")]:
+            del state[key]
+
+
+def plain_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` with every quantized tensor replaced by its values (an export holds plain tensors)."""
+    return {k: dense_weight(v) for k, v in state.items()}
