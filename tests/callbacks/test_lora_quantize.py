@@ -1,5 +1,5 @@
 """``LoRA(quantize=...)`` under a Trainer: adapter-only checkpoints leave the quantized base out, resume rebuilds it and
-equals the straight run bit for bit, ``MergeOnSave`` exports a
+equals the straight run bit for bit (and ``load_from_checkpoint`` rebuilds it), ``MergeOnSave`` exports a
 plain model from the quantized one, and the strategies that cannot hold a quantized base are refused at setup.
 """
 
@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file
 
-from lightning_peft.callbacks import LoRA, MergeOnSave, MultiLoRA
+from lightning_peft.callbacks import LoRA, MergeOnSave, MultiLoRA, load_from_checkpoint
 from lightning_peft.callbacks._quantize import check_quantized_strategy
 from lightning_peft.peft import adapter_state_dict
 from lightning_peft.peft._common import dense_weight
@@ -45,6 +45,12 @@ def test_adapter_only_resume_rebuilds_the_quantized_base_and_equals_the_straight
     resumed = fit(tmp_path / "resumed", 2, ckpt_path=tmp_path / "straight" / "epoch=0.ckpt")
     reference, again = values(straight), values(resumed)
     assert reference.keys() == again.keys() and all(torch.equal(again[k], v) for k, v in reference.items())
+    torch.manual_seed(0)  # the frozen base comes from the module as built, quantized again
+    loaded = load_from_checkpoint(Classifier, tmp_path / "straight" / "epoch=1.ckpt", config=bert_config())
+    ids = torch.randint(0, 64, (2, 8))
+    straight.eval(), loaded.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded.model(input_ids=ids).logits, straight.model(input_ids=ids).logits)
     merged = load_file(tmp_path / "export" / "merged" / "model.safetensors")  # a plain float32 model
     key = "bert.encoder.layer.0.attention.self.query.weight"
     layer = straight.model.bert.encoder.layer[0].attention.self.query
