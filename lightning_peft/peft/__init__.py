@@ -1,5 +1,6 @@
 """Parameter-efficient fine-tuning in pure PyTorch (no Lightning import): LoRA and named multi-LoRA, bottleneck
-adapters, prompt tuning, prefix tuning; the adapter protocol they share; PEFT-format I/O."""
+adapters, prompt tuning, prefix tuning; a quantized frozen base (QLoRA: ``quantize_base``); the adapter protocol they
+share; PEFT-format I/O."""
 
 from .adapter import Adapter, ParameterReport, adapter_state_dict, attached, merged_state_dict, trainable_parameters
 from .bottleneck import (
