@@ -108,7 +108,7 @@ def accuracy_runs(seeds: list[int]) -> dict[str, list[float]]:
             with tempfile.TemporaryDirectory() as work:
                 result = subprocess.run(
                     [sys.executable, "-m", "lightning_peft.cli", "fit", "--config", str(config), "--seed_everything",
-                     str(seed), "--trainer.enable_progress_bar", "false"], cwd=work, capture_output=True, text=True,
+                     str(seed)], cwd=work, capture_output=True, text=True,
                     env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}, timeout=7200)
             output = result.stdout + result.stderr
             if result.returncode != 0:
