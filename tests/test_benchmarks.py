@@ -199,3 +199,17 @@ def test_bench_chunked_loss_quick_runs_reports_memory_time_and_plots(tmp_path):
     assert memory["baseline"] >= 0 and math.isfinite(time_row["ratio"]) and time_row["ratio"] > 0
     assert set(report["headline"]["memory_mb"]["plain"]) == {"256", "512"} and len(report["sweep"]["rows"]) == 2
     assert "| vocabulary | chunked | plain |" in txt.read_text() and plot.stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_bench_qlora_tiny_runs_and_reports_bytes_and_step_ratio(tmp_path, monkeypatch):
+    pytest.importorskip("torchao")
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # in this process: the imports (transformers, torchao) are paid
+    import bench_qlora
+
+    out = tmp_path / "qlora.json"
+    bench_qlora.main(["--tiny", "--repeats", "1", "--steps", "1", "--warmup", "0", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert 0 < report["bytes"]["ratio"] <= 0.15 and report["bytes"]["met"]  # measured from the stored tensors
+    assert len(report["rows"]) == 1 and math.isfinite(report["rows"][0]["ratio"]) and report["rows"][0]["ratio"] > 0
+    assert 0.05 < report["weight_error"]["median"] < 0.12  # NF4 on Gaussian-initialised weights: about 9%

@@ -22,8 +22,10 @@ from lightning_peft.peft.lora_config import LoRAConfig, as_config
 from lightning_peft.peft.multi_lora import route_adapters
 
 
-def adapter_configs(adapters: object, modules_to_save: list[str] | None) -> dict[str, LoRAConfig]:
-    """``MultiLoRA(adapters=...)`` as ``{name: LoRAConfig}``; ``modules_to_save`` is shared by every adapter."""
+def adapter_configs(adapters: object, modules_to_save: list[str] | None,
+                    quantize: str | None = None) -> dict[str, LoRAConfig]:
+    """``MultiLoRA(adapters=...)`` as ``{name: LoRAConfig}``; ``modules_to_save`` and ``quantize`` are shared by
+    every adapter."""
     if not isinstance(adapters, Mapping) or not adapters:
         raise ValueError(
             f"MultiLoRA(adapters={adapters!r}): give a non-empty dict {{name: settings}}, e.g. "
@@ -34,11 +36,11 @@ def adapter_configs(adapters: object, modules_to_save: list[str] | None) -> dict
         who = f"MultiLoRA(adapters[{name!r}])"
         if not isinstance(settings, Mapping):
             raise TypeError(f"{who}: give the adapter's settings as a dict, e.g. {{'rank': 8}}; got {settings!r}.")
-        shared = sorted({"modules_to_save", "bias"} & set(settings))
+        shared = sorted({"modules_to_save", "bias", "quantize"} & set(settings))
         if shared:
             raise ValueError(f"{who}: {shared[0]} is shared by every adapter; set MultiLoRA({shared[0]}=...) "
                              "instead of per adapter.")
-        configs[name] = as_config(None, {**settings, "modules_to_save": modules_to_save}, who)
+        configs[name] = as_config(None, {**settings, "modules_to_save": modules_to_save, "quantize": quantize}, who)
     return configs
 
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from lightning_peft._hardware import cpu_bf16_is_native
 from lightning_peft.callbacks._adapter import AdapterCallback
+from lightning_peft.callbacks._quantize import check_quantized_shards, check_quantized_strategy
 from lightning_peft.peft.adapter import DEFAULT
 from lightning_peft.peft.lora import as_config, inject_lora, lora_spec
 
@@ -45,6 +46,9 @@ class LoRA(AdapterCallback):
         bias: ``"none"``, ``"lora_only"`` or ``"all"``: which biases train.
         init: ``"kaiming"`` or ``"gaussian"`` initialisation of ``A`` (``B`` starts at zero).
         use_rslora: Rank-stabilised scaling.
+        quantize: ``"nf4"`` or ``"int8"``: the adapted linear layers' frozen weights are stored quantized (QLoRA,
+            :mod:`lightning_peft.peft.quantize`); adapter-only checkpoints leave them out and resume quantizes the
+            base as built again. None: full precision.
         adapter_only_checkpoint: Checkpoints hold only what trains (and buffers); loading takes the frozen base
             from the model as constructed.
         model_attribute: Dotted path of the model inside the LightningModule (adapter key paths are relative to it);
@@ -67,6 +71,7 @@ class LoRA(AdapterCallback):
         bias: Literal["none", "lora_only", "all"] = "none",
         init: Literal["kaiming", "gaussian"] = "kaiming",
         use_rslora: bool = False,
+        quantize: Literal["nf4", "int8"] | None = None,
         adapter_only_checkpoint: bool = False,
         model_attribute: str | None = None,
         **peft_names: Any,
@@ -76,12 +81,13 @@ class LoRA(AdapterCallback):
             "rank": rank, "alpha": alpha, "dropout": dropout, "target_modules": target_modules,
             "exclude_modules": exclude_modules, "modules_to_save": modules_to_save,
             "rank_pattern": dict(rank_pattern or {}), "alpha_pattern": dict(alpha_pattern or {}),
-            "bias": bias, "init": init, "use_rslora": use_rslora, **peft_names}, "LoRA")
+            "bias": bias, "init": init, "use_rslora": use_rslora, "quantize": quantize, **peft_names}, "LoRA")
 
     def request(self) -> dict[str, Any]:  # the model's first adapter must be this one, whatever its name
         return {"adapters": {DEFAULT: {"config": self.config.to_dict()}}, "first_only": True}
 
     def check(self, trainer: pl.Trainer) -> None:
+        check_quantized_strategy("LoRA", self.config.quantize, trainer.strategy)
         precision, cpu = str(trainer.precision), isinstance(trainer.accelerator, CPUAccelerator)
         if precision.startswith("bf16") and cpu and not cpu_bf16_is_native():
             rank_zero_warn(
@@ -93,6 +99,7 @@ class LoRA(AdapterCallback):
 
     def inject(self, trainer: pl.Trainer, model: nn.Module) -> str:
         layers = inject_lora(model, self.config)
+        check_quantized_shards(f"LoRA(quantize={self.config.quantize!r})", model, trainer.strategy)
         saved = lora_spec(model).modules_to_save
         return (f"adapted {len(layers)} modules of {type(model).__name__} (rank {self.config.rank}, alpha "
                 f"{self.config.alpha}{', saving ' + ', '.join(saved) + ' in full' if saved else ''})")

@@ -31,6 +31,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_peft.callbacks._adapter import AdapterCallback
+from lightning_peft.callbacks._quantize import check_quantized_shards, check_quantized_strategy
 from lightning_peft.callbacks._multi_lora import RoutesBatches, adapter_configs, check_strategy, refuse_changed_adapters
 from lightning_peft.peft import LoRAAdapter, add_adapter, inject_lora, set_adapter
 
@@ -46,6 +47,7 @@ class MultiLoRA(RoutesBatches, AdapterCallback):
         modules_to_save: Modules trained and saved in full, shared by every adapter (e.g. ``["classifier"]``).
             None: the task head of a Hugging Face task model; ``[]``: none.
         adapter_only_checkpoint, model_attribute: As for ``LoRA``.
+        quantize: As for ``LoRA``, shared by every adapter (the base is one): ``"nf4"``, ``"int8"`` or None.
     """
 
     who, kind, what = "MultiLoRA", "lora", "LoRA adapters"
@@ -58,9 +60,10 @@ class MultiLoRA(RoutesBatches, AdapterCallback):
         modules_to_save: list[str] | None = None,
         adapter_only_checkpoint: bool = False,
         model_attribute: str | None = None,
+        quantize: str | None = None,
     ) -> None:
         super().__init__(adapter_only_checkpoint, model_attribute)
-        self.configs = adapter_configs(adapters, modules_to_save)
+        self.configs = adapter_configs(adapters, modules_to_save, quantize)
         if active is not None and active not in self.configs:
             raise ValueError(f"MultiLoRA(active={active!r}): not one of the adapters {list(self.configs)}.")
         self.names = list(self.configs)
@@ -81,6 +84,7 @@ class MultiLoRA(RoutesBatches, AdapterCallback):
 
     def check(self, trainer: pl.Trainer) -> None:
         check_strategy(trainer.strategy)
+        check_quantized_strategy("MultiLoRA", next(iter(self.configs.values())).quantize, trainer.strategy)
 
     def inject(self, trainer: pl.Trainer, model: nn.Module) -> str:
         first, *others = self.names
@@ -88,6 +92,7 @@ class MultiLoRA(RoutesBatches, AdapterCallback):
         for name in others:
             add_adapter(model, name, self.configs[name])
         set_adapter(model, self.active)
+        check_quantized_shards("MultiLoRA", model, trainer.strategy)  # FSDP2 is refused above
         return f"adapters {self.names} on {type(model).__name__}"
 
     @override

@@ -1,5 +1,6 @@
 """Parameter-efficient fine-tuning in pure PyTorch (no Lightning import): LoRA and named multi-LoRA, bottleneck
-adapters, prompt tuning, prefix tuning; the adapter protocol they share; PEFT-format I/O."""
+adapters, prompt tuning, prefix tuning; a quantized frozen base (QLoRA: ``quantize_base``); the adapter protocol they
+share; PEFT-format I/O."""
 
 from .adapter import Adapter, ParameterReport, adapter_state_dict, attached, merged_state_dict, trainable_parameters
 from .bottleneck import (
@@ -17,6 +18,7 @@ from .lora import LoRAAdapter, add_adapter, inject_lora, unload_lora
 from .lora_config import LoRAConfig
 from .lora_merge import merge_lora, unmerge_lora
 from .modules_to_save import ModulesToSave
+from .quantize import quantize_base
 from .multi_lora import (
     active_adapter,
     combine_adapters,
@@ -82,6 +84,7 @@ __all__ = [
     "peft_config",
     "prefix_tuning_spec",
     "prompt_embedding",
+    "quantize_base",
     "route_adapters",
     "save_adapter",
     "set_adapter",

@@ -16,6 +16,7 @@ True
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Iterable
 
 import torch
@@ -144,20 +145,60 @@ def adapter_dtype(base: nn.Module | Tensor | None) -> torch.dtype | None:
     return torch.promote_types(base.dtype, torch.float32) if base.dtype.is_floating_point else torch.float32
 
 
-def dense_weight(weight: Tensor) -> Tensor:
+def dense_weight(weight: Tensor, module: nn.Module | None = None) -> Tensor:
     """A base weight as a plain tensor in its own layout: a quantized weight (a tensor subclass that can
     dequantize itself, such as torchao's ``NF4Tensor``) is dequantized; a plain tensor is returned as it is.
 
     Every reader of a frozen base weight that needs its values (DoRA's column norm, merging, exports) goes
-    through here, so a quantized base is handled in one place.
+    through here, so a quantized base is handled in one place. ``module``: the layer holding ``weight``, where
+    a quantizer keeps some of its state on the layer (bitsandbytes' ``Linear8bitLt`` moves its scales there at the
+    first forward).
     """
-    if type(weight) in (Tensor, nn.Parameter):
-        return weight
+    method = _dequantizer(weight, module)
+    return weight if method is None else method()
+
+
+def _dequantizer(weight: Tensor | None, module: nn.Module | None = None):
+    """The bound method that dequantizes ``weight``, if its class defines one (``Tensor.dequantize`` itself, which
+    DTensor and other wrapper subclasses inherit, is for torch's own quantized tensors and does not count), or
+    bitsandbytes' dequantization of its ``Params4bit`` / ``Int8Params``."""
+    if weight is None or type(weight) in (Tensor, nn.Parameter):
+        return None
+    if type(weight).__module__.startswith("bitsandbytes"):
+        return _bitsandbytes_dequantizer(weight, module)
     data = weight.data if isinstance(weight, nn.Parameter) else weight
-    for method in ("get_original_weight", "dequantize"):
-        if callable(getattr(data, method, None)):
-            return getattr(data, method)()
-    return weight
+    for name in ("get_original_weight", "dequantize"):
+        own = getattr(type(data), name, None)
+        if callable(own) and own is not getattr(Tensor, name, None):
+            return getattr(data, name)
+    return None
+
+
+def _bitsandbytes_dequantizer(weight: Tensor, module: nn.Module | None):
+    """bitsandbytes' functional dequantization of a weight (the package is imported: the weight is its own)."""
+    functional = sys.modules["bitsandbytes.functional"]
+    state = getattr(weight, "quant_state", None)
+    if state is not None:  # Params4bit: packed 4-bit codes (n, 1) uint8 -> (out, in) in the dtype it had
+        return lambda: functional.dequantize_4bit(weight.data, state)
+    if weight.dtype != torch.int8:
+        return None
+    scales = getattr(weight, "SCB", None)
+    if scales is None:
+        scales = getattr(getattr(module, "state", None), "SCB", None)
+
+    def dequantize() -> Tensor:  # Int8Params: (out, in) int8, one absmax per row (its SCB) -> float32
+        if scales is None:
+            raise RuntimeError("a bitsandbytes Int8Params weight without its scales (SCB): pass the layer that holds "
+                               "it (dense_weight(weight, module)), which keeps them after its first forward.")
+        return functional.int8_vectorwise_dequant(weight.data, scales)
+
+    return dequantize
+
+
+def is_quantized(weight: Tensor | None) -> bool:
+    """Whether ``weight`` is a quantized tensor (a subclass that dequantizes itself, such as torchao's ``NF4Tensor``):
+    its values must be read through :func:`dense_weight`, and it cannot be written in place without requantizing."""
+    return _dequantizer(weight) is not None
 
 
 def wraps_a_layer(module: nn.Module) -> bool:

@@ -129,8 +129,11 @@ class LoRALinear(_ABLayer):
         super().__init__(base_layer, *args, **kwargs)
 
     def _create(self, name: str, rank: int, device: torch.device, dtype: torch.dtype) -> None:
-        weight = self.base_layer.weight
-        in_features, out_features = weight.shape if self.fan_in_fan_out else weight.shape[::-1]
+        base = self.base_layer
+        if isinstance(base, nn.Linear):  # (a bitsandbytes Linear4bit packs its weight: its shape is not (out, in))
+            in_features, out_features = base.in_features, base.out_features
+        else:
+            in_features, out_features = base.weight.shape
         self.lora_A[name] = nn.Linear(in_features, rank, bias=False, device=device, dtype=dtype)
         self.lora_B[name] = nn.Linear(rank, out_features, bias=False, device=device, dtype=dtype)
 

@@ -37,6 +37,7 @@ from .lora_peft import PEFT_FIELDS, check_peft_config, config_for_model, peft_co
 from .lora_peft import point_peft_methods
 from .lora_targets import _select, _warn_about_settings
 from .modules_to_save import fold_modules_to_save, set_submodule, wrap_modules_to_save
+from .quantize import drop_quantizer_entries, plain_state, quantize_layers
 
 log = logging.getLogger(__name__)
 
@@ -149,16 +150,17 @@ class LoRAAdapter(Adapter):
             chosen = layer.merged_adapter or wanted or self.routing.active
             if chosen not in layer.specs:
                 continue
+            drop_quantizer_entries(state, name, layer.base_layer)
             try:
                 state[f"{name}.weight"] = layer.merged_weight(chosen)
             except RuntimeError as err:
                 raise RuntimeError(f"merged_state_dict: layer {name!r}: {err}") from None
-        return fold_modules_to_save(model, state)
+        return plain_state(fold_modules_to_save(model, state))
 
     def unload(self, model: nn.Module, merge: bool) -> None:
         model = unwrap(model)
         if merge:
-            merge_lora(model)
+            merge_lora(model, dequantize=True)
         elif any(layer.merged for layer in lora_layers(model).values()):
             unmerge_lora(model)
         for name in self.targets:
@@ -168,7 +170,6 @@ class LoRAAdapter(Adapter):
             set_submodule(model, name, wrapper.trained_module if merge else wrapper.original_module)
         detach(model, self.kind)
         point_peft_methods(model, present=False)
-
 
     def matches(self, config: dict[str, Any]) -> bool:
         """Whether the named adapters' settings are those of ``config`` (``{"adapters": {name: {"config": fields}}}``,
@@ -299,6 +300,7 @@ def _inject(
     model: nn.Module, config: LoRAConfig, targets: list[str], to_save: list[str], adapter_name: str
 ) -> dict[str, LoRALayer]:
     """Add adapter ``adapter_name`` to exactly ``targets`` and wrap ``to_save`` (full names, already checked)."""
+    quantize_layers(model, targets, config.quantize, "LoRA", isinstance(config.target_modules, list))  # first
     spec = lora_spec(model)
     routing = spec.routing if spec is not None else Routing(adapter_name)
     for wrapper in wrap_modules_to_save(model, to_save).values():

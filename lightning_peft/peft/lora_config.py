@@ -17,6 +17,7 @@ from typing import Any, Literal
 from .._checks import boolean, choice, integer, names as name_list, positive, probability, regex
 from ._common import pattern_matches
 from .lora_layer import Init
+from .quantize import check_method
 
 Bias = Literal["none", "lora_only", "all"]
 Targets = list[str] | str
@@ -42,6 +43,8 @@ class LoRAConfig:
         bias: Which biases train: ``"none"``, ``"lora_only"`` (those of adapted layers) or ``"all"``.
         init: ``"kaiming"`` (Kaiming-uniform ``A``, ``B = 0``) or ``"gaussian"`` (``A ~ N(0, 1/r)``, ``B = 0``).
         use_rslora: Rank-stabilised scaling.
+        quantize: Store the adapted ``nn.Linear`` layers' frozen weights quantized (QLoRA): ``"nf4"`` or
+            ``"int8"`` (:mod:`lightning_peft.peft.quantize`); None: full precision. The adapters stay float32.
     """
 
     rank: int = 8
@@ -55,6 +58,7 @@ class LoRAConfig:
     bias: Bias = "none"
     init: Init = "kaiming"
     use_rslora: bool = False
+    quantize: Literal["nf4", "int8"] | None = None
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalised values are set with object.__setattr__; the caller's objects are not mutated.
@@ -77,6 +81,8 @@ class LoRAConfig:
         choice("LoRA", "bias", self.bias, ("none", "lora_only", "all"))
         choice("LoRA", "init", self.init, ("kaiming", "gaussian"))
         boolean("LoRA", "use_rslora", self.use_rslora)
+        if self.quantize is not None:
+            check_method(self.quantize, "LoRA")
 
     def rank_for(self, name: str) -> int:
         return _pattern_value(self.rank_pattern, name, self.rank)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._common import LayerWrapper, adapter_dtype
+from ._common import LayerWrapper, adapter_dtype, dense_weight, is_quantized
 from .lora_routing import DEFAULT, RoutedPath, Routing
 
 Init = Literal["kaiming", "gaussian"]
@@ -218,20 +218,24 @@ class LoRALayer(RoutedPath, LayerWrapper):
                     "unmerge_lora(model) first."
                 )
             return weight.detach().clone()
-        with torch.no_grad():
-            merged = weight.to(_compute_dtype(weight.dtype)) + self.delta_weight(name)
+        with torch.no_grad():  # a quantized base is dequantized (to the dtype it had) first
+            dense = dense_weight(weight, self.base_layer)
+            merged = dense.to(_compute_dtype(dense.dtype)) + self.delta_weight(name)
         if not torch.isfinite(merged).all():
             raise RuntimeError(
                 f"{type(self).__name__}: merging would write inf or NaN into the base weight "
                 f"(shape {tuple(weight.shape)}); the adapter or base weight holds non-finite or overflowing "
                 "values. Nothing was merged into this layer."
             )
-        return merged.to(weight.dtype)
+        return merged.to(dense.dtype)
 
     @torch.no_grad()
-    def merge(self, name: str | None = None) -> None:
+    def merge(self, name: str | None = None, dequantize: bool = False) -> None:
         """Add one adapter's update (default: the active one) into the base weight. Merging the merged adapter
-        again changes nothing; merging a second one is refused."""
+        again changes nothing; merging a second one is refused.
+
+        A quantized base weight is never requantized: merging into it is refused unless ``dequantize``, which
+        replaces it by the merged weight in full precision (the dtype it had before quantization)."""
         name = name or self._active_name()
         if self.merged_adapter == name:
             return
@@ -239,9 +243,33 @@ class LoRALayer(RoutedPath, LayerWrapper):
             raise RuntimeError(
                 f"{type(self).__name__}: adapter {self.merged_adapter!r} is merged; unmerge it before merging {name!r}."
             )
-        self.base_layer.weight.copy_(self.merged_weight(name))
+        if is_quantized(self.base_layer.weight):
+            if not dequantize:
+                raise RuntimeError(
+                    f"{type(self).__name__}: the base weight is quantized ({type(self.base_layer.weight).__name__}); "
+                    "merging in place would requantize it and lose most of the update. Use unload_lora(model, "
+                    "merge=True) for a plain full-precision model, or merged_state_dict(model) for an export."
+                )
+            self._dequantize_base(self.merged_weight(name))
+        else:
+            self.base_layer.weight.copy_(self.merged_weight(name))
         self.merged_adapter = name
         self.routing.merged[name] = self.routing.merged.get(name, 0) + 1
+
+    def _dequantize_base(self, weight: Tensor) -> None:
+        """Put ``weight`` (full precision) in place of the quantized base weight; a base layer of another class
+        (bitsandbytes' ``Linear4bit`` / ``Linear8bitLt``, whose forward needs its own weights) becomes a plain
+        ``nn.Linear`` with the same bias."""
+        base = self.base_layer
+        if type(base) is nn.Linear:
+            base.weight = nn.Parameter(weight, requires_grad=False)
+            return
+        plain = nn.Linear(base.in_features, base.out_features, bias=base.bias is not None, device=weight.device,
+                          dtype=weight.dtype)
+        plain.weight = nn.Parameter(weight, requires_grad=False)
+        if base.bias is not None:
+            plain.bias = nn.Parameter(base.bias.detach().to(weight.dtype), requires_grad=base.bias.requires_grad)
+        self.base_layer = plain.train(base.training)
 
     @torch.no_grad()
     def unmerge(self) -> None:

@@ -11,13 +11,16 @@ from .adapter import unwrap
 from .layers import LoRALayer, lora_layers, require_spec
 
 
-def merge_lora(model: nn.Module, adapter_name: str | None = None) -> list[str]:
+def merge_lora(model: nn.Module, adapter_name: str | None = None, dequantize: bool = False) -> list[str]:
     """Add one adapter's update (default: the active adapter) into the base weights, in place.
 
     Idempotent: layers that already hold this adapter merged are left alone; merging a second adapter while one is
     merged is refused. Each merge is computed in float32 (or wider) and cast back to the weight's dtype. If a merged
     weight would be non-finite, the layers merged by this call are unmerged again and a ``RuntimeError`` names the
     layer. A weight tied to another module (e.g. input and output embeddings) is refused before anything changes.
+    A quantized base weight (:mod:`~lightning_peft.peft.quantize`) is never requantized: merging into it is refused
+    unless ``dequantize=True``, which writes the merged weight in full precision (the dtype the base had before
+    quantization) in its place, for good (:func:`unmerge_lora` then leaves it in full precision).
     To train again, call :func:`unmerge_lora` first; to get plain modules back (e.g. for ``save_pretrained``),
     :func:`unload_lora`.
 
@@ -25,8 +28,8 @@ def merge_lora(model: nn.Module, adapter_name: str | None = None) -> list[str]:
         Names of the layers this call merged.
 
     Raises:
-        RuntimeError: If ``model`` has no LoRA adapter, another adapter is merged, a weight is tied, or a merge is
-            non-finite.
+        RuntimeError: If ``model`` has no LoRA adapter, another adapter is merged, a weight is tied or quantized
+            (without ``dequantize``), or a merge is non-finite.
         ValueError: If ``adapter_name`` names no adapter.
     """
     spec = require_spec(model, "merge_lora")
@@ -47,7 +50,7 @@ def merge_lora(model: nn.Module, adapter_name: str | None = None) -> list[str]:
         if layer.merged:
             continue
         try:
-            layer.merge(name)
+            layer.merge(name, dequantize)
         except RuntimeError as err:
             for merged_name in reversed(done):
                 model.get_submodule(merged_name).unmerge()

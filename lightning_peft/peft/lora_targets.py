@@ -220,7 +220,11 @@ def _warn_about_settings(model: nn.Module, config: LoRAConfig, targets: list[str
 
 
 def _max_rank(module: nn.Module) -> int:
-    weight = module.weight  # Linear (out, in), Conv1D (in, out), Embedding (V, d), Conv2d (out, in, kh, kw)
+    if isinstance(module, LoRALayer):
+        module = module.base_layer
+    if isinstance(module, nn.Linear):  # its sizes: a quantized weight may be packed (bitsandbytes' 4-bit)
+        return min(module.in_features, module.out_features)
+    weight = module.weight  # Conv1D (in, out), Embedding (V, d), Conv2d (out, in, kh, kw)
     return min(weight.shape[0], weight[0].numel())
 
 

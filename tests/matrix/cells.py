@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_peft._seams import data_parallel
 from lightning_peft.callbacks import (
+    ActivationCheckpointing,
     BottleneckAdapters,
     Curriculum,
     GradientAccumulation,
@@ -157,8 +158,8 @@ def _targets(kind: str) -> dict[str, Any]:
     return {"target_modules": ["q_proj", "v_proj"], "modules_to_save": ["head"]}
 
 
-def _lora(kind: str, dropout: float = 0.0) -> LoRA:
-    return LoRA(rank=4, alpha=8.0, dropout=dropout, **_targets(kind))
+def _lora(kind: str, dropout: float = 0.0, **kwargs: Any) -> LoRA:
+    return LoRA(rank=4, alpha=8.0, dropout=dropout, **_targets(kind), **kwargs)
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,7 @@ ROWS = [
                                                             start_fraction=0.5)]),
     Row("TokenPruning", lambda kind: [_lora(kind), TokenPruning(keep_ratio=0.5, start_layer=0, anneal_fraction=0.0)],
         kind="encoder"),
+    Row("ActivationCheckpointing", lambda kind: [_lora(kind), ActivationCheckpointing()]),
     Row("all-in-one", _all_in_one),
 ]
 
