@@ -45,6 +45,8 @@ class LoRA(AdapterCallback):
         bias: ``"none"``, ``"lora_only"`` or ``"all"``: which biases train.
         init: ``"kaiming"`` or ``"gaussian"`` initialisation of ``A`` (``B`` starts at zero).
         use_rslora: Rank-stabilised scaling.
+        use_dora: DoRA (arXiv:2402.09353): a trained magnitude per output feature beside the low-rank update, as
+            PEFT's ``use_dora``; Linear and Conv1D layers only.
         adapter_only_checkpoint: Checkpoints hold only what trains (and buffers); loading takes the frozen base
             from the model as constructed.
         model_attribute: Dotted path of the model inside the LightningModule (adapter key paths are relative to it);
@@ -67,6 +69,7 @@ class LoRA(AdapterCallback):
         bias: Literal["none", "lora_only", "all"] = "none",
         init: Literal["kaiming", "gaussian"] = "kaiming",
         use_rslora: bool = False,
+        use_dora: bool = False,
         adapter_only_checkpoint: bool = False,
         model_attribute: str | None = None,
         **peft_names: Any,
@@ -76,7 +79,7 @@ class LoRA(AdapterCallback):
             "rank": rank, "alpha": alpha, "dropout": dropout, "target_modules": target_modules,
             "exclude_modules": exclude_modules, "modules_to_save": modules_to_save,
             "rank_pattern": dict(rank_pattern or {}), "alpha_pattern": dict(alpha_pattern or {}),
-            "bias": bias, "init": init, "use_rslora": use_rslora, **peft_names}, "LoRA")
+            "bias": bias, "init": init, "use_rslora": use_rslora, "use_dora": use_dora, **peft_names}, "LoRA")
 
     def request(self) -> dict[str, Any]:  # the model's first adapter must be this one, whatever its name
         return {"adapters": {DEFAULT: {"config": self.config.to_dict()}}, "first_only": True}
@@ -94,6 +97,6 @@ class LoRA(AdapterCallback):
     def inject(self, trainer: pl.Trainer, model: nn.Module) -> str:
         layers = inject_lora(model, self.config)
         saved = lora_spec(model).modules_to_save
-        return (f"adapted {len(layers)} modules of {type(model).__name__} (rank {self.config.rank}, alpha "
-                f"{self.config.alpha}{', saving ' + ', '.join(saved) + ' in full' if saved else ''})")
+        return (f"adapted {len(layers)} modules of {type(model).__name__} ({'DoRA, ' if self.config.use_dora else ''}"
+                f"rank {self.config.rank}, alpha {self.config.alpha}{', saving ' + ', '.join(saved) + ' in full' if saved else ''})")
 

@@ -39,6 +39,7 @@ from .lora_targets import _select, _warn_about_settings
 from .modules_to_save import fold_modules_to_save, set_submodule, wrap_modules_to_save
 
 log = logging.getLogger(__name__)
+_ADDED_FIELDS = {"use_dora": False}  # LoRAConfig fields newer than some checkpoints, at the value they then meant
 
 
 @register
@@ -169,7 +170,6 @@ class LoRAAdapter(Adapter):
         detach(model, self.kind)
         point_peft_methods(model, present=False)
 
-
     def matches(self, config: dict[str, Any]) -> bool:
         """Whether the named adapters' settings are those of ``config`` (``{"adapters": {name: {"config": fields}}}``,
         targets and the active adapter not compared); ``"first_only": True``: the first adapter's, whatever its name."""
@@ -195,7 +195,7 @@ class LoRAAdapter(Adapter):
         fields: dict[str, Any] = {"modules_to_save": config.get("modules_to_save")}
         for name, entry in config["adapters"].items():
             prefix = "" if name == DEFAULT else f"{name}."
-            flat = {**entry.get("config", {}), **{k: v for k, v in entry.items() if k != "config"}}
+            flat = {**_ADDED_FIELDS, **entry.get("config", {}), **{k: v for k, v in entry.items() if k != "config"}}
             fields.update({f"{prefix}{k}": v for k, v in flat.items() if k not in cls.training_only})
         return fields
 
@@ -309,7 +309,7 @@ def _inject(
         if isinstance(module, LoRALayer):
             module.add_adapter(
                 adapter_name, config.rank_for(name), config.alpha_for(name), config.dropout, config.use_rslora,
-                config.init,
+                config.init, config.use_dora,
             )
             replaced[name] = module
             continue
@@ -375,6 +375,7 @@ def _make_layer(module: nn.Module, name: str, config: LoRAConfig, adapter_name: 
         "use_rslora": config.use_rslora,
         "init": config.init,
         "adapter_name": adapter_name,
+        "use_dora": config.use_dora,
     }
     if isinstance(module, nn.Embedding):
         return LoRAEmbedding(module, **kwargs)

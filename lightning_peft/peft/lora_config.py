@@ -42,6 +42,8 @@ class LoRAConfig:
         bias: Which biases train: ``"none"``, ``"lora_only"`` (those of adapted layers) or ``"all"``.
         init: ``"kaiming"`` (Kaiming-uniform ``A``, ``B = 0``) or ``"gaussian"`` (``A ~ N(0, 1/r)``, ``B = 0``).
         use_rslora: Rank-stabilised scaling.
+        use_dora: DoRA (Liu et al., arXiv:2402.09353): a trained magnitude per output feature on top of the LoRA
+            update, as Hugging Face PEFT's ``use_dora`` (:mod:`lightning_peft.peft.lora_dora`). Linear and Conv1D only.
     """
 
     rank: int = 8
@@ -55,6 +57,7 @@ class LoRAConfig:
     bias: Bias = "none"
     init: Init = "kaiming"
     use_rslora: bool = False
+    use_dora: bool = False
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalised values are set with object.__setattr__; the caller's objects are not mutated.
@@ -77,6 +80,7 @@ class LoRAConfig:
         choice("LoRA", "bias", self.bias, ("none", "lora_only", "all"))
         choice("LoRA", "init", self.init, ("kaiming", "gaussian"))
         boolean("LoRA", "use_rslora", self.use_rslora)
+        boolean("LoRA", "use_dora", self.use_dora)
 
     def rank_for(self, name: str) -> int:
         return _pattern_value(self.rank_pattern, name, self.rank)
@@ -178,7 +182,6 @@ _BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "eva")
 
 # PEFT features this library does not implement: loading such an adapter would silently change its meaning.
 _UNSUPPORTED = {
-    "use_dora": False,
     "layers_to_transform": None,
     "layers_pattern": None,
     "target_parameters": None,
@@ -239,4 +242,5 @@ def config_from_peft(config: dict, source: str = "adapter_config.json", who: str
         bias=config.get("bias", "none"),
         init="gaussian" if init == "gaussian" else "kaiming",
         use_rslora=config.get("use_rslora", False),
+        use_dora=config.get("use_dora") or False,
     )

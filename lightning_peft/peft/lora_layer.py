@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._common import LayerWrapper, adapter_dtype
+from ._common import LayerWrapper, adapter_dtype, dense_weight
 from .lora_routing import DEFAULT, RoutedPath, Routing
 
 Init = Literal["kaiming", "gaussian"]
@@ -28,11 +28,13 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class AdapterSpec:
-    """One adapter's settings on one layer; ``scaling`` is computed once (the forward reads it every call)."""
+    """One adapter's settings on one layer; ``scaling`` is computed once (the forward reads it every call).
+    ``use_dora``: the adapter is DoRA's (:mod:`lightning_peft.peft.lora_dora`), with a trained magnitude."""
 
     rank: int
     alpha: float
     use_rslora: bool
+    use_dora: bool = False
     scaling: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -56,12 +58,15 @@ class LoRALayer(RoutedPath, LayerWrapper):
         use_rslora: Use the rank-stabilised scale ``alpha / sqrt(rank)``.
         init: Initialisation of ``A`` (``"kaiming"`` or ``"gaussian"``); ``B`` starts at zero.
         adapter_name: The first adapter's name.
+        use_dora: Make it a DoRA adapter (:mod:`lightning_peft.peft.lora_dora`); only where ``supports_dora``.
     """
 
     #: How tensor parallelism splits the layer's own tensors with its base (it reads its factors with ``F.linear``,
     #: so the layer is placed as one unit): ``{style: container}``, the factor container whose weights split as the
     #: base's weight does under that style; the rest is replicated. Empty: the layer cannot be split.
     tensor_parallel_split: ClassVar[dict[str, str]] = {}
+    #: Whether the layer implements DoRA adapters (``use_dora=True``).
+    supports_dora: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -72,6 +77,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
         use_rslora: bool = False,
         init: Init = "kaiming",
         adapter_name: str = DEFAULT,
+        use_dora: bool = False,
     ) -> None:
         super().__init__(base_layer)
         self.specs: dict[str, AdapterSpec] = {}
@@ -81,7 +87,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
         self._remerge_after_load: str | None = None
         self._factor_cache: dict[str, tuple[tuple[dict, str], tuple[dict, str]]] = {}
         self._init_containers()
-        self.add_adapter(adapter_name, rank, alpha, dropout, use_rslora, init)
+        self.add_adapter(adapter_name, rank, alpha, dropout, use_rslora, init, use_dora)
         self.register_state_dict_post_hook(_unmerged_state)
         self.register_load_state_dict_pre_hook(_unmerge_before_load)
         self.register_load_state_dict_post_hook(_remerge_after_load)
@@ -127,12 +133,15 @@ class LoRALayer(RoutedPath, LayerWrapper):
 
     def add_adapter(
         self, name: str, rank: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False,
-        init: Init = "kaiming",
+        init: Init = "kaiming", use_dora: bool = False,
     ) -> None:
         """Add adapter ``name`` (zero update) to this layer."""
         if name in self.specs:
             raise ValueError(f"{type(self).__name__}: adapter {name!r} already exists on this layer.")
-        self.specs[name] = AdapterSpec(rank, alpha, use_rslora)
+        if use_dora and not self.supports_dora:
+            raise TypeError(f"{type(self).__name__}(use_dora=True): DoRA is not implemented for a "
+                            f"{type(self.base_layer).__name__} base layer; DoRA supports Linear and Conv1D layers.")
+        self.specs[name] = AdapterSpec(rank, alpha, use_rslora, use_dora)
         self.lora_dropout[name] = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         weight = self.base_layer.weight
         self._create(name, rank, device=weight.device, dtype=adapter_dtype(weight))
@@ -219,7 +228,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
                 )
             return weight.detach().clone()
         with torch.no_grad():
-            merged = weight.to(_compute_dtype(weight.dtype)) + self.delta_weight(name)
+            merged = self._with_update(dense_weight(weight).to(_compute_dtype(weight.dtype)), name or self._active_name())
         if not torch.isfinite(merged).all():
             raise RuntimeError(
                 f"{type(self).__name__}: merging would write inf or NaN into the base weight "
@@ -227,6 +236,14 @@ class LoRALayer(RoutedPath, LayerWrapper):
                 "values. Nothing was merged into this layer."
             )
         return merged.to(weight.dtype)
+
+    def _with_update(self, weight: Tensor, name: str) -> Tensor:
+        """The merged weight of adapter ``name`` from the dense base ``weight`` (compute dtype): ``W + delta``."""
+        return weight + self.delta_weight(name)
+
+    def _without_update(self, weight: Tensor, name: str) -> Tensor:
+        """The base weight back from ``weight``, which holds adapter ``name`` merged: ``W' - delta``."""
+        return weight - self.delta_weight(name)
 
     @torch.no_grad()
     def merge(self, name: str | None = None) -> None:
@@ -253,7 +270,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
         if not self.merged:
             raise RuntimeError(f"{type(self).__name__}.unmerge(): the layer is not merged; call merge() first.")
         weight = self.base_layer.weight
-        restored = weight.to(_compute_dtype(weight.dtype)) - self.delta_weight(self.merged_adapter)
+        restored = self._without_update(dense_weight(weight).to(_compute_dtype(weight.dtype)), self.merged_adapter)
         weight.copy_(restored.to(weight.dtype))
         self.routing.merged[self.merged_adapter] -= 1
         self.merged_adapter = None
@@ -321,7 +338,8 @@ class LoRALayer(RoutedPath, LayerWrapper):
 
     def extra_repr(self) -> str:
         adapters = ", ".join(
-            f"{n}: rank={s.rank}, alpha={s.alpha}, scaling={s.scaling:.4g}" for n, s in self.specs.items()
+            f"{n}: rank={s.rank}, alpha={s.alpha}, scaling={s.scaling:.4g}{', dora' if s.use_dora else ''}"
+            for n, s in self.specs.items()
         )
         return f"{adapters}, merged={self.merged_adapter!r}" if self.merged else f"{adapters}, merged=False"
 
@@ -332,7 +350,8 @@ def _unmerged_state(module: LoRALayer, state_dict: dict, prefix: str, local_meta
     if module.merged and key in state_dict:
         weight = module.base_layer.weight
         with torch.no_grad():
-            restored = weight.to(_compute_dtype(weight.dtype)) - module.delta_weight(module.merged_adapter)
+            restored = module._without_update(dense_weight(weight).to(_compute_dtype(weight.dtype)),
+                                              module.merged_adapter)
             state_dict[key] = restored.to(weight.dtype)
 
 
