@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import subprocess
@@ -161,3 +162,19 @@ def test_bench_zero_quick_runs_and_reports_memory_and_time(tmp_path):
     for name in ("deepspeed3", "native3"):  # stage 3 holds about half the parameters on each of 2 ranks
         assert 0.4 < rows[name]["parameters"] / rows["ddp"]["parameters"] < 0.6
         assert rows[name]["step_ms"] > 0 and math.isfinite(rows[name]["time_vs_ddp"])
+
+
+def test_bench_dora_tiny_runs_agrees_with_peft_and_reports_every_ratio(tmp_path):
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        bench_dora = importlib.import_module("bench_dora")
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    report = bench_dora.main(["--tiny", "--batch-size", "2", "--seq-len", "4", "--repeats", "1", "--steps", "1",
+                              "--warmup", "0", "--json", str(tmp_path / "dora.json")])
+    assert json.loads((tmp_path / "dora.json").read_text())["rows"] == report["rows"]
+    agreement = report["agreement"]
+    assert max(v for k, v in agreement.items() if not k.startswith("(scale)")) < 1e-5
+    assert agreement["(scale) logits ours vs plain base"] > 1e-4  # the adapters change the output
+    assert [r["goal"] for r in report["rows"]] == [1.05, None, None, None, None]
+    assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in report["rows"])

@@ -97,6 +97,7 @@ class LoRA(AdapterCallback):
     def inject(self, trainer: pl.Trainer, model: nn.Module) -> str:
         layers = inject_lora(model, self.config)
         saved = lora_spec(model).modules_to_save
-        return (f"adapted {len(layers)} modules of {type(model).__name__} ({'DoRA, ' if self.config.use_dora else ''}"
-                f"rank {self.config.rank}, alpha {self.config.alpha}{', saving ' + ', '.join(saved) + ' in full' if saved else ''})")
+        dora = "DoRA, " if self.config.use_dora else ""
+        return (f"adapted {len(layers)} modules of {type(model).__name__} ({dora}rank {self.config.rank}, alpha "
+                f"{self.config.alpha}{', saving ' + ', '.join(saved) + ' in full' if saved else ''})")
 

@@ -35,15 +35,17 @@ def _as_out_in(weight: Tensor, fan_in_fan_out: bool) -> Tensor:
 
 @torch.no_grad()
 def row_norm(weight: Tensor, lora_a: Tensor, lora_b: Tensor, scaling: float, fan_in_fan_out: bool) -> Tensor:
-    """``||W + s B A||`` of every output row (out,), in the factors' dtype, without gradient.
+    """``||W + s B A||`` of every output row (out,), in the factors' dtype (float32 or wider, autocast or not),
+    without gradient.
 
     ``weight``: the base weight in its layout ((out, in), or (in, out) for ``Conv1D``), dense; ``lora_a`` (r, in),
     ``lora_b`` (out, r).
     """
     dtype = torch.promote_types(lora_a.dtype, torch.float32)
-    combined = torch.addmm(_as_out_in(weight, fan_in_fan_out).to(dtype), lora_b.to(dtype), lora_a.to(dtype),
-                           alpha=scaling)  # (out, in)
-    return torch.linalg.vector_norm(combined, dim=1)  # (out,)
+    with torch.autocast(weight.device.type, enabled=False):  # a norm in float32 under autocast too
+        combined = torch.addmm(_as_out_in(weight, fan_in_fan_out).to(dtype), lora_b.to(dtype), lora_a.to(dtype),
+                               alpha=scaling)  # (out, in)
+        return torch.linalg.vector_norm(combined, dim=1)  # (out,)
 
 
 def dora_forward(layer, x: Tensor, result: Tensor, name: str) -> Tensor:

@@ -228,7 +228,8 @@ class LoRALayer(RoutedPath, LayerWrapper):
                 )
             return weight.detach().clone()
         with torch.no_grad():
-            merged = self._with_update(dense_weight(weight).to(_compute_dtype(weight.dtype)), name or self._active_name())
+            dense = dense_weight(weight).to(_compute_dtype(weight.dtype))
+            merged = self._with_update(dense, name or self._active_name())
         if not torch.isfinite(merged).all():
             raise RuntimeError(
                 f"{type(self).__name__}: merging would write inf or NaN into the base weight "
