@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import subprocess
@@ -213,3 +214,19 @@ def test_bench_qlora_tiny_runs_and_reports_bytes_and_step_ratio(tmp_path, monkey
     assert 0 < report["bytes"]["ratio"] <= 0.15 and report["bytes"]["met"]  # measured from the stored tensors
     assert len(report["rows"]) == 1 and math.isfinite(report["rows"][0]["ratio"]) and report["rows"][0]["ratio"] > 0
     assert 0.05 < report["weight_error"]["median"] < 0.12  # NF4 on Gaussian-initialised weights: about 9%
+
+
+def test_bench_dora_tiny_runs_agrees_with_peft_and_reports_every_ratio(tmp_path):
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        bench_dora = importlib.import_module("bench_dora")
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    report = bench_dora.main(["--tiny", "--batch-size", "2", "--seq-len", "4", "--repeats", "1", "--steps", "1",
+                              "--warmup", "0", "--json", str(tmp_path / "dora.json")])
+    assert json.loads((tmp_path / "dora.json").read_text())["rows"] == report["rows"]
+    agreement = report["agreement"]
+    assert max(v for k, v in agreement.items() if not k.startswith("(scale)")) < 1e-5
+    assert agreement["(scale) logits ours vs plain base"] > 1e-4  # the adapters change the output
+    assert [r["goal"] for r in report["rows"]] == [1.05, None, None, None, None]
+    assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in report["rows"])

@@ -1,7 +1,7 @@
 """Every registered PEFT technique keeps the same promises, through its public callback and functions only.
 
-One row per technique (LoRA, named multi-LoRA, bottleneck adapters, prompt tuning, prefix tuning with and without
-its projection MLP); for each:
+One row per technique (LoRA, LoRA with DoRA, named multi-LoRA, bottleneck adapters, prompt tuning, prefix tuning
+with and without its projection MLP); for each:
 
 - resume: a fit resumed from an epoch-boundary checkpoint (adapter-only or full) ends with the straight run's
   weights, bit for bit; resuming with other settings is refused, naming both values;
@@ -119,6 +119,17 @@ TECHNIQUES: dict[str, Technique] = {
         peft_config=lambda targets: peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=targets),
         keeps_float32=True,
     ),
+    "lora_dora": Technique(  # LoRA(use_dora=True): a trained magnitude per output feature
+        callback=lambda **kw: LoRA(**LORA_ARGS, use_dora=True, **kw),
+        data=loader,
+        refused={"use_dora": (lambda **kw: LoRA(**LORA_ARGS, **kw),
+                              r"was trained with use_dora=True; this run has use_dora=False\. Resume with")},
+        inject={"bert": lambda m: inject_lora(m, rank=4, alpha=8, target_modules=["query", "value"], use_dora=True),
+                "gpt2": lambda m: inject_lora(m, rank=4, alpha=8, target_modules=["c_attn"], use_dora=True)},
+        peft_config=lambda targets: peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=targets,
+                                                    use_dora=True),
+        keeps_float32=True,
+    ),
     "multi_lora": Technique(
         callback=lambda **kw: MultiLoRA(adapters=ADAPTERS, **kw),
         data=routed_loader,
@@ -186,7 +197,7 @@ def test_every_registered_technique_has_a_row():
     registered = {kind for kind, cls in adapter._REGISTRY.items() if cls.__module__.startswith("lightning_peft.")}
     covered = {"lora", "bottleneck", "prompt_tuning", "prefix_tuning"}  # multi_lora is LoRA's protocol row as well
     assert registered == covered, f"add a conformance row for {sorted(registered - covered)}"
-    assert {name.split("_projection")[0] for name in TECHNIQUES} - {"multi_lora"} == covered
+    assert {name.split("_projection")[0] for name in TECHNIQUES} - {"multi_lora", "lora_dora"} == covered
 
 
 # ------------------------------------------------------------------------------------- Trainer runs (shared)
@@ -227,7 +238,10 @@ def fit(technique: Technique, root: Path, epochs: int, adapter_only: bool, ckpt_
     return module, record
 
 
-@pytest.fixture(scope="module", params=list(TECHNIQUES))
+# The DoRA row's Trainer fits (about 10 s) only run with the slow tests: DoRA changes the layer, not the protocol, and
+# its layer is checked against PEFT in tests/peft/test_dora.py.
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.slow) if n == "lora_dora" else n
+                                        for n in TECHNIQUES])
 def runs(request, tmp_path_factory) -> tuple[str, Runs]:
     name, technique = request.param, TECHNIQUES[request.param]
     root = tmp_path_factory.mktemp(name)

@@ -41,6 +41,9 @@ def adapter_configs(adapters: object, modules_to_save: list[str] | None,
             raise ValueError(f"{who}: {shared[0]} is shared by every adapter; set MultiLoRA({shared[0]}=...) "
                              "instead of per adapter.")
         configs[name] = as_config(None, {**settings, "modules_to_save": modules_to_save, "quantize": quantize}, who)
+        if configs[name].use_dora:
+            raise ValueError(f"{who}: use_dora=True; MultiLoRA routes every batch per sample, which DoRA adapters do "
+                             "not support. Train a DoRA adapter with LoRA(use_dora=True) instead.")
     return configs
 
 

@@ -49,6 +49,8 @@ class LoRA(AdapterCallback):
         quantize: ``"nf4"`` or ``"int8"``: the adapted linear layers' frozen weights are stored quantized (QLoRA,
             :mod:`lightning_peft.peft.quantize`); adapter-only checkpoints leave them out and resume quantizes the
             base as built again. None: full precision.
+        use_dora: DoRA (arXiv:2402.09353): a trained magnitude per output feature beside the low-rank update, as
+            PEFT's ``use_dora``; Linear and Conv1D layers only.
         adapter_only_checkpoint: Checkpoints hold only what trains (and buffers); loading takes the frozen base
             from the model as constructed.
         model_attribute: Dotted path of the model inside the LightningModule (adapter key paths are relative to it);
@@ -72,6 +74,7 @@ class LoRA(AdapterCallback):
         init: Literal["kaiming", "gaussian"] = "kaiming",
         use_rslora: bool = False,
         quantize: Literal["nf4", "int8"] | None = None,
+        use_dora: bool = False,
         adapter_only_checkpoint: bool = False,
         model_attribute: str | None = None,
         **peft_names: Any,
@@ -81,7 +84,8 @@ class LoRA(AdapterCallback):
             "rank": rank, "alpha": alpha, "dropout": dropout, "target_modules": target_modules,
             "exclude_modules": exclude_modules, "modules_to_save": modules_to_save,
             "rank_pattern": dict(rank_pattern or {}), "alpha_pattern": dict(alpha_pattern or {}),
-            "bias": bias, "init": init, "use_rslora": use_rslora, "quantize": quantize, **peft_names}, "LoRA")
+            "bias": bias, "init": init, "use_rslora": use_rslora, "quantize": quantize, "use_dora": use_dora,
+            **peft_names}, "LoRA")
 
     def request(self) -> dict[str, Any]:  # the model's first adapter must be this one, whatever its name
         return {"adapters": {DEFAULT: {"config": self.config.to_dict()}}, "first_only": True}
@@ -101,6 +105,7 @@ class LoRA(AdapterCallback):
         layers = inject_lora(model, self.config)
         check_quantized_shards(f"LoRA(quantize={self.config.quantize!r})", model, trainer.strategy)
         saved = lora_spec(model).modules_to_save
-        return (f"adapted {len(layers)} modules of {type(model).__name__} (rank {self.config.rank}, alpha "
+        dora = "DoRA, " if self.config.use_dora else ""
+        return (f"adapted {len(layers)} modules of {type(model).__name__} ({dora}rank {self.config.rank}, alpha "
                 f"{self.config.alpha}{', saving ' + ', '.join(saved) + ' in full' if saved else ''})")
 

@@ -20,6 +20,7 @@ base layer               base weight             parameters of adapter ``n``
 =======================  ======================  ===========================================================
 ``nn.Linear(in, out)``   (out, in)               ``lora_A.n.weight`` (r, in), ``lora_B.n.weight`` (out, r)
 ``Conv1D`` (transformers) (in, out), transposed  same as Linear; the delta is transposed to merge
+DoRA (Linear, Conv1D)    as above                and ``lora_magnitude_vector.n`` (out,) (:mod:`.lora_dora`)
 ``nn.Embedding(V, d)``   (V, d)                  ``lora_embedding_A.n`` (r, V), ``lora_embedding_B.n`` (d, r)
 ``nn.Conv2d(in, out, k)`` (out, in, kh, kw)      ``lora_A.n``: Conv2d(in, r, k), ``lora_B.n``: Conv2d(r, out, 1)
 =======================  ======================  ===========================================================
@@ -51,12 +52,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import lora_dora
+from ._common import dense_weight
 from .adapter import attached, unwrap
 from .lora_layer import AdapterSpec, Init, LoRALayer, _compute_dtype  # noqa: F401 (re-exported)
 from .lora_routing import DEFAULT, Routing  # noqa: F401 (re-exported: lightning_peft.peft.layers.Routing)
 
 __all__ = ["DEFAULT", "AdapterSpec", "Init", "LoRAConv2d", "LoRAEmbedding", "LoRALayer", "LoRALinear", "Routing",
-           "conv1d_type", "lora_layers", "lora_spec", "require_spec"]
+           "conv1d_type", "lora_layers", "lora_spec", "make_layer", "require_spec"]
 
 
 def conv1d_type() -> type | None:
@@ -118,7 +121,10 @@ class _ABLayer(LoRALayer):
 
 
 class LoRALinear(_ABLayer):
-    """LoRA for ``nn.Linear`` and for ``transformers``' ``Conv1D`` (``fan_in_fan_out=True``: weight is (in, out))."""
+    """LoRA for ``nn.Linear`` and for ``transformers``' ``Conv1D`` (``fan_in_fan_out=True``: weight is (in, out)),
+    and DoRA for both (an adapter added with ``use_dora=True``: :mod:`lightning_peft.peft.lora_dora`)."""
+
+    supports_dora = True
 
     # A column-wise base (output dim split): B (out, r) splits with it, A replicated; a row-wise base (input dim
     # split): A (r, in) splits with it, B replicated (lightning_peft.parallel.tensor_parallel).
@@ -126,9 +132,10 @@ class LoRALinear(_ABLayer):
 
     def __init__(self, base_layer: nn.Module, *args, **kwargs) -> None:
         self.fan_in_fan_out = not isinstance(base_layer, nn.Linear)
+        self._dora_norms: dict[str, Tensor] = {}
         super().__init__(base_layer, *args, **kwargs)
 
-    def _create(self, name: str, rank: int, device: torch.device, dtype: torch.dtype) -> None:
+    def _create_factors(self, name: str, rank: int, device: torch.device, dtype: torch.dtype) -> None:
         base = self.base_layer
         if isinstance(base, nn.Linear):  # (a bitsandbytes Linear4bit packs its weight: its shape is not (out, in))
             in_features, out_features = base.in_features, base.out_features
@@ -143,12 +150,61 @@ class LoRALinear(_ABLayer):
         delta = (b.to(dtype) @ a.to(dtype)) * self.specs[name].scaling  # (out, in)
         return delta.t() if self.fan_in_fan_out else delta
 
+    # --- DoRA (lightning_peft.peft.lora_dora): a magnitude (out,) per DoRA adapter --------------------------------
+
+    def _init_containers(self) -> None:
+        super()._init_containers()
+        self.lora_magnitude_vector = nn.ParameterDict()
+
+    def _create(self, name: str, rank: int, device: torch.device, dtype: torch.dtype) -> None:
+        self._create_factors(name, rank, device, dtype)
+        if self.specs[name].use_dora:
+            out_features = self.lora_B[name].weight.shape[0]
+            self.lora_magnitude_vector[name] = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+
+    def _parameters_of(self, name: str) -> dict[str, nn.Parameter]:
+        params = super()._parameters_of(name)
+        if name in self.lora_magnitude_vector:
+            params[f"lora_magnitude_vector.{name}"] = self.lora_magnitude_vector[name]
+        return params
+
+    @torch.no_grad()
+    def _reset(self, name: str, init: Init) -> None:
+        super()._reset(name, init)
+        if name in self.lora_magnitude_vector:  # ||W + s B A|| = ||W||: the layer starts equal to its base
+            a, b = self.factors(name)
+            weight = dense_weight(self.base_layer.weight, self.base_layer)
+            norm = lora_dora.row_norm(weight, a, b, self.specs[name].scaling, self.fan_in_fan_out)
+            self.lora_magnitude_vector[name].copy_(norm)
+
+    def delete_adapter(self, name: str) -> None:
+        super().delete_adapter(name)
+        if name in self.lora_magnitude_vector:
+            del self.lora_magnitude_vector[name]
+
+    def _with_update(self, weight: Tensor, name: str) -> Tensor:
+        if not self.specs[name].use_dora:
+            return super()._with_update(weight, name)
+        merged, norm = lora_dora.merged(weight, self.delta_weight(name), self.lora_magnitude_vector[name],
+                                        self.fan_in_fan_out)
+        self._dora_norms[name] = norm  # unmerging needs the n of the unmerged weight (PEFT records it too)
+        return merged
+
+    def _without_update(self, weight: Tensor, name: str) -> Tensor:
+        if not self.specs[name].use_dora:
+            return super()._without_update(weight, name)
+        return lora_dora.unmerged(weight, self.delta_weight(name), self.lora_magnitude_vector[name],
+                                  self._dora_norms[name], self.fan_in_fan_out)
+
     def _single(self, x: Tensor, result: Tensor, name: str) -> Tensor:
+        if self.specs[name].use_dora:
+            return lora_dora.dora_forward(self, x, result, name)
         lora_a, lora_b = self.factors(name)  # (r, in), (out, r)
         hidden = F.linear(self.lora_dropout[name](x).to(lora_a.dtype), lora_a)  # (..., r)
         return self._add_update(result, hidden, lora_b, self.specs[name].scaling)
 
     def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor, host: list[int]) -> Tensor:
+        lora_dora.refuse_routing([n for n in names if n is not None and self.specs[n].use_dora])
         a_t, b_t = self._gathered(names, host)  # (B, in, r), (B, r, out)
         x3 = self._routed_dropout(x, names, slots).to(a_t.dtype).reshape(x.shape[0], -1, x.shape[-1])  # (B, T, in)
         hidden = torch.bmm(x3, a_t)  # (B, T, r)
@@ -253,3 +309,21 @@ class LoRAConv2d(_ABLayer):
         lora_a = self.lora_A[name]
         update = self.lora_B[name](lora_a(self.lora_dropout[name](x).to(lora_a.weight.dtype)))  # (B, out, H', W')
         return result + (update * self.specs[name].scaling).to(result.dtype)
+
+
+def make_layer(module: nn.Module, name: str, config, adapter_name: str) -> LoRALayer:
+    """The LoRA layer for ``module`` (named ``name`` in the model) with ``config``'s settings (a ``LoRAConfig``)."""
+    kwargs = {
+        "rank": config.rank_for(name),
+        "alpha": config.alpha_for(name),
+        "dropout": config.dropout,
+        "use_rslora": config.use_rslora,
+        "init": config.init,
+        "adapter_name": adapter_name,
+        "use_dora": config.use_dora,
+    }
+    if isinstance(module, nn.Embedding):
+        return LoRAEmbedding(module, **kwargs)
+    if isinstance(module, nn.Conv2d):
+        return LoRAConv2d(module, **kwargs)
+    return LoRALinear(module, **kwargs)

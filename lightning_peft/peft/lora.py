@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 from torch import Tensor, nn
 
 from .adapter import Adapter, attach, attached, detach, register, remove_adapter, trainable_parameters, unwrap
-from .layers import DEFAULT, LoRAConv2d, LoRAEmbedding, LoRALayer, LoRALinear, Routing, lora_layers, lora_spec, require_spec
+from .layers import DEFAULT, LoRALayer, Routing, lora_layers, lora_spec, make_layer, require_spec
 from .lora_config import LoRAConfig, as_config, check_adapter_name
 from .lora_merge import merge_lora, unmerge_lora
 from .lora_peft import PEFT_FIELDS, check_peft_config, config_for_model, peft_config, peft_problems, peft_state
@@ -40,6 +40,7 @@ from .modules_to_save import fold_modules_to_save, set_submodule, wrap_modules_t
 from .quantize import drop_quantizer_entries, plain_state, quantize_layers
 
 log = logging.getLogger(__name__)
+_ADDED_FIELDS = {"use_dora": False, "quantize": None}  # LoRAConfig fields newer than some checkpoints: their old value
 
 
 @register
@@ -196,7 +197,7 @@ class LoRAAdapter(Adapter):
         fields: dict[str, Any] = {"modules_to_save": config.get("modules_to_save")}
         for name, entry in config["adapters"].items():
             prefix = "" if name == DEFAULT else f"{name}."
-            flat = {**entry.get("config", {}), **{k: v for k, v in entry.items() if k != "config"}}
+            flat = {**_ADDED_FIELDS, **entry.get("config", {}), **{k: v for k, v in entry.items() if k != "config"}}
             fields.update({f"{prefix}{k}": v for k, v in flat.items() if k not in cls.training_only})
         return fields
 
@@ -311,11 +312,11 @@ def _inject(
         if isinstance(module, LoRALayer):
             module.add_adapter(
                 adapter_name, config.rank_for(name), config.alpha_for(name), config.dropout, config.use_rslora,
-                config.init,
+                config.init, config.use_dora,
             )
             replaced[name] = module
             continue
-        layer = _make_layer(module, name, config, adapter_name).train(module.training)  # eval model: eval adapters
+        layer = make_layer(module, name, config, adapter_name).train(module.training)  # eval model: eval adapters
         layer.routing = routing
         set_submodule(model, name, layer)
         replaced[name] = layer
@@ -367,22 +368,6 @@ def add_adapter(model: nn.Module, name: str, config: LoRAConfig | Any | None = N
         )
     _warn_about_settings(model, config, targets)
     return _inject(model, dataclasses.replace(config, modules_to_save=list(spec.modules_to_save)), targets, [], name)
-
-
-def _make_layer(module: nn.Module, name: str, config: LoRAConfig, adapter_name: str) -> LoRALayer:
-    kwargs = {
-        "rank": config.rank_for(name),
-        "alpha": config.alpha_for(name),
-        "dropout": config.dropout,
-        "use_rslora": config.use_rslora,
-        "init": config.init,
-        "adapter_name": adapter_name,
-    }
-    if isinstance(module, nn.Embedding):
-        return LoRAEmbedding(module, **kwargs)
-    if isinstance(module, nn.Conv2d):
-        return LoRAConv2d(module, **kwargs)
-    return LoRALinear(module, **kwargs)
 
 
 def unload_lora(model: nn.Module, merge: bool = True) -> nn.Module:

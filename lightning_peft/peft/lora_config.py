@@ -45,6 +45,8 @@ class LoRAConfig:
         use_rslora: Rank-stabilised scaling.
         quantize: Store the adapted ``nn.Linear`` layers' frozen weights quantized (QLoRA): ``"nf4"`` or
             ``"int8"`` (:mod:`lightning_peft.peft.quantize`); None: full precision. The adapters stay float32.
+        use_dora: DoRA (Liu et al., arXiv:2402.09353): a trained magnitude per output feature on top of the LoRA
+            update, as Hugging Face PEFT's ``use_dora`` (:mod:`lightning_peft.peft.lora_dora`). Linear and Conv1D only.
     """
 
     rank: int = 8
@@ -59,6 +61,7 @@ class LoRAConfig:
     init: Init = "kaiming"
     use_rslora: bool = False
     quantize: Literal["nf4", "int8"] | None = None
+    use_dora: bool = False
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalised values are set with object.__setattr__; the caller's objects are not mutated.
@@ -83,6 +86,7 @@ class LoRAConfig:
         boolean("LoRA", "use_rslora", self.use_rslora)
         if self.quantize is not None:
             check_method(self.quantize, "LoRA")
+        boolean("LoRA", "use_dora", self.use_dora)
 
     def rank_for(self, name: str) -> int:
         return _pattern_value(self.rank_pattern, name, self.rank)
@@ -184,7 +188,6 @@ _BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "eva")
 
 # PEFT features this library does not implement: loading such an adapter would silently change its meaning.
 _UNSUPPORTED = {
-    "use_dora": False,
     "layers_to_transform": None,
     "layers_pattern": None,
     "target_parameters": None,
@@ -245,4 +248,5 @@ def config_from_peft(config: dict, source: str = "adapter_config.json", who: str
         bias=config.get("bias", "none"),
         init="gaussian" if init == "gaussian" else "kaiming",
         use_rslora=config.get("use_rslora", False),
+        use_dora=config.get("use_dora") or False,
     )

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._common import LayerWrapper, adapter_dtype, dense_weight, is_quantized
+from ._lora_state import remerge_after_load, unmerge_before_load, unmerged_state
 from .lora_routing import DEFAULT, RoutedPath, Routing
 
 Init = Literal["kaiming", "gaussian"]
@@ -28,11 +29,13 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class AdapterSpec:
-    """One adapter's settings on one layer; ``scaling`` is computed once (the forward reads it every call)."""
+    """One adapter's settings on one layer; ``scaling`` is computed once (the forward reads it every call).
+    ``use_dora``: the adapter is DoRA's (:mod:`lightning_peft.peft.lora_dora`), with a trained magnitude."""
 
     rank: int
     alpha: float
     use_rslora: bool
+    use_dora: bool = False
     scaling: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -56,12 +59,15 @@ class LoRALayer(RoutedPath, LayerWrapper):
         use_rslora: Use the rank-stabilised scale ``alpha / sqrt(rank)``.
         init: Initialisation of ``A`` (``"kaiming"`` or ``"gaussian"``); ``B`` starts at zero.
         adapter_name: The first adapter's name.
+        use_dora: Make it a DoRA adapter (:mod:`lightning_peft.peft.lora_dora`); only where ``supports_dora``.
     """
 
     #: How tensor parallelism splits the layer's own tensors with its base (it reads its factors with ``F.linear``,
     #: so the layer is placed as one unit): ``{style: container}``, the factor container whose weights split as the
     #: base's weight does under that style; the rest is replicated. Empty: the layer cannot be split.
     tensor_parallel_split: ClassVar[dict[str, str]] = {}
+    #: Whether the layer implements DoRA adapters (``use_dora=True``).
+    supports_dora: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -72,6 +78,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
         use_rslora: bool = False,
         init: Init = "kaiming",
         adapter_name: str = DEFAULT,
+        use_dora: bool = False,
     ) -> None:
         super().__init__(base_layer)
         self.specs: dict[str, AdapterSpec] = {}
@@ -81,10 +88,10 @@ class LoRALayer(RoutedPath, LayerWrapper):
         self._remerge_after_load: str | None = None
         self._factor_cache: dict[str, tuple[tuple[dict, str], tuple[dict, str]]] = {}
         self._init_containers()
-        self.add_adapter(adapter_name, rank, alpha, dropout, use_rslora, init)
-        self.register_state_dict_post_hook(_unmerged_state)
-        self.register_load_state_dict_pre_hook(_unmerge_before_load)
-        self.register_load_state_dict_post_hook(_remerge_after_load)
+        self.add_adapter(adapter_name, rank, alpha, dropout, use_rslora, init, use_dora)
+        self.register_state_dict_post_hook(unmerged_state)
+        self.register_load_state_dict_pre_hook(unmerge_before_load)
+        self.register_load_state_dict_post_hook(remerge_after_load)
 
     def _apply(self, fn, recurse: bool = True):
         self._forget_cached_tensors()  # then LayerWrapper's: a half-precision cast reaches the base layer only
@@ -127,12 +134,15 @@ class LoRALayer(RoutedPath, LayerWrapper):
 
     def add_adapter(
         self, name: str, rank: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False,
-        init: Init = "kaiming",
+        init: Init = "kaiming", use_dora: bool = False,
     ) -> None:
         """Add adapter ``name`` (zero update) to this layer."""
         if name in self.specs:
             raise ValueError(f"{type(self).__name__}: adapter {name!r} already exists on this layer.")
-        self.specs[name] = AdapterSpec(rank, alpha, use_rslora)
+        if use_dora and not self.supports_dora:
+            raise TypeError(f"{type(self).__name__}(use_dora=True): DoRA is not implemented for a "
+                            f"{type(self.base_layer).__name__} base layer; DoRA supports Linear and Conv1D layers.")
+        self.specs[name] = AdapterSpec(rank, alpha, use_rslora, use_dora)
         self.lora_dropout[name] = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         weight = self.base_layer.weight
         self._create(name, rank, device=weight.device, dtype=adapter_dtype(weight))
@@ -220,7 +230,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
             return weight.detach().clone()
         with torch.no_grad():  # a quantized base is dequantized (to the dtype it had) first
             dense = dense_weight(weight, self.base_layer)
-            merged = dense.to(_compute_dtype(dense.dtype)) + self.delta_weight(name)
+            merged = self._with_update(dense.to(_compute_dtype(dense.dtype)), name or self._active_name())
         if not torch.isfinite(merged).all():
             raise RuntimeError(
                 f"{type(self).__name__}: merging would write inf or NaN into the base weight "
@@ -228,6 +238,14 @@ class LoRALayer(RoutedPath, LayerWrapper):
                 "values. Nothing was merged into this layer."
             )
         return merged.to(dense.dtype)
+
+    def _with_update(self, weight: Tensor, name: str) -> Tensor:
+        """The merged weight of adapter ``name`` from the dense base ``weight`` (compute dtype): ``W + delta``."""
+        return weight + self.delta_weight(name)
+
+    def _without_update(self, weight: Tensor, name: str) -> Tensor:
+        """The base weight back from ``weight``, which holds adapter ``name`` merged: ``W' - delta``."""
+        return weight - self.delta_weight(name)
 
     @torch.no_grad()
     def merge(self, name: str | None = None, dequantize: bool = False) -> None:
@@ -281,7 +299,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
         if not self.merged:
             raise RuntimeError(f"{type(self).__name__}.unmerge(): the layer is not merged; call merge() first.")
         weight = self.base_layer.weight
-        restored = weight.to(_compute_dtype(weight.dtype)) - self.delta_weight(self.merged_adapter)
+        restored = self._without_update(dense_weight(weight).to(_compute_dtype(weight.dtype)), self.merged_adapter)
         weight.copy_(restored.to(weight.dtype))
         self.routing.merged[self.merged_adapter] -= 1
         self.merged_adapter = None
@@ -349,40 +367,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
 
     def extra_repr(self) -> str:
         adapters = ", ".join(
-            f"{n}: rank={s.rank}, alpha={s.alpha}, scaling={s.scaling:.4g}" for n, s in self.specs.items()
+            f"{n}: rank={s.rank}, alpha={s.alpha}, scaling={s.scaling:.4g}{', dora' if s.use_dora else ''}"
+            for n, s in self.specs.items()
         )
         return f"{adapters}, merged={self.merged_adapter!r}" if self.merged else f"{adapters}, merged=False"
-
-
-def _unmerged_state(module: LoRALayer, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """State-dict post-hook: a merged layer reports its unmerged base weight, so no state holds ``W + delta``."""
-    key = f"{prefix}base_layer.weight"
-    if module.merged and key in state_dict:
-        weight = module.base_layer.weight
-        with torch.no_grad():
-            restored = weight.to(_compute_dtype(weight.dtype)) - module.delta_weight(module.merged_adapter)
-            state_dict[key] = restored.to(weight.dtype)
-
-
-_LEGACY_KEYS = ("lora_A.weight", "lora_B.weight", "lora_embedding_A", "lora_embedding_B")
-
-
-def _unmerge_before_load(module: LoRALayer, state_dict: dict, prefix: str, *args) -> None:
-    # Load-state-dict pre-hook. A state dict of the single-adapter layout (lightning-peft before named adapters:
-    # ``lora_A.weight``) loads into the first adapter. Then: load into the unmerged layout, and merge the loaded
-    # adapter again afterwards.
-    first = next(iter(module.specs))
-    for key in _LEGACY_KEYS:
-        if f"{prefix}{key}" in state_dict:
-            container, _, rest = key.partition(".")
-            state_dict[f"{prefix}{container}.{first}" + (f".{rest}" if rest else "")] = state_dict.pop(f"{prefix}{key}")
-    if module.merged:
-        module._remerge_after_load = module.merged_adapter
-        module.unmerge()
-
-
-def _remerge_after_load(module: LoRALayer, incompatible_keys) -> None:
-    module._forget_cached_tensors()
-    if module._remerge_after_load is not None:
-        name, module._remerge_after_load = module._remerge_after_load, None
-        module.merge(name)

@@ -75,7 +75,7 @@ def peft_config(adapter, model: nn.Module, name: str) -> dict[str, Any]:
         "fan_in_fan_out": any(getattr(m, "fan_in_fan_out", False) for m in layers.values()),
         "init_lora_weights": "gaussian" if config.init == "gaussian" else True,
         "use_rslora": config.use_rslora,
-        "use_dora": False,
+        "use_dora": config.use_dora,
     }
 
 
@@ -108,6 +108,12 @@ def check_peft_config(adapter, model: nn.Module, config: Any, source: str, adapt
                 f"model's LoRA adapter {adapter_name!r} there has alpha={spec.alpha}, use_rslora={spec.use_rslora}; "
                 "the adapter would be scaled differently. Load it into a model without LoRA layers, or under "
                 "another adapter_name."
+            )
+        if spec.use_dora != ours.use_dora:
+            raise ValueError(
+                f"load_adapter: {source} sets use_dora={ours.use_dora}, but the model's LoRA adapter {adapter_name!r} "
+                f"at {name!r} has use_dora={spec.use_dora}. Load it into a model without LoRA layers, or inject "
+                f"with use_dora={ours.use_dora}."
             )
 
 

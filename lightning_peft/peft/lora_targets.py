@@ -32,6 +32,7 @@ from ._common import chosen_by_name, inside, name_matches, pattern_matches, refu
 from .adapter import attached
 from .layers import LoRALayer, conv1d_type
 from .lora_config import LoRAConfig
+from .lora_dora import refuse_unsupported as refuse_unsupported_dora
 from .modules_to_save import ModulesToSave
 
 log = logging.getLogger("lightning_peft.peft.lora")
@@ -179,6 +180,8 @@ def _check_types(model, config, chosen, modules, inside_fused) -> None:
             )
         if isinstance(module, nn.Conv2d) and module.groups != 1:
             raise TypeError(f"LoRA: {name!r} is a grouped Conv2d (groups={module.groups}); only groups=1 is supported.")
+    if config.use_dora:
+        refuse_unsupported_dora("LoRA", chosen, modules, _linear_types())
 
 
 def _check_aliases(chosen: list[str], names: list[str], modules: dict[str, nn.Module]) -> None:

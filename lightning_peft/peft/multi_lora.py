@@ -56,6 +56,7 @@ from .adapter import unwrap
 from .layers import LoRALayer, require_spec
 from .lora import LoRAAdapter, add_adapter
 from .lora_config import LoRAConfig
+from .lora_dora import refuse_routing
 from .lora_targets import _adaptable_view, exact_targets
 
 Method = Literal["linear", "cat", "svd"]
@@ -141,6 +142,7 @@ def route_adapters(model: nn.Module, names: Sequence[str | None]) -> Iterator[No
     if unknown:
         raise ValueError(f"route_adapters: unknown adapter name {unknown[0]} in the batch; the model has "
                          f"{list(spec.adapters)} (None means the base model).")
+    refuse_routing([n for n in dict.fromkeys(names) if n is not None and spec.adapters[n][0].use_dora])
     merged = _merged(unwrap(model))
     if merged is not None:
         raise RuntimeError(f"route_adapters: adapter {merged!r} is merged into the base weights; call "
@@ -180,6 +182,10 @@ def combine_adapters(
         raise ValueError(f"combine_adapters(method={method!r}): method must be 'linear', 'cat' or 'svd'.")
     if rank is not None and method != "svd":
         raise ValueError(f"combine_adapters(rank={rank}): rank is chosen by method={method!r}; only 'svd' takes rank.")
+    dora = [s for s in weights if spec.adapters[s][0].use_dora]
+    if dora:
+        raise ValueError(f"combine_adapters: source {dora[0]!r} is a DoRA adapter (use_dora=True); its magnitudes do "
+                         "not combine linearly, so only LoRA adapters can be combined.")
     model = unwrap(model)
     layers = {t: model.get_submodule(t) for t in spec.targets if any(s in model.get_submodule(t).specs for s in weights)}
     ranks = {t: _combined_rank(t, layer, weights, method, rank) for t, layer in layers.items()}

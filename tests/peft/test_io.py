@@ -475,10 +475,10 @@ def _case_hostile_bin(d: Path) -> tuple[type, str]:
     return ValueError, r"adapter_model\.bin could not be read with torch\.load\(weights_only=True\)"
 
 
-def _case_use_dora(d: Path) -> tuple[type, str]:
+def _case_use_dora_without_magnitudes(d: Path) -> tuple[type, str]:
     _write_adapter(d)
     _edit_config(d, use_dora=True)
-    return ValueError, r"sets use_dora=True, which lightning-peft does not support"
+    return ValueError, r"lacks key base_model\.model\..*\.lora_magnitude_vector .*that its adapter config asks for"
 
 
 def _case_other_peft_type(d: Path) -> tuple[type, str]:
@@ -503,7 +503,7 @@ FAILURES = {
     f.__name__.removeprefix("_case_"): f
     for f in [
         _case_other_hidden_size, _case_extra_key, _case_missing_key, _case_targets_match_nothing,
-        _case_pickle_as_safetensors, _case_hostile_bin, _case_use_dora, _case_other_peft_type,
+        _case_pickle_as_safetensors, _case_hostile_bin, _case_use_dora_without_magnitudes, _case_other_peft_type,
         _case_missing_config, _case_missing_weights,
     ]
 }
@@ -576,7 +576,6 @@ def test_legacy_bin_that_is_not_a_tensor_dict_is_refused(content, tmp_path):
 @pytest.mark.parametrize(
     ("key", "value"),
     [
-        ("use_dora", True),
         ("layers_to_transform", [0]),
         ("layers_pattern", "layer"),
         ("target_parameters", ["intermediate.dense.weight"]),
@@ -797,8 +796,8 @@ def test_a_peft_lora_config_object_is_accepted_and_means_the_same(tmp_path):
 
 
 def test_a_peft_lora_config_with_an_unsupported_feature_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"peft\.LoraConfig sets use_dora=True, which lightning-peft does not support"):
-        inject_lora(_fresh(_base("bert"), "bert"), LoraConfig(r=4, target_modules=["query"], use_dora=True))
+    with pytest.raises(ValueError, match=r"peft\.LoraConfig sets lora_bias=True, which lightning-peft does not support"):
+        inject_lora(_fresh(_base("bert"), "bert"), LoraConfig(r=4, target_modules=["query"], lora_bias=True))
 
 
 def test_peft_loads_an_adapter_from_a_compiled_model_with_plain_names(tmp_path):
