@@ -46,7 +46,8 @@ class PromptLearningAdapter(Adapter):
     :class:`~lightning_peft.peft.prefix_tuning.PrefixTuningAdapter`.
 
     A subclass sets ``module_name`` (where its module sits on the model), ``technique`` (``"prompt tuning"``),
-    ``thing`` (``"prompt"``) and ``no_merge`` (why it cannot merge), and implements :meth:`table` and
+    ``thing`` (``"prompt"``) and ``not_a_weight`` (what it is instead of a weight update: why it cannot merge),
+    and implements :meth:`table` and
     :meth:`remove_hook`.
 
     Args:
@@ -58,7 +59,7 @@ class PromptLearningAdapter(Adapter):
     module_name: ClassVar[str]
     technique: ClassVar[str]
     thing: ClassVar[str]
-    no_merge: ClassVar[str]
+    not_a_weight: ClassVar[str]
 
     def __init__(self, modules_to_save: Iterable[str]) -> None:
         self.modules_to_save = tuple(modules_to_save)
@@ -78,7 +79,11 @@ class PromptLearningAdapter(Adapter):
 
     def unload(self, model: nn.Module, merge: bool) -> None:
         if merge:
-            raise RuntimeError(self.no_merge)
+            raise RuntimeError(
+                f"{type(self).__name__}: a {self.thing} cannot be merged into the base weights (it is "
+                f"{self.not_a_weight}, not a weight update). Unload with merge=False, or keep the model adapted and "
+                "save the adapter with save_adapter."
+            )
         model = unwrap(model)
         self.remove_hook(model)
         delattr(model, self.module_name)

@@ -169,10 +169,7 @@ class PrefixTuningAdapter(PromptLearningAdapter):
     module_name: ClassVar[str] = PREFIX_ATTRIBUTE
     technique: ClassVar[str] = "prefix tuning"
     thing: ClassVar[str] = "prefix"
-    no_merge: ClassVar[str] = (
-        "PrefixTuning: a prefix cannot be merged into the base weights (it is extra attention keys and values, "
-        "not a weight update). Unload with merge=False, or keep the adapter and save it with save_adapter."
-    )
+    not_a_weight: ClassVar[str] = "extra attention keys and values"
 
     def __init__(self, config: PrefixTuningConfig, modules_to_save: Iterable[str], handle: Any) -> None:
         super().__init__(modules_to_save)

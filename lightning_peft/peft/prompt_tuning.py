@@ -248,10 +248,7 @@ class PromptTuningAdapter(PromptLearningAdapter):
     module_name: ClassVar[str] = PROMPT_MODULE
     technique: ClassVar[str] = "prompt tuning"
     thing: ClassVar[str] = "prompt"
-    no_merge: ClassVar[str] = (
-        "PromptTuningAdapter: a soft prompt cannot be folded into the base weights; unload with merge=False "
-        "(unload_prompt_tuning), or keep the model adapted and save the adapter (save_adapter)."
-    )
+    not_a_weight: ClassVar[str] = "extra input embeddings"
 
     def __init__(self, num_virtual_tokens: int, init: dict[str, Any], modules_to_save: Iterable[str]) -> None:
         super().__init__(modules_to_save)
