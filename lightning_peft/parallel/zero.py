@@ -84,7 +84,8 @@ def load_partial(path: Path, module: nn.Module, optimizers: list[Optimizer], sta
 
 
 def fsdp_units(module: nn.Module) -> list[nn.Module]:
-    """The FSDP2 units below the root, innermost first: each adapter wrapper's frozen base, then each repeated block.
+    """The FSDP2 units below the root, innermost first: each adapter wrapper's frozen base (unless the wrapper reads
+    the base weight itself: ``reads_base_weight``), then each repeated block.
 
     A wrapper's base (LoRA's ``base_layer``, a bottleneck's) is found through
     :func:`~lightning_peft.parallel.adapters.adapter_wrappers`, never by a technique's class.
@@ -92,6 +93,8 @@ def fsdp_units(module: nn.Module) -> list[nn.Module]:
     units: list[nn.Module] = []
     seen: set[int] = set()
     for layer in adapter_wrappers(module).values():
+        if getattr(layer, "reads_base_weight", False):
+            continue  # DoRA reads W outside the base's forward: the base stays in the unit around the wrapper
         base = frozen_base(layer)
         if id(base) not in seen and any(True for _ in base.parameters()):
             units.append(base)

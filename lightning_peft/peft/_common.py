@@ -219,6 +219,13 @@ class LayerWrapper(nn.Module):
         super().__init__()
         self.base_layer = base_layer
 
+    @property
+    def reads_base_weight(self) -> bool:
+        """Whether this wrapper's own forward reads the base layer's weight (DoRA's norm of ``W + s B A``), not only
+        through the base layer's forward. A strategy that gathers a sharded weight around the base layer's forward
+        alone (an FSDP2 unit of its own) must then gather it around the wrapper's."""
+        return False
+
     def __getattr__(self, name: str):
         # nn.Module's lookup (parameters, buffers, submodules) first; then the base layer's attributes.
         try:

@@ -129,6 +129,10 @@ class LoRALayer(RoutedPath, LayerWrapper):
     scaling = property(lambda self: self._spec().scaling, doc="The active adapter's scale ``s``.")
 
     @property
+    def reads_base_weight(self) -> bool:
+        return any(spec.use_dora for spec in self.specs.values())  # DoRA's magnitude over ||W + s B A||
+
+    @property
     def merged(self) -> bool:
         return self.merged_adapter is not None
 

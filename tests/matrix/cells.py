@@ -172,6 +172,7 @@ class Row:
     save_merged: bool = False
     adapter_name: str | None = None
     fused: bool = False  # AdamW(fused=True), as many existing projects build it
+    changes_training: bool = True  # False: it must train exactly what LoRA alone trains (it saves memory only)
 
 
 def length(sample: dict[str, torch.Tensor]) -> float:
@@ -204,7 +205,9 @@ ROWS = [
                                                             start_fraction=0.5)]),
     Row("TokenPruning", lambda kind: [_lora(kind), TokenPruning(keep_ratio=0.5, start_layer=0, anneal_fraction=0.0)],
         kind="encoder"),
-    Row("ActivationCheckpointing", lambda kind: [_lora(kind), ActivationCheckpointing()]),
+    Row("DoRA", lambda kind: [_lora(kind, use_dora=True)]),
+    Row("QLoRA (NF4 base)", lambda kind: [_lora(kind, quantize="nf4")]),
+    Row("ActivationCheckpointing", lambda kind: [_lora(kind), ActivationCheckpointing()], changes_training=False),
     Row("all-in-one", _all_in_one),
 ]
 
