@@ -20,6 +20,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from .adapter import ADAPTERS_ATTRIBUTE, adapter_tensors, attached, technique, unwrap
+from .quantize import flatten_quantized
 
 KEY = "lightning_peft"
 FORMAT = 1
@@ -62,6 +63,7 @@ def record_adapters(pl_module: nn.Module, checkpoint: dict[str, Any], adapter_on
     if adapter_only:
         dropped |= {k for k in frozen_base(pl_module) if k in checkpoint["state_dict"]}
     checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in dropped}
+    flatten_quantized(checkpoint["state_dict"])  # plain tensors only: Lightning can load the file again
     checkpoint[KEY] = checkpoint_entry(pl_module, dropped=sorted(dropped) if dropped or adapter_only else None)
 
 

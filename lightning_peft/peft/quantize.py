@@ -201,6 +201,7 @@ def quantize_layers(model: nn.Module, names: list[str], method: str | None, who:
             continue
         if not is_quantized(layer.weight):
             layer.weight = nn.Parameter(_quantized(layer.weight, method), requires_grad=False)
+            layer.register_load_state_dict_pre_hook(_unflatten_weight)  # a checkpoint holds it flattened
         done[name] = layer
     return done
 
@@ -303,3 +304,34 @@ def drop_quantizer_entries(state: dict[str, Tensor], name: str, base: nn.Module)
 def plain_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
     """``state`` with every quantized tensor replaced by its values (an export holds plain tensors)."""
     return {k: dense_weight(v) for k, v in state.items()}
+
+
+#: The key infix of a quantized weight's inner tensors in a checkpoint: ``<key>.quantized.<inner>``.
+FLAT = ".quantized."
+
+
+def flatten_quantized(state: dict[str, Tensor]) -> None:
+    """In place: each quantized tensor of ``state`` becomes its inner plain tensors, ``<key>.quantized.<inner>``
+    (NF4: ``quantized_data``, ``quantized_scalers``, ...).
+
+    A checkpoint then holds plain tensors only: Lightning loads every checkpoint with a callable ``map_location``,
+    which torch refuses for a wrapper tensor subclass (``_rebuild_wrapper_subclass``), so a file holding NF4 or int8
+    tensors themselves could be written but never resumed from or loaded. The quantized layers' load hook
+    (:func:`_unflatten_weight`) reassembles them; the bytes stay those of the quantized weight.
+    """
+    for key in [k for k, v in state.items() if isinstance(v, Tensor) and is_quantized(v)]:
+        value = state.pop(key)
+        names, _ = value.__tensor_flatten__()
+        state.update({f"{key}{FLAT}{name}": getattr(value, name) for name in names})
+
+
+def _unflatten_weight(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """Load-state-dict pre-hook of a quantized layer: a weight :func:`flatten_quantized` wrote as inner tensors is
+    rebuilt as the quantized tensor the layer holds (same type and block sizes: they follow from the shape)."""
+    key = f"{prefix}weight"
+    if key in state_dict or not any(k.startswith(f"{key}{FLAT}") for k in state_dict):
+        return
+    current = module.weight.data
+    names, context = current.__tensor_flatten__()
+    inner = {name: state_dict.pop(f"{key}{FLAT}{name}") for name in names}
+    state_dict[key] = type(current).__tensor_unflatten__(inner, context, current.size(), current.stride())
