@@ -246,3 +246,27 @@ def test_a_mixture_of_experts_aux_loss_backpropagates_through_the_recomputed_blo
         grads.append({n: p.grad for n, p in m.named_parameters()})
     for name, expected in grads[0].items():
         assert_close(grads[1][name], expected, rtol=0, atol=1e-12, msg=name)
+
+
+def test_dora_on_an_nf4_base_checkpointed_gives_the_gradients_of_the_plain_run():
+    """LoRA's memory-efficient stack together: DoRA (its magnitude reads the dequantized NF4 weight inside the
+    recomputed block) on a quantized base, checkpointed; float32, as NF4 is."""
+    pytest.importorskip("torchao")
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = TransformerDecoder(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, dropout=0.2)
+        randomise(inject_lora(model, rank=2, target_modules=["q_proj", "v_proj"], dropout=0.1, use_dora=True,
+                              quantize="nf4"))
+        return model
+
+    plain = build()
+    loss, expected = gradients(plain)
+    model = build()
+    assert len(apply_activation_checkpointing(model)) == 2
+    assert type(model.layers[0].attn.q_proj.base_layer.weight.data).__name__ == "NF4Tensor"
+    got_loss, got = gradients(model)
+    assert any("lora_magnitude_vector" in n for n in got) and all(v.abs().sum() > 0 for v in got.values())
+    assert_close(got_loss, loss, rtol=0, atol=0)
+    for name in expected:
+        assert_close(got[name], expected[name], rtol=1e-6, atol=1e-7, msg=name)
