@@ -27,6 +27,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_peft.callbacks._lightning import refuse_changed_settings
+from lightning_peft.callbacks._quantize import check_quantized_shards, check_quantized_strategy
 from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.callbacks._target import resolve_target
 from lightning_peft.peft.adapter import Adapter, attached, technique, trainable_parameters
@@ -72,6 +73,11 @@ class AdapterCallback(Callback):
     def check(self, trainer: pl.Trainer) -> None:
         """Refuse a strategy the technique cannot run under (called first in ``setup``; default: none)."""
 
+    @property
+    def quantize(self) -> str | None:
+        """How the adapted layers' frozen base is quantized (``"nf4"``, ``"int8"``; default None: full precision)."""
+        return None
+
     def saving(self, model: nn.Module) -> str:
         """``", saving <modules> in full"`` for the info line (empty if the adapter saves no module in full)."""
         saved = getattr(attached(model).get(self.kind), "modules_to_save", ())
@@ -83,13 +89,16 @@ class AdapterCallback(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_quantized_strategy(self.who, self.quantize, trainer.strategy)
         self.check(trainer)
         keep_rng(trainer)  # resume draws what the straight run drew (dropout)
         _, model = resolve_target(pl_module, self.model_attribute, self.who)
         self.adapted_model = model
         adapter = attached(model).get(self.kind)
         if adapter is None:
-            rank_zero_info(f"{self.who}: {self.inject(trainer, model)}; {trainable_parameters(pl_module)}")
+            line = self.inject(trainer, model)
+            check_quantized_shards(f"{self.who}(quantize={self.quantize!r})", model, trainer.strategy)
+            rank_zero_info(f"{self.who}: {line}; {trainable_parameters(pl_module)}")
         elif not adapter.matches(self.request()):
             raise RuntimeError(
                 f"{self.who}: {type(model).__name__} already has {self.what} with another config "

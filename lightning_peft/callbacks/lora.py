@@ -19,13 +19,10 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.accelerators import CPUAccelerator
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from lightning_peft._hardware import cpu_bf16_is_native
 from lightning_peft.callbacks._adapter import AdapterCallback
-from lightning_peft.callbacks._quantize import check_quantized_shards, check_quantized_strategy
+from lightning_peft.callbacks._lightning import warn_emulated_bf16
 from lightning_peft.peft.adapter import DEFAULT
 from lightning_peft.peft.lora import as_config, inject_lora, lora_spec
 
@@ -46,11 +43,9 @@ class LoRA(AdapterCallback):
         bias: ``"none"``, ``"lora_only"`` or ``"all"``: which biases train.
         init: ``"kaiming"`` or ``"gaussian"`` initialisation of ``A`` (``B`` starts at zero).
         use_rslora: Rank-stabilised scaling.
-        quantize: ``"nf4"`` or ``"int8"``: the adapted linear layers' frozen weights are stored quantized (QLoRA,
-            :mod:`lightning_peft.peft.quantize`); adapter-only checkpoints leave them out and resume quantizes the
-            base as built again. None: full precision.
-        use_dora: DoRA (arXiv:2402.09353): a trained magnitude per output feature beside the low-rank update, as
-            PEFT's ``use_dora``; Linear and Conv1D layers only.
+        quantize: ``"nf4"`` or ``"int8"``: the adapted linear layers' frozen weights stored quantized (QLoRA,
+            :mod:`lightning_peft.peft.quantize`); None: full precision.
+        use_dora: DoRA (arXiv:2402.09353), as PEFT's ``use_dora``: a trained magnitude per output feature.
         adapter_only_checkpoint: Checkpoints hold only what trains (and buffers); loading takes the frozen base
             from the model as constructed.
         model_attribute: Dotted path of the model inside the LightningModule (adapter key paths are relative to it);
@@ -90,20 +85,13 @@ class LoRA(AdapterCallback):
     def request(self) -> dict[str, Any]:  # the model's first adapter must be this one, whatever its name
         return {"adapters": {DEFAULT: {"config": self.config.to_dict()}}, "first_only": True}
 
+    quantize = property(lambda self: self.config.quantize)
+
     def check(self, trainer: pl.Trainer) -> None:
-        check_quantized_strategy("LoRA", self.config.quantize, trainer.strategy)
-        precision, cpu = str(trainer.precision), isinstance(trainer.accelerator, CPUAccelerator)
-        if precision.startswith("bf16") and cpu and not cpu_bf16_is_native():
-            rank_zero_warn(
-                f"LoRA: Trainer(precision={precision!r}) on a CPU without native bf16 (no AVX512-BF16 or AMX): "
-                "PyTorch emulates it, and a LoRA training step runs many times slower than in float32 (17x measured "
-                "on such a CPU). Use precision='32-true' on this machine; bf16 pays on GPUs and on CPUs with "
-                "AVX512-BF16/AMX."
-            )
+        warn_emulated_bf16("LoRA", trainer)
 
     def inject(self, trainer: pl.Trainer, model: nn.Module) -> str:
         layers = inject_lora(model, self.config)
-        check_quantized_shards(f"LoRA(quantize={self.config.quantize!r})", model, trainer.strategy)
         saved = lora_spec(model).modules_to_save
         dora = "DoRA, " if self.config.use_dora else ""
         return (f"adapted {len(layers)} modules of {type(model).__name__} ({dora}rank {self.config.rank}, alpha "

@@ -5,10 +5,8 @@ the first adapter and :func:`~lightning_peft.peft.add_adapter` the others (befor
 ``active`` (default: the first) becomes the active adapter; a model that already has exactly these adapters is used as
 it is. Every batch (training, validation, test, predict) runs with the adapters ``batch[routing_key]`` names, by name
 or by integer id (the position in ``adapters``; ``-1`` or None: the base model); a batch without the key uses the
-active adapter (:class:`~lightning_peft.callbacks._multi_lora.RoutesBatches`; the key stays in the batch, and
-:class:`~lightning_peft.modules.HFSequenceClassifier` passes only model inputs to its model). Checkpoints record the
-adapters as the ``LoRA`` callback's do; resuming with other adapters is refused, naming the difference.
-``MergeOnSave`` exports every adapter's folder and the merged model of one (``MergeOnSave(adapter_name=...)``).
+active adapter (:class:`~lightning_peft.callbacks._multi_lora.RoutesBatches`). Checkpoints record the adapters as
+the ``LoRA`` callback's do; resuming with other adapters is refused, naming the difference.
 
 YAML::
 
@@ -31,7 +29,6 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_peft.callbacks._adapter import AdapterCallback
-from lightning_peft.callbacks._quantize import check_quantized_shards, check_quantized_strategy
 from lightning_peft.callbacks._multi_lora import RoutesBatches, adapter_configs, check_strategy, refuse_changed_adapters
 from lightning_peft.peft import LoRAAdapter, add_adapter, inject_lora, set_adapter
 
@@ -82,9 +79,9 @@ class MultiLoRA(RoutesBatches, AdapterCallback):
     def shown(self, adapter: LoRAAdapter) -> Any:
         return {name: config for name, (config, _) in adapter.adapters.items()}
 
+    quantize = property(lambda self: next(iter(self.configs.values())).quantize)  # shared by every adapter
     def check(self, trainer: pl.Trainer) -> None:
         check_strategy(trainer.strategy)
-        check_quantized_strategy("MultiLoRA", next(iter(self.configs.values())).quantize, trainer.strategy)
 
     def inject(self, trainer: pl.Trainer, model: nn.Module) -> str:
         first, *others = self.names
@@ -92,7 +89,6 @@ class MultiLoRA(RoutesBatches, AdapterCallback):
         for name in others:
             add_adapter(model, name, self.configs[name])
         set_adapter(model, self.active)
-        check_quantized_shards("MultiLoRA", model, trainer.strategy)  # FSDP2 is refused above
         return f"adapters {self.names} on {type(model).__name__}"
 
     @override

@@ -83,9 +83,9 @@ def test_every_layer_type_under_trainer_precision(precision, tmp_path):
 
 @pytest.mark.parametrize("native", [False, True])
 def test_bf16_on_a_cpu_that_emulates_it_warns(native, tmp_path, monkeypatch):
-    import lightning_peft.callbacks.lora as lora_callback
+    import lightning_peft.callbacks._lightning as glue
 
-    monkeypatch.setattr(lora_callback, "cpu_bf16_is_native", lambda: native)
+    monkeypatch.setattr(glue, "cpu_bf16_is_native", lambda: native)
     data = DataLoader(TensorDataset(torch.randint(0, 16, (4, 4)), torch.randint(0, 3, (4,))), batch_size=4)
     lora = LoRA(rank=2, target_modules=["linear"])
     run = trainer(tmp_path, max_steps=1, precision="bf16-mixed", callbacks=[lora])
