@@ -43,8 +43,7 @@ class MultiLoRA(RoutesBatches, AdapterCallback):
         active: The adapter of batches without ``routing_key`` (default: the first).
         modules_to_save: Modules trained and saved in full, shared by every adapter (e.g. ``["classifier"]``).
             None: the task head of a Hugging Face task model; ``[]``: none.
-        adapter_only_checkpoint, model_attribute: As for ``LoRA``.
-        quantize: As for ``LoRA``, shared by every adapter (the base is one): ``"nf4"``, ``"int8"`` or None.
+        adapter_only_checkpoint, model_attribute, quantize: As for ``LoRA`` (``quantize``: one for all adapters).
     """
 
     who, kind, what = "MultiLoRA", "lora", "LoRA adapters"
