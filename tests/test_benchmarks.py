@@ -230,3 +230,22 @@ def test_bench_dora_tiny_runs_agrees_with_peft_and_reports_every_ratio(tmp_path)
     assert agreement["(scale) logits ours vs plain base"] > 1e-4  # the adapters change the output
     assert [r["goal"] for r in report["rows"]] == [1.05, None, None, None, None]
     assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in report["rows"])
+
+
+def test_bench_memory_efficient_quick_runs_each_technique_and_plots(tmp_path, monkeypatch):
+    pytest.importorskip("torchao")
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # in this process (--quick measures memory here too)
+    import bench_memory_efficient
+
+    out, txt, plot = tmp_path / "memory.json", tmp_path / "memory.txt", tmp_path / "memory.png"
+    bench_memory_efficient.main(["--quick", "--json", str(out), "--txt", str(txt), "--plot", str(plot)])
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert list(results) == ["lora", "+nf4", "+checkpointing", "+chunked"]
+    assert len({r["trainable"] for r in results.values()}) == 1  # the same adapters in every contender
+    losses = [r["loss"] for r in results.values()]
+    assert all(math.isfinite(x) for x in losses) and losses[1] == losses[2]  # checkpointing: the same forward
+    assert losses[3] == pytest.approx(losses[2], rel=1e-5) and losses[1] != losses[0]  # chunked ==; NF4 rounds
+    assert all(r["step_ms"] > 0 and math.isfinite(r["peak_mb"]) for r in results.values())  # quick: in-process
+    assert report["summary"]["goal"] == 0.35 and report["summary"]["step_ratio"] > 0
+    assert "| contender | peak training memory (MB) |" in txt.read_text() and plot.stat().st_size > 1000
