@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _memory import reset_peak_rss, rss_kb  # noqa: E402
-from _report import say, write_results  # noqa: E402
+from _report import save_figure, say, write_results  # noqa: E402
 from _timing import alternate, row  # noqa: E402
 from lightning_peft.nn.chunked_loss import DEFAULT_CHUNK_SIZE, chunked_cross_entropy  # noqa: E402
 
@@ -249,11 +249,8 @@ def plot(args: argparse.Namespace, memory: dict, path: str, title: str) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
-    say(f"\nwrote {path}")
 
 
 def main(argv: list[str] | None = None) -> dict:
