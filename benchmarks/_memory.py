@@ -68,3 +68,30 @@ def _fresh_run(main, argv: list[str], send) -> None:
         send.send(("ok", main(argv)))
     except BaseException:  # noqa: BLE001 - reported to the parent, which stops the benchmark
         send.send(("error", traceback.format_exc()))
+
+
+#: glibc malloc settings a memory child can run under (environment variables read at interpreter start).
+MALLOC_MODES = {
+    # glibc as a user gets it: freed blocks under the (self-raising) mmap threshold stay in the heap.
+    "default": {},
+    # Every block of 128 KiB or more is its own mapping, returned on free: RSS follows the live tensors.
+    "mmap128k": {"MALLOC_MMAP_THRESHOLD_": "131072"},
+}
+
+
+def interpreter_run(script: str, argv: list[str], who: str, malloc: str = "default") -> dict:
+    """``python script *argv`` in a new interpreter under the glibc settings ``malloc`` (``MALLOC_MODES``, replacing
+    any ``MALLOC_*`` of this environment); the JSON of its last output line. A failing run ends the benchmark with
+    its stderr (exit -9: killed for memory). For measurements that need their own malloc settings, which a forked
+    :func:`fresh_runs` process cannot change."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}, **MALLOC_MODES[malloc]}
+    child = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, env=env)
+    if child.returncode != 0:
+        raise SystemExit(f"{who}: run {' '.join(argv)} ({malloc} malloc) failed (exit {child.returncode}):\n"
+                         f"{child.stderr[-3000:]}")
+    return json.loads(child.stdout.strip().splitlines()[-1])

@@ -40,9 +40,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
-import subprocess
 import sys
 import textwrap
 import time
@@ -56,7 +54,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _memory import reset_peak_rss, rss_kb  # noqa: E402
+from _memory import MALLOC_MODES, interpreter_run, reset_peak_rss, rss_kb  # noqa: E402
 from _report import finish, output_arguments, save_figure, say  # noqa: E402
 from lightning_peft.nn import TransformerDecoder, apply_activation_checkpointing  # noqa: E402
 from lightning_peft.peft import inject_lora  # noqa: E402
@@ -64,10 +62,6 @@ from lightning_peft.peft import inject_lora  # noqa: E402
 DEPTHS = (4, 8, 16, 24)
 CONTENDERS = ("checkpointed", "plain")
 GRADIENT_TOLERANCE = 1e-6
-MALLOC_MODES = {
-    "default": {},  # glibc as a user gets it: freed blocks under the (self-raising) mmap threshold stay in the heap
-    "mmap128k": {"MALLOC_MMAP_THRESHOLD_": "131072"},  # each block >= 128 KiB its own mapping: RSS follows live tensors
-}
 # The model's and the batch's sizes: (the real run's, --quick's); a memory child gets the same.
 SIZES = {"batch_size": (4, 1), "seq_len": (256, 16), "hidden": (256, 32), "heads": (4, 2), "ffn": (1024, 64),
          "vocab": (2048, 64), "threads": (torch.get_num_threads(), 1)}
@@ -156,21 +150,15 @@ def measure_memory(args: argparse.Namespace) -> dict[str, dict[str, dict[str, di
     memory: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
     for mode in args.malloc_modes:
         memory[mode] = {name: {} for name in CONTENDERS}
-        env = {**{k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}, **MALLOC_MODES[mode]}
         for depth in args.depths:
             for name in CONTENDERS:
                 if args.quick:
                     result = measure_one(args, name, depth)
                 else:
-                    command = [sys.executable, str(Path(__file__).resolve()), "--memory-child", name,
-                               "--memory-depth", str(depth)]
+                    argv = ["--memory-child", name, "--memory-depth", str(depth)]
                     for field in SIZES:
-                        command += [f"--{field.replace('_', '-')}", str(getattr(args, field))]
-                    child = subprocess.run(command, capture_output=True, text=True, env=env)
-                    if child.returncode != 0:
-                        sys.exit(f"bench_checkpointing: memory child {name} at depth {depth} ({mode}) failed:\n"
-                                 f"{child.stderr[-3000:]}")
-                    result = json.loads(child.stdout.strip().splitlines()[-1])
+                        argv += [f"--{field.replace('_', '-')}", str(getattr(args, field))]
+                    result = interpreter_run(__file__, argv, "bench_checkpointing", mode)
                 if not result["peak_was_reset"]:
                     say("bench_checkpointing: cannot reset the peak RSS here; the memory numbers are upper bounds")
                 memory[mode][name][str(depth)] = result

