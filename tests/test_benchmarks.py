@@ -179,8 +179,11 @@ def test_bench_checkpointing_quick_runs_reports_memory_time_and_plots(tmp_path):
     assert report["gradient_rel_error"] <= 1e-6
     rows = report["rows"]
     assert [r["blocks"] for r in rows["memory"]] == [1, 2]
-    assert set(report["memory_mb"]) == {"default"} and set(report["memory_mb"]["default"]) == {"checkpointed", "plain"}
-    assert all(math.isfinite(rows["time"][k]) and rows["time"][k] > 0 for k in ("ratio", "floor", "ratio_over_floor"))
+    assert set(report["memory_mb"]) == {"default"} and set(report["memory_mb"]["default"]) == {"checkpointed", "plain",
+                                                                                              "kept"}
+    assert all(math.isfinite(rows["time"][k]) and rows["time"][k] > 0
+               for k in ("ratio", "floor", "ratio_over_floor", "release_cost"))
+    assert all({"kept_mb", "kept_ratio"} <= set(r) for r in rows["memory"])  # quick: sizes too small to mean anything
     assert 1 < rows["time"]["floor"] < 2
     assert "| blocks | checkpointed (MB)" in text and plot.stat().st_size > 1000
 

@@ -43,7 +43,10 @@ reason), as prefix tuning's prefix does.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
+import platform
 import re
 import sys
 from collections import Counter
@@ -57,7 +60,8 @@ from torch.utils.checkpoint import checkpoint
 from lightning_peft._checks import regex
 from lightning_peft.nn.block import TransformerBlock
 
-__all__ = ["CheckpointedForward", "apply_activation_checkpointing", "check_modules", "checkpointed_modules",
+__all__ = ["CheckpointedForward", "apply_activation_checkpointing", "check_modules", "check_release_memory",
+           "checkpointed_modules",
            "is_checkpointed", "remove_activation_checkpointing"]
 
 log = logging.getLogger(__name__)
@@ -74,11 +78,14 @@ class CheckpointedForward:
     Args:
         module: The module whose forward it replaces.
         inner: The instance ``forward`` it replaces, if the module had one (None: the class's).
+        release_memory: After each checkpointed forward on the CPU, return the heap pages freed by the block's
+            temporaries to the operating system (glibc ``malloc_trim(0)``; see `apply_activation_checkpointing`).
     """
 
-    def __init__(self, module: nn.Module, inner: Any = None) -> None:
+    def __init__(self, module: nn.Module, inner: Any = None, release_memory: bool = False) -> None:
         self.module = module
         self.inner = inner
+        self.release_memory = release_memory
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
@@ -93,7 +100,10 @@ class CheckpointedForward:
             )
         if _hf_layer(module) and not getattr(module, "_can_checkpoint_with_cache", False):
             kwargs = _without_cache(module, kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        output = checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        if self.release_memory and _on_cpu(args, kwargs):
+            _malloc_trim()
+        return output
 
 
 def is_checkpointed(module: nn.Module) -> bool:
@@ -107,13 +117,23 @@ def checkpointed_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def apply_activation_checkpointing(
-    model: nn.Module, modules: Sequence[str | type] | None = None, *, who: str = _WHO
+    model: nn.Module,
+    modules: Sequence[str | type] | None = None,
+    *,
+    release_memory: bool | None = None,
+    who: str = _WHO,
 ) -> dict[str, nn.Module]:
     """Checkpoint the forward of the chosen modules of ``model`` (see the module docstring for ``modules``).
 
     Args:
         model: The model; changed in place (instance ``forward`` attributes, nothing else).
         modules: None for the default blocks, or a list of classes, class names and module-name regexes.
+        release_memory: Return the heap pages that a checkpointed block's forward freed to the operating system
+            after each such forward on the CPU (glibc's ``malloc_trim(0)``, about 0.1-0.6 ms a call). Under glibc's
+            default malloc, the freed temporaries of each block lie below the block's kept input in the heap, so
+            they stay resident: measured at 24 blocks (``benchmarks/bench_checkpointing.py``), activation memory
+            is 0.36 of the plain model's without the release and 0.21 with it. None (default): on where glibc
+            provides ``malloc_trim``; True there only; False: never. Numerics are unchanged.
         who: Who asks, in error messages (the callback gives its name).
 
     Returns:
@@ -134,6 +154,7 @@ def apply_activation_checkpointing(
         ['layers.0', 'layers.1']
     """
     entries = check_modules(modules, who)
+    release = check_release_memory(release_memory, who)
     _refuse_state(model, who)
     named = list(model.named_modules())
     if entries is None:
@@ -162,7 +183,7 @@ def apply_activation_checkpointing(
             outermost.append((name, module))
     _refuse_parts(model, named, outermost, who)
     for _, module in outermost:
-        module.forward = CheckpointedForward(module, vars(module).get("forward"))
+        module.forward = CheckpointedForward(module, vars(module).get("forward"), release)
     return dict(outermost)
 
 
@@ -180,6 +201,50 @@ def remove_activation_checkpointing(model: nn.Module) -> dict[str, nn.Module]:
         else:
             module.forward = inner
     return found
+
+
+# ------------------------------------------------------------------------------------------------- memory release
+
+
+def check_release_memory(release_memory: object, who: str) -> bool:
+    """``release_memory`` resolved: None is whether glibc's ``malloc_trim`` is here; True must find it."""
+    if release_memory is None:
+        return _malloc_trim_function() is not None
+    if not isinstance(release_memory, bool):
+        raise TypeError(f"{who}(release_memory={release_memory!r}): release_memory must be True, False or None.")
+    if release_memory and _malloc_trim_function() is None:
+        raise ValueError(
+            f"{who}(release_memory=True): this platform's C library has no malloc_trim (glibc's; found "
+            f"{platform.libc_ver()[0] or 'another libc'} on {sys.platform}). Pass release_memory=None or False."
+        )
+    return release_memory
+
+
+@functools.cache
+def _malloc_trim_function() -> Any:
+    """glibc's ``malloc_trim`` through ctypes, or None where the C library has none (macOS, Windows, musl)."""
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        function = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+    function.argtypes, function.restype = [ctypes.c_size_t], ctypes.c_int
+    return function
+
+
+def _malloc_trim() -> None:
+    function = _malloc_trim_function()
+    if function is not None:
+        function(0)  # 0: keep no padding at the top of the heap; free pages inside it are returned too
+
+
+def _on_cpu(args: tuple, kwargs: dict) -> bool:
+    """Whether the first tensor among the block's inputs is on the CPU (CUDA's caching allocator keeps its own)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device.type == "cpu"
+    return False
 
 
 # ------------------------------------------------------------------------------------------------------ selection

@@ -270,3 +270,38 @@ def test_dora_on_an_nf4_base_checkpointed_gives_the_gradients_of_the_plain_run()
     assert_close(got_loss, loss, rtol=0, atol=0)
     for name in expected:
         assert_close(got[name], expected[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_release_memory_trims_after_each_checkpointed_forward_on_the_cpu_and_changes_no_number(monkeypatch):
+    from lightning_peft.nn import checkpointing
+
+    real = checkpointing._malloc_trim_function()
+    if real is None:
+        pytest.skip("no glibc malloc_trim here")
+    kept = decoder()
+    apply_activation_checkpointing(kept, release_memory=False)
+    _, expected = gradients(kept)
+    calls = []
+    monkeypatch.setattr(checkpointing, "_malloc_trim", lambda: (calls.append(1), real(0)))  # a spy: the real trim runs
+    model = decoder()
+    wrapped = apply_activation_checkpointing(model)  # None: on where glibc provides malloc_trim
+    assert all(vars(m)["forward"].release_memory for m in wrapped.values())
+    _, got = gradients(model)
+    assert len(calls) == len(wrapped)  # once per block forward; the recomputation in backward does not trim
+    for name in expected:
+        assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
+    calls.clear()
+    gradients(kept)
+    with torch.no_grad():
+        loss_of(model.eval())  # evaluation runs the block as is: nothing freed by a checkpoint, nothing trimmed
+    assert calls == []
+
+
+def test_release_memory_must_be_a_boolean_or_none():
+    with pytest.raises(TypeError, match=r"apply_activation_checkpointing\(release_memory='yes'\): release_memory "
+                                        "must be True, False or None"):
+        apply_activation_checkpointing(decoder(), release_memory="yes")
+    from lightning_peft.callbacks import ActivationCheckpointing
+
+    with pytest.raises(TypeError, match=r"ActivationCheckpointing\(release_memory=1\)"):
+        ActivationCheckpointing(release_memory=1)
