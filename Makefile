@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q -c constraints.txt
 CONFIG ?= examples/configs/lora_minilm_bbc_news.yaml
 
-.PHONY: demo test bench clean deepspeed
+.PHONY: demo test bench docs clean deepspeed
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,5 +34,9 @@ test: $(VENV)/.installed-test
 bench: $(VENV)/.installed-bench
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_lora.py
 
+# The documentation site, strictly (a broken link or a docstring that does not render fails): open site/index.html.
+docs: $(VENV)/.installed-docs
+	$(PY) -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) artifacts lightning_logs
+	rm -rf $(VENV) artifacts lightning_logs site
