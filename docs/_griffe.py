@@ -6,7 +6,9 @@ beside the constructor's arguments buries what a reader needs, so members of the
 Lightning's hooks (the names below: those of ``Callback``, ``LightningModule``, ``LightningDataModule`` and the
 strategies that ``lightning_peft`` overrides, not ``torch.nn.Module``'s) and Python's special methods (but
 ``__call__`` and ``__new__``, which are API here) are left out of the reference. A fixed list, not an import of Lightning:
-the build stays static and fast.
+the build stays static and fast. Undocumented attributes of any class (its state: ``self.config``, the
+submodules of a block) and undocumented methods of the Lightning layers' classes (the adapter callbacks' plumbing)
+are left out too; every name a package exports in ``__all__`` is shown, with a docstring or without.
 """
 
 from __future__ import annotations
@@ -34,9 +36,13 @@ class HideFrameworkMembers(Extension):
 
     def on_class(self, *, cls: Class, loader: GriffeLoader, **kwargs: Any) -> None:
         lightning = cls.path.startswith(LIGHTNING_LAYERS)
-        for name in list(cls.members):
+        for name, member in list(cls.members.items()):
             special = name.startswith("__") and name.endswith("__") and name not in SPECIAL_KEPT
-            if special or (lightning and name in HOOKS):
+            # An attribute without a docstring (``self.config = ...``, a submodule of a block) is the class's
+            # state, described by the class docstring if at all; so is an undocumented method of the glue.
+            undocumented = not member.is_alias and not member.has_docstring and (
+                member.is_attribute or (lightning and member.is_function and name != "__init__"))
+            if special or undocumented or (lightning and name in HOOKS):
                 # Removed, not marked private: the re-exported classes (``lightning_peft.callbacks.LoRA`` is an
                 # alias of ``lightning_peft.callbacks.lora.LoRA``) wrap their members in new aliases, which do not
                 # carry the mark.

@@ -36,8 +36,10 @@ class _Reader(HTMLParser):
         self.ids: set[str] = set()
         self.images: list[str] = []
         self.links: list[str] = []
+        self.quoted: list[str] = []  # text three <blockquote> deep: a doctest's '>>>' read as Markdown quotes
         self._skip = 0  # inside <script> / <style>
         self._code = 0  # inside <pre> / <code>
+        self._quote = 0
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         values = dict(attrs)
@@ -51,16 +53,22 @@ class _Reader(HTMLParser):
             self._skip += 1
         if tag in ("pre", "code"):
             self._code += 1
+        if tag == "blockquote":
+            self._quote += 1
 
     def handle_endtag(self, tag: str) -> None:
         if tag in ("script", "style"):
             self._skip -= 1
         if tag in ("pre", "code"):
             self._code -= 1
+        if tag == "blockquote":
+            self._quote -= 1
 
     def handle_data(self, data: str) -> None:
         if not self._skip:
             (self.code if self._code else self.prose).append(data)
+            if self._quote >= 3 and data.strip():
+                self.quoted.append(data.strip())
 
 
 @dataclass
@@ -164,6 +172,9 @@ def test_no_raw_rest_on_the_api_pages(site: Site) -> None:
             if count:
                 line = next(line for line in text.splitlines() if pattern.search(line))
                 problems.append(f"reference/{name}.html: {count} x {what} ({', '.join(found)}), e.g. {line.strip()!r}")
+        if page.quoted:  # an example outside an ``Examples:`` section is Markdown, where '>>>' nests quotes
+            problems.append(f"reference/{name}.html: {len(page.quoted)} x a doctest shown as nested quotes, "
+                            f"e.g. {page.quoted[0]!r}")
     assert not problems, "raw reST shown on the API pages:\n" + "\n".join(problems)
 
 
@@ -202,6 +213,7 @@ def test_every_public_name_has_an_anchor_on_its_api_page(site: Site) -> None:
         names = _exports(package)
         assert names, package
         absent = [name for name in names if f"lightning_peft.{package}.{name}" not in ids]
+        absent += [] if f"lightning_peft.{package}" in ids else ["(the package itself)"]
         if absent:
             missing[package] = absent
     assert not missing, f"public names without an anchor on their API page: {missing}"
