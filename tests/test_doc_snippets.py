@@ -15,7 +15,8 @@ for every page, the ones added later included:
   what the block above it produced.
 - ``<!-- not run: REASON -->`` as the last non-blank line before a fence keeps that block from running (a Python block
   still compiles and its imports still resolve; a YAML block is not parsed). The reason is required: say what the
-  block needs (two processes, a GPU, the output of a full run) and which test covers the same thing.
+  block needs (two processes, a GPU, the output of a full run) and, for Python, which test runs its equivalent, as
+  ``tests/dir/test_x.py::test_name`` (``::other_test`` for a second one of the same file): that test must exist.
 - ``<!-- slow: REASON -->`` before a fence (with or without ``not run``, one marker a line) marks the page's test
   ``slow``, for a block that takes more than a few seconds (a fit of the real model).
 - `````yaml`` blocks parse with ``lightning-peft fit --config BLOCK --print_config``, in-process. A mapping is a
@@ -183,6 +184,22 @@ def _resolve_imports(path: Path, block: Block) -> None:
                     importlib.import_module(f"{node.module}.{alias.name}")  # a submodule, or ImportError
 
 
+TEST_NAME = re.compile(r"(tests/[\w/]+\.py)?::(\w+)")
+
+
+def _check_reason(block: Block) -> None:
+    """A Python block that is not run names the test that runs its equivalent, and that test exists."""
+    found, file = [], None
+    for match in TEST_NAME.finditer(block.not_run):
+        file = match[1] or file
+        found.append((file, match[2]))
+    assert found, (f"the reason ({block.not_run!r}) names no test that runs the same thing; add one as "
+                   "tests/dir/test_x.py::test_name")
+    for file, name in found:
+        assert file and (ROOT / file).is_file(), f"the reason names {file}::{name}, and {file} does not exist"
+        assert re.search(rf"^\s*(async )?def {name}\(", (ROOT / file).read_text(), re.M), f"{file} has no {name}"
+
+
 def _run_python(path: Path, block: Block, namespace: dict) -> None:
     if block.code.lstrip().startswith(">>>"):
         name = f"{path}:{block.line}"
@@ -290,6 +307,15 @@ def test_the_parser_reads_the_convention(tmp_path):
         ["fit", "--config", "x.yaml"], ["test", "--ckpt_path", "a b"]]
 
 
+def test_a_not_run_reason_names_tests_that_exist():
+    _check_reason(Block(1, "python", "", "2 GPUs; tests/test_cli.py::test_validate_ignores_test_after_fit, "
+                                          "::test_example_config_parses"))
+    for reason, message in [("needs a GPU", "names no test"), ("tests/nowhere.py::test_x", "does not exist"),
+                            ("tests/test_cli.py::test_renamed", "has no test_renamed")]:
+        with pytest.raises(AssertionError, match=message):
+            _check_reason(Block(1, "python", "", reason))
+
+
 def _params() -> list:
     params = []
     for path in PAGES:
@@ -313,6 +339,7 @@ def test_page(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     for block in page.blocks:
         try:
             if block.language in PYTHON and block.not_run:
+                _check_reason(block)
                 _resolve_imports(path, block)
             elif block.language in PYTHON or block.language == "hidden":
                 _run_python(path, block, namespace)
