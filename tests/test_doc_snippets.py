@@ -23,9 +23,9 @@ for every page, the ones added later included:
   LightningCLI config or a fragment of one: a missing ``model`` is the main example's (``HFSequenceClassifier`` on the
   MiniLM), a missing ``data`` the BBC News datamodule that suits the model. A list of ``class_path`` entries is a
   ``trainer.callbacks`` list. The callbacks the block lists must come out, in order, in the printed config.
-- `````bash`` (``sh``, ``shell``, ``console``) blocks are not run; every ``--config FILE`` they name exists, and
-  every ``lightning-peft fit|validate|test|predict ...`` command in them (also after ``-m lightning_peft.cli``)
-  parses with ``--print_config`` added, from the repository root.
+- `````bash`` (``sh``, ``shell``, ``console``) blocks are not run; unless marked not run, every ``--config FILE``
+  they name exists, and every ``lightning-peft fit|validate|test|predict ...`` command in them (also after
+  ``-m lightning_peft.cli``) parses with ``--print_config`` added, from the repository root.
 - Other blocks (``json``, ``text``, no language: diagrams, formulas, messages) are not checked. A ``>>>`` line
   outside a fence is refused: it would look tested and not be.
 """
@@ -345,7 +345,7 @@ def test_page(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
                 _run_python(path, block, namespace)
             elif block.language in YAML and not block.not_run:
                 _check_yaml(block, tmp_path)
-            elif block.language in SHELL:
+            elif block.language in SHELL and not block.not_run:
                 _check_shell(block, monkeypatch)
         except Exception as error:
             kind = "hidden doc-test" if block.language == "hidden" else f"```{block.language}"
