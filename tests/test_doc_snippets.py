@@ -15,8 +15,9 @@ for every page, the ones added later included:
   what the block above it produced.
 - ``<!-- not run: REASON -->`` as the last non-blank line before a fence keeps that block from running (a Python block
   still compiles and its imports still resolve; a YAML block is not parsed). The reason is required: say what the
-  block needs (two processes, a GPU, the output of a full run) and, for Python, which test runs its equivalent, as
-  ``tests/dir/test_x.py::test_name`` (``::other_test`` for a second one of the same file): that test must exist.
+  block needs (two processes, a GPU, the output of a full run) and, for Python, what runs its equivalent: a test
+  (``tests/dir/test_x.py::test_name``; ``::other_test`` for a second one of the same file), a test file or folder
+  (``tests/strategies/``), or a page whose blocks run here (``docs/index.md``). What it names must exist.
 - ``<!-- slow: REASON -->`` before a fence (with or without ``not run``, one marker a line) marks the page's test
   ``slow``, for a block that takes more than a few seconds (a fit of the real model).
 - `````yaml`` blocks parse with ``lightning-peft fit --config BLOCK --print_config``, in-process. A mapping is a
@@ -185,19 +186,24 @@ def _resolve_imports(path: Path, block: Block) -> None:
 
 
 TEST_NAME = re.compile(r"(tests/[\w/]+\.py)?::(\w+)")
+PLACE = re.compile(r"(?<![\w/.])((?:tests|docs)/[\w/.-]*[\w/]|README\.md)")  # a test file or folder, or a page
 
 
 def _check_reason(block: Block) -> None:
-    """A Python block that is not run names the test that runs its equivalent, and that test exists."""
-    found, file = [], None
+    """A Python block that is not run names what runs its equivalent (a test, a test file or folder, or a page
+    whose blocks run here), and what it names exists."""
+    tests, file = [], None
     for match in TEST_NAME.finditer(block.not_run):
         file = match[1] or file
-        found.append((file, match[2]))
-    assert found, (f"the reason ({block.not_run!r}) names no test that runs the same thing; add one as "
-                   "tests/dir/test_x.py::test_name")
-    for file, name in found:
+        tests.append((file, match[2]))
+    places = [match[1] for match in PLACE.finditer(TEST_NAME.sub("", block.not_run))]
+    assert tests or places, (f"the reason ({block.not_run!r}) names nothing that runs the same thing; add a test "
+                             "(tests/dir/test_x.py::test_name) or a page whose blocks run (docs/x.md)")
+    for file, name in tests:
         assert file and (ROOT / file).is_file(), f"the reason names {file}::{name}, and {file} does not exist"
         assert re.search(rf"^\s*(async )?def {name}\(", (ROOT / file).read_text(), re.M), f"{file} has no {name}"
+    for place in places:
+        assert (ROOT / place).exists(), f"the reason names {place}, which does not exist"
 
 
 def _run_python(path: Path, block: Block, namespace: dict) -> None:
@@ -310,8 +316,10 @@ def test_the_parser_reads_the_convention(tmp_path):
 def test_a_not_run_reason_names_tests_that_exist():
     _check_reason(Block(1, "python", "", "2 GPUs; tests/test_cli.py::test_validate_ignores_test_after_fit, "
                                           "::test_example_config_parses"))
-    for reason, message in [("needs a GPU", "names no test"), ("tests/nowhere.py::test_x", "does not exist"),
-                            ("tests/test_cli.py::test_renamed", "has no test_renamed")]:
+    _check_reason(Block(1, "python", "", "2 processes; tests/strategies/ runs them, docs/lora.md shows one."))
+    for reason, message in [("needs a GPU", "names nothing"), ("tests/nowhere.py::test_x", "does not exist"),
+                            ("tests/test_cli.py::test_renamed", "has no test_renamed"),
+                            ("docs/renamed.md runs it", "docs/renamed.md, which does not exist")]:
         with pytest.raises(AssertionError, match=message):
             _check_reason(Block(1, "python", "", reason))
 
