@@ -2,7 +2,7 @@
 
 A failure part-way leaves the previous files as they were and no temporary debris. Files and directories
 end up with the usual permissions (``0o666`` / ``0o777`` less the umask), not the owner-only permissions
-that :mod:`tempfile` gives, so an exported model can be read by the process that serves it.
+that `tempfile` gives, so an exported model can be read by the process that serves it.
 """
 
 from __future__ import annotations

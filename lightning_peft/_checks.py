@@ -1,8 +1,8 @@
 """One validator vocabulary and one message format for every setting lightning-peft takes.
 
 Every message reads ``who(name=value): name must be <requirement>[, e.g. <example>][ (<meaning>)].``: it names
-what was given and what would be accepted. A wrong type raises :class:`TypeError`, a value out of range
-:class:`ValueError`. ``bool`` is never accepted as a number (``True`` is an ``int`` in Python, never a rank).
+what was given and what would be accepted. A wrong type raises `TypeError`, a value out of range
+`ValueError`. ``bool`` is never accepted as a number (``True`` is an ``int`` in Python, never a rank).
 Each check returns the normalised value (``int`` / ``float``), so a caller writes ``rank = integer(...)``.
 
 >>> integer("LoRA", "rank", 8, minimum=1)

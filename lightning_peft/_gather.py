@@ -2,7 +2,7 @@
 
 Under ZeRO-3 (DeepSpeed) a parameter's ``.data`` is an empty placeholder and its values are spread over the
 ranks; under FSDP2 and DTensor tensor parallelism a parameter is a ``DTensor`` holding one shard. Exports
-(``MergeOnSave``, ``save_adapter``) need the full values. Inside :func:`gathered` every chosen parameter of the
+(``MergeOnSave``, ``save_adapter``) need the full values. Inside `gathered` every chosen parameter of the
 module is a plain tensor holding its full values, on every rank; on exit the sharded parameters are put back
 unchanged (do not write to them inside: values written are discarded, and DeepSpeed refuses it). Only the chosen
 parameters are gathered, so exporting an adapter never gathers the frozen base.

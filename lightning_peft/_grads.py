@@ -14,10 +14,10 @@ After backward (and the data-parallel reduction) a parameter's gradient lives in
   ``r * n .. (r + 1) * n`` of the flattened full gradient, the tail past ``p.ds_numel`` being padding.
 
 Elementwise work must give each element the same value whatever the partitioning, or no sharded strategy can equal
-DDP. So the caller computes a tensor of the parameter's **full** shape (:func:`full_shape`; drawn from one generator
-in one parameter order on every rank), and :func:`local_part` cuts from it the block this rank holds, in the layout
-:func:`local_grad` returns (``(*shape)`` for plain and DeepSpeed 1-2, the DTensor's local shape, or ``(n,)`` flat
-for DeepSpeed 3, padding zero). :func:`add_to_grad` does both for the common case.
+DDP. So the caller computes a tensor of the parameter's **full** shape (`full_shape`; drawn from one generator
+in one parameter order on every rank), and `local_part` cuts from it the block this rank holds, in the layout
+`local_grad` returns (``(*shape)`` for plain and DeepSpeed 1-2, the DTensor's local shape, or ``(n,)`` flat
+for DeepSpeed 3, padding zero). `add_to_grad` does both for the common case.
 
 DeepSpeed is imported only when a parameter is DeepSpeed's. Pure PyTorch: no lightning import.
 """
@@ -60,7 +60,7 @@ def local_grad(param: Tensor) -> Tensor | None:
     rank must call this for the same parameters in the same order); DTensor: the local block (``grad.to_local()``, a
     view; a ``Partial`` gradient, which tensor parallelism leaves on replicated parameters until the optimizer meets
     it, is reduced to ``Replicate`` first, as the optimizer would: a collective too); DeepSpeed stage 3: the flat local partition ``(n,)``. Change the first two in place, or write any of them
-    back with :func:`set_local_grad`.
+    back with `set_local_grad`.
     """
     kind = grad_kind(param)
     if kind == "plain":
@@ -76,7 +76,7 @@ def local_grad(param: Tensor) -> Tensor | None:
 
 
 def set_local_grad(param: Tensor, value: Tensor) -> None:
-    """Write ``value``, in the layout :func:`local_grad` returns, as this rank's part of ``param``'s gradient."""
+    """Write ``value``, in the layout `local_grad` returns, as this rank's part of ``param``'s gradient."""
     kind = grad_kind(param)
     if kind in ("plain", "dtensor"):
         if param.grad is None:
@@ -94,7 +94,7 @@ def set_local_grad(param: Tensor, value: Tensor) -> None:
 
 
 def local_part(param: Tensor, full: Tensor) -> Tensor:
-    """The block of ``full`` (a tensor of ``param``'s full shape) that this rank's :func:`local_grad` holds.
+    """The block of ``full`` (a tensor of ``param``'s full shape) that this rank's `local_grad` holds.
 
     Raises:
         ValueError: If ``full`` does not have the parameter's full shape.

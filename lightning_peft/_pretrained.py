@@ -35,7 +35,7 @@ def resolve_pretrained(name: str) -> str:
         The directory as given; the package's model directory as a string; otherwise ``name`` unchanged (a hub
         id, whose loading honours ``HF_HUB_OFFLINE``).
 
-    Example:
+    Examples:
         >>> resolve_pretrained("some-org/some-model")
         'some-org/some-model'
     """

@@ -2,16 +2,16 @@
 
 Callbacks meet strategies at three seams, and each has one function here:
 
-- :func:`data_parallel` -- the data-parallel size and rank. Not ``trainer.world_size`` / ``global_rank``: under
-  :class:`~lightning_peft.strategies.PipelineStrategy` every rank reads the same batch (size 1), under
-  :class:`~lightning_peft.strategies.TensorParallelStrategy` the ranks of one tensor-parallel group do (size
-  ``world / tp``). Lightning's ``strategy.distributed_sampler_kwargs`` is the existing answer; a strategy without
+- `data_parallel` -- the data-parallel size and rank. Not ``trainer.world_size`` / ``global_rank``: under
+  [`PipelineStrategy`][lightning_peft.strategies.PipelineStrategy] every rank reads the same batch (size 1), under
+  [`TensorParallelStrategy`][lightning_peft.strategies.TensorParallelStrategy] the ranks of one tensor-parallel group do
+  (size ``world / tp``). Lightning's ``strategy.distributed_sampler_kwargs`` is the existing answer; a strategy without
   it (one device, the device map) is ``(1, 0)``.
-- :func:`strategy_family` -- where gradients live, as a short name: ``"plain"`` (``p.grad``, replicated: one
+- `strategy_family` -- where gradients live, as a short name: ``"plain"`` (``p.grad``, replicated: one
   device, DDP, native ZeRO-1, the pipeline's stages, the device map), ``"dtensor"`` (DTensor shards: FSDP2, tensor
   parallelism), ``"deepspeed"`` (the engine's own partitions; ``p.grad`` is None at stages 2 and 3). The pure half,
-  reading and changing those gradients, is :mod:`lightning_peft._grads`.
-- :func:`refuse` -- what a strategy cannot run is refused at setup, naming the callback, the strategy and why,
+  reading and changing those gradients, is `lightning_peft._grads`.
+- `refuse` -- what a strategy cannot run is refused at setup, naming the callback, the strategy and why,
   never run as a no-op that logs as if it had worked.
 """
 
@@ -34,7 +34,7 @@ def data_parallel(strategy: Any) -> tuple[int, int]:
         strategy: The trainer's strategy (``trainer.strategy``), after its environment is set up (from a
             callback's ``setup`` hook on).
 
-    Example:
+    Examples:
         >>> from lightning.pytorch.strategies import SingleDeviceStrategy
         >>> data_parallel(SingleDeviceStrategy("cpu"))
         (1, 0)
@@ -83,7 +83,7 @@ def tensor_parallel_size(strategy: Any) -> int:
 def refuse(who: str, strategy: Any, why: str, fix: str) -> RuntimeError:
     """The error a callback raises at setup for a strategy it cannot run under (raise what this returns).
 
-    Example:
+    Examples:
         >>> from lightning.pytorch.strategies import SingleDeviceStrategy
         >>> str(refuse("GradientNoise", SingleDeviceStrategy("cpu"), "it cannot", "remove one of them"))
         'GradientNoise under SingleDeviceStrategy: it cannot. Remove one of them.'

@@ -1,6 +1,6 @@
-"""The model a ``model_attribute`` setting names inside a LightningModule: one lookup and one message for the
-callbacks (:mod:`lightning_peft.callbacks`) and strategies (:class:`~lightning_peft.strategies.DeviceMapStrategy`)
-that work on one submodule. Pure torch."""
+"""The model a ``model_attribute`` setting names inside a LightningModule: one lookup and one message for the callbacks
+([`lightning_peft.callbacks`][lightning_peft.callbacks]) and strategies
+([`DeviceMapStrategy`][lightning_peft.strategies.DeviceMapStrategy]) that work on one submodule. Pure torch."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def submodule(root: nn.Module, path: str, who: str) -> nn.Module:
         path: The dotted path, e.g. ``"model"`` or ``"backbone.encoder"``.
         who: The callback or strategy whose ``model_attribute`` it is, for the message.
 
-    Example:
+    Examples:
         >>> submodule(nn.Sequential(nn.Linear(2, 2)), "encoder", "LoRA")
         Traceback (most recent call last):
         ValueError: LoRA(model_attribute='encoder'): Sequential has no such submodule. Its children: 0.

@@ -1,4 +1,4 @@
-"""Lightning callbacks: thin glue over the pure-PyTorch techniques in :mod:`lightning_peft.peft`."""
+"""Lightning callbacks: thin glue over the pure-PyTorch techniques in [`lightning_peft.peft`][lightning_peft.peft]."""
 
 from lightning_peft.callbacks._checkpoint import load_from_checkpoint
 from lightning_peft.callbacks.activation_checkpointing import ActivationCheckpointing

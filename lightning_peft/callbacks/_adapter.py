@@ -1,14 +1,14 @@
 """``AdapterCallback``: what every PEFT callback does around its technique's inject function, written once.
 
 A technique's callback is its constructor (plain typed keyword arguments for LightningCLI, building a config) and
-:meth:`AdapterCallback.inject` (one call of the technique's inject function). The rest is here:
+`AdapterCallback.inject` (one call of the technique's inject function). The rest is here:
 
-- ``setup``: resolve the model inside the LightningModule (``model_attribute``), keep the RNG state across resumes,
-  then inject the adapter if the model has none of this technique, or go on with the model as it is if its adapter
-  :meth:`~lightning_peft.peft.adapter.Adapter.matches` this callback's config, and refuse otherwise (naming both);
-  an info line gives the trainable-parameter report; checkpoint loads are watched (see below);
+- ``setup``: resolve the model inside the LightningModule (``model_attribute``), keep the RNG state across resumes, then
+  inject the adapter if the model has none of this technique, or go on with the model as it is if its adapter
+  [`matches`][lightning_peft.peft.Adapter.matches] this callback's config, and refuse otherwise (naming both); an info
+  line gives the trainable-parameter report; checkpoint loads are watched (see below);
 - ``on_train_start``: refuse an optimizer built before the adapters existed; warn about dropout left in eval mode;
-- ``on_save_checkpoint``: record the adapters (:mod:`lightning_peft.peft.checkpoint`), adapter-only if asked;
+- ``on_save_checkpoint``: record the adapters (`lightning_peft.peft.checkpoint`), adapter-only if asked;
 - loading a checkpoint: before any weight is copied, its adapters are compared with this run's (a changed setting
   is refused, naming both values) and an adapter-only state dict is completed from the model as built;
 - ``state_dict`` / ``load_state_dict``: the callback's settings; a resume with other settings is refused, except the
@@ -39,9 +39,9 @@ _HOOKED = "_lightning_peft_load_hook"
 class AdapterCallback(Callback):
     """Base class of the PEFT callbacks (see the module docstring).
 
-    A subclass sets ``who`` (its name in messages), ``kind`` (its :class:`~lightning_peft.peft.adapter.Adapter`'s)
-    and ``what`` (the adapter in words: ``"a LoRA adapter"``), keeps its settings in ``self.config`` (an object with
-    ``to_dict()``) or overrides :meth:`settings`, and defines :meth:`inject`.
+    A subclass sets ``who`` (its name in messages), ``kind`` (its [`Adapter`][lightning_peft.peft.Adapter]'s) and
+    ``what`` (the adapter in words: ``"a LoRA adapter"``), keeps its settings in ``self.config`` (an object with
+    ``to_dict()``) or overrides `settings`, and defines `inject`.
     """
 
     who: ClassVar[str]
@@ -63,7 +63,8 @@ class AdapterCallback(Callback):
         return self.config.to_dict()
 
     def request(self) -> dict[str, Any]:
-        """What :meth:`Adapter.matches` gets to decide whether the model's adapter is this callback's."""
+        """What [`Adapter.matches`][lightning_peft.peft.Adapter.matches] gets to decide whether the model's adapter is
+        this callback's."""
         return self.settings()
 
     def shown(self, adapter: Adapter) -> Any:

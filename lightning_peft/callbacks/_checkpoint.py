@@ -1,14 +1,16 @@
-"""A Lightning checkpoint with adapters back into a fresh LightningModule: :func:`load_from_checkpoint`.
+"""A Lightning checkpoint with adapters back into a fresh LightningModule:
+[`load_from_checkpoint`][lightning_peft.callbacks.load_from_checkpoint].
 
-What a checkpoint records about its adapters, and :func:`~lightning_peft.peft.checkpoint.restore_adapters`, which
+What a checkpoint records about its adapters, and [`restore_adapters`][lightning_peft.callbacks.restore_adapters], which
 re-applies them to a freshly built module before its weights are loaded (for an adapter-only checkpoint, taking the
-frozen base weights from the model as built), are pure PyTorch: :mod:`lightning_peft.peft.checkpoint`.
+frozen base weights from the model as built), are pure PyTorch: `lightning_peft.peft.checkpoint`.
 ``LightningModule.load_from_checkpoint`` builds the module and calls its ``on_load_checkpoint`` before loading the
-weights, so a module whose ``on_load_checkpoint`` calls ``restore_adapters`` (``HFSequenceClassifier`` does) loads
-its adapter checkpoints directly; any other module loads them with :func:`load_from_checkpoint`.
+weights, so a module whose ``on_load_checkpoint`` calls ``restore_adapters`` (``HFSequenceClassifier`` does) loads its
+adapter checkpoints directly; any other module loads them with
+[`load_from_checkpoint`][lightning_peft.callbacks.load_from_checkpoint].
 
 The callbacks' side (recording, checking and completing checkpoints as they are written and loaded) is
-:class:`~lightning_peft.callbacks._adapter.AdapterCallback`.
+`AdapterCallback`.
 """
 
 from __future__ import annotations
@@ -30,14 +32,15 @@ M = TypeVar("M", bound=pl.LightningModule)
 def load_from_checkpoint(module_class: type[M], checkpoint_path: str | os.PathLike, **kwargs: Any) -> M:
     """``module_class.load_from_checkpoint(checkpoint_path, **kwargs)`` with the checkpoint's adapters re-applied.
 
-    Works for any LightningModule class, full and adapter-only checkpoints alike (for an adapter-only one the
-    frozen base comes from the module as its ``__init__`` builds it, e.g. from the pretrained weights), and for
-    checkpoints written by LightningCLI in subclass mode. While it runs, ``module_class.on_load_checkpoint`` calls
-    :func:`restore_adapters` first (the class is patched under a lock and restored afterwards).
+    Works for any LightningModule class, full and adapter-only checkpoints alike (for an adapter-only one the frozen
+    base comes from the module as its ``__init__`` builds it, e.g. from the pretrained weights), and for checkpoints
+    written by LightningCLI in subclass mode. While it runs, ``module_class.on_load_checkpoint`` calls
+    [`restore_adapters`][lightning_peft.callbacks.restore_adapters] first (the class is patched under a lock and
+    restored afterwards).
 
-    A sharded checkpoint directory (``ZeROStrategy``, FSDP2, tensor parallelism: one shard per rank) is assembled
-    first in a temporary file (:func:`~lightning_peft.strategies.convert_checkpoint`), so one process loads what N
-    ranks saved.
+    A sharded checkpoint directory (``ZeROStrategy``, FSDP2, tensor parallelism: one shard per rank) is assembled first
+    in a temporary file ([`convert_checkpoint`][lightning_peft.strategies.convert_checkpoint]), so one process loads
+    what N ranks saved.
 
     Example:
         ``model = load_from_checkpoint(MyModule, "checkpoints/last.ckpt", map_location="cpu")``

@@ -2,8 +2,8 @@
 patches of objects the callbacks do not own (Lightning's train-loader request and accumulation decisions, a
 LightningModule's ``configure_optimizers``) undone at teardown.
 
-The train loader as a callback reads and replaces it is in :mod:`~lightning_peft.callbacks._train_loader`, the
-trainer's accumulation as a callback sees and replaces it in :mod:`~lightning_peft.callbacks._accumulation`.
+The train loader as a callback reads and replaces it is in `_train_loader`, the
+trainer's accumulation as a callback sees and replaces it in `_accumulation`.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class Patches:
 
 
 class PatchingCallback(Callback):
-    """A callback that patches objects it does not own for one fit, in ``self._patches`` (a :class:`Patches` its
+    """A callback that patches objects it does not own for one fit, in ``self._patches`` (a `Patches` its
     ``__init__`` makes): given back at ``teardown``, and on an exception (Lightning skips teardown hooks after one)."""
 
     _patches: Patches

@@ -1,6 +1,6 @@
 """The Lightning side of routing each batch per sample to named LoRA adapters (the ``MultiLoRA`` callback's helpers):
-reading each sample's adapter from the batch, entering :func:`~lightning_peft.peft.route_adapters` for the batch and
-leaving it after, and the strategies it cannot run under."""
+reading each sample's adapter from the batch, entering [`route_adapters`][lightning_peft.peft.route_adapters] for the
+batch and leaving it after, and the strategies it cannot run under."""
 
 from __future__ import annotations
 
@@ -58,8 +58,8 @@ def refuse_changed_adapters(saved: dict[str, dict], now: dict[str, dict]) -> Non
 
 class RoutesBatches(Callback):
     """Batch hooks: each batch (training, validation, test, predict) runs inside
-    :func:`~lightning_peft.peft.route_adapters` with the adapters ``batch[routing_key]`` names; a batch without the
-    key uses the active adapter. Per-adapter sample counts are logged as ``<stage>_adapter_samples/<name>``.
+    [`route_adapters`][lightning_peft.peft.route_adapters] with the adapters ``batch[routing_key]`` names; a batch
+    without the key uses the active adapter. Per-adapter sample counts are logged as ``<stage>_adapter_samples/<name>``.
 
     The subclass has ``routing_key``, ``names`` (the adapters in id order) and ``adapted_model``.
     """

@@ -5,7 +5,7 @@ at setup, and what DDP needs for it.
   views of them, which torchao's int8 tensor does not implement; the quantized weights are therefore kept out of
   DDP's broadcast and sent here, inner tensor by inner tensor, from rank 0 (they hold no gradient to reduce).
 - Native ZeRO stages 2/3 (FSDP2): torchao shards NF4 weights (its FSDP2 hooks); each of their inner tensors must
-  divide by the shard count (:func:`~lightning_peft.peft.quantize.shard_problems`), else refused naming the layer;
+  divide by the shard count (`shard_problems`), else refused naming the layer;
   int8 weights are refused.
 - DeepSpeed, tensor parallelism and pipelines: refused (DeepSpeed flattens and partitions parameters as plain
   tensors; the tensor-parallel plan and the pipeline split move weights as plain tensors too).

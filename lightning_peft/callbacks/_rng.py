@@ -18,7 +18,7 @@ available, NumPy, Python's ``random``) and gives each rank its own back on resum
   on resume is run under ``isolate_rng``. A checkpoint saved by another number of processes is resumed with a
   warning, and without its generators (ranks no longer map one to one).
 
-Every lightning-peft callback adds one instance to ``trainer.callbacks`` in its ``setup`` (:func:`keep_rng`); Lightning
+Every lightning-peft callback adds one instance to ``trainer.callbacks`` in its ``setup`` (`keep_rng`); Lightning
 restores callback states after ``setup``, by ``state_key``, so a callback added there is restored like one passed to
 the ``Trainer``. A ``Trainer`` without any of our callbacks can pass ``RNGState()`` itself.
 
@@ -62,7 +62,7 @@ def _capture() -> dict[str, Any]:
 
 
 def _apply(state: dict[str, Any]) -> None:
-    """Set this process's generators from a :func:`_capture` result."""
+    """Set this process's generators from a `_capture` result."""
     torch.set_rng_state(state["torch"])
     numpy = state["numpy"]
     np.random.set_state((numpy["kind"], numpy["keys"].numpy().astype(np.uint32), numpy["position"],
@@ -183,7 +183,7 @@ class RNGState(Callback):
 def _isolate_skipped_validation(trainer: pl.Trainer) -> None:
     """A run resumed from a checkpoint written just before a validation skips that validation, but Lightning makes
     its iterator (a draw) while skipping it; the straight run's validation left the generators unchanged
-    (:meth:`RNGState.on_validation_start`), so the skip must too. Undone at the first training batch."""
+    (`RNGState.on_validation_start`), so the skip must too. Undone at the first training batch."""
     val_loop = trainer.fit_loop.epoch_loop.val_loop
     skip = getattr(val_loop, "increment_progress_to_evaluation_end", None)
     if skip is None:
@@ -197,7 +197,7 @@ def _isolate_skipped_validation(trainer: pl.Trainer) -> None:
 
 
 def keep_rng(trainer: pl.Trainer) -> RNGState:
-    """The trainer's :class:`RNGState`, added to ``trainer.callbacks`` if it has none (call it from ``setup``)."""
+    """The trainer's `RNGState`, added to ``trainer.callbacks`` if it has none (call it from ``setup``)."""
     for callback in trainer.callbacks:
         if isinstance(callback, RNGState):
             return callback

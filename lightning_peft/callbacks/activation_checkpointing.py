@@ -1,6 +1,6 @@
 """``ActivationCheckpointing`` callback: non-reentrant activation checkpointing of chosen blocks during ``fit``.
 
-The technique lives in :mod:`lightning_peft.nn.checkpointing` (what is wrapped, how, what is refused); this callback
+The technique lives in `lightning_peft.nn.checkpointing` (what is wrapped, how, what is refused); this callback
 decides when: at ``setup`` of a fit it wraps the blocks of the LightningModule, before the strategy wraps the model
 (DDP, FSDP2's ``fully_shard``, DeepSpeed: the wrapper is on each block's ``forward``, so their hooks stay outside it),
 and at ``teardown`` (or after an exception) it gives the blocks their forward back. A PEFT callback injecting at
@@ -11,13 +11,15 @@ would write twice).
 It keeps no state: checkpoints and the state dict's keys are the same as without it, so ``load_from_checkpoint``,
 a resume with or without the callback, and exports are unaffected.
 
-YAML::
+YAML:
 
-    trainer:
-      callbacks:
-        - class_path: lightning_peft.callbacks.ActivationCheckpointing
-          init_args:
-            modules: [BertLayer]   # or omit: every transformers layer and TransformerBlock
+```yaml
+trainer:
+  callbacks:
+    - class_path: lightning_peft.callbacks.ActivationCheckpointing
+      init_args:
+        modules: [BertLayer]   # or omit: every transformers layer and TransformerBlock
+```
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class ActivationCheckpointing(Callback):
     Args:
         modules: Which modules of the LightningModule to checkpoint. None: every Hugging Face
             ``GradientCheckpointingLayer`` (``BertLayer``, ``LlamaDecoderLayer``, ...) and every
-            :class:`~lightning_peft.nn.TransformerBlock`. Otherwise a list of strings, each a class name (of the
+            `TransformerBlock`. Otherwise a list of strings, each a class name (of the
             module's class or one of its bases), a dotted class path, or else a regular expression matched in full
             against module names as the LightningModule names them (``model\\.bert\\.encoder\\.layer\\.[0-5]``).
             Every entry must select at least one module.

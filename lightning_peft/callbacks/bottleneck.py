@@ -1,23 +1,24 @@
 """``BottleneckAdapters`` callback: Houlsby / Pfeiffer bottleneck adapters on a LightningModule's model.
 
-The math lives in :mod:`lightning_peft.peft.bottleneck`; :class:`~lightning_peft.callbacks._adapter.AdapterCallback`
-calls :func:`~lightning_peft.peft.bottleneck.inject_bottleneck_adapters` at ``setup`` (before
-``configure_optimizers``, so the optimizer sees only what trains). A model that already has bottleneck adapters (a
-later ``validate``/``test``, or an injection in the module's ``__init__``) is used as it is if the config agrees, and
-refused otherwise. Checkpoints record the adapters (``adapter_only_checkpoint=True`` leaves the frozen base out);
-resuming with another placement, size or non-linearity is refused, naming both values (dropout and ``init_scale``
-may change).
+The math lives in `lightning_peft.peft.bottleneck`; `AdapterCallback` calls
+[`inject_bottleneck_adapters`][lightning_peft.peft.inject_bottleneck_adapters] at ``setup`` (before
+``configure_optimizers``, so the optimizer sees only what trains). A model that already has bottleneck adapters (a later
+``validate``/``test``, or an injection in the module's ``__init__``) is used as it is if the config agrees, and refused
+otherwise. Checkpoints record the adapters (``adapter_only_checkpoint=True`` leaves the frozen base out); resuming with
+another placement, size or non-linearity is refused, naming both values (dropout and ``init_scale`` may change).
 
 With the ``LoRA`` callback on the same model, list ``BottleneckAdapters`` first: callbacks set up in list order,
 and LoRA then adapts the layers inside the bottleneck wrappers (the other order is refused with that advice when
 both pick the same modules).
 
-YAML (LightningCLI)::
+YAML (LightningCLI):
 
-    trainer:
-      callbacks:
-        - class_path: lightning_peft.callbacks.BottleneckAdapters
-          init_args: {placement: pfeiffer, reduction_factor: 16, non_linearity: relu, modules_to_save: [classifier]}
+```yaml
+trainer:
+  callbacks:
+    - class_path: lightning_peft.callbacks.BottleneckAdapters
+      init_args: {placement: pfeiffer, reduction_factor: 16, non_linearity: relu, modules_to_save: [classifier]}
+```
 """
 
 from __future__ import annotations

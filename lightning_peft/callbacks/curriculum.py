@@ -1,11 +1,11 @@
 """``Curriculum`` callback: easiest data first (a scoring and a pacing function); sequence-length warm-up.
 
-The rules live in :mod:`lightning_peft.training.curriculum` (Hacohen & Weinshall, arXiv:1904.03626). In ``setup``
-the callback wraps Lightning's one request for the train loader (``_train_loader.wrap_train_loader``, undone
-at ``teardown``), so the user's ``train_dataloader`` stays as it is: the wrapper scores the loader's dataset (once
-per fit, on rank 0, broadcast so that every rank sorts alike) and hands Lightning a copy with a
-:class:`~lightning_peft.training.curriculum.CurriculumSampler` (``_train_loader.ResampledLoader``, which
-Lightning's DDP wrapping leaves alone: rank ``r`` takes positions ``r::R`` of one global stream).
+The rules live in `lightning_peft.training.curriculum` (Hacohen & Weinshall, arXiv:1904.03626). In ``setup`` the
+callback wraps Lightning's one request for the train loader (``_train_loader.wrap_train_loader``, undone at
+``teardown``), so the user's ``train_dataloader`` stays as it is: the wrapper scores the loader's dataset (once per fit,
+on rank 0, broadcast so that every rank sorts alike) and hands Lightning a copy with a
+[`CurriculumSampler`][lightning_peft.training.CurriculumSampler] (``_train_loader.ResampledLoader``, which Lightning's
+DDP wrapping leaves alone: rank ``r`` takes positions ``r::R`` of one global stream).
 
 Resume. The callback's state holds its settings (a resume with others is refused), the scores (so a self-paced run
 keeps the order of its untrained model) and the position ``(epoch, batches done)``, read from the trainer's own
@@ -17,10 +17,12 @@ resumable"; for this loader the warning is wrong.)
 
 Logged: ``curriculum_fraction`` (the admitted share at the step) and, with the warm-up, ``sequence_length``.
 
-YAML::
+YAML:
 
-    - class_path: lightning_peft.callbacks.Curriculum
-      init_args: {duration: 103, scorer: length, pacing: linear, start_fraction: 0.3}
+```yaml
+- class_path: lightning_peft.callbacks.Curriculum
+  init_args: {duration: 103, scorer: length, pacing: linear, start_fraction: 0.3}
+```
 """
 
 from __future__ import annotations

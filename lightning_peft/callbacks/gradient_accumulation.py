@@ -1,16 +1,18 @@
 """``GradientAccumulation`` callback: a step-keyed accumulation schedule, or a target global batch size.
 
-The windows come from :class:`lightning_peft.training.AccumulationSchedule` and are laid, also across a resume or a
-stream that ends inside one, by :class:`lightning_peft.training.windows.WindowTracker`. Lightning decides by modulo
-arithmetic on the batch index within the epoch, so for the fit the callback replaces its two decisions
-(:func:`~lightning_peft.callbacks._accumulation.take_over_accumulation`) and sets ``trainer.accumulate_grad_batches`` to
-the current window's size before each micro-batch: Lightning divides the loss by the size of *its* window (a short
-last window of 2 divides by 2, not by the count).
+The windows come from [`lightning_peft.training.AccumulationSchedule`][lightning_peft.training.AccumulationSchedule] and
+are laid, also across a resume or a stream that ends inside one, by `lightning_peft.training.windows.WindowTracker`.
+Lightning decides by modulo arithmetic on the batch index within the epoch, so for the fit the callback replaces its two
+decisions (`take_over_accumulation`) and sets ``trainer.accumulate_grad_batches`` to the current window's size before
+each micro-batch: Lightning divides the loss by the size of *its* window (a short last window of 2 divides by 2, not by
+the count).
 
-YAML::
+YAML:
 
-    - class_path: lightning_peft.callbacks.GradientAccumulation
-      init_args: {schedule: {0: 1, 100: 4}}       # or: {global_batch_size: 64}
+```yaml
+- class_path: lightning_peft.callbacks.GradientAccumulation
+  init_args: {schedule: {0: 1, 100: 4}}       # or: {global_batch_size: 64}
+```
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ class GradientAccumulation(PatchingCallback):
         log: Log the number of micro-batches of each optimizer step as ``grad_accumulation``.
 
     Give exactly one of ``schedule`` and ``global_batch_size``. For a schedule whose count changes,
-    ``trainer.estimated_stepping_batches`` is computed with the smallest count (an upper bound on the steps);
-    the exact number is :meth:`total_steps`.
+    ``trainer.estimated_stepping_batches`` is computed with the smallest count (an upper bound on the steps); the exact
+    number is [`total_steps`][lightning_peft.callbacks.GradientAccumulation.total_steps].
 
     Raises:
         ValueError: If both or neither of ``schedule`` and ``global_batch_size`` are given, or one is invalid.

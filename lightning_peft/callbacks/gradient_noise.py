@@ -1,13 +1,13 @@
 """``GradientNoise`` callback: annealed Gaussian noise on the gradients, once per optimizer step.
 
-The math lives in :mod:`lightning_peft.training.gradient_noise`; this callback decides when to call it:
+The math lives in `lightning_peft.training.gradient_noise`; this callback decides when to call it:
 ``on_before_optimizer_step``, which Lightning runs once per optimizer step (after the last micro-batch under
 gradient accumulation), after AMP has unscaled the gradients and before gradient clipping. Only trainable
 parameters get noise, with ``t`` = the optimizer step (``trainer.global_step``). The noise of step ``t`` comes from
 a generator seeded with ``(seed, t)`` and is drawn for each parameter's full shape in the LightningModule's
 parameter order, so every rank adds the same noise to every element, a resumed run draws what the straight run
 drew, and the strategies agree: the gradient is changed where the strategy keeps it (``p.grad``, DTensor shards
-under FSDP2 and tensor parallelism, DeepSpeed's partitions at every ZeRO stage; :mod:`lightning_peft._grads`),
+under FSDP2 and tensor parallelism, DeepSpeed's partitions at every ZeRO stage; `lightning_peft._grads`),
 so a sharded run adds what DDP adds. The standard deviation is logged as ``grad_noise_std``.
 
 Under DeepSpeed, Lightning calls the hook at every micro-batch when accumulating; the noise goes in only at the
@@ -16,10 +16,12 @@ clips and steps. With a ``GradScaler`` and an optimizer that unscales inside its
 does not unscale before the hook: the noise is multiplied by the current scale, so it comes out unscaled. DeepSpeed's
 own fp16 loss scaling is refused at setup (untested: fp16 does not run on CPUs).
 
-YAML::
+YAML:
 
-    - class_path: lightning_peft.callbacks.GradientNoise
-      init_args: {eta: 0.01, gamma: 0.55}
+```yaml
+- class_path: lightning_peft.callbacks.GradientNoise
+  init_args: {eta: 0.01, gamma: 0.55}
+```
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``LayerwiseLRDecay`` callback: layer-wise learning-rate decay on the user's own optimizer and scheduler.
 
-The math lives in :mod:`lightning_peft.training.layerwise_lr`. This callback wraps the LightningModule's
+The math lives in `lightning_peft.training.layerwise_lr`. This callback wraps the LightningModule's
 ``configure_optimizers`` at ``setup`` (so after ``LoRA`` has frozen the base and injected adapters): while it runs,
 every parameter group an optimizer receives is split by depth before the optimizer takes it, each part with the
 group's learning rate times ``decay ** (L + 1 - depth)``. So the user's optimizer class and arguments (also from
@@ -14,10 +14,12 @@ ratios before every optimizer step and stops with an error naming the scheduler 
 ``OneCycleLR``: before the first step). It logs each depth's learning rate as ``lr/embeddings``,
 ``lr/layer.<i>``, ``lr/head``.
 
-YAML::
+YAML:
 
-    - class_path: lightning_peft.callbacks.LayerwiseLRDecay
-      init_args: {decay: 0.8}
+```yaml
+- class_path: lightning_peft.callbacks.LayerwiseLRDecay
+  init_args: {decay: 0.8}
+```
 """
 
 from __future__ import annotations

@@ -1,17 +1,20 @@
 """``LoRA`` callback: low-rank adapters on a LightningModule's model, injected before the optimizer exists.
 
-The math lives in :mod:`lightning_peft.peft`; :class:`~lightning_peft.callbacks._adapter.AdapterCallback` calls
-it: :func:`~lightning_peft.peft.inject_lora` at ``setup`` (before ``configure_optimizers``); a model that already has
+The math lives in [`lightning_peft.peft`][lightning_peft.peft]; `AdapterCallback` calls it:
+[`inject_lora`][lightning_peft.peft.inject_lora] at ``setup`` (before ``configure_optimizers``); a model that already
+has
 this adapter is used as it is if the config agrees. Checkpoints record the adapters; ``adapter_only_checkpoint=True``
 drops the frozen base parameters (those no adapter owns) and keeps the adapters, trained biases, ``modules_to_save``,
 any other trainable parameter and the buffers. Resuming with another rank, alpha or target set is refused.
 
-YAML (LightningCLI)::
+YAML (LightningCLI):
 
-    trainer:
-      callbacks:
-        - class_path: lightning_peft.callbacks.LoRA
-          init_args: {rank: 8, alpha: 16, target_modules: [query, value], modules_to_save: [classifier]}
+```yaml
+trainer:
+  callbacks:
+    - class_path: lightning_peft.callbacks.LoRA
+      init_args: {rank: 8, alpha: 16, target_modules: [query, value], modules_to_save: [classifier]}
+```
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class LoRA(AdapterCallback):
         init: ``"kaiming"`` or ``"gaussian"`` initialisation of ``A`` (``B`` starts at zero).
         use_rslora: Rank-stabilised scaling.
         quantize: ``"nf4"`` or ``"int8"``: the adapted linear layers' frozen weights stored quantized (QLoRA,
-            :mod:`lightning_peft.peft.quantize`); None: full precision.
+            `lightning_peft.peft.quantize`); None: full precision.
         use_dora: DoRA (arXiv:2402.09353), as PEFT's ``use_dora``: a trained magnitude per output feature.
         adapter_only_checkpoint: Checkpoints hold only what trains (and buffers); loading takes the frozen base
             from the model as constructed.

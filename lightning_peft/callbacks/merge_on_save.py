@@ -1,29 +1,30 @@
 """``MergeOnSave`` callback: export a merged standalone model and the PEFT adapter, without touching training.
 
-At the end of fit (and, with ``every_checkpoint=True``, with every checkpoint) it writes::
+At the end of fit (and, with ``every_checkpoint=True``, with every checkpoint) it writes:
 
-    <dirpath>/merged/    the base model with every adapter merged in (of several named adapters, the one
-                         ``adapter_name`` names, else the active one). For a Hugging Face model this is a
-                         ``save_pretrained`` directory that ``AutoModel*.from_pretrained`` loads with no PEFT;
-                         the datamodule's tokenizer is saved beside it when it has one. Otherwise
-                         ``model.safetensors`` with the base model's own key names.
-    <dirpath>/adapter/   the adapters in Hugging Face PEFT layout (``PeftModel.from_pretrained`` loads them):
-                         named adapters as PEFT saves them, ``default`` at the top, others in ``<name>/``.
+- ``<dirpath>/merged/``: the base model with every adapter merged in (of several named adapters, the one
+  ``adapter_name`` names, else the active one). For a Hugging Face model this is a ``save_pretrained`` directory that
+  ``AutoModel*.from_pretrained`` loads with no PEFT; the datamodule's tokenizer is saved beside it when it has one.
+  Otherwise ``model.safetensors`` with the base model's own key names.
+- ``<dirpath>/adapter/``: the adapters in Hugging Face PEFT layout (``PeftModel.from_pretrained`` loads them): named
+  adapters as PEFT saves them, ``default`` at the top, others in ``<name>/``.
 
 Techniques that cannot be merged into the base weights (bottleneck adapters, prompt and prefix tuning) are exported
 with ``save_merged=False``: the adapter folder only.
 
-The merge is computed out of place (:func:`~lightning_peft.peft.merged_state_dict`): the weights that keep
-training are never modified. Both exports are computed and checked (finite values, a layout PEFT runs the
-same way) before anything is written, and each directory is written under a temporary name and renamed into
-place. At fit start it checks, before any training, that ``dirpath`` can be written, that the model has an
-adapter, and that no trained parameter lies outside the exported model. If the export fails on rank 0, every
-rank raises (no rank is left waiting in a collective).
+The merge is computed out of place ([`merged_state_dict`][lightning_peft.peft.merged_state_dict]): the weights that keep
+training are never modified. Both exports are computed and checked (finite values, a layout PEFT runs the same way)
+before anything is written, and each directory is written under a temporary name and renamed into place. At fit start it
+checks, before any training, that ``dirpath`` can be written, that the model has an adapter, and that no trained
+parameter lies outside the exported model. If the export fails on rank 0, every rank raises (no rank is left waiting in
+a collective).
 
-YAML::
+YAML:
 
-    - class_path: lightning_peft.callbacks.MergeOnSave
-      init_args: {dirpath: artifacts/minilm_bbc}
+```yaml
+- class_path: lightning_peft.callbacks.MergeOnSave
+  init_args: {dirpath: artifacts/minilm_bbc}
+```
 """
 
 from __future__ import annotations

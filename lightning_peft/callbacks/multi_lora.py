@@ -1,23 +1,25 @@
 """``MultiLoRA`` callback: several named LoRA adapters on one model, each batch routed per sample.
 
-The math lives in :mod:`lightning_peft.peft.multi_lora`. At ``setup`` :func:`~lightning_peft.peft.inject_lora` adds
-the first adapter and :func:`~lightning_peft.peft.add_adapter` the others (before ``configure_optimizers``), then
-``active`` (default: the first) becomes the active adapter; a model that already has exactly these adapters is used as
-it is. Every batch (training, validation, test, predict) runs with the adapters ``batch[routing_key]`` names, by name
-or by integer id (the position in ``adapters``; ``-1`` or None: the base model); a batch without the key uses the
-active adapter (:class:`~lightning_peft.callbacks._multi_lora.RoutesBatches`). Checkpoints record the adapters as
-the ``LoRA`` callback's do; resuming with other adapters is refused, naming the difference.
+The math lives in `lightning_peft.peft.multi_lora`. At ``setup`` [`inject_lora`][lightning_peft.peft.inject_lora] adds
+the first adapter and [`add_adapter`][lightning_peft.peft.add_adapter] the others (before ``configure_optimizers``),
+then ``active`` (default: the first) becomes the active adapter; a model that already has exactly these adapters is used
+as it is. Every batch (training, validation, test, predict) runs with the adapters ``batch[routing_key]`` names, by name
+or by integer id (the position in ``adapters``; ``-1`` or None: the base model); a batch without the key uses the active
+adapter (`RoutesBatches`). Checkpoints record the adapters as the ``LoRA`` callback's do; resuming with other adapters
+is refused, naming the difference.
 
-YAML::
+YAML:
 
-    trainer:
-      callbacks:
-        - class_path: lightning_peft.callbacks.MultiLoRA
-          init_args:
-            adapters:
-              news: {rank: 8, alpha: 16, target_modules: [query, value]}
-              sport: {rank: 4, alpha: 8, target_modules: [query, key, value]}
-            modules_to_save: [classifier]
+```yaml
+trainer:
+  callbacks:
+    - class_path: lightning_peft.callbacks.MultiLoRA
+      init_args:
+        adapters:
+          news: {rank: 8, alpha: 16, target_modules: [query, value]}
+          sport: {rank: 4, alpha: 8, target_modules: [query, key, value]}
+        modules_to_save: [classifier]
+```
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ class MultiLoRA(RoutesBatches, AdapterCallback):
         active: The adapter of batches without ``routing_key`` (default: the first).
         modules_to_save: Modules trained and saved in full, shared by every adapter (e.g. ``["classifier"]``).
             None: the task head of a Hugging Face task model; ``[]``: none.
-        adapter_only_checkpoint, model_attribute, quantize: As for ``LoRA`` (``quantize``: one for all adapters).
+        adapter_only_checkpoint: As for ``LoRA``.
+        model_attribute: As for ``LoRA``.
+        quantize: As for ``LoRA``: one setting for all adapters.
     """
 
     who, kind, what = "MultiLoRA", "lora", "LoRA adapters"

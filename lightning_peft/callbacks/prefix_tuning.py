@@ -1,23 +1,24 @@
 """``PrefixTuning`` callback: trained key/value prefixes on a LightningModule's Hugging Face model.
 
-The technique lives in :mod:`lightning_peft.peft.prefix_tuning`;
-:class:`~lightning_peft.callbacks._adapter.AdapterCallback` calls
-:func:`~lightning_peft.peft.prefix_tuning.inject_prefix_tuning` at ``setup`` (before ``configure_optimizers``, so the
-optimizer sees only what trains). A model that already has a prefix (a later ``validate``/``test``) is used as
-it is, if the config agrees. Checkpoints record the adapters, with the projection MLP while training runs, so a
-resumed run continues the same MLP (``adapter_only_checkpoint=True`` leaves the frozen base out); resuming with other
-settings is refused, naming both. Tensor parallelism is refused at ``setup``.
+The technique lives in `lightning_peft.peft.prefix_tuning`; `AdapterCallback` calls
+[`inject_prefix_tuning`][lightning_peft.peft.inject_prefix_tuning] at ``setup`` (before ``configure_optimizers``, so the
+optimizer sees only what trains). A model that already has a prefix (a later ``validate``/``test``) is used as it is, if
+the config agrees. Checkpoints record the adapters, with the projection MLP while training runs, so a resumed run
+continues the same MLP (``adapter_only_checkpoint=True`` leaves the frozen base out); resuming with other settings is
+refused, naming both. Tensor parallelism is refused at ``setup``.
 
 ``on_fit_end``: with ``prefix_projection=True`` the MLP is folded into the table it produces
-(:func:`~lightning_peft.peft.prefix_tuning.fold_prefix_projection`), so what is saved or exported afterwards is the
+([`fold_prefix_projection`][lightning_peft.peft.fold_prefix_projection]), so what is saved or exported afterwards is the
 plain prefix (what PEFT saves as ``prompt_embeddings``).
 
-YAML (LightningCLI)::
+YAML (LightningCLI):
 
-    trainer:
-      callbacks:
-        - class_path: lightning_peft.callbacks.PrefixTuning
-          init_args: {num_virtual_tokens: 20, prefix_projection: true, modules_to_save: [classifier]}
+```yaml
+trainer:
+  callbacks:
+    - class_path: lightning_peft.callbacks.PrefixTuning
+      init_args: {num_virtual_tokens: 20, prefix_projection: true, modules_to_save: [classifier]}
+```
 """
 
 from __future__ import annotations

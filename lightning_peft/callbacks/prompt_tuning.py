@@ -1,18 +1,21 @@
 """``PromptTuning`` callback: a trainable soft prompt in front of a LightningModule's model, injected at ``setup``.
 
-:class:`~lightning_peft.callbacks._adapter.AdapterCallback` calls :func:`~lightning_peft.peft.inject_prompt_tuning`
-at ``setup`` (before ``configure_optimizers``, so the optimizer sees only the prompt and the saved head). With ``init="text"`` and no ``tokenizer``, the
-datamodule's ``tokenizer`` attribute is used (``BBCNewsDataModule`` has one). A model that already has a prompt (a
-later ``validate``/``test``, or a module restored from a checkpoint) is used as it is, if its length agrees.
-Checkpoints record the prompt (``adapter_only_checkpoint=True`` leaves the frozen base out); resuming with another
-length or other saved modules is refused, naming both (the initialisation only steers the start, and may change).
+`AdapterCallback` calls [`inject_prompt_tuning`][lightning_peft.peft.inject_prompt_tuning] at ``setup`` (before
+``configure_optimizers``, so the optimizer sees only the prompt and the saved head). With ``init="text"`` and no
+``tokenizer``, the datamodule's ``tokenizer`` attribute is used (``BBCNewsDataModule`` has one). A model that already
+has a prompt (a later ``validate``/``test``, or a module restored from a checkpoint) is used as it is, if its length
+agrees. Checkpoints record the prompt (``adapter_only_checkpoint=True`` leaves the frozen base out); resuming with
+another length or other saved modules is refused, naming both (the initialisation only steers the start, and may
+change).
 
-YAML (LightningCLI)::
+YAML (LightningCLI):
 
-    trainer:
-      callbacks:
-        - class_path: lightning_peft.callbacks.PromptTuning
-          init_args: {num_virtual_tokens: 20, init: text, init_text: "Classify the topic of this article:"}
+```yaml
+trainer:
+  callbacks:
+    - class_path: lightning_peft.callbacks.PromptTuning
+      init_args: {num_virtual_tokens: 20, init: text, init_text: "Classify the topic of this article:"}
+```
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """``TokenPruning`` callback: dynamic token pruning in a ``TransformerEncoder``, annealed during fine-tuning.
 
-The rule lives in :mod:`lightning_peft.nn.token_pruning` (:class:`~lightning_peft.nn.token_pruning.TokenPruner`);
-the encoder applies it; the annealing and the kept-share count are in :mod:`lightning_peft.training.token_pruning`. This callback only decides *where* and *how much*:
+The rule lives in `lightning_peft.nn.token_pruning` ([`TokenPruner`][lightning_peft.nn.TokenPruner]); the encoder
+applies it; the annealing and the kept-share count are in `lightning_peft.training.token_pruning`. This callback only
+decides *where* and *how much*:
 
 - ``setup`` (every stage) finds the ``TransformerEncoder`` modules inside the LightningModule (or under
   ``model_attribute``) and installs a ``TokenPruner`` on each (``encoder.token_pruner``); a LightningModule
@@ -12,10 +13,12 @@ the encoder applies it; the annealing and the kept-share count are in :mod:`ligh
   set by hand.
 - During ``fit`` the pruner's ``scale`` grows linearly from 0 (no pruning) to 1 (the configured keep ratios)
   over the first ``anneal_fraction`` of the optimizer steps (``trainer.estimated_stepping_batches``), set
-  before every training batch from ``trainer.global_step``::
+  before every training batch from ``trainer.global_step``:
 
-      scale(t) = min(1, t / (anneal_fraction * total_steps))        (1 throughout when anneal_fraction = 0)
-      effective keep ratio of layer i = 1 - scale(t) * (1 - r_i)
+  ```text
+  scale(t) = min(1, t / (anneal_fraction * total_steps))        (1 throughout when anneal_fraction = 0)
+  effective keep ratio of layer i = 1 - scale(t) * (1 - r_i)
+  ```
 
 - The checkpoint holds the settings, the scale reached and the annealing length, so a resumed run anneals
   exactly as the straight run did (even if it is resumed with a longer ``max_epochs``) and ``test(ckpt_path=...)``
@@ -26,10 +29,12 @@ Logged: ``token_pruning_scale`` and ``kept_token_share`` every training step, ``
 leaving each layer, summed over layers and samples, over ``num_layers`` times the real tokens entering the encoder
 (1.0 without pruning; MiniLM at ``keep_ratio=0.5, start_layer=1`` on full 128-token inputs: about 0.33).
 
-YAML::
+YAML:
 
-    - class_path: lightning_peft.callbacks.TokenPruning
-      init_args: {keep_ratio: 0.7, start_layer: 1, importance: mean, anneal_fraction: 0.3}
+```yaml
+- class_path: lightning_peft.callbacks.TokenPruning
+  init_args: {keep_ratio: 0.7, start_layer: 1, importance: mean, anneal_fraction: 0.3}
+```
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ _SETTINGS = ("keep_ratio", "start_layer", "importance", "anneal_fraction")
 
 
 class TokenPruning(Callback):
-    """Install a :class:`~lightning_peft.nn.token_pruning.TokenPruner` in every ``TransformerEncoder`` and anneal it.
+    """Install a `TokenPruner` in every ``TransformerEncoder`` and anneal it.
 
     Args:
         keep_ratio: A float in (0, 1] (each layer from ``start_layer`` on keeps that share of the tokens reaching

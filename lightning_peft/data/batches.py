@@ -44,7 +44,7 @@ class EpochShuffleSampler(Sampler[int]):
         TypeError: If ``num_samples`` or ``seed`` is not an integer.
         ValueError: If ``num_samples`` is negative.
 
-    Example:
+    Examples:
         >>> sampler = EpochShuffleSampler(6, seed=0)
         >>> first = list(sampler); sorted(first)
         [0, 1, 2, 3, 4, 5]
@@ -94,7 +94,7 @@ class PaddingCollator:
         TypeError: If ``pad_token_id`` is not an int.
         ValueError: If ``padding_side`` is neither ``"right"`` nor ``"left"``.
 
-    Example:
+    Examples:
         >>> batch = PaddingCollator(pad_token_id=0)([
         ...     {"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1], "labels": 1},
         ...     {"input_ids": [5], "attention_mask": [1], "labels": 0}])

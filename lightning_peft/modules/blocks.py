@@ -11,16 +11,14 @@ work on either. With no Hugging Face model inside, a PEFT callback adapts the wh
 
 Shapes:
 
-    =================  ==============  ==================================================================
-    tensor             shape           meaning
-    =================  ==============  ==================================================================
-    input_ids          (B, L)          token ids
-    attention_mask     (B, L)          1 for real tokens, 0 for padding
-    labels             (B,)            class ids (`EncoderClassifier`)
-    labels             (B, L)          next-token targets *not* shifted, -100 = ignored (`CausalLM`)
-    classifier logits  (B, C)          C = num_labels
-    decoder logits     (B, L, V)       V = vocab_size; position t predicts token t + 1
-    =================  ==============  ==================================================================
+| tensor | shape | meaning |
+| --- | --- | --- |
+| input_ids | (B, L) | token ids |
+| attention_mask | (B, L) | 1 for real tokens, 0 for padding |
+| labels | (B,) | class ids (`EncoderClassifier`) |
+| labels | (B, L) | next-token targets *not* shifted, -100 = ignored (`CausalLM`) |
+| classifier logits | (B, C) | C = num_labels |
+| decoder logits | (B, L, V) | V = vocab_size; position t predicts token t + 1 |
 
 Causal-LM loss and perplexity: with ``t`` over the real target tokens (``labels[:, 1:] != -100``),
 ``loss = sum_t -log p(token_t | tokens_<t) / n`` and ``ppl = exp(loss)``. Validation and test sum the token
@@ -144,7 +142,7 @@ class EncoderClassifier(ClassifierSteps):
         ValueError: If an argument is out of range.
         TypeError: If ``encoder`` is not a dict.
 
-    Example:
+    Examples:
         >>> model = EncoderClassifier(3, pretrained=None, encoder={"vocab_size": 50, "hidden_size": 16,
         ...                           "num_layers": 1, "num_heads": 2, "ffn_size": 32})
         >>> model(torch.tensor([[2, 7, 9, 0]]), torch.tensor([[1, 1, 1, 0]])).shape
@@ -223,7 +221,7 @@ def shifted_token_losses(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor
         ``(loss_sum, count)``: float32 sum over the targets (computed in float32 whatever the logits' dtype)
         and the int64 number of targets.
 
-    Example:
+    Examples:
         >>> logits = torch.zeros(1, 3, 4)  # uniform over 4 tokens: each target costs log 4
         >>> loss_sum, count = shifted_token_losses(logits, torch.tensor([[1, 2, -100]]))
         >>> round(loss_sum.item() / math.log(4), 4), count.item()
@@ -248,7 +246,7 @@ class TokenLoss(Metric):
     States are a float64 sum and an int64 count, summed across processes. With ``exponentiate=True`` it
     computes ``exp`` of that mean: the perplexity.
 
-    Example:
+    Examples:
         >>> ppl = TokenLoss(exponentiate=True)
         >>> ppl.update(torch.tensor(3.0), torch.tensor(2)); ppl.update(torch.tensor(1.0), torch.tensor(2))
         >>> round(ppl.compute().item(), 4) == round(math.exp(1.0), 4)
@@ -300,7 +298,7 @@ class CausalLM(LightningModule):
         ValueError: If an argument is out of range, or ``decoder`` sets ``vocab_size`` (use the argument).
         TypeError: If ``decoder`` is not a dict.
 
-    Example:
+    Examples:
         >>> lm = CausalLM(vocab_size=50, decoder={"hidden_size": 16, "num_layers": 1, "num_heads": 2})
         >>> lm(torch.tensor([[1, 5, 7]])).shape
         torch.Size([1, 3, 50])

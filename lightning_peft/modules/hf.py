@@ -43,7 +43,7 @@ def linear_warmup_decay(step: int, warmup_steps: int, total_steps: int) -> float
     Returns:
         The multiplier in ``[0, 1]``.
 
-    Example:
+    Examples:
         >>> [round(linear_warmup_decay(s, 2, 6), 2) for s in range(7)]
         [0.5, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0]
     """

@@ -6,40 +6,43 @@ Transformer Models from Multi-Head Checkpoints", arXiv:2305.13245 (grouped key/v
 Enhanced Transformer with Rotary Position Embedding", arXiv:2104.09864 (rotary positions); Kim et al., "Learned Token
 Pruning for Transformers", arXiv:2107.00910 (the attention a token receives, for pruning).
 
-The rule. For query ``i`` and key ``j`` of one batch element and head ``h`` (key head ``h // (H / Hkv)``)::
+The rule. For query ``i`` and key ``j`` of one batch element and head ``h`` (key head ``h // (H / Hkv)``):
 
-    out[i] = sum_j softmax_j(scale * q[i] . k[j] + bias[i, j]) v[j],   scale = 1 / sqrt(D) unless given
-    bias[i, j] = -inf where key j is padding (key_padding_mask False), or where causal and j > i + Lk - Lq
+```text
+out[i] = sum_j softmax_j(scale * q[i] . k[j] + bias[i, j]) v[j],   scale = 1 / sqrt(D) unless given
+bias[i, j] = -inf where key j is padding (key_padding_mask False), or where causal and j > i + Lk - Lq
+```
 
 so a causal mask with ``Lq != Lk`` is aligned bottom-right, as flash-attn aligns it (the last query sees every key).
 A row whose keys are all masked gives zeros, not NaN. The flash kernels compute this in tiles with an online
 softmax, never storing the (Lq, Lk) score matrix: memory linear in the sequence length.
 
-Backends (:func:`select_backend`): ``"flash_attn"`` (the ``flash-attn`` package: importable, CUDA tensors, fp16 or
-bf16, head_dim <= 256), ``"sdpa"`` (:func:`torch.nn.functional.scaled_dot_product_attention`, whose CPU dispatcher
-picks a fused flash-style kernel for every case here except attention dropout), and ``"auto"``: flash_attn where it
-can run, else sdpa.
+Backends ([`select_backend`][lightning_peft.nn.select_backend]): ``"flash_attn"`` (the ``flash-attn`` package:
+importable, CUDA tensors, fp16 or bf16, head_dim <= 256), ``"sdpa"``
+(`torch.nn.functional.scaled_dot_product_attention`, whose CPU dispatcher picks a fused flash-style kernel for every
+case here except attention dropout), and ``"auto"``: flash_attn where it can run, else sdpa.
 
 Shapes:
 
-=======================  ============================  =========================================================
-tensor                   shape                         meaning
-=======================  ============================  =========================================================
-``q``                    (B, H, Lq, D)                 queries, H heads of size D
-``k``, ``v``             (B, Hkv, Lk, D)               keys and values; Hkv divides H (GQA; Hkv = 1 is MQA)
-``key_padding_mask``     (B, Lk) bool                  True for a real key, False for padding
-``cu_seqlens``           (N + 1,) int32                packed sequences of a (1, L) batch: 0, l0, l0 + l1, ..., L
-``position_ids``         (B, L) long                   rotary positions
-``cos``, ``sin``         (B, 1, L, D)                  rotary tables (:class:`RotaryEmbedding`)
-:func:`attention` out    (B, H, Lq, D)
-:func:`attention_received` (B, Lk) float32             attention each key receives, mean over heads and queries
-:class:`FlashAttention`  (B, L, hidden) -> same
-=======================  ============================  =========================================================
+| tensor | shape | meaning |
+| --- | --- | --- |
+| ``q`` | (B, H, Lq, D) | queries, H heads of size D |
+| ``k``, ``v`` | (B, Hkv, Lk, D) | keys and values; Hkv divides H (GQA; Hkv = 1 is MQA) |
+| ``key_padding_mask`` | (B, Lk) bool | True for a real key, False for padding |
+| ``cu_seqlens`` | (N + 1,) int32 | packed sequences of a (1, L) batch: 0, l0, l0 + l1, ..., L |
+| ``position_ids`` | (B, L) long | rotary positions |
+| ``cos``, ``sin`` | (B, 1, L, D) | rotary tables ([`RotaryEmbedding`][lightning_peft.nn.RotaryEmbedding]) |
+| `attention` out | (B, H, Lq, D) | |
+| [`attention_received`][lightning_peft.nn.attention_received] | (B, Lk) float32 | attention each key receives, mean over heads and queries |
+| [`FlashAttention`][lightning_peft.nn.FlashAttention] | (B, L, hidden) -> same | |
 
 Where each piece lives (every name stays importable from here): `lightning_peft.nn.attention_backends`
-(:func:`select_backend`, :func:`flash_attn_available`, the kernels' calls), `lightning_peft.nn.attention_functional`
-(:func:`attention`, :func:`packed_attention`, :func:`attention_received`), `lightning_peft.nn.rotary`
-(:class:`RotaryEmbedding`, :func:`apply_rotary`); :class:`FlashAttention`, the module, is here.
+([`select_backend`][lightning_peft.nn.select_backend], [`flash_attn_available`][lightning_peft.nn.flash_attn_available],
+the kernels' calls), `lightning_peft.nn.attention_functional` (`attention`,
+[`packed_attention`][lightning_peft.nn.packed_attention], [`attention_received`][lightning_peft.nn.attention_received]),
+`lightning_peft.nn.rotary` ([`RotaryEmbedding`][lightning_peft.nn.RotaryEmbedding],
+[`apply_rotary`][lightning_peft.nn.apply_rotary]); [`FlashAttention`][lightning_peft.nn.FlashAttention], the module, is
+here.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ __all__ = ["BACKENDS", "FLASH_DTYPES", "FLASH_MAX_HEAD_DIM", "FlashAttention", "
 
 
 class FlashAttention(nn.Module):
-    """Multi-head self-attention with ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, on :func:`attention`.
+    """Multi-head self-attention with ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, on `attention`.
 
     The projection names match Llama's (and LoRA ``target_modules``, layer-wise LR decay and tensor-parallel plans
     that name them). Grouped-query attention with ``num_kv_heads``; rotary positions with ``rotary=True``; packed
@@ -81,13 +84,13 @@ class FlashAttention(nn.Module):
         num_kv_heads: Key/value heads (dividing H); None for H.
         causal: Decoder (causal) attention.
         dropout: Attention-probability dropout, applied in training mode only.
-        rotary: Apply :class:`RotaryEmbedding` to queries and keys.
+        rotary: Apply [`RotaryEmbedding`][lightning_peft.nn.RotaryEmbedding] to queries and keys.
         bias: Bias on the four projections.
         rope_theta: The rotary base.
         head_dim: Size of a head; None for ``hidden_size // num_heads``.
-        backend: ``"auto"``, ``"flash_attn"`` or ``"sdpa"``; :attr:`last_backend` records what ran.
+        backend: ``"auto"``, ``"flash_attn"`` or ``"sdpa"``; `last_backend` records what ran.
 
-    Example:
+    Examples:
         >>> attn = FlashAttention(16, num_heads=4, num_kv_heads=2, causal=True, rotary=True)
         >>> out, importance = attn(torch.randn(2, 5, 16), need_importance=True)
         >>> out.shape, importance.shape, attn.last_backend
@@ -151,8 +154,9 @@ class FlashAttention(nn.Module):
             key_padding_mask: (B, L), True (or 1) for real tokens.
             position_ids: (B, L) rotary positions; by default 0..L-1, restarting at each packed sequence.
             cu_seqlens: (N + 1,) cumulative lengths of sequences packed into a batch of one (0 first, L last).
-            need_importance: True or ``"mean"``: also return the attention each token receives, mean over heads
-                and real queries; ``"cls"``: the attention from the first token (:func:`attention_received`).
+            need_importance: True or ``"mean"``: also return the attention each token receives, mean over heads and real
+                queries; ``"cls"``: the attention from the first token
+                ([`attention_received`][lightning_peft.nn.attention_received]).
 
         Returns:
             (B, L, hidden_size), or ``(output, importance)`` with importance (B, L) float32 (no gradient).

@@ -2,10 +2,11 @@
 
 Papers: Dao et al., "FlashAttention", arXiv:2205.14135, and "FlashAttention-2", arXiv:2307.08691 (the kernels).
 
-Backends (:func:`select_backend`): ``"flash_attn"`` (the ``flash-attn`` package: importable, CUDA tensors, fp16 or
-bf16, head_dim <= 256), ``"sdpa"`` (:func:`torch.nn.functional.scaled_dot_product_attention`, whose CPU dispatcher
-picks a fused flash-style kernel for every case here except attention dropout), and ``"auto"``: flash_attn where it
-can run, else sdpa. The rule both compute and the shapes: `lightning_peft.nn.attention`.
+Backends ([`select_backend`][lightning_peft.nn.select_backend]): ``"flash_attn"`` (the ``flash-attn`` package:
+importable, CUDA tensors, fp16 or bf16, head_dim <= 256), ``"sdpa"``
+(`torch.nn.functional.scaled_dot_product_attention`, whose CPU dispatcher picks a fused flash-style kernel for every
+case here except attention dropout), and ``"auto"``: flash_attn where it can run, else sdpa. The rule both compute and
+the shapes: `lightning_peft.nn.attention`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _flash_attn_module():
 def flash_attn_available() -> bool:
     """Whether the ``flash-attn`` package imports here (it is a CUDA-only, optional extra).
 
-    Example:
+    Examples:
         >>> isinstance(flash_attn_available(), bool)
         True
     """
@@ -72,7 +73,7 @@ def select_backend(
     dropout_p: float = 0.0,
     causal: bool = False,
 ) -> str:
-    """The backend :func:`attention` runs for these inputs: ``"flash_attn"`` or ``"sdpa"``.
+    """The backend `attention` runs for these inputs: ``"flash_attn"`` or ``"sdpa"``.
 
     ``"auto"`` picks flash_attn where it can run (package importable, CUDA, fp16/bf16, head_dim <= 256) and sdpa
     elsewhere; a forced backend is returned as is, or refused with the reasons it cannot run.
@@ -88,11 +89,11 @@ def select_backend(
         ``"flash_attn"`` or ``"sdpa"``.
 
     Raises:
-        ValueError: If ``backend`` is not one of :data:`BACKENDS` or ``dropout_p`` is outside [0, 1).
+        ValueError: If ``backend`` is not one of `BACKENDS` or ``dropout_p`` is outside [0, 1).
         TypeError: If ``dropout_p`` is not a number.
         RuntimeError: If ``backend="flash_attn"`` cannot run here; the message lists every reason.
 
-    Example:
+    Examples:
         >>> select_backend(torch.zeros(1, 2, 4, 8))  # CPU float32: SDPA's fused CPU kernel
         'sdpa'
     """

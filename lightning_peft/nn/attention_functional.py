@@ -1,4 +1,5 @@
-"""The attention functions: :func:`attention`, :func:`packed_attention` and :func:`attention_received`.
+"""The attention functions: `attention`, [`packed_attention`][lightning_peft.nn.packed_attention] and
+[`attention_received`][lightning_peft.nn.attention_received].
 
 Papers: Dao et al., "FlashAttention", arXiv:2205.14135 (exact attention without the score matrix); Ainslie et al.,
 "GQA", arXiv:2305.13245 (grouped key/value heads); Kim et al., "Learned Token Pruning for Transformers",
@@ -80,7 +81,7 @@ def attention(
         causal: Query ``i`` sees keys ``j <= i + Lk - Lq`` (bottom-right aligned, as flash-attn).
         key_padding_mask: (B, Lk), True for real keys (bool, or integer 0/1).
         dropout_p: Dropout on the attention probabilities; pass 0.0 in evaluation.
-        backend: ``"auto"``, ``"flash_attn"`` or ``"sdpa"`` (:func:`select_backend`).
+        backend: ``"auto"``, ``"flash_attn"`` or ``"sdpa"`` ([`select_backend`][lightning_peft.nn.select_backend]).
         scale: The score scale; ``1 / sqrt(D)`` when None.
 
     Returns:
@@ -93,7 +94,7 @@ def attention(
         TypeError: On a float key_padding_mask, or a ``dropout_p`` that is not a number.
         RuntimeError: If ``backend="flash_attn"`` cannot run here.
 
-    Example:
+    Examples:
         >>> q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
         >>> mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
         >>> attention(q, k, v, causal=True, key_padding_mask=mask).shape
@@ -127,18 +128,23 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, causal
                      dropout_p: float = 0.0, backend: str = "auto", scale: float | None = None) -> Tensor:
     """Attention within each of the packed sequences of a (1, H, L, D) batch: no token sees another sequence.
 
-    flash_attn: one ``flash_attn_varlen_func`` call. sdpa: :func:`attention` on each sequence in turn (exact, and
+    flash_attn: one ``flash_attn_varlen_func`` call. sdpa: `attention` on each sequence in turn (exact, and
     linear in memory, unlike a block-diagonal mask).
 
     Args:
-        q: (1, H, L, D). k, v: (1, Hkv, L, D).
+        q: (1, H, L, D).
+        k: (1, Hkv, L, D).
+        v: (1, Hkv, L, D).
         cu_seqlens: (N + 1,) cumulative lengths, 0 first and L last.
-        causal, dropout_p, backend, scale: as in :func:`attention`.
+        causal: As in `attention`.
+        dropout_p: As in `attention`.
+        backend: As in `attention`.
+        scale: As in `attention`.
 
     Returns:
         (1, H, L, D).
 
-    Example:
+    Examples:
         >>> q = torch.randn(1, 2, 5, 4)
         >>> whole = packed_attention(q, q, q, torch.tensor([0, 2, 5], dtype=torch.int32))
         >>> torch.allclose(whole[:, :, 2:], attention(q[:, :, 2:], q[:, :, 2:], q[:, :, 2:]), atol=1e-6)
@@ -186,7 +192,7 @@ def attention_received(
         q: Queries (B, H, Lq, D).
         k: Keys (B, Hkv, Lk, D), Hkv dividing H.
         key_padding_mask: (B, Lk), True for real keys; padding keys receive 0.
-        causal: Mask as :func:`attention` does (bottom-right aligned).
+        causal: Mask as `attention` does (bottom-right aligned).
         scale: ``1 / sqrt(D)`` when None.
         chunk_size: Queries per chunk.
         queries: ``"all"`` or ``"first"``.
@@ -194,7 +200,7 @@ def attention_received(
     Returns:
         (B, Lk) float32; each row of a batch element with real queries sums to 1 over its keys.
 
-    Example:
+    Examples:
         >>> q, k = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8)
         >>> mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
         >>> received = attention_received(q, k, mask, chunk_size=4)

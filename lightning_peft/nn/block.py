@@ -53,7 +53,7 @@ class TransformerBlock(nn.Module):
         backend: Attention backend (see `lightning_peft.nn.attention`).
         head_dim: Per-head width; ``None`` = ``hidden_size // num_heads``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> block = TransformerBlock(16, num_heads=4, ffn_size=32)
         >>> block(torch.randn(2, 5, 16)).shape

@@ -8,9 +8,10 @@ it runs ``f(x)`` again under autograd and backpropagates through that graph. Act
 ``sum_l A_l`` (every block's activations) to ``sum_l |x_l| + max_l A_l``; a step costs one more forward, so its
 time floor is ``(2F + B) / (F + B)`` of a plain step.
 
-How. :func:`apply_activation_checkpointing` replaces the ``forward`` of each chosen module (an instance attribute)
-by a call of ``torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True,
-**kwargs)``, only in training with gradients on (evaluation and ``no_grad`` run the block as is):
+How. [`apply_activation_checkpointing`][lightning_peft.nn.apply_activation_checkpointing] replaces the ``forward`` of
+each chosen module (an instance attribute) by a call of ``torch.utils.checkpoint.checkpoint(forward, *args,
+use_reentrant=False, preserve_rng_state=True, **kwargs)``, only in training with gradients on (evaluation and
+``no_grad`` run the block as is):
 
 - non-reentrant: the reentrant variant gives zero gradients to the parameters inside a block when no *input* of the
   block requires grad (a LoRA model over frozen embeddings: transformers issue 26221); the non-reentrant one
@@ -28,8 +29,8 @@ would write the cache a second time. The model's own ``gradient_checkpointing_en
 transformers' checkpointing already on is refused (the layers would be recomputed twice).
 
 Choosing the blocks, ``modules``: None (the default) is every Hugging Face
-``transformers.modeling_layers.GradientCheckpointingLayer`` and every :class:`~lightning_peft.nn.TransformerBlock`;
-otherwise a list whose entries are each
+``transformers.modeling_layers.GradientCheckpointingLayer`` and every
+[`TransformerBlock`][lightning_peft.nn.TransformerBlock]; otherwise a list whose entries are each
 
 - a class (``TransformerBlock``) or a class name: the name of the module's class or of one of its bases
   (``"BertLayer"``, ``"GradientCheckpointingLayer"``), or its dotted path (``"lightning_peft.nn.block.TransformerBlock"``);
@@ -107,7 +108,8 @@ class CheckpointedForward:
 
 
 def is_checkpointed(module: nn.Module) -> bool:
-    """Whether :func:`apply_activation_checkpointing` wrapped this module's forward."""
+    """Whether [`apply_activation_checkpointing`][lightning_peft.nn.apply_activation_checkpointing] wrapped this
+    module's forward."""
     return isinstance(vars(module).get("forward"), CheckpointedForward)
 
 
@@ -145,7 +147,7 @@ def apply_activation_checkpointing(
         RuntimeError: ``model`` is already checkpointed (by this function or by transformers), or a part of it
             refuses checkpointing (prefix tuning, a reversible stack, token pruning).
 
-    Example:
+    Examples:
         >>> from lightning_peft.nn import TransformerDecoder
         >>> model = TransformerDecoder(vocab_size=32, hidden_size=8, num_layers=2, num_heads=2)
         >>> list(apply_activation_checkpointing(model))
@@ -188,7 +190,8 @@ def apply_activation_checkpointing(
 
 
 def remove_activation_checkpointing(model: nn.Module) -> dict[str, nn.Module]:
-    """Undo :func:`apply_activation_checkpointing`: each wrapped module gets its forward back.
+    """Undo [`apply_activation_checkpointing`][lightning_peft.nn.apply_activation_checkpointing]: each wrapped module
+    gets its forward back.
 
     Returns:
         The modules unwrapped, by name (empty when none was checkpointed).

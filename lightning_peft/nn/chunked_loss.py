@@ -11,13 +11,15 @@ logits instead of ``O(N * V)``, plus the gradients themselves (``(N, H)`` for ``
 head); the matrix products are the same as the plain loss's.
 
 Rule, for a chunk ``c`` of rows with targets ``y`` (``w_i = scale`` for a kept row, ``0`` for ``ignore_index``;
-``scale = 1 / number of kept rows`` for ``"mean"``, ``1`` for ``"sum"``)::
+``scale = 1 / number of kept rows`` for ``"mean"``, ``1`` for ``"sum"``):
 
-    z = hidden[c] @ weight.T + bias                      (c, V), computed in the inputs' dtype, then float32
-    loss += sum_i w_i * (logsumexp(z_i) - z_i[y_i])
-    dz = w[:, None] * (softmax(z) - onehot(y))           (c, V)
-    grad_hidden[c] = dz @ weight                          (c, H)
-    grad_weight += dz.T @ hidden[c]; grad_bias += dz.sum(0)   accumulated in float32
+```text
+z = hidden[c] @ weight.T + bias                      (c, V), computed in the inputs' dtype, then float32
+loss += sum_i w_i * (logsumexp(z_i) - z_i[y_i])
+dz = w[:, None] * (softmax(z) - onehot(y))           (c, V)
+grad_hidden[c] = dz @ weight                          (c, H)
+grad_weight += dz.T @ hidden[c]; grad_bias += dz.sum(0)   accumulated in float32
+```
 
 Shapes: ``hidden`` ``(N, H)`` or ``(B, L, H)``, ``labels`` ``hidden.shape[:-1]``, ``weight`` ``(V, H)``, ``bias``
 ``(V,)``. The caller shifts the labels (position ``t`` predicting token ``t + 1``).
@@ -70,7 +72,7 @@ def chunked_cross_entropy(
         TypeError: If ``chunk_size`` or ``ignore_index`` is not an integer, a tensor argument has the wrong dtype.
         ValueError: If ``chunk_size < 1``, ``reduction`` is unknown, the shapes disagree or a label is out of range.
 
-    Example:
+    Examples:
         >>> import torch.nn.functional as F
         >>> hidden, weight = torch.randn(10, 4, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64)
         >>> labels = torch.tensor([1, 2, 3, -100, 0, 6, 5, 4, -100, 2])

@@ -37,7 +37,10 @@ class TransformerDecoder(nn.Module):
     norm and a language-model head (tied to the embeddings if asked).
 
     Args:
-        vocab_size, hidden_size, num_layers, num_heads: Sizes.
+        vocab_size: Number of token ids.
+        hidden_size: Width of the hidden states.
+        num_layers: Number of blocks.
+        num_heads: Attention heads (query heads).
         num_kv_heads: Key/value heads; ``None`` = ``num_heads``.
         ffn_size: Feed-forward width; ``None`` = Llama's ``8/3 * hidden`` rounded up to a multiple of 64.
         max_position_embeddings: Longest sequence accepted.
@@ -46,7 +49,8 @@ class TransformerDecoder(nn.Module):
         tie_word_embeddings: Share the embedding matrix with the head.
         bias: Biases on the attention projections (Llama's ``attention_bias``).
         mlp_bias: Biases on the feed-forward.
-        dropout, attention_dropout: Dropout (Llama uses none).
+        dropout: Hidden dropout (Llama uses none).
+        attention_dropout: Dropout on the attention probabilities (Llama uses none).
         backend: Attention backend.
         head_dim: Per-head width; ``None`` = ``hidden_size // num_heads``.
         initializer_range: Std of the normal initialisation.
@@ -55,7 +59,7 @@ class TransformerDecoder(nn.Module):
         reversible: Run the layers as reversible couplings on two copies of the hidden state (see
             `TransformerEncoder`).
 
-    Example:
+    Examples:
         >>> import torch
         >>> decoder = TransformerDecoder(vocab_size=50, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2)
         >>> decoder(torch.tensor([[1, 5, 7]])).shape

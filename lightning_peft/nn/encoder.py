@@ -73,7 +73,11 @@ class TransformerEncoder(nn.Module):
     ``transformers.BertModel`` on the same weights.
 
     Args:
-        vocab_size, hidden_size, num_layers, num_heads, ffn_size: Sizes.
+        vocab_size: Number of token ids.
+        hidden_size: Width of the hidden states.
+        num_layers: Number of blocks.
+        num_heads: Attention heads.
+        ffn_size: Feed-forward width.
         max_position_embeddings: Number of learned positions.
         type_vocab_size: Number of token types (0 for none).
         activation: Feed-forward activation (see `TransformerBlock`).
@@ -92,7 +96,7 @@ class TransformerEncoder(nn.Module):
             of the hidden state, averaged at the end: activation memory stops growing with depth. Needs
             ``norm_first=True``; not with token pruning.
 
-    Example:
+    Examples:
         >>> encoder = TransformerEncoder(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2, ffn_size=32)
         >>> hidden = encoder(torch.tensor([[2, 7, 9, 0]]), attention_mask=torch.tensor([[1, 1, 1, 0]]))
         >>> hidden.shape, encoder.pooled(hidden).shape

@@ -41,7 +41,7 @@ class RMSNorm(nn.Module):
 
     ``y = weight * x / sqrt(mean(x^2) + eps)``; input ``(..., H)``, output the input's dtype.
 
-    Example:
+    Examples:
         >>> norm = RMSNorm(4)
         >>> norm(torch.tensor([[3.0, -3.0, 3.0, -3.0]])).round(decimals=4).tolist()
         [[1.0, -1.0, 1.0, -1.0]]
@@ -65,7 +65,7 @@ class RMSNorm(nn.Module):
 class FeedForward(nn.Module):
     """The dense feed-forward of a block: ``down(act(up(x)))``, or ``down(act(gate(x)) * up(x))`` when gated.
 
-    Example:
+    Examples:
         >>> mlp = FeedForward(8, 32, activation="silu", gated=True, bias=False)
         >>> mlp(torch.randn(2, 5, 8)).shape
         torch.Size([2, 5, 8])
@@ -91,7 +91,7 @@ class FeedForward(nn.Module):
 def norm_layer(kind: str, hidden_size: int, eps: float) -> nn.Module:
     """``nn.LayerNorm`` for ``"layernorm"``, `RMSNorm` for ``"rmsnorm"`` (``kind`` checked by the caller).
 
-    Example:
+    Examples:
         >>> norm_layer("rmsnorm", 8, 1e-6)
         RMSNorm(8, eps=1e-06)
     """

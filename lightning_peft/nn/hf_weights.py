@@ -79,7 +79,7 @@ def rename_keys(state: dict[str, Tensor], rules: list[tuple[str, str | None]]) -
     """``state`` with each key renamed by the first rule whose pattern matches it (dropped if its replacement is
     None); a key no rule matches is kept as is, so `load_fitting` reports it.
 
-    Example:
+    Examples:
         >>> import torch
         >>> state = {"model.norm.weight": torch.ones(2), "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(1)}
         >>> list(rename_keys(state, LLAMA_KEYS))

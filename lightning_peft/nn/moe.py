@@ -34,16 +34,14 @@ tokens' rows with ``index_add_`` (only that expert's rows). No per-expert boolea
 
 Shapes:
 
-    =====================  ==============  ==================================================
-    tensor                 shape           notes
-    =====================  ==============  ==================================================
-    input / output         (..., H)        H = hidden_size; output in the experts' dtype
-    tokens                 (T, H)          T = product of the leading dimensions
-    router logits, p       (T, E)          float32 (float64 if the router weight is float64)
-    top-k experts, gates   (T, k)
-    dispatched tokens      (A, H)          A = kept assignments <= T k, grouped by expert
-    aux_loss               ()              differentiable with respect to the router
-    =====================  ==============  ==================================================
+| tensor | shape | notes |
+| --- | --- | --- |
+| input / output | (..., H) | H = hidden_size; output in the experts' dtype |
+| tokens | (T, H) | T = product of the leading dimensions |
+| router logits, p | (T, E) | float32 (float64 if the router weight is float64) |
+| top-k experts, gates | (T, k) |  |
+| dispatched tokens | (A, H) | A = kept assignments <= T k, grouped by expert |
+| aux_loss | () | differentiable with respect to the router |
 
 Not supported: expert parallelism (experts placed on different ranks with all-to-all dispatch); every rank holds
 every expert.
@@ -105,7 +103,7 @@ class MoE(nn.Module):
             for an input whose last dimension is not ``hidden_size`` and for non-finite router logits (naming the
             layer by `name`).
 
-    Example:
+    Examples:
         >>> moe = MoE(hidden_size=8, ffn_size=16, num_experts=4, top_k=2)
         >>> moe(torch.randn(2, 5, 8)).shape
         torch.Size([2, 5, 8])
@@ -259,7 +257,7 @@ class MoE(nn.Module):
 def moe_layers(module: nn.Module) -> dict[str, MoE]:
     """The `MoE` feed-forwards inside ``module`` by name (empty without any).
 
-    Example:
+    Examples:
         >>> model = nn.ModuleDict({"mlp": MoE(hidden_size=4, ffn_size=8, num_experts=2, top_k=1)})
         >>> list(moe_layers(model))
         ['mlp']

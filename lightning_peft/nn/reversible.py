@@ -29,14 +29,11 @@ of the forward.
 
 Shapes:
 
-    ===================  ==============  =================================================
-    tensor               shape           notes
-    ===================  ==============  =================================================
-    x, output            (..., 2D)       two halves of D; e.g. ``cat([h, h], -1)`` of (B, L, D)
-    F_i, G_i             (..., D) ->     each keeps its input's shape
-                         (..., D)
-    f_kwargs             any             passed to every ``F_i``, not differentiated
-    ===================  ==============  =================================================
+| tensor | shape | notes |
+| --- | --- | --- |
+| x, output | (..., 2D) | two halves of D; e.g. ``cat([h, h], -1)`` of (B, L, D) |
+| F_i, G_i | (..., D) -> (..., D) | each keeps its input's shape |
+| f_kwargs | any | passed to every ``F_i``, not differentiated |
 
 Precision: the rebuilt inputs differ from the forward's by rounding (float32: ~1e-7 relative per layer, growing
 with depth and with the size of the branch outputs); in float64 gradients equal plain autograd within 1e-9
@@ -76,7 +73,7 @@ class ReversibleSequence(nn.Module):
         ValueError: If the lists are empty or of different lengths.
         TypeError: If a block is not an ``nn.Module``.
 
-    Example:
+    Examples:
         >>> stack = ReversibleSequence([nn.Linear(4, 4) for _ in range(3)],
         ...                            [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)])
         >>> x = torch.randn(2, 5, 8, requires_grad=True)   # (B, L, 2D), D = 4

@@ -31,7 +31,7 @@ class RotaryEmbedding(nn.Module):
         head_dim: D, even.
         base: The frequency base (Llama's ``rope_theta``).
 
-    Example:
+    Examples:
         >>> rope = RotaryEmbedding(8)
         >>> cos, sin = rope(torch.arange(5)[None], torch.float32)
         >>> cos.shape, cos[0, 0, 0].tolist() == [1.0] * 8
@@ -71,7 +71,7 @@ def _rotate_half(x: Tensor) -> Tensor:
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate ``x`` (B, H, L, D) by the tables ``cos``, ``sin`` (B, 1, L, D): ``x cos + rotate_half(x) sin``.
 
-    Example:
+    Examples:
         >>> x = torch.randn(1, 2, 3, 4)
         >>> cos, sin = RotaryEmbedding(4)(torch.zeros(1, 3, dtype=torch.long))
         >>> torch.equal(apply_rotary(x, cos, sin), x)  # position 0: no rotation

@@ -11,12 +11,14 @@ tokens kept by layer ``i - 1`` after it). Its attention sublayer runs on all ``n
 importance; then only the ``K = ceil(r_i * n)`` most important tokens go through its feed-forward sublayer and on
 to layer ``i + 1``. The classification token (index 0) is always kept, padding always ranks below every real token
 (so it is dropped first), and the kept tokens keep their order. A dropped token keeps the hidden state it had when
-it was dropped (the encoder scatters the kept ones back), so the encoder output keeps shape ``(B, L, hidden)``::
+it was dropped (the encoder scatters the kept ones back), so the encoder output keeps shape ``(B, L, hidden)``:
 
-    r_i = 1                          i < start_layer                  (a float keep_ratio r)
-    r_i = r                          i >= start_layer
-    r_i = keep_ratio[i]                                               (a sequence: one ratio per layer)
-    effective r_i = 1 - scale * (1 - r_i)                             (scale 1: as configured; 0: no pruning)
+```text
+r_i = 1                          i < start_layer                  (a float keep_ratio r)
+r_i = r                          i >= start_layer
+r_i = keep_ratio[i]                                               (a sequence: one ratio per layer)
+effective r_i = 1 - scale * (1 - r_i)                             (scale 1: as configured; 0: no pruning)
+```
 
 With a float ``r`` the share of tokens left after layer ``i >= start_layer`` is about ``r ** (i - start_layer +
 1)``: MiniLM (6 layers, 128 tokens), ``r = 0.5``, ``start_layer = 1`` keeps 128, 64, 32, 16, 8, 4 tokens. The
@@ -25,15 +27,13 @@ fewer tokens; at ``r_i = 1`` no token is dropped and the encoder computes exactl
 
 Shapes (``B`` batch, ``L`` tokens reaching the layer, ``K`` kept):
 
-=====================  ==============  ==========================================================
-tensor                 shape           meaning
-=====================  ==============  ==========================================================
-``importance``         ``(B, L)``      attention each token receives (any real dtype)
-``key_padding_mask``   ``(B, L)``      bool, True for real tokens; None: all real
-return of ``select``   ``(B, K)``      long indices into ``L``, ascending, column 0 is index 0
-=====================  ==============  ==========================================================
+| tensor | shape | meaning |
+| --- | --- | --- |
+| ``importance`` | ``(B, L)`` | attention each token receives (any real dtype) |
+| ``key_padding_mask`` | ``(B, L)`` | bool, True for real tokens; None: all real |
+| return of ``select`` | ``(B, K)`` | long indices into ``L``, ascending, column 0 is index 0 |
 
-Example:
+Examples:
     >>> import torch
     >>> pruner = TokenPruner(keep_ratio=0.5, start_layer=1)
     >>> [pruner.keep_ratio_at(i, 4) for i in range(4)]
@@ -63,7 +63,7 @@ _ROUNDING = 1e-9  # ceil(r * n) with a little slack, so that 0.07 * 100 = 7.0000
 def kept_count(length: int, keep_ratio: float) -> int:
     """``K = ceil(keep_ratio * length)``, at least 1: how many of ``length`` tokens a layer keeps.
 
-    Example:
+    Examples:
         >>> kept_count(128, 0.7), kept_count(10, 0.01), kept_count(100, 0.07)
         (90, 1, 7)
     """
@@ -73,8 +73,9 @@ def kept_count(length: int, keep_ratio: float) -> int:
 class TokenPruner(nn.Module):
     """Which tokens each encoder layer keeps: a keep ratio per layer and the selection rule.
 
-    It has no parameters; it is a module so that it shows in ``print(model)`` and travels with the encoder. The
-    encoder asks it for :meth:`keep_ratio_at` each layer and, where that is below 1, for :meth:`select`.
+    It has no parameters; it is a module so that it shows in ``print(model)`` and travels with the encoder. The encoder
+    asks it for [`keep_ratio_at`][lightning_peft.nn.TokenPruner.keep_ratio_at] each layer and, where that is below 1,
+    for [`select`][lightning_peft.nn.TokenPruner.select].
 
     Args:
         keep_ratio: A float ``r`` in (0, 1]: every layer ``i >= start_layer`` keeps ``ceil(r * n)`` of the ``n``

@@ -21,15 +21,13 @@ Names follow the projection names LoRA, layer-wise LR decay and tensor-parallel 
 
 Shapes:
 
-    ========================  ==========================  ====================================
-    tensor                    shape                       notes
-    ========================  ==========================  ====================================
-    input_ids                 (B, L)                      long
-    attention_mask            (B, L)                      1 / True = real token
-    block input / output      (B, L, H)                   H = hidden_size
-    encoder output            (B, L, H)                   last hidden states (pruned tokens: see below)
-    decoder output            (B, L, V)                   logits, V = vocab_size
-    ========================  ==========================  ====================================
+| tensor | shape | notes |
+| --- | --- | --- |
+| input_ids | (B, L) | long |
+| attention_mask | (B, L) | 1 / True = real token |
+| block input / output | (B, L, H) | H = hidden_size |
+| encoder output | (B, L, H) | last hidden states (pruned tokens: see below) |
+| decoder output | (B, L, V) | logits, V = vocab_size |
 
 Token pruning. With a `TokenPruner`, a layer whose keep ratio is below 1 computes the attention each token
 receives, keeps the most important tokens (never the first, never padding before a real token) and runs its
@@ -41,7 +39,7 @@ Where each piece lives (every name stays importable from here): `lightning_peft.
 `lightning_peft.nn.decoder` (`TransformerDecoder`), `lightning_peft.nn.hf_weights` (reading Hugging Face
 checkpoints), `lightning_peft.nn.moe` (`moe_layers`, `moe_aux_loss`).
 
-Example:
+Examples:
     >>> import torch
     >>> decoder = TransformerDecoder(vocab_size=20, hidden_size=8, num_layers=2, num_heads=2,
     ...                              moe={"num_experts": 2, "top_k": 1})

@@ -1,18 +1,19 @@
-"""Model parallelism without Lightning: what the strategies in :mod:`lightning_peft.strategies` call.
+"""Model parallelism without Lightning: what the strategies in [`lightning_peft.strategies`][lightning_peft.strategies]
+call.
 
 Pure torch, ``torch.distributed`` and DeepSpeed helpers, usable from a plain training loop; nothing here imports
 ``lightning``. Modules:
 
-- :mod:`~lightning_peft.parallel.partition`: a model's units, cut into consecutive balanced parts;
-- :mod:`~lightning_peft.parallel.device_map`: the device-map dispatcher (layers on several devices of one process);
-- :mod:`~lightning_peft.parallel.pipeline`: pipeline pieces, stages and schedules;
-- :mod:`~lightning_peft.parallel.pipeline_state`: what each pipeline rank holds and exchanges, merging its files;
-- :mod:`~lightning_peft.parallel.tensor_parallel`: the tensor-parallel plan (automatic, LoRA-aware) and applying it;
-- :mod:`~lightning_peft.parallel.dtensor`: DTensor shards next to plain tensors: global norm, data-parallel average;
-- :mod:`~lightning_peft.parallel.zero`: ZeRO's optimizer, FSDP2-unit and DeepSpeed helpers;
-- :mod:`~lightning_peft.parallel.checkpoint`: sharded checkpoints (DeepSpeed, torch distributed, pipeline) to one file;
-- :mod:`~lightning_peft.parallel.memory`: the bytes a rank holds, by category (parameters, gradients, optimizer state);
-- :mod:`~lightning_peft.parallel.adapters`: which modules are adapter wrappers (asked of the PEFT adapter protocol).
+- `partition`: a model's units, cut into consecutive balanced parts;
+- `device_map`: the device-map dispatcher (layers on several devices of one process);
+- `pipeline`: pipeline pieces, stages and schedules;
+- `pipeline_state`: what each pipeline rank holds and exchanges, merging its files;
+- `tensor_parallel`: the tensor-parallel plan (automatic, LoRA-aware) and applying it;
+- `dtensor`: DTensor shards next to plain tensors: global norm, data-parallel average;
+- `zero`: ZeRO's optimizer, FSDP2-unit and DeepSpeed helpers;
+- `checkpoint`: sharded checkpoints (DeepSpeed, torch distributed, pipeline) to one file;
+- `memory`: the bytes a rank holds, by category (parameters, gradients, optimizer state);
+- `adapters`: which modules are adapter wrappers (asked of the PEFT adapter protocol).
 """
 
 from lightning_peft.parallel.adapters import adapter_wrappers

@@ -2,21 +2,24 @@
 
 A ZeRO, FSDP2, tensor-parallel or pipeline run saves a directory with one shard per rank: DeepSpeed's layout
 (``checkpoint/`` with ``zero_pp_rank_<r>_..._states.pt`` files and a ``latest`` tag), torch's distributed checkpoint
-(``.distcp`` files and Lightning's ``meta.pt``) or ``PipelineStrategy``'s ``stage-<rank>.ckpt`` files. :func:`convert_checkpoint` assembles the full float32 weights, as DeepSpeed's
+(``.distcp`` files and Lightning's ``meta.pt``) or ``PipelineStrategy``'s ``stage-<rank>.ckpt`` files.
+[`convert_checkpoint`][lightning_peft.strategies.convert_checkpoint] assembles the full float32 weights, as DeepSpeed's
 ``zero_to_fp32`` does, and writes one Lightning checkpoint file with everything else the run recorded (hyper-
-parameters, callback states, the adapter record of ``checkpoint["lightning_peft"]``), without the optimizer state
-(which only the sharded run can use)::
+parameters, callback states, the adapter record of ``checkpoint["lightning_peft"]``), without the optimizer state (which
+only the sharded run can use):
 
-    from lightning_peft.strategies import convert_checkpoint
-    convert_checkpoint("checkpoints/epoch=2-step=300.ckpt", "model.ckpt")
-    model = MyModule.load_from_checkpoint("model.ckpt")       # or lightning_peft.callbacks.load_from_checkpoint
+```python
+from lightning_peft.strategies import convert_checkpoint
+convert_checkpoint("checkpoints/epoch=2-step=300.ckpt", "model.ckpt")
+model = MyModule.load_from_checkpoint("model.ckpt")       # or lightning_peft.callbacks.load_from_checkpoint
+```
 
 or from a shell: ``python -m lightning_peft.strategies.checkpoint SHARDED_DIR OUTPUT_FILE [--trust]``. An adapter-only
 checkpoint stays adapter-only: loading takes the frozen base from the module as built. No process group is needed.
 
 Reading a checkpoint from a stranger must not run its code. Pickled files are read with
 ``torch.load(weights_only=True)``, allowing only the few plain classes DeepSpeed writes into its files
-(:data:`DEEPSPEED_SAFE_GLOBALS`); DeepSpeed's own reader (``zero_to_fp32``) unpickles without that restriction, so
+(`DEEPSPEED_SAFE_GLOBALS`); DeepSpeed's own reader (``zero_to_fp32``) unpickles without that restriction, so
 every file it will read is checked that way first, and torch's distributed-checkpoint ``.metadata`` is checked by an
 unpickler that knows only its metadata classes. A file holding anything else is refused, naming it;
 ``trust=True`` (``--trust``) skips the checks, for a checkpoint whose origin you trust.

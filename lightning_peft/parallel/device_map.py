@@ -1,6 +1,6 @@
 """The device-map dispatcher: plain model parallelism in one process, consecutive layers on different devices.
 
-:class:`~lightning_peft.strategies.DeviceMapStrategy` is the Lightning glue over :func:`dispatch_model`.
+[`DeviceMapStrategy`][lightning_peft.strategies.DeviceMapStrategy] is the Lightning glue over `dispatch_model`.
 
 What it does. The model's layers are spread over several devices of **one** process, as Hugging Face's
 ``from_pretrained(device_map="auto")`` and accelerate's ``dispatch_model`` do: each *unit* (an embedding, one
@@ -135,7 +135,7 @@ def infer_device_map(model: nn.Module, devices: Sequence[DeviceLike]) -> dict[st
         ValueError: If ``devices`` is empty, a device does not exist, the model has no list of layers, or there are
             more devices than layers.
 
-    Example:
+    Examples:
         >>> model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
         >>> {name: str(d) for name, d in infer_device_map(model, ["cpu", "cpu"]).items()}
         {'0': 'cpu', '1': 'cpu', '2': 'cpu', '3': 'cpu'}
@@ -292,7 +292,7 @@ def dispatch_model(
             parameters, puts tied parameters on two devices, names a device that does not exist, or the model
             calls its layers in a way the hooks cannot see while the map spans several devices.
 
-    Example:
+    Examples:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
         >>> handle = dispatch_model(model, {"0": "cpu", "2": "cpu"})
         >>> model(torch.randn(3, 4)).shape

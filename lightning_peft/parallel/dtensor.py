@@ -1,6 +1,6 @@
 """DTensor parameters next to plain ones, without Lightning: their local shards and bytes, the global gradient norm
 over both, and data parallelism over a device mesh (a replica broadcast at start, gradients averaged as DDP does).
-Tensor parallelism (:mod:`lightning_peft.parallel.tensor_parallel`) and its strategy use them.
+Tensor parallelism (`lightning_peft.parallel.tensor_parallel`) and its strategy use them.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A model's *units* are, walking from the model down to its list of layers (the ``nn.ModuleList`` / ``nn.Sequential``
 holding most of the parameters in modules of one class: ``layers`` of this package's blocks, ``encoder.layer`` of
 BERT, ``model.layers`` of Llama), the children with parameters before that path, each layer, then the children
-after it. :func:`balanced_cuts` is the partition both the device map and the pipeline use: ``k`` consecutive,
+after it. `balanced_cuts` is the partition both the device map and the pipeline use: ``k`` consecutive,
 non-empty groups of a sequence of sizes with the smallest possible largest group (exact, by dynamic programming
 over the prefix sums: ``O(k n^2)`` for ``n`` items). Sizes are parameter counts, each tensor counted once (tied
 weights), LoRA's included.
@@ -74,7 +74,7 @@ def layer_units(model: nn.Module) -> tuple[list[str], list[str]]:
     Raises:
         ValueError: If the model has no list of layers.
 
-    Example:
+    Examples:
         >>> model = nn.Sequential(nn.Embedding(10, 4), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Linear(4, 2))
         >>> layer_units(model)
         (['0', '1.0', '1.1', '2'], ['1.0', '1.1'])
@@ -141,7 +141,7 @@ def balanced_groups(model: nn.Module, count: int) -> dict[str, int]:
     Raises:
         ValueError: If the model has no list of layers or fewer layers than ``count``.
 
-    Example:
+    Examples:
         >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 40))
         >>> balanced_groups(model, 2)
         {'0': 0, '1': 0, '2': 1}

@@ -1,6 +1,6 @@
 """Pipeline stages without Lightning: cutting a sequential model into stages, running them with
-``torch.distributed.pipelining`` (GPipe, 1F1B, interleaved 1F1B), owning and exchanging their parameters, and
-merging their checkpoint files. :class:`~lightning_peft.strategies.PipelineStrategy` is the Lightning glue over it.
+``torch.distributed.pipelining`` (GPipe, 1F1B, interleaved 1F1B), owning and exchanging their parameters, and merging
+their checkpoint files. [`PipelineStrategy`][lightning_peft.strategies.PipelineStrategy] is the Lightning glue over it.
 
 Papers: Huang et al. 2019, "GPipe" (arXiv:1811.06965): all forwards, then all backwards; Narayanan et al. 2019,
 "PipeDream" (arXiv:1806.03377) and 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
@@ -9,16 +9,16 @@ in flight) and interleaved 1F1B (``v`` stages per rank, a ``v`` times smaller bu
 
 Bubble. With ``p`` pipeline ranks and ``m`` micro-batches of equal cost, the share of a step a rank is idle is
 ``(p - 1) / (m + p - 1)`` for GPipe and 1F1B, and ``(p - 1) / (v * m + p - 1)`` with ``v`` stages per rank
-(:func:`bubble_fraction`).
+(`bubble_fraction`).
 
 Pieces and stages. A `TransformerDecoder` is cut into ``embed_tokens``, ``layers.<i>``, ``norm``, ``lm_head``; a
 `TransformerEncoder` into ``embeddings``, ``layers.<i>``, ``final_norm``; an ``nn.Sequential`` into its children
-(:func:`pipeline_pieces`). :func:`split_pieces` cuts the pieces into consecutive stages, at named split points or
-balanced by parameter count (:func:`lightning_peft.parallel.partition.balanced_cuts`). Stage ``s`` runs on rank
+(`pipeline_pieces`). `split_pieces` cuts the pieces into consecutive stages, at named split points or
+balanced by parameter count (`lightning_peft.parallel.partition.balanced_cuts`). Stage ``s`` runs on rank
 ``s % ranks``.
 
 What each rank holds and exchanges (parameters, shared gradients, checkpoint files):
-:mod:`lightning_peft.parallel.pipeline_state`.
+`lightning_peft.parallel.pipeline_state`.
 
 Shapes: ``input_ids`` (B, L) with B divisible by ``num_microbatches``; a micro-batch is (B / m, L); between stages
 travel the hidden states (B / m, L, H) and, if given, the attention mask (B / m, L).
@@ -151,7 +151,7 @@ def split_pieces(
         ValueError: If there are more stages than pieces, or a split point names no piece, repeats one, is out of
             order, or their number is not ``num_stages - 1``.
 
-    Example:
+    Examples:
         >>> from lightning_peft.nn import TransformerDecoder
         >>> pieces = pipeline_pieces(TransformerDecoder(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2))
         >>> [p.name for p in pieces]
@@ -262,7 +262,7 @@ def bubble_fraction(schedule: str, num_stages: int, num_microbatches: int, ranks
     Args:
         ranks: The number of pipeline processes ``p``; default: the number of stages (interleaved: half of it).
 
-    Example:
+    Examples:
         >>> bubble_fraction("gpipe", num_stages=2, num_microbatches=4)
         0.2
     """

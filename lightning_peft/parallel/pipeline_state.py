@@ -3,15 +3,15 @@ placeholders), the gradients of parameters several ranks share, the global gradi
 ``GradScaler`` overflow, an export gathered on rank 0, and the checkpoint file of its stages.
 
 Ownership. Every rank builds the whole model, then replaces the parameters of the stages it does not hold by
-``meta`` tensors (:func:`free_parameters`; shapes kept, no storage). A parameter used by several ranks' stages
+``meta`` tensors (`free_parameters`; shapes kept, no storage). A parameter used by several ranks' stages
 (tied input and output embeddings) stays on each of them; its gradient is summed across them
-(:func:`sum_shared_gradients`), and the global gradient norm counts it once (:func:`clip_by_global_norm`).
+(`sum_shared_gradients`), and the global gradient norm counts it once (`clip_by_global_norm`).
 Buffers (BatchNorm statistics) stay on every rank, but only the ranks whose stages run a module update its buffers.
 
 Checkpoints. One file per rank, ``stage-<rank>.ckpt``, whose ``state_dict`` and optimizer states hold that rank's
 parameters (keys as in the unsplit model) and whose ``"pipeline"`` entry records the split and each kept
-parameter's position in the unsplit optimizer (:func:`keep_owned_parameters`). :func:`consolidate_checkpoint`
-merges the files into one ordinary checkpoint of the unsplit model; :func:`select_optimizer_state` takes a rank's
+parameter's position in the unsplit optimizer (`keep_owned_parameters`). `consolidate_checkpoint`
+merges the files into one ordinary checkpoint of the unsplit model; `select_optimizer_state` takes a rank's
 part of an unsplit optimizer state.
 """
 
@@ -261,7 +261,7 @@ def consolidate_checkpoint(path: str | os.PathLike[str], weights_only: bool = Tr
     Raises:
         ValueError: If ``path`` holds no stage files.
 
-    Example:
+    Examples:
         >>> torch.save(consolidate_checkpoint("checkpoints/last.ckpt"), "last-merged.ckpt")  # doctest: +SKIP
     """
     directory = Path(path)

@@ -1,14 +1,16 @@
 """Tensor parallelism (Megatron-style) on DTensor ``parallelize_module``, with an automatic, LoRA-aware plan, without
-Lightning (:class:`~lightning_peft.strategies.TensorParallelStrategy` is the glue).
+Lightning ([`TensorParallelStrategy`][lightning_peft.strategies.TensorParallelStrategy] is the glue).
 
 Paper: Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model Parallelism",
 arXiv:1909.08053. Engine: ``torch.distributed.tensor.parallel`` (DTensor); no new engine is written here.
 
 The rule. A block's first projections are split column-wise and its last ones row-wise, so one all-reduce per
-sublayer (in forward, and one in backward) is all the communication::
+sublayer (in forward, and one in backward) is all the communication:
 
-    colwise  Y_i = X W_i^T           W_i = rows i*out/t .. (i+1)*out/t of W (out, in);  Y sharded on its last dim
-    rowwise  Y   = sum_i X_i W_i^T   W_i = columns i*in/t .. of W; X_i the matching slice of the sharded input
+```text
+colwise  Y_i = X W_i^T           W_i = rows i*out/t .. (i+1)*out/t of W (out, in);  Y sharded on its last dim
+rowwise  Y   = sum_i X_i W_i^T   W_i = columns i*in/t .. of W; X_i the matching slice of the sharded input
+```
 
 With LoRA (``y = W x + s B (A x)``, A (r, in), B (out, r)) the adapter follows its base:
 
@@ -34,15 +36,13 @@ divide the heads, the key/value heads, or a split dimension.
 
 Shapes (t = tensor-parallel size):
 
-    =====================  =====================  ==========================================================
-    module                 local parameters       local input -> local output
-    =====================  =====================  ==========================================================
-    colwise Linear         W (out/t, in), b out/t  (..., in) full -> (..., out/t)  (or gathered: a head)
-    rowwise Linear         W (out, in/t), b full   (..., in/t) -> (..., out) full (all-reduced)
-    rowwise Embedding      W (V/t, H)              (B, L) ids -> (B, L, H) full (all-reduced)
-    LoRA on colwise        A (r, in), B (out/t, r)
-    LoRA on rowwise        A (r, in/t), B (out, r)
-    =====================  =====================  ==========================================================
+| module | local parameters | local input -> local output |
+| --- | --- | --- |
+| colwise Linear | W (out/t, in), b out/t | (..., in) full -> (..., out/t) (or gathered: a head) |
+| rowwise Linear | W (out, in/t), b full | (..., in/t) -> (..., out) full (all-reduced) |
+| rowwise Embedding | W (V/t, H) | (B, L) ids -> (B, L, H) full (all-reduced) |
+| LoRA on colwise | A (r, in), B (out/t, r) | |
+| LoRA on rowwise | A (r, in/t), B (out, r) | |
 
 Data parallelism (a 2-D mesh ``(data_parallel, tensor_parallel)``): the ranks of one tensor-parallel group see the
 same batch; the model is broadcast from the first data-parallel replica at setup, and the trainable parameters'
@@ -122,7 +122,7 @@ def auto_plan(model: nn.Module, tensor_parallel_size: int = 2) -> dict[str, str]
     not divide them is refused later); the token embedding (row-wise) and the ``lm_head`` (column-wise, output
     gathered) only when ``tensor_parallel_size`` divides the vocabulary and their weight is not tied.
 
-    Example:
+    Examples:
         >>> from lightning_peft.nn import TransformerDecoder
         >>> decoder = TransformerDecoder(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, ffn_size=32)
         >>> sorted(auto_plan(decoder).items())[:3]
@@ -367,7 +367,7 @@ def parallelize(model: nn.Module, mesh: Any, plan: str | dict[str, str] = "auto"
     Args:
         model: The model, with any LoRA adapters already injected.
         mesh: A 1-D ``DeviceMesh``.
-        plan: ``"auto"`` or ``{module name pattern: "colwise" | "rowwise"}`` (see :func:`resolve_plan`).
+        plan: ``"auto"`` or ``{module name pattern: "colwise" | "rowwise"}`` (see `resolve_plan`).
 
     Returns:
         The applied plan ``{module name: style}``.

@@ -1,10 +1,10 @@
 """ZeRO helpers without Lightning: what the ``ZeROStrategy`` backends do to optimizers, FSDP2 units, DeepSpeed's
-process-wide patches and partial distributed checkpoints (:mod:`lightning_peft.strategies.zero` is the glue).
+process-wide patches and partial distributed checkpoints (`lightning_peft.strategies.zero` is the glue).
 
-The frozen base of a PEFT model holds no gradient and no optimizer state on any backend: :func:`drop_frozen`
+The frozen base of a PEFT model holds no gradient and no optimizer state on any backend: `drop_frozen`
 removes frozen parameters from the optimizer before the engine sees it. Under FSDP2 each adapter wrapper's frozen
 base is its own unit and the repeated blocks (the children of every ``nn.ModuleList``) are units holding the
-adapter's parameters (:func:`fsdp_units`).
+adapter's parameters (`fsdp_units`).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def fsdp_units(module: nn.Module) -> list[nn.Module]:
     the base weight itself: ``reads_base_weight``), then each repeated block.
 
     A wrapper's base (LoRA's ``base_layer``, a bottleneck's) is found through
-    :func:`~lightning_peft.parallel.adapters.adapter_wrappers`, never by a technique's class.
+    `adapter_wrappers`, never by a technique's class.
     """
     units: list[nn.Module] = []
     seen: set[int] = set()

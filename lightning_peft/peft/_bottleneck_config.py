@@ -1,5 +1,5 @@
-"""The bottleneck adapters' settings: :class:`BottleneckConfig` and the ``adapter_config.json`` it is saved as (see
-:mod:`lightning_peft.peft.bottleneck` for the technique and the file format)."""
+"""The bottleneck adapters' settings: [`BottleneckConfig`][lightning_peft.peft.BottleneckConfig] and the
+``adapter_config.json`` it is saved as (see `lightning_peft.peft.bottleneck` for the technique and the file format)."""
 
 from __future__ import annotations
 
@@ -112,7 +112,8 @@ def _as_reduction_factor(value: object, bottleneck_size: object) -> float | None
 
 
 def as_config(config: object, kwargs: dict[str, Any], who: str) -> BottleneckConfig:
-    """A :class:`BottleneckConfig` from a config object or keyword arguments (not both)."""
+    """A [`BottleneckConfig`][lightning_peft.peft.BottleneckConfig] from a config object or keyword arguments (not
+    both)."""
     if config is None:
         fields = [f.name for f in dataclasses.fields(BottleneckConfig)]
         unknown = sorted(set(kwargs) - set(fields))

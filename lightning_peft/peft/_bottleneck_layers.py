@@ -1,5 +1,5 @@
 """The bottleneck adapter's modules: the adapter MLP and the wrapper that adds it after a base layer (see
-:mod:`lightning_peft.peft.bottleneck` for the update rule and the shapes)."""
+`lightning_peft.peft.bottleneck` for the update rule and the shapes)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class Bottleneck(nn.Module):
     Args:
         d: Input and output size.
         size: Bottleneck size ``m``.
-        non_linearity: A key of :data:`NON_LINEARITIES`.
+        non_linearity: A key of `NON_LINEARITIES`.
         dropout: Dropout probability on the output.
         init_scale: Standard deviation of the truncated-normal initialisation of ``W_down``.
     """
@@ -68,7 +68,8 @@ class Bottleneck(nn.Module):
 
 
 class BottleneckLayer(LayerWrapper):
-    """A module (``base_layer``, unchanged) followed by a residual :class:`Bottleneck` (``adapter``).
+    """A module (``base_layer``, unchanged) followed by a residual [`Bottleneck`][lightning_peft.peft.Bottleneck]
+    (``adapter``).
 
     Attributes the wrapper lacks (``weight``, ``out_features``, ``nf``, ...) are read from the base layer.
     Precision: the adapter of a float16/bfloat16 base is float32 and stays float32 when the model is cast to half

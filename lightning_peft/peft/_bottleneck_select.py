@@ -1,5 +1,5 @@
 """Where bottleneck adapters go: the modules ``placement`` picks by architecture, or ``target_modules`` by name, and
-the checks that a module can take one (see :mod:`lightning_peft.peft.bottleneck`)."""
+the checks that a module can take one (see `lightning_peft.peft.bottleneck`)."""
 
 from __future__ import annotations
 

@@ -70,8 +70,8 @@ def refuse_unmatched(who: str, targets: Targets, names: Iterable[str], model: nn
 
 
 def chosen_by_name(who: str, targets: Targets, names: list[str], model: nn.Module, describe) -> list[str]:
-    """The ``names`` that ``targets`` matches; raises (:func:`refuse_unmatched`) if some match and a list entry
-    matches none. An empty choice is left to :func:`refuse_no_target`, after other exclusions."""
+    """The ``names`` that ``targets`` matches; raises (`refuse_unmatched`) if some match and a list entry
+    matches none. An empty choice is left to `refuse_no_target`, after other exclusions."""
     chosen = [n for n in names if name_matches(n, targets)]
     if chosen:
         refuse_unmatched(who, targets, names, model, describe)
@@ -197,7 +197,7 @@ def _bitsandbytes_dequantizer(weight: Tensor, module: nn.Module | None):
 
 def is_quantized(weight: Tensor | None) -> bool:
     """Whether ``weight`` is a quantized tensor (a subclass that dequantizes itself, such as torchao's ``NF4Tensor``):
-    its values must be read through :func:`dense_weight`, and it cannot be written in place without requantizing."""
+    its values must be read through `dense_weight`, and it cannot be written in place without requantizing."""
     return _dequantizer(weight) is not None
 
 

@@ -1,5 +1,5 @@
 """The parts of prefix tuning that act on the model: the prefix's shape, the module that holds it, and the forward
-pre-hook that passes it as the attention cache (see :mod:`lightning_peft.peft.prefix_tuning` for the technique).
+pre-hook that passes it as the attention cache (see `lightning_peft.peft.prefix_tuning` for the technique).
 
 Shapes: ``L`` layers, ``H`` key/value heads, ``d_h`` head size, ``d_kv = H d_h``, ``n`` prefix positions.
 """
@@ -79,7 +79,7 @@ class PrefixEncoder(nn.Module):
         encoder_hidden_size: ``h``; None: no MLP, the table itself is the parameter.
     """
 
-    #: Read by :func:`lightning_peft.nn.apply_activation_checkpointing`, which refuses a model holding this module.
+    #: Read by `lightning_peft.nn.apply_activation_checkpointing`, which refuses a model holding this module.
     refuses_activation_checkpointing = _CHECKPOINTING_REASON
 
     def __init__(self, num_virtual_tokens: int, width: int, token_dim: int, encoder_hidden_size: int | None) -> None:

@@ -1,5 +1,5 @@
 """The parts of prompt tuning that act on the model: the soft prompt module, its initial value, and the forward
-pre-hook that prepends it to every call (see :mod:`lightning_peft.peft.prompt_tuning` for the technique).
+pre-hook that prepends it to every call (see `lightning_peft.peft.prompt_tuning` for the technique).
 
 Shapes: ``B`` batch, ``T`` real tokens, ``n`` virtual tokens, ``d`` the input-embedding width.
 """
@@ -84,7 +84,7 @@ def position_limit(model: nn.Module) -> int | None:
 
 def initial_prompt(embeddings: nn.Module, num_virtual_tokens: int, init: str, init_text: str | None,
                     tokenizer: Any, who: str) -> Tensor:
-    """The starting prompt (n, d), detached, in :func:`~lightning_peft.peft._common.adapter_dtype`."""
+    """The starting prompt (n, d), detached, in `adapter_dtype`."""
     weight = embeddings.weight
     vocab, dim = weight.shape
     if init == "random":

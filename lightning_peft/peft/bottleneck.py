@@ -6,9 +6,11 @@ Non-Destructive Task Composition for Transfer Learning", arXiv:2005.00247 (one a
 output only).
 
 Update rule. The output ``h`` of a wrapped module (the sub-layer's output projection, before the block's residual
-add and LayerNorm) becomes::
+add and LayerNorm) becomes:
 
-    h <- h + dropout(W_up f(W_down h + b_down) + b_up)
+```text
+h <- h + dropout(W_up f(W_down h + b_down) + b_up)
+```
 
 with ``f`` the non-linearity. ``W_up`` and ``b_up`` start at zero, so an adapted model starts exactly equal to the
 base; ``W_down`` starts from a normal distribution with standard deviation ``init_scale``, truncated at two
@@ -18,43 +20,39 @@ standard deviations (Houlsby's near-identity initialisation), ``b_down`` at zero
 Shapes (``d`` = output size of the wrapped module, ``m`` = ``bottleneck_size``, else ``max(1, d //
 reduction_factor)``):
 
-=====================  ==========  ===========================================================================
-tensor                 shape       state-dict key
-=====================  ==========  ===========================================================================
-``h``                  (..., d)    output of ``<name>.base_layer`` (the original module, unchanged)
-``W_down``, ``b_down`` (m, d), (m) ``<name>.adapter.down.weight``, ``<name>.adapter.down.bias``
-``W_up``, ``b_up``     (d, m), (d) ``<name>.adapter.up.weight``, ``<name>.adapter.up.bias``
-=====================  ==========  ===========================================================================
+| tensor | shape | state-dict key |
+| --- | --- | --- |
+| ``h`` | (..., d) | output of ``<name>.base_layer`` (the original module, unchanged) |
+| ``W_down``, ``b_down`` | (m, d), (m) | ``<name>.adapter.down.weight``, ``<name>.adapter.down.bias`` |
+| ``W_up``, ``b_up`` | (d, m), (d) | ``<name>.adapter.up.weight``, ``<name>.adapter.up.bias`` |
 
 Placement. ``placement`` picks the sub-layer output projections by architecture (module names, so BERT-like
 models such as RoBERTa or MiniLM, and Llama-like ones such as Mistral or Qwen2, are recognised too):
 
-==========  =====================================  ==================================
-family      ``"houlsby"``                          ``"pfeiffer"``
-==========  =====================================  ==================================
-BERT        ``layer.N.attention.output.dense``,    ``layer.N.output.dense``
-            ``layer.N.output.dense``
-GPT-2       ``h.N.attn.c_proj``, ``h.N.mlp.c_proj`` ``h.N.mlp.c_proj``
-Llama       ``layers.N.self_attn.o_proj``,         ``layers.N.mlp.down_proj``
-            ``layers.N.mlp.down_proj``
-==========  =====================================  ==================================
+| family | ``"houlsby"`` | ``"pfeiffer"`` |
+| --- | --- | --- |
+| BERT | ``layer.N.attention.output.dense``, ``layer.N.output.dense`` | ``layer.N.output.dense`` |
+| GPT-2 | ``h.N.attn.c_proj``, ``h.N.mlp.c_proj`` | ``h.N.mlp.c_proj`` |
+| Llama | ``layers.N.self_attn.o_proj``, ``layers.N.mlp.down_proj`` | ``layers.N.mlp.down_proj`` |
 
 Any other model takes ``target_modules`` (a list of exact names or dotted suffixes, or a regular expression that
 must match the whole name: the rules of LoRA's ``target_modules``). A target must be a module with a known output
 size (``nn.Linear``, ``transformers``' ``Conv1D``, or anything with an integer ``out_features``).
 
-Each target is replaced by a :class:`BottleneckLayer` holding the original as ``base_layer`` and the
-:class:`Bottleneck` as ``adapter``. Its projections are not ``nn.Linear`` modules, so LoRA's ``"all-linear"``
-never adapts an adapter. With LoRA on the same model, inject the bottleneck adapters first: LoRA then adapts
-``<name>.base_layer`` and the bottleneck adapter sees the LoRA-adapted output; a bottleneck adapter around a
-module another technique already wraps is refused (it would move that technique's parameters).
+Each target is replaced by a [`BottleneckLayer`][lightning_peft.peft.BottleneckLayer] holding the original as
+``base_layer`` and the [`Bottleneck`][lightning_peft.peft.Bottleneck] as ``adapter``. Its projections are not
+``nn.Linear`` modules, so LoRA's ``"all-linear"`` never adapts an adapter. With LoRA on the same model, inject the
+bottleneck adapters first: LoRA then adapts ``<name>.base_layer`` and the bottleneck adapter sees the LoRA-adapted
+output; a bottleneck adapter around a module another technique already wraps is refused (it would move that technique's
+parameters).
 
-Merging: none. A non-linearity cannot be folded into the base weights (``mergeable = False``);
-``merged_state_dict`` and ``unload(model, merge=True)`` raise, :func:`unload_bottleneck_adapters` drops the
-adapters and gives the base model back.
+Merging: none. A non-linearity cannot be folded into the base weights (``mergeable = False``); ``merged_state_dict`` and
+``unload(model, merge=True)`` raise, [`unload_bottleneck_adapters`][lightning_peft.peft.unload_bottleneck_adapters]
+drops the adapters and gives the base model back.
 
-File format. Hugging Face PEFT has no bottleneck-adapter type, so :func:`~lightning_peft.peft.save_adapter` writes
-ours in PEFT's layout, and :func:`~lightning_peft.peft.load_adapter` reads it back (PEFT itself cannot load it):
+File format. Hugging Face PEFT has no bottleneck-adapter type, so [`save_adapter`][lightning_peft.peft.save_adapter]
+writes ours in PEFT's layout, and [`load_adapter`][lightning_peft.peft.load_adapter] reads it back (PEFT itself cannot
+load it):
 
 - ``adapter_model.safetensors``: ``base_model.model.<name>.adapter.down.weight`` (m, d), ``...down.bias`` (m),
   ``...up.weight`` (d, m), ``...up.bias`` (d) for every adapted module, and ``base_model.model.<name>.<param>`` for
@@ -65,7 +63,7 @@ ours in PEFT's layout, and :func:`~lightning_peft.peft.load_adapter` reads it ba
   ``bottleneck_size`` (one of them is null), ``non_linearity``, ``dropout``, ``init_scale``, ``modules_to_save``
   (exact full names, a list). Loading refuses another ``format_version`` and any other field.
 
-Example:
+Examples:
     >>> import torch
     >>> from torch import nn
     >>> from lightning_peft.peft.bottleneck import inject_bottleneck_adapters
@@ -141,10 +139,11 @@ def inject_bottleneck_adapters(
     Args:
         model: The model to adapt (for a Hugging Face model, the ``PreTrainedModel``; a ``torch.compile``
             wrapper is looked through).
-        config: A :class:`BottleneckConfig`; or give its fields as keyword arguments instead.
+        config: A [`BottleneckConfig`][lightning_peft.peft.BottleneckConfig]; or give its fields as keyword arguments
+            instead.
 
     Returns:
-        The new :class:`BottleneckLayer` modules by full module name.
+        The new [`BottleneckLayer`][lightning_peft.peft.BottleneckLayer] modules by full module name.
 
     Raises:
         RuntimeError: If ``model`` already has bottleneck adapters.
@@ -193,8 +192,9 @@ def _inject_exact(model: nn.Module, config: BottleneckConfig, targets: list[str]
 def unload_bottleneck_adapters(model: nn.Module) -> nn.Module:
     """Remove the bottleneck adapters from ``model`` in place and return the base model as it was.
 
-    Every :class:`BottleneckLayer` is replaced by its base module and every ``modules_to_save`` wrapper by the
-    untouched original: the adapters are dropped (they cannot be merged). Other techniques' adapters stay.
+    Every [`BottleneckLayer`][lightning_peft.peft.BottleneckLayer] is replaced by its base module and every
+    ``modules_to_save`` wrapper by the untouched original: the adapters are dropped (they cannot be merged). Other
+    techniques' adapters stay.
 
     Raises:
         RuntimeError: If ``model`` has no bottleneck adapter.
@@ -209,7 +209,8 @@ def unload_bottleneck_adapters(model: nn.Module) -> nn.Module:
 
 @register
 class BottleneckAdapter(Adapter):
-    """Bottleneck adapters' side of the adapter protocol: what :func:`inject_bottleneck_adapters` did to a model.
+    """Bottleneck adapters' side of the adapter protocol: what
+    [`inject_bottleneck_adapters`][lightning_peft.peft.inject_bottleneck_adapters] did to a model.
 
     Args:
         config: The config used.
@@ -244,7 +245,7 @@ class BottleneckAdapter(Adapter):
                 "modules_to_save": list(self.modules_to_save)}
 
     def matches(self, config: dict[str, Any]) -> bool:
-        """Whether these are the adapters ``config`` describes (a :meth:`config_dict`, or a callback's request
+        """Whether these are the adapters ``config`` describes (a `config_dict`, or a callback's request
         ``{"config": BottleneckConfig.to_dict()}``, whose targets and modules_to_save are not resolved yet)."""
         if BottleneckConfig(**config["config"]) != self.config:
             return False

@@ -1,16 +1,18 @@
 """Adapters in training checkpoints, without Lightning: the record a checkpoint carries, adapter-only state dicts,
 completing them from a model, and re-applying the recorded adapters to a fresh model.
 
-Every checkpoint written while a PEFT callback runs carries ``checkpoint["lightning_peft"]``::
+Every checkpoint written while a PEFT callback runs carries ``checkpoint["lightning_peft"]``:
 
-    {"format": 1, "adapter_only": bool, "dropped": [keys left out], "models": {"<path of the adapted model>":
-     {"<kind>": <config_dict>}}, "load_with": "<how to load it, in words>"}
+```text
+{"format": 1, "adapter_only": bool, "dropped": [keys left out], "models": {"<path of the adapted model>":
+ {"<kind>": <config_dict>}}, "load_with": "<how to load it, in words>"}
+```
 
 (the path is ``""`` for the module itself). ``load_with`` is for a person who opens the file: a plain
 ``MyModule.load_from_checkpoint(path)`` builds the module without adapters and fails with torch's missing or
 unexpected keys, so the entry says what to call instead. Everything here speaks to techniques through the adapter
 protocol only (``config_dict``, ``state``, ``resume_fields``, ``inject``); the Lightning hooks that call it are in
-:mod:`lightning_peft.callbacks._adapter` and :mod:`lightning_peft.callbacks._checkpoint`.
+`lightning_peft.callbacks._adapter` and `lightning_peft.callbacks._checkpoint`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """Save and load adapters in the Hugging Face PEFT layout, for every technique through the adapter protocol.
 
 A directory holds ``adapter_config.json`` (only fields PEFT knows) and ``adapter_model.safetensors`` with keys
-``base_model.model.<module path>.<tensor>``; for LoRA: ``lora_A.weight`` / ``lora_B.weight``
-(``lora_embedding_A`` / ``lora_embedding_B`` for embeddings), ``<path>.base_layer.bias`` for trained biases of
-adapted layers, ``<path>.<param>`` for ``modules_to_save``. ``peft.PeftModel.from_pretrained`` loads what
-:func:`save_adapter` writes, and :func:`load_adapter` loads what PEFT writes. A model with adapters of several
-techniques is saved one directory per technique, ``<directory>/<kind>/``.
+``base_model.model.<module path>.<tensor>``; for LoRA: ``lora_A.weight`` / ``lora_B.weight`` (``lora_embedding_A`` /
+``lora_embedding_B`` for embeddings), ``<path>.base_layer.bias`` for trained biases of adapted layers,
+``<path>.<param>`` for ``modules_to_save``. ``peft.PeftModel.from_pretrained`` loads what
+[`save_adapter`][lightning_peft.peft.save_adapter] writes, and [`load_adapter`][lightning_peft.peft.load_adapter] loads
+what PEFT writes. A model with adapters of several techniques is saved one directory per technique,
+``<directory>/<kind>/``.
 
 Files are written under a temporary name and renamed into place, so a failure never leaves a half-written
 adapter; non-finite weights are refused before anything is written. Weights are read with safetensors, or from
@@ -51,7 +52,7 @@ def save_adapter(
     ``directory/<name>/`` (``peft.PeftModel.from_pretrained(base, directory / name)`` loads each one).
 
     Args:
-        model: A model adapted with :func:`~lightning_peft.peft.inject_lora` (or another technique). For a
+        model: A model adapted with [`inject_lora`][lightning_peft.peft.inject_lora] (or another technique). For a
             Hugging Face model, the ``PreTrainedModel`` itself, so that the key paths are the ones PEFT expects.
         directory: Created if missing; existing adapter files in it are replaced. With adapters of several
             techniques, each goes to ``directory/<kind>/``.
@@ -74,7 +75,8 @@ def save_adapter(
 
 
 def check_saveable(model: nn.Module, adapter_names: Sequence[str] | None = None) -> None:
-    """Raise what :func:`save_adapter` would raise (no adapter, non-finite values, a layout PEFT runs differently)."""
+    """Raise what [`save_adapter`][lightning_peft.peft.save_adapter] would raise (no adapter, non-finite values, a
+    layout PEFT runs differently)."""
     _all_files(model, Path("."), adapter_names)
 
 
@@ -234,9 +236,9 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike, adapter_name: s
     one (e.g. from the ``LoRA`` callback) the weights are loaded into it; a LoRA adapter under a name the model
     lacks is added beside its others. On any error the model is left as it was.
 
-    Layouts read back whole (what :func:`save_adapter` and PEFT's ``save_pretrained`` write): with
-    ``adapter_name="default"``, LoRA adapters in ``directory/<name>/`` subfolders are loaded too, under their
-    folder's name; a directory without ``adapter_config.json`` but with ``<kind>/`` subfolders (several
+    Layouts read back whole (what [`save_adapter`][lightning_peft.peft.save_adapter] and PEFT's ``save_pretrained``
+    write): with ``adapter_name="default"``, LoRA adapters in ``directory/<name>/`` subfolders are loaded too, under
+    their folder's name; a directory without ``adapter_config.json`` but with ``<kind>/`` subfolders (several
     techniques) or ``<name>/`` subfolders (PEFT's layout without a ``default``) loads each of them.
 
     Args:

@@ -5,32 +5,33 @@ rsLoRA scaling: Kalajdzievski, "A Rank Stabilization Scaling Factor for Fine-Tun
 Mixed-adapter batches: Chen et al., "Punica: Multi-Tenant LoRA Serving", arXiv:2310.18547 (the gathered batched
 matmul); Sheng et al., "S-LoRA: Serving Thousands of Concurrent LoRA Adapters", arXiv:2311.03285.
 
-Update rule. A frozen weight ``W`` (out, in) is adapted by adapter ``n`` as::
+Update rule. A frozen weight ``W`` (out, in) is adapted by adapter ``n`` as:
 
-    W' = W + s_n * B_n @ A_n        A_n: (r_n, in), B_n: (out, r_n), s_n = alpha_n / r_n   (alpha_n / sqrt(r_n), rsLoRA)
-    y  = W x + s_n * B_n (A_n dropout_n(x))
+```text
+W' = W + s_n * B_n @ A_n        A_n: (r_n, in), B_n: (out, r_n), s_n = alpha_n / r_n   (alpha_n / sqrt(r_n), rsLoRA)
+y  = W x + s_n * B_n (A_n dropout_n(x))
+```
 
 Only the ``A`` and ``B`` train. ``B`` starts at zero, so a new adapter starts equal to the base model.
 
 Shapes (parameters are named and laid out as Hugging Face PEFT names them in memory, ``lora_A.<adapter>.weight``;
 adapter files drop the adapter name, as PEFT's do):
 
-=======================  ======================  ===========================================================
-base layer               base weight             parameters of adapter ``n``
-=======================  ======================  ===========================================================
-``nn.Linear(in, out)``   (out, in)               ``lora_A.n.weight`` (r, in), ``lora_B.n.weight`` (out, r)
-``Conv1D`` (transformers) (in, out), transposed  same as Linear; the delta is transposed to merge
-DoRA (Linear, Conv1D)    as above                and ``lora_magnitude_vector.n`` (out,) (:mod:`.lora_dora`)
-``nn.Embedding(V, d)``   (V, d)                  ``lora_embedding_A.n`` (r, V), ``lora_embedding_B.n`` (d, r)
-``nn.Conv2d(in, out, k)`` (out, in, kh, kw)      ``lora_A.n``: Conv2d(in, r, k), ``lora_B.n``: Conv2d(r, out, 1)
-=======================  ======================  ===========================================================
+| base layer | base weight | parameters of adapter ``n`` |
+| --- | --- | --- |
+| ``nn.Linear(in, out)`` | (out, in) | ``lora_A.n.weight`` (r, in), ``lora_B.n.weight`` (out, r) |
+| ``Conv1D`` (transformers) | (in, out), transposed | same as Linear; the delta is transposed to merge |
+| DoRA (Linear, Conv1D) | as above | and ``lora_magnitude_vector.n`` (out,) (`lora_dora`) |
+| ``nn.Embedding(V, d)`` | (V, d) | ``lora_embedding_A.n`` (r, V), ``lora_embedding_B.n`` (d, r) |
+| ``nn.Conv2d(in, out, k)`` | (out, in, kh, kw) | ``lora_A.n``: Conv2d(in, r, k), ``lora_B.n``: Conv2d(r, out, 1) |
 
-Which adapter runs is decided by one :class:`~lightning_peft.peft.lora_routing.Routing` object shared by every LoRA
-layer of a model (one adapter for all samples, none, or one per sample: see :mod:`lightning_peft.peft.lora_routing`).
+Which adapter runs is decided by one [`Routing`][lightning_peft.peft.Routing] object shared by every LoRA layer of a
+model (one adapter for all samples, none, or one per sample: see `lightning_peft.peft.lora_routing`).
 
-Each layer wraps its base module (``self.base_layer``); nothing is copied, and attributes the layer does not
-define (``in_features``, ``padding_idx``, ``kernel_size``, ...) are read from the base. Merging is explicit
-(:meth:`LoRALayer.merge` / :meth:`LoRALayer.unmerge`, one adapter at a time), never a side effect of
+Each layer wraps its base module (``self.base_layer``); nothing is copied, and attributes the layer does not define
+(``in_features``, ``padding_idx``, ``kernel_size``, ...) are read from the base. Merging is explicit
+([`LoRALayer.merge`][lightning_peft.peft.LoRALayer.merge] /
+[`LoRALayer.unmerge`][lightning_peft.peft.LoRALayer.unmerge], one adapter at a time), never a side effect of
 ``train()``/``eval()``; a state dict is always taken unmerged (so a merged model's state dict loads anywhere), and
 loading into a merged layer re-merges the loaded adapter.
 
@@ -77,13 +78,13 @@ def lora_layers(model: nn.Module) -> dict[str, LoRALayer]:
 
 
 def lora_spec(model: nn.Module):
-    """The :class:`~lightning_peft.peft.lora.LoRAAdapter` :func:`~lightning_peft.peft.inject_lora` left on ``model``,
-    or None."""
+    """The [`LoRAAdapter`][lightning_peft.peft.LoRAAdapter] [`inject_lora`][lightning_peft.peft.inject_lora] left on
+    ``model``, or None."""
     return attached(model).get("lora")
 
 
 def require_spec(model: nn.Module, who: str):
-    """:func:`lora_spec`, raising if ``model`` has no LoRA adapter."""
+    """`lora_spec`, raising if ``model`` has no LoRA adapter."""
     spec = lora_spec(model)
     if spec is None:
         raise RuntimeError(
@@ -122,7 +123,7 @@ class _ABLayer(LoRALayer):
 
 class LoRALinear(_ABLayer):
     """LoRA for ``nn.Linear`` and for ``transformers``' ``Conv1D`` (``fan_in_fan_out=True``: weight is (in, out)),
-    and DoRA for both (an adapter added with ``use_dora=True``: :mod:`lightning_peft.peft.lora_dora`)."""
+    and DoRA for both (an adapter added with ``use_dora=True``: `lightning_peft.peft.lora_dora`)."""
 
     supports_dora = True
 

@@ -1,14 +1,12 @@
 """LoRA on a whole model: inject, add named adapters, merge, unload, and LoRA's side of the adapter protocol.
 
-Paper: Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", arXiv:2106.09685
-(the layer math and shapes are in :mod:`lightning_peft.peft.layers`). The settings are in
-:mod:`~lightning_peft.peft.lora_config`; which modules a config adapts (Hugging Face PEFT's rules) in
-:mod:`~lightning_peft.peft.lora_targets`; merging in place in :mod:`~lightning_peft.peft.lora_merge`; PEFT's file
-format in :mod:`~lightning_peft.peft.lora_peft`; switching, routing and combining named adapters in
-:mod:`~lightning_peft.peft.multi_lora`. Adding a named adapter (:func:`add_adapter`) is the same operation as
-injecting the first one, so both live here.
+Paper: Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", arXiv:2106.09685 (the layer math and shapes are
+in `lightning_peft.peft.layers`). The settings are in `lora_config`; which modules a config adapts (Hugging Face PEFT's
+rules) in `lora_targets`; merging in place in `lora_merge`; PEFT's file format in `lora_peft`; switching, routing and
+combining named adapters in `multi_lora`. Adding a named adapter ([`add_adapter`][lightning_peft.peft.add_adapter]) is
+the same operation as injecting the first one, so both live here.
 
-Example:
+Examples:
     >>> import torch
     >>> from torch import nn
     >>> from lightning_peft.peft import inject_lora, trainable_parameters
@@ -50,7 +48,7 @@ class LoRAAdapter(Adapter):
     Args:
         adapters: ``{adapter name: (config, full names of the modules it adapts)}``, in the order they were added.
         modules_to_save: Full names of the modules trained and saved in full; shared by every named adapter.
-        routing: The :class:`~lightning_peft.peft.layers.Routing` object every LoRA layer of the model holds.
+        routing: The [`Routing`][lightning_peft.peft.Routing] object every LoRA layer of the model holds.
     """
 
     kind: ClassVar[str] = "lora"
@@ -80,7 +78,7 @@ class LoRAAdapter(Adapter):
 
     @property
     def config(self) -> LoRAConfig:
-        """The first adapter's config (the one :func:`inject_lora` used)."""
+        """The first adapter's config (the one [`inject_lora`][lightning_peft.peft.inject_lora] used)."""
         return next(iter(self.adapters.values()))[0]
 
     @property
@@ -202,7 +200,8 @@ class LoRAAdapter(Adapter):
         return fields
 
     def remove(self, model: nn.Module, name: str) -> None:
-        """Delete named adapter ``name`` (:func:`~lightning_peft.peft.delete_adapter`, which documents it)."""
+        """Delete named adapter ``name`` ([`delete_adapter`][lightning_peft.peft.delete_adapter], which documents
+        it)."""
         if name not in self.adapters:
             raise ValueError(f"delete_adapter: no adapter named {name!r}; the model has {list(self.adapters)}.")
         if len(self.adapters) == 1:
@@ -258,16 +257,16 @@ def inject_lora(
 ) -> dict[str, LoRALayer]:
     """Wrap the target modules of ``model`` in LoRA layers, in place, and freeze everything else.
 
-    After the call only the parameters of the adapters attached to ``model`` (this one and any other
-    technique's) have ``requires_grad=True``: the LoRA weights, the chosen biases and the trainable copies of
-    ``modules_to_save``. Nothing is changed if an error is raised. More named adapters are added with
-    :func:`~lightning_peft.peft.add_adapter`.
+    After the call only the parameters of the adapters attached to ``model`` (this one and any other technique's) have
+    ``requires_grad=True``: the LoRA weights, the chosen biases and the trainable copies of ``modules_to_save``. Nothing
+    is changed if an error is raised. More named adapters are added with
+    [`add_adapter`][lightning_peft.peft.add_adapter].
 
     Args:
         model: The model to adapt (any ``nn.Module``; for a Hugging Face model pass the ``PreTrainedModel``;
             a ``torch.compile`` wrapper is looked through).
-        config: A :class:`LoRAConfig` or a Hugging Face PEFT ``LoraConfig``; or give the fields as keyword
-            arguments instead.
+        config: A [`LoRAConfig`][lightning_peft.peft.LoRAConfig] or a Hugging Face PEFT ``LoraConfig``; or give the
+            fields as keyword arguments instead.
         adapter_name: The adapter's name; it becomes the active adapter.
 
     Returns:
@@ -331,7 +330,8 @@ def _inject(
 
 
 def add_adapter(model: nn.Module, name: str, config: LoRAConfig | Any | None = None, **kwargs) -> dict[str, LoRALayer]:
-    """Add LoRA adapter ``name`` to a model that already has LoRA (:func:`inject_lora`); the active adapter stays.
+    """Add LoRA adapter ``name`` to a model that already has LoRA ([`inject_lora`][lightning_peft.peft.inject_lora]);
+    the active adapter stays.
 
     The new adapter has its own targets, rank, alpha and dropout; it starts at zero (the base output). Modules it
     shares with other adapters get a second pair of factors in the same LoRA layer.
@@ -376,8 +376,8 @@ def unload_lora(model: nn.Module, merge: bool = True) -> nn.Module:
     Every LoRA layer is replaced by its base module, and every ``modules_to_save`` wrapper by its trained copy
     (``merge=True``: the fine-tuned model with the active adapter merged, which ``save_pretrained`` /
     ``from_pretrained`` round-trip) or by the untouched original (``merge=False``: the base model as it was before
-    :func:`inject_lora`, except biases trained with ``bias="lora_only"`` / ``"all"``, which train in place and keep
-    their trained values). Every named adapter goes.
+    [`inject_lora`][lightning_peft.peft.inject_lora], except biases trained with ``bias="lora_only"`` / ``"all"``, which
+    train in place and keep their trained values). Every named adapter goes.
 
     Raises:
         RuntimeError: If ``model`` has no LoRA adapter, or a merge is refused (tied or non-finite weights).

@@ -1,5 +1,5 @@
-"""LoRA's settings: :class:`LoRAConfig` (validated on construction), keyword arguments and Hugging Face PEFT's
-``LoraConfig`` translated to it (:func:`as_config`, :func:`config_from_peft`).
+"""LoRA's settings: [`LoRAConfig`][lightning_peft.peft.LoRAConfig] (validated on construction), keyword arguments and
+Hugging Face PEFT's ``LoraConfig`` translated to it (`as_config`, `config_from_peft`).
 
 >>> LoRAConfig(rank=4, target_modules=["query"]).rank_for("encoder.query")
 4
@@ -44,9 +44,9 @@ class LoRAConfig:
         init: ``"kaiming"`` (Kaiming-uniform ``A``, ``B = 0``) or ``"gaussian"`` (``A ~ N(0, 1/r)``, ``B = 0``).
         use_rslora: Rank-stabilised scaling.
         quantize: Store the adapted ``nn.Linear`` layers' frozen weights quantized (QLoRA): ``"nf4"`` or
-            ``"int8"`` (:mod:`lightning_peft.peft.quantize`); None: full precision. The adapters stay float32.
+            ``"int8"`` (`lightning_peft.peft.quantize`); None: full precision. The adapters stay float32.
         use_dora: DoRA (Liu et al., arXiv:2402.09353): a trained magnitude per output feature on top of the LoRA
-            update, as Hugging Face PEFT's ``use_dora`` (:mod:`lightning_peft.peft.lora_dora`). Linear and Conv1D only.
+            update, as Hugging Face PEFT's ``use_dora`` (`lightning_peft.peft.lora_dora`). Linear and Conv1D only.
     """
 
     rank: int = 8
@@ -100,7 +100,8 @@ class LoRAConfig:
 
     @classmethod
     def from_peft(cls, config: Any, source: str = "peft.LoraConfig") -> LoRAConfig:
-        """Translate a Hugging Face PEFT ``LoraConfig`` (object or dict) to a :class:`LoRAConfig`.
+        """Translate a Hugging Face PEFT ``LoraConfig`` (object or dict) to a
+        [`LoRAConfig`][lightning_peft.peft.LoRAConfig].
 
         Raises:
             ValueError: If the config uses a PEFT feature lightning-peft does not implement (named in the message).
@@ -135,7 +136,8 @@ def _as_targets(value: object, what: str) -> Targets:
 
 
 def as_config(config: object, kwargs: dict[str, Any], who: str) -> LoRAConfig:
-    """A :class:`LoRAConfig` from a config object (ours or PEFT's ``LoraConfig``) or keyword arguments."""
+    """A [`LoRAConfig`][lightning_peft.peft.LoRAConfig] from a config object (ours or PEFT's ``LoraConfig``) or keyword
+    arguments."""
     peft_names = {k: _PEFT_NAMES[k] for k in kwargs if k in _PEFT_NAMES}
     if peft_names:
         key, ours = next(iter(peft_names.items()))
@@ -209,7 +211,8 @@ _UNSUPPORTED = {
 
 
 def config_from_peft(config: dict, source: str = "adapter_config.json", who: str = "load_adapter") -> LoRAConfig:
-    """Translate a PEFT ``LoraConfig`` dict to :class:`LoRAConfig`; refuses features this library lacks."""
+    """Translate a PEFT ``LoraConfig`` dict to [`LoRAConfig`][lightning_peft.peft.LoRAConfig]; refuses features this
+    library lacks."""
     instead = ("load this adapter with Hugging Face PEFT instead" if who == "load_adapter"
                else "use Hugging Face PEFT for it, or leave the option out")
     if not isinstance(config, dict):

@@ -3,11 +3,13 @@
 Paper: Liu et al., "DoRA: Weight-Decomposed Low-Rank Adaptation", arXiv:2402.09353. Computed as Hugging Face PEFT
 0.21 computes it (``peft/tuners/lora/dora.py``), so the two give the same outputs, gradients and files.
 
-Update rule. For a frozen weight ``W`` (out, in), a LoRA update ``s B A`` and a trained magnitude ``m`` (out,)::
+Update rule. For a frozen weight ``W`` (out, in), a LoRA update ``s B A`` and a trained magnitude ``m`` (out,):
 
-    n  = ||W + s B A||_row      (out,): the L2 norm of each output row, detached (section 4.3 of the paper)
-    y  = (m / n) * (W x + s B A x) + b
-    W' = (m / n)[:, None] * (W + s B A)         the merged weight, computed in float32 (or wider)
+```text
+n  = ||W + s B A||_row      (out,): the L2 norm of each output row, detached (section 4.3 of the paper)
+y  = (m / n) * (W x + s B A x) + b
+W' = (m / n)[:, None] * (W + s B A)         the merged weight, computed in float32 (or wider)
+```
 
 ``m`` starts at ``||W||_row`` (``B = 0``), so a new adapter starts equal to the base. ``n`` gets no gradient: ``m``
 and the LoRA factors train, ``W`` stays frozen. With dropout in training, as in PEFT, the base output keeps the
@@ -16,7 +18,7 @@ undropped input and the correction uses the dropped one ``x'``: ``y = W x + b + 
 Shapes: ``lora_magnitude_vector.<adapter>`` (out,), beside ``lora_A.<adapter>.weight`` (r, in) and
 ``lora_B.<adapter>.weight`` (out, r); in an adapter file ``<path>.lora_magnitude_vector``, as PEFT writes it.
 Supported on ``nn.Linear`` and ``transformers``' ``Conv1D`` (weight (in, out): the norm runs over its first
-dimension). The base weight's values are read through :func:`~lightning_peft.peft._common.dense_weight` only, so a
+dimension). The base weight's values are read through `dense_weight` only, so a
 quantized base is dequantized on the way.
 """
 
@@ -107,8 +109,8 @@ def refuse_unsupported(who: str, chosen: list[str], modules: dict[str, nn.Module
 
 
 def refuse_routing(dora_names: list[str]) -> None:
-    """Per-sample routing (:func:`~lightning_peft.peft.route_adapters`, ``MultiLoRA``) is not implemented for DoRA
-    adapters (nor is it in PEFT): raise, naming them, if any is routed."""
+    """Per-sample routing ([`route_adapters`][lightning_peft.peft.route_adapters], ``MultiLoRA``) is not implemented for
+    DoRA adapters (nor is it in PEFT): raise, naming them, if any is routed."""
     if dora_names:
         raise ValueError(
             f"route_adapters: adapter {dora_names[0]!r} is a DoRA adapter (use_dora=True); per-sample routing of DoRA "

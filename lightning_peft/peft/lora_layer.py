@@ -1,7 +1,7 @@
 """The LoRA layer base class: a frozen base module plus trainable low-rank updates, one per named adapter.
 
-The update rule, shapes and precision rules are in :mod:`lightning_peft.peft.layers` (with the concrete layers);
-the per-sample routed path is in :mod:`lightning_peft.peft.lora_routing`.
+The update rule, shapes and precision rules are in `lightning_peft.peft.layers` (with the concrete layers);
+the per-sample routed path is in `lightning_peft.peft.lora_routing`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 @dataclass(frozen=True)
 class AdapterSpec:
     """One adapter's settings on one layer; ``scaling`` is computed once (the forward reads it every call).
-    ``use_dora``: the adapter is DoRA's (:mod:`lightning_peft.peft.lora_dora`), with a trained magnitude."""
+    ``use_dora``: the adapter is DoRA's (`lightning_peft.peft.lora_dora`), with a trained magnitude."""
 
     rank: int
     alpha: float
@@ -47,9 +47,9 @@ class AdapterSpec:
 class LoRALayer(RoutedPath, LayerWrapper):
     """Base class: a frozen ``base_layer`` plus low-rank updates of its weight, one per named adapter.
 
-    As every :class:`~lightning_peft.peft._common.LayerWrapper`, it reads missing attributes (``in_features``,
-    ``padding_idx``, ``kernel_size``) from the base layer, and a half-precision cast reaches the base layer only.
-    Subclasses define the adapter parameters (:meth:`_create`), :meth:`delta_weight` and the update paths.
+    As every `LayerWrapper`, it reads missing attributes (``in_features``, ``padding_idx``, ``kernel_size``) from the
+    base layer, and a half-precision cast reaches the base layer only. Subclasses define the adapter parameters
+    (`_create`), [`delta_weight`][lightning_peft.peft.LoRALayer.delta_weight] and the update paths.
 
     Args:
         base_layer: The module to adapt. It is kept, not copied.
@@ -59,7 +59,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
         use_rslora: Use the rank-stabilised scale ``alpha / sqrt(rank)``.
         init: Initialisation of ``A`` (``"kaiming"`` or ``"gaussian"``); ``B`` starts at zero.
         adapter_name: The first adapter's name.
-        use_dora: Make it a DoRA adapter (:mod:`lightning_peft.peft.lora_dora`); only where ``supports_dora``.
+        use_dora: Make it a DoRA adapter (`lightning_peft.peft.lora_dora`); only where ``supports_dora``.
     """
 
     #: How tensor parallelism splits the layer's own tensors with its base (it reads its factors with ``F.linear``,

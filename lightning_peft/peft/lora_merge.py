@@ -1,6 +1,7 @@
-"""Merging LoRA into the base weights in place, and back: :func:`merge_lora`, :func:`unmerge_lora`.
+"""Merging LoRA into the base weights in place, and back: [`merge_lora`][lightning_peft.peft.merge_lora],
+[`unmerge_lora`][lightning_peft.peft.unmerge_lora].
 
-(:func:`~lightning_peft.peft.merged_state_dict` merges out of place, for exports.)
+([`merged_state_dict`][lightning_peft.peft.merged_state_dict] merges out of place, for exports.)
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ def merge_lora(model: nn.Module, adapter_name: str | None = None, dequantize: bo
     Idempotent: layers that already hold this adapter merged are left alone; merging a second adapter while one is
     merged is refused. Each merge is computed in float32 (or wider) and cast back to the weight's dtype. If a merged
     weight would be non-finite, the layers merged by this call are unmerged again and a ``RuntimeError`` names the
-    layer. A weight tied to another module (e.g. input and output embeddings) is refused before anything changes.
-    A quantized base weight (:mod:`~lightning_peft.peft.quantize`) is never requantized: merging into it is refused
-    unless ``dequantize=True``, which writes the merged weight in full precision (the dtype the base had before
-    quantization) in its place, for good (:func:`unmerge_lora` then leaves it in full precision).
-    To train again, call :func:`unmerge_lora` first; to get plain modules back (e.g. for ``save_pretrained``),
-    :func:`unload_lora`.
+    layer. A weight tied to another module (e.g. input and output embeddings) is refused before anything changes. A
+    quantized base weight (`quantize`) is never requantized: merging into it is refused unless ``dequantize=True``,
+    which writes the merged weight in full precision (the dtype the base had before quantization) in its place, for good
+    ([`unmerge_lora`][lightning_peft.peft.unmerge_lora] then leaves it in full precision). To train again, call
+    [`unmerge_lora`][lightning_peft.peft.unmerge_lora] first; to get plain modules back (e.g. for ``save_pretrained``),
+    [`unload_lora`][lightning_peft.peft.unload_lora].
 
     Returns:
         Names of the layers this call merged.

@@ -1,7 +1,7 @@
 """LoRA in Hugging Face PEFT's format: the ``adapter_config.json`` a LoRA adapter writes, its tensors under PEFT's keys,
 the checks before loading PEFT's files, and pointers on an adapted model for ``PeftModel`` methods.
 
-:class:`~lightning_peft.peft.lora.LoRAAdapter` answers the protocol's PEFT members with these functions.
+[`LoRAAdapter`][lightning_peft.peft.LoRAAdapter] answers the protocol's PEFT members with these functions.
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ def check_peft_config(adapter, model: nn.Module, config: Any, source: str, adapt
 
 
 def config_for_model(model: nn.Module, config: dict[str, Any], source: str) -> LoRAConfig:
-    """The :class:`LoRAConfig` a PEFT ``adapter_config.json`` means on ``model``, read as PEFT reads it."""
+    """The [`LoRAConfig`][lightning_peft.peft.LoRAConfig] a PEFT ``adapter_config.json`` means on ``model``, read as
+    PEFT reads it."""
     ours = config_from_peft(config, source)
     view = _adaptable_view(unwrap(model))
     names = [n for n in view if n]
@@ -159,7 +160,7 @@ class _PeftMethod:
 
 
 def point_peft_methods(model: nn.Module, present: bool) -> None:
-    """Add (or remove) the :class:`_PeftMethod` pointers on ``model``, for names its class does not define."""
+    """Add (or remove) the `_PeftMethod` pointers on ``model``, for names its class does not define."""
     for name in _PEFT_METHODS:
         if hasattr(type(model), name):
             continue

@@ -3,8 +3,8 @@
 Mixed-adapter batches: Chen et al., "Punica: Multi-Tenant LoRA Serving", arXiv:2310.18547 (the gathered batched
 matmul); Sheng et al., "S-LoRA: Serving Thousands of Concurrent LoRA Adapters", arXiv:2311.03285.
 
-Which adapter runs is decided by one :class:`Routing` object shared by every LoRA layer of a model, so switching
-is one attribute write, whatever the number of layers:
+Which adapter runs is decided by one [`Routing`][lightning_peft.peft.Routing] object shared by every LoRA layer of a
+model, so switching is one attribute write, whatever the number of layers:
 
 - ``routing.active``: the adapter every sample uses (a layer without that adapter runs its base only);
 - ``routing.disabled``: the base only;
@@ -14,8 +14,8 @@ is one attribute write, whatever the number of layers:
   not grow with the number of adapters in the batch or loaded. Only the adapters the batch uses enter the stack, so
   the others get no gradient (``grad`` stays None) and an optimizer step leaves them untouched.
 
-:class:`RoutedPath` holds the mixed-batch update that every :class:`~lightning_peft.peft.layers.LoRALayer` inherits
-(shapes as in :mod:`lightning_peft.peft.layers`).
+`RoutedPath` holds the mixed-batch update that every [`LoRALayer`][lightning_peft.peft.LoRALayer] inherits (shapes as in
+`lightning_peft.peft.layers`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ class Routing:
     Attributes:
         active: The adapter every sample uses outside a routed batch (None: the base only).
         disabled: Every layer runs its base only.
-        names: Inside :meth:`route_to`: one adapter name (or None) per sample; else None.
+        names: Inside [`route_to`][lightning_peft.peft.Routing.route_to]: one adapter name (or None) per sample; else
+            None.
     """
 
     def __init__(self, active: str | None = DEFAULT) -> None:
@@ -71,9 +72,9 @@ class Routing:
         """For a layer holding ``adapters``: the used adapters it has, and each sample's slot among them (a tensor
         on ``device`` and the same as a list, so that layers gather without reading the device back).
 
-        Slot ``len(names)`` stands for "no adapter here" (a None sample, or an adapter this layer lacks). Returns
-        None when no sample uses an adapter of this layer. The slots depend only on the routing, so they are
-        computed once per :meth:`route_to` and layer signature.
+        Slot ``len(names)`` stands for "no adapter here" (a None sample, or an adapter this layer lacks). Returns None
+        when no sample uses an adapter of this layer. The slots depend only on the routing, so they are computed once
+        per [`route_to`][lightning_peft.peft.Routing.route_to] and layer signature.
         """
         key = (tuple(adapters), device)
         if key not in self._cache:
@@ -88,7 +89,7 @@ class Routing:
 
 
 class RoutedPath:
-    """The update of a mixed batch (one adapter per sample), for :class:`~lightning_peft.peft.layers.LoRALayer`.
+    """The update of a mixed batch (one adapter per sample), for [`LoRALayer`][lightning_peft.peft.LoRALayer].
 
     It reads the layer's ``specs``, ``factors``, ``lora_dropout``, ``_single`` and ``_may_overwrite``.
     """
@@ -120,7 +121,7 @@ class RoutedPath:
         """``A^T`` (k+1, in, r) and ``(s * B)^T`` (k+1, r, out) of ``names``, ranks padded to the largest, and a
         last, all-zero slot for samples without an adapter here.
 
-        Built every forward (see :meth:`_gathered`): only the adapters the batch uses.
+        Built every forward (see `_gathered`): only the adapters the batch uses.
         """
         a_rows, b_cols = self._padded(names)
         scale = torch.tensor([self.specs[n].scaling for n in names] + [0.0], dtype=b_cols[0].dtype,
@@ -149,7 +150,7 @@ class RoutedPath:
     def _add_batched(self, result: Tensor, hidden: Tensor, b_t: Tensor) -> Tensor:
         """``result + hidden @ b_t`` per sample: ``hidden`` (B, T, r), ``b_t`` (B, r, out), ``result`` (B, ..., out).
 
-        One fused ``baddbmm`` when dtypes agree and autocast is off (as :meth:`_add_update` fuses ``addmm``).
+        One fused ``baddbmm`` when dtypes agree and autocast is off (as `_add_update` fuses ``addmm``).
         """
         fuse = hidden.dtype == result.dtype == b_t.dtype and not torch.is_autocast_enabled(result.device.type)
         if fuse:

@@ -47,7 +47,7 @@ def _linear_types() -> tuple[type, ...]:
 
 
 def supported_types() -> tuple[type, ...]:
-    """Module types :func:`inject_lora` can adapt."""
+    """Module types [`inject_lora`][lightning_peft.peft.inject_lora] can adapt."""
     return (*_linear_types(), nn.Embedding, nn.Conv2d)
 
 

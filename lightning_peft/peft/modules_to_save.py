@@ -1,21 +1,21 @@
 """Modules trained and saved in full next to an adapter (``modules_to_save``), e.g. a new classifier head.
 
-As in Hugging Face PEFT, the module is replaced by a wrapper holding the frozen original and a trainable copy;
-the forward runs the copy. The original is never changed, so the base model stays recoverable
-(:func:`~lightning_peft.peft.unload_lora` with ``merge=False``), and a weight the module shares with another
-one (GPT-2's ``lm_head`` and ``wte``) is not trained through the other module: the copy has its own tensor.
-Modules saved together are copied together, so weights tied among them stay tied among the copies.
+As in Hugging Face PEFT, the module is replaced by a wrapper holding the frozen original and a trainable copy; the
+forward runs the copy. The original is never changed, so the base model stays recoverable
+([`unload_lora`][lightning_peft.peft.unload_lora] with ``merge=False``), and a weight the module shares with another one
+(GPT-2's ``lm_head`` and ``wte``) is not trained through the other module: the copy has its own tensor. Modules saved
+together are copied together, so weights tied among them stay tied among the copies.
 
 State-dict keys: ``<name>.original_module.<param>`` and ``<name>.trained_module.<param>``; adapter files and
 merged exports use ``<name>.<param>`` (the trained copy), as PEFT does.
 
-Every technique takes ``modules_to_save`` the same way (:func:`select_modules_to_save`): None picks a Hugging Face
+Every technique takes ``modules_to_save`` the same way (`select_modules_to_save`): None picks a Hugging Face
 task model's head (``from_pretrained`` creates it at random), a list picks modules by name or dotted suffix, and a
 module another technique already owns (saves in full, or wraps a layer of) is left to that technique.
 
-A wrapper may follow a technique's routing (LoRA's :class:`~lightning_peft.peft.layers.Routing`): with the adapters
-disabled it runs the original, and in a routed batch a sample routed to the base (``None``) gets the original's
-output, as PEFT's ``disable_adapter()`` and ``adapter_names=["__base__", ...]`` do.
+A wrapper may follow a technique's routing (LoRA's [`Routing`][lightning_peft.peft.Routing]): with the adapters disabled
+it runs the original, and in a routed batch a sample routed to the base (``None``) gets the original's output, as PEFT's
+``disable_adapter()`` and ``adapter_names=["__base__", ...]`` do.
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ class ModulesToSave(nn.Module):
 
 
 def wrap_modules_to_save(model: nn.Module, names: Iterable[str]) -> dict[str, ModulesToSave]:
-    """Replace each named module of ``model`` with a :class:`ModulesToSave` wrapper; returns the wrappers.
+    """Replace each named module of ``model`` with a [`ModulesToSave`][lightning_peft.peft.ModulesToSave] wrapper;
+    returns the wrappers.
 
     The copies are made in one ``deepcopy``, so parameters shared among the named modules stay shared.
     """
@@ -100,14 +101,14 @@ def wrap_modules_to_save(model: nn.Module, names: Iterable[str]) -> dict[str, Mo
 
 
 def saved_modules(model: nn.Module) -> dict[str, ModulesToSave]:
-    """The :class:`ModulesToSave` wrappers of ``model`` by full module name."""
+    """The [`ModulesToSave`][lightning_peft.peft.ModulesToSave] wrappers of ``model`` by full module name."""
     return {n: m for n, m in model.named_modules() if isinstance(m, ModulesToSave)}
 
 
 def claimed(model: nn.Module, name: str) -> str | None:
     """Why module ``name`` of ``model`` belongs to another technique, or None: it is or holds a
-    :class:`ModulesToSave` wrapper (another technique trains and saves it in full) or a wrapper around a base layer
-    (copying it would move that technique's parameters)."""
+    [`ModulesToSave`][lightning_peft.peft.ModulesToSave] wrapper (another technique trains and saves it in full) or a
+    wrapper around a base layer (copying it would move that technique's parameters)."""
     for inner, module in model.get_submodule(name).named_modules(prefix=name):
         if isinstance(module, ModulesToSave):
             what = "already trained and saved in full by another adapter on this model"
@@ -131,7 +132,7 @@ def select_modules_to_save(model: nn.Module, asked: list[str] | None, who: str,
 
     Raises:
         ValueError: If an entry matches no module, or a chosen module belongs to another technique
-            (:func:`claimed`).
+            (`claimed`).
     """
     ours = set(ours)
     if asked is None:
@@ -174,7 +175,7 @@ def saved_state(model: nn.Module, names: Iterable[str]) -> dict[str, Tensor]:
 
 
 def peft_saved_state(model: nn.Module, names: Iterable[str], prefix: str = "") -> dict[str, Tensor]:
-    """:func:`saved_state` under the plain module's keys (``<name>.<param>``), after ``prefix``, as PEFT saves it."""
+    """`saved_state` under the plain module's keys (``<name>.<param>``), after ``prefix``, as PEFT saves it."""
     return {prefix + clean_key(plain_key(k)): v for k, v in saved_state(model, names).items()}
 
 

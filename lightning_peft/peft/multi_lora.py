@@ -1,33 +1,29 @@
 """Many named LoRA adapters on one base model: add, switch, disable, delete, route per sample, combine.
 
-One base model carries any number of LoRA adapters (one per customer, task or domain), each with its own targets,
-rank and alpha (:func:`add_adapter`). Switching (:func:`set_adapter`) writes one attribute of the
-:class:`~lightning_peft.peft.layers.Routing` object that every LoRA layer of the model shares: constant time, no
-copy of the base. Inside :func:`route_adapters` each sample of a batch gets its own adapter, in training as in
-inference: the low-rank path of the mixed batch is one gather of each sample's ``A`` and ``B`` and two batched
-matmuls per layer (Punica's BGMV, arXiv:2310.18547), so the cost does not grow with the number of adapters in the
-batch or loaded. Only the adapters a batch uses receive gradients (the others keep ``grad=None``, so optimizers such
-as AdamW skip them: no momentum, no weight decay); this relies on gradients being reset to None between steps,
-which is the default of ``Optimizer.zero_grad`` and of Lightning.
+One base model carries any number of LoRA adapters (one per customer, task or domain), each with its own targets, rank
+and alpha ([`add_adapter`][lightning_peft.peft.add_adapter]). Switching
+([`set_adapter`][lightning_peft.peft.set_adapter]) writes one attribute of the [`Routing`][lightning_peft.peft.Routing]
+object that every LoRA layer of the model shares: constant time, no copy of the base. Inside
+[`route_adapters`][lightning_peft.peft.route_adapters] each sample of a batch gets its own adapter, in training as in
+inference: the low-rank path of the mixed batch is one gather of each sample's ``A`` and ``B`` and two batched matmuls
+per layer (Punica's BGMV, arXiv:2310.18547), so the cost does not grow with the number of adapters in the batch or
+loaded. Only the adapters a batch uses receive gradients (the others keep ``grad=None``, so optimizers such as AdamW
+skip them: no momentum, no weight decay); this relies on gradients being reset to None between steps, which is the
+default of ``Optimizer.zero_grad`` and of Lightning.
 
 Shared by all named adapters of a model: ``modules_to_save`` (declared with the first adapter) and trained biases
 (``bias`` must be ``"none"`` once a model has several adapters).
 
-:func:`combine_adapters` builds a new adapter from ``{source: weight}``. Each method's definition (``s_i`` the
-source's scale, ``w_i`` its weight; the new adapter has scale 1, i.e. ``alpha = rank``):
+[`combine_adapters`][lightning_peft.peft.combine_adapters] builds a new adapter from ``{source: weight}``. Each method's
+definition (``s_i`` the source's scale, ``w_i`` its weight; the new adapter has scale 1, i.e. ``alpha = rank``):
 
-=========  ====================================================================  ============================
-method     new factors, per adapted layer                                        rank
-=========  ====================================================================  ============================
-linear     ``A = sum_i c_i A_i``, ``B = sum_i sign(w_i) c_i B_i``, ``c_i = sqrt(|w_i| s_i)``  the sources' (equal) rank
-           (as Hugging Face PEFT's ``add_weighted_adapter``; not the weighted sum of the deltas)
-cat        ``A = [w_1 s_1 A_1; w_2 s_2 A_2; ...]``, ``B = [B_1, B_2, ...]``: exactly  the sum of the ranks
-           ``delta = sum_i w_i delta_i``
-svd        ``U S V^T = sum_i w_i delta_i``; ``B = U_r S_r``, ``A = V_r^T``: the best  ``rank`` (default: the
-           rank-``r`` approximation of the weighted delta                        largest source rank)
-=========  ====================================================================  ============================
+| method | new factors, per adapted layer | rank |
+| --- | --- | --- |
+| linear | ``A = sum_i c_i A_i``, ``B = sum_i sign(w_i) c_i B_i``, ``c_i = sqrt(|w_i| s_i)`` (as Hugging Face PEFT's ``add_weighted_adapter``; not the weighted sum of the deltas) | the sources' (equal) rank |
+| cat | ``A = [w_1 s_1 A_1; w_2 s_2 A_2; ...]``, ``B = [B_1, B_2, ...]``: exactly ``delta = sum_i w_i delta_i`` | the sum of the ranks |
+| svd | ``U S V^T = sum_i w_i delta_i``; ``B = U_r S_r``, ``A = V_r^T``: the best rank-``r`` approximation of the weighted delta | ``rank`` (default: the largest source rank) |
 
-Example:
+Examples:
     >>> import torch
     >>> from torch import nn
     >>> from lightning_peft.peft import add_adapter, inject_lora, route_adapters, set_adapter, active_adapter
@@ -88,7 +84,7 @@ def set_adapter(model: nn.Module, name: str) -> None:
 
 
 def active_adapter(model: nn.Module) -> str | None:
-    """The name of the adapter every sample uses outside :func:`route_adapters`."""
+    """The name of the adapter every sample uses outside [`route_adapters`][lightning_peft.peft.route_adapters]."""
     return require_spec(model, "active_adapter").routing.active
 
 

@@ -3,9 +3,11 @@
 Paper: Li & Liang, "Prefix-Tuning: Optimizing Continuous Prompts for Generation", arXiv:2101.00190.
 
 The base model is frozen. Every attention layer ``l`` attends over ``n`` trained key/value vectors before the real
-tokens' own; the queries are the real tokens only::
+tokens' own; the queries are the real tokens only:
 
-    K_l = [P_l^K ; X W_K]    V_l = [P_l^V ; X W_V]    out_l = softmax(Q K_l^T / sqrt(d_h) + mask) V_l
+```text
+K_l = [P_l^K ; X W_K]    V_l = [P_l^V ; X W_V]    out_l = softmax(Q K_l^T / sqrt(d_h) + mask) V_l
+```
 
 The prefix reaches the model as its attention cache (``cache`` in transformers 5, ``past_key_values`` before): a
 forward pre-hook on the Hugging Face model fills a ``DynamicCache`` with ``P``, puts ``n`` ones in front of the
@@ -13,30 +15,29 @@ forward pre-hook on the Hugging Face model fills a ``DynamicCache`` with ``P``, 
 positions ``n, n+1, ...`` (after the prefix). All of it is what Hugging Face PEFT 0.21.2 does, so a model adapted here
 and the same prefix under PEFT give the same outputs.
 
-Reparameterisation (``prefix_projection=True``, the paper's MLP, PEFT's ``PrefixEncoder``): ``P = MLP(E)`` with
-``E`` an ``(n, d)`` embedding and ``MLP = Linear(d, h) -> tanh -> Linear(h, 2 L d_kv)``. After training,
-:func:`fold_prefix_projection` replaces the MLP by the table it produces (outputs are bit-identical).
+Reparameterisation (``prefix_projection=True``, the paper's MLP, PEFT's ``PrefixEncoder``): ``P = MLP(E)`` with ``E`` an
+``(n, d)`` embedding and ``MLP = Linear(d, h) -> tanh -> Linear(h, 2 L d_kv)``. After training,
+[`fold_prefix_projection`][lightning_peft.peft.fold_prefix_projection] replaces the MLP by the table it produces
+(outputs are bit-identical).
 
 Shapes (``L`` layers, ``H`` key/value heads, ``d_h`` head size, ``d_kv = H d_h``: grouped-query models such as Llama
 have fewer key/value heads than query heads, and the prefix has the key/value ones):
 
-=================  ==============================  =====================================================
-tensor             shape                           note
-=================  ==============================  =====================================================
-table              ``(n, L * 2 * H * d_h)``        PEFT's ``prompt_embeddings``; columns ``(l, k/v, h, d)``
-MLP input ``E``    ``(n, d)``                      ``d`` = ``token_dim`` (= ``d_kv``), only with projection
-key / value of l   ``(B, H, n, d_h)``              one ``DynamicCache`` layer
-attention mask     ``(B, n + past + T)``           ``n`` ones in front of the caller's mask
-=================  ==============================  =====================================================
+| tensor | shape | note |
+| --- | --- | --- |
+| table | ``(n, L * 2 * H * d_h)`` | PEFT's ``prompt_embeddings``; columns ``(l, k/v, h, d)`` |
+| MLP input ``E`` | ``(n, d)`` | ``d`` = ``token_dim`` (= ``d_kv``), only with projection |
+| key / value of l | ``(B, H, n, d_h)`` | one ``DynamicCache`` layer |
+| attention mask | ``(B, n + past + T)`` | ``n`` ones in front of the caller's mask |
 
-The parameters live in a small module at ``model.lightning_peft_prefix`` (:data:`PREFIX_ATTRIBUTE`; state-dict
+The parameters live in a small module at ``model.lightning_peft_prefix`` (`PREFIX_ATTRIBUTE`; state-dict
 keys ``lightning_peft_prefix.embedding.weight`` and, with the projection, ``lightning_peft_prefix.transform.*``).
 Supported: Hugging Face decoder models (GPT-2, Llama, ...) and encoder models (BERT, ...) whose forward, or whose
 backbone's forward (``BertForSequenceClassification`` -> ``bert``), takes an attention cache; ``generate()`` works on
 causal LMs. Not supported: encoder-decoder models, gradient checkpointing (transformers then drops the cache in
 training), and models PEFT builds a special cache for (Gemma 2/3/4, Bloom, GPTBigCode).
 
-Example:
+Examples:
     >>> import torch
     >>> from transformers import GPT2Config, GPT2LMHeadModel
     >>> from lightning_peft.peft.prefix_tuning import inject_prefix_tuning
@@ -150,14 +151,16 @@ def _task_type(model: nn.Module) -> str | None:
 
 @register
 class PrefixTuningAdapter(PromptLearningAdapter):
-    """Prefix tuning's side of the adapter protocol: what :func:`inject_prefix_tuning` did to a model.
+    """Prefix tuning's side of the adapter protocol: what
+    [`inject_prefix_tuning`][lightning_peft.peft.inject_prefix_tuning] did to a model.
 
     PEFT's file keys for prompt-learning methods carry no ``base_model.model.`` prefix: the prefix is
     ``prompt_embeddings`` and a ``modules_to_save`` tensor is ``base_model.<module path>.<tensor>``, so
-    :meth:`peft_state` gives the file's keys verbatim (``peft_key_prefix = ""``).
+    `peft_state` gives the file's keys verbatim (``peft_key_prefix = ""``).
 
     Args:
-        config: The config used (``prefix_projection`` as asked; :attr:`projected` says whether the MLP is still there).
+        config: The config used (``prefix_projection`` as asked;
+            [`projected`][lightning_peft.peft.PrefixTuningAdapter.projected] says whether the MLP is still there).
         modules_to_save: Full names of the modules trained and saved in full.
         handle: The forward pre-hook's handle.
     """
@@ -192,8 +195,8 @@ class PrefixTuningAdapter(PromptLearningAdapter):
         return {"config": self.config.to_dict(), "modules_to_save": list(self.modules_to_save)}
 
     def matches(self, config: dict[str, Any]) -> bool:
-        """Whether the prefix is the one ``config["config"]`` asks for (a :meth:`config_dict`, or a callback's
-        request of that shape), by :meth:`PrefixTuningConfig.agrees`."""
+        """Whether the prefix is the one ``config["config"]`` asks for (a `config_dict`, or a callback's request of that
+        shape), by [`PrefixTuningConfig.agrees`][lightning_peft.peft.PrefixTuningConfig.agrees]."""
         return self.config.agrees(PrefixTuningConfig(**config["config"]))
 
     @classmethod
@@ -267,7 +270,8 @@ def _peft_geometry(model: nn.Module, config: dict[str, Any], source: str) -> int
 
 
 def prefix_tuning_spec(model: nn.Module) -> PrefixTuningAdapter | None:
-    """The :class:`PrefixTuningAdapter` :func:`inject_prefix_tuning` left on ``model``, or None."""
+    """The [`PrefixTuningAdapter`][lightning_peft.peft.PrefixTuningAdapter]
+    [`inject_prefix_tuning`][lightning_peft.peft.inject_prefix_tuning] left on ``model``, or None."""
     return attached(model).get(PrefixTuningAdapter.kind)
 
 
@@ -291,12 +295,13 @@ def inject_prefix_tuning(
         model: A Hugging Face decoder or encoder model (``PreTrainedModel``) whose forward, or whose backbone's,
             takes an attention cache; a ``torch.compile`` wrapper is looked through.
         num_virtual_tokens: Number ``n`` of prefix positions.
-        prefix_projection: Produce the prefix with an MLP (fold it with :func:`fold_prefix_projection` afterwards).
+        prefix_projection: Produce the prefix with an MLP (fold it with
+            [`fold_prefix_projection`][lightning_peft.peft.fold_prefix_projection] afterwards).
         encoder_hidden_size: Hidden size of that MLP; None: the key/value width.
         modules_to_save: Modules trained and saved in full. None: a Hugging Face task model's head; ``[]``: none.
 
     Returns:
-        The new :class:`PrefixEncoder` (``model.lightning_peft_prefix``).
+        The new [`PrefixEncoder`][lightning_peft.peft.PrefixEncoder] (``model.lightning_peft_prefix``).
 
     Raises:
         RuntimeError: If ``model`` already has a prefix, or gradient checkpointing is on.

@@ -12,21 +12,19 @@ parameter that trains (with the task head, if saved in full), ``P <- P - lr * dL
   prompted model computes what the plain model computes on the text followed by the input.
 
 The model is adapted in place, with no wrapper class: the prompt is a parameter ``weight`` of a small module
-attached to the Hugging Face model under :data:`PROMPT_MODULE` (state-dict key ``lightning_peft_prompt.weight``),
+attached to the Hugging Face model under `PROMPT_MODULE` (state-dict key ``lightning_peft_prompt.weight``),
 and a forward pre-hook on that model rewrites each call (positional arguments are bound to the ``forward``
 signature first) as Hugging Face PEFT's ``PeftModelFor*`` classes do, so outputs equal PEFT's:
 
-=========================  ==================================  ==================================================
-argument                   given                               passed to the model
-=========================  ==================================  ==================================================
-``input_ids``              (B, T)                              None; ``inputs_embeds`` = [P; E(input_ids)] (B, n+T, d)
-``inputs_embeds``          (B, T, d)                           [P; inputs_embeds] (B, n+T, d)
-``attention_mask``         (B, T)                              [1 ... 1; mask] (B, n+T)
-``token_type_ids``         (B, T)                              [0 ... 0; ids] (B, n+T)
-``position_ids``           (..., T)                            [0 ... n-1; ids + n] (..., n+T)
-``labels``                 (B, T) integer (per token)          [-100 ... -100; labels] (B, n+T); (B,) unchanged
-``start/end_positions``    (B,) (question answering)           + n
-=========================  ==================================  ==================================================
+| argument | given | passed to the model |
+| --- | --- | --- |
+| ``input_ids`` | (B, T) | None; ``inputs_embeds`` = [P; E(input_ids)] (B, n+T, d) |
+| ``inputs_embeds`` | (B, T, d) | [P; inputs_embeds] (B, n+T, d) |
+| ``attention_mask`` | (B, T) | [1 ... 1; mask] (B, n+T) |
+| ``token_type_ids`` | (B, T) | [0 ... 0; ids] (B, n+T) |
+| ``position_ids`` | (..., T) | [0 ... n-1; ids + n] (..., n+T) |
+| ``labels`` | (B, T) integer (per token) | [-100 ... -100; labels] (B, n+T); (B,) unchanged |
+| ``start/end_positions`` | (B,) (question answering) | + n |
 
 Outputs keep the virtual positions, as PEFT's do: a causal LM's logits are (B, n+T, V) and its loss skips them
 (labels -100). ``generate()`` works: the prompt is prepended on the first (prefill) call; later calls, whose KV cache
@@ -42,7 +40,7 @@ Encoder-decoder models (PEFT's ``SEQ_2_SEQ_LM``, which prompts both stacks) are 
 Saved in Hugging Face PEFT's layout: ``adapter_config.json`` with ``peft_type: PROMPT_TUNING`` and the tensor
 ``prompt_embeddings`` (n, d) under that bare key; ``modules_to_save`` under ``base_model.<module path>.<param>``
 (PEFT keeps a prompt-learning model at ``base_model``, one level higher than for LoRA). Both are full file keys:
-:attr:`PromptTuningAdapter.peft_key_prefix` is empty.
+`PromptTuningAdapter.peft_key_prefix` is empty.
 
 Shapes: ``B`` batch, ``T`` real tokens, ``n`` virtual tokens, ``d`` the input-embedding width, ``V`` vocabulary.
 """
@@ -97,7 +95,8 @@ def check_options(num_virtual_tokens: object, init: object, init_text: object, m
                   who: str) -> None:
     """Raise for invalid options (the checks that need no model); ``who`` names the caller in the message.
 
-    Shared by :func:`inject_prompt_tuning` and the ``PromptTuning`` callback, which checks in ``__init__``.
+    Shared by [`inject_prompt_tuning`][lightning_peft.peft.inject_prompt_tuning] and the ``PromptTuning`` callback,
+    which checks in ``__init__``.
     """
     integer(who, "num_virtual_tokens", num_virtual_tokens, minimum=1, example="20")
     choice(who, "init", init, _INITS)
@@ -161,7 +160,7 @@ def inject_prompt_tuning(
             creates at random, as PEFT's task types do; ``[]``: none.
 
     Returns:
-        The :class:`PromptEmbedding` attached at ``model.lightning_peft_prompt``.
+        The [`PromptEmbedding`][lightning_peft.peft.PromptEmbedding] attached at ``model.lightning_peft_prompt``.
 
     Raises:
         RuntimeError: If ``model`` already has a prompt.
@@ -169,7 +168,7 @@ def inject_prompt_tuning(
             to nothing or to ids outside the vocabulary, or the model is encoder-decoder.
         TypeError: If ``model`` has no input embeddings or an argument has the wrong type.
 
-    Example:
+    Examples:
         >>> from transformers import BertConfig, BertForSequenceClassification
         >>> model = BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
         ...     num_attention_heads=2, intermediate_size=32, max_position_embeddings=32))
@@ -211,7 +210,7 @@ def _empty_prompt(model: nn.Module, n: int, who: str) -> Tensor:
 
 
 def prompt_embedding(model: nn.Module) -> PromptEmbedding | None:
-    """The :class:`PromptEmbedding` of ``model``, or None if it has no prompt."""
+    """The [`PromptEmbedding`][lightning_peft.peft.PromptEmbedding] of ``model``, or None if it has no prompt."""
     prompt = getattr(unwrap(model), "_modules", {}).get(PROMPT_MODULE)
     return prompt if isinstance(prompt, PromptEmbedding) else None
 
@@ -229,12 +228,13 @@ def unload_prompt_tuning(model: nn.Module) -> nn.Module:
 
 @register
 class PromptTuningAdapter(PromptLearningAdapter):
-    """Prompt tuning's side of the adapter protocol: what :func:`inject_prompt_tuning` did to a model.
+    """Prompt tuning's side of the adapter protocol: what
+    [`inject_prompt_tuning`][lightning_peft.peft.inject_prompt_tuning] did to a model.
 
     Args:
         num_virtual_tokens: ``n``.
         init: How the prompt started: ``{"init": ..., "init_text": ..., "tokenizer": name or None}``. Recorded for
-            PEFT's config; :meth:`inject` does not re-run it (the weights are loaded afterwards).
+            PEFT's config; `inject` does not re-run it (the weights are loaded afterwards).
         modules_to_save: Full names of the modules trained and saved in full.
     """
 
@@ -266,7 +266,7 @@ class PromptTuningAdapter(PromptLearningAdapter):
 
     def matches(self, config: dict[str, Any]) -> bool:
         """Whether the prompt has the length ``config["config"]["num_virtual_tokens"]`` asks for (a
-        :meth:`config_dict`, or a callback's request of that shape): the initialisation only steers training."""
+        `config_dict`, or a callback's request of that shape): the initialisation only steers training."""
         return config.get("config", {}).get("num_virtual_tokens") == self.num_virtual_tokens
 
     @classmethod

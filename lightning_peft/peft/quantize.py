@@ -8,9 +8,11 @@ Methods (both from torchao, imported only when a model is quantized):
 
 - ``"nf4"``: 4-bit NormalFloat with double-quantized scales (torchao's ``NF4Tensor``, as torchtune's QLoRA). The
   flattened weight ``W`` (out, in) is cut into blocks of ``block`` values; each block stores 4-bit codes ``q`` and
-  one absmax scale ``c``; the scales are themselves quantized to int8 in groups of ``scaler_block``::
+  one absmax scale ``c``; the scales are themselves quantized to int8 in groups of ``scaler_block``:
 
-      W[i] ~= NF4[q[i]] * c[block(i)]        NF4: the 16 quantiles of N(0, 1), scaled to [-1, 1]
+  ```text
+  W[i] ~= NF4[q[i]] * c[block(i)]        NF4: the 16 quantiles of N(0, 1), scaled to [-1, 1]
+  ```
 
   ``block`` is 64 (the paper's); ``scaler_block`` is the largest divisor of the block count up to 256 (the paper's)
   that leaves a number of scale groups divisible by 8 (else by 4, 2, 1), so that FSDP2 can shard the weight over up
@@ -21,7 +23,7 @@ Methods (both from torchao, imported only when a model is quantized):
   Its ``F.linear`` runs forward and backward on the CPU; float64 weights are not supported by torchao.
 
 The quantized tensor reports, and dequantizes to, the dtype the base weight had before quantization
-(:func:`~lightning_peft.peft._common.dense_weight` turns it back into values: merges write that dtype).
+(`dense_weight` turns it back into values: merges write that dtype).
 
 >>> import torch
 >>> from torch import nn
@@ -317,7 +319,7 @@ def flatten_quantized(state: dict[str, Tensor]) -> None:
     A checkpoint then holds plain tensors only: Lightning loads every checkpoint with a callable ``map_location``,
     which torch refuses for a wrapper tensor subclass (``_rebuild_wrapper_subclass``), so a file holding NF4 or int8
     tensors themselves could be written but never resumed from or loaded. The quantized layers' load hook
-    (:func:`_unflatten_weight`) reassembles them; the bytes stay those of the quantized weight.
+    (`_unflatten_weight`) reassembles them; the bytes stay those of the quantized weight.
     """
     for key in [k for k, v in state.items() if isinstance(v, Tensor) and is_quantized(v)]:
         value = state.pop(key)
@@ -326,7 +328,7 @@ def flatten_quantized(state: dict[str, Tensor]) -> None:
 
 
 def _unflatten_weight(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
-    """Load-state-dict pre-hook of a quantized layer: a weight :func:`flatten_quantized` wrote as inner tensors is
+    """Load-state-dict pre-hook of a quantized layer: a weight `flatten_quantized` wrote as inner tensors is
     rebuilt as the quantized tensor the layer holds (same type and block sizes: they follow from the shape)."""
     key = f"{prefix}weight"
     if key in state_dict or not any(k.startswith(f"{key}{FLAT}") for k in state_dict):

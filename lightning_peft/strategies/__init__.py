@@ -1,5 +1,5 @@
 """Lightning strategies over real engines (DeepSpeed, torch.distributed), PEFT-aware: Lightning glue over
-:mod:`lightning_peft.parallel`.
+`lightning_peft.parallel`.
 
 Importing this package registers the short names in Lightning's strategy registry, so
 ``Trainer(strategy="zero3")`` and ``--trainer.strategy zero3`` work (the ``lightning-peft`` command imports it),

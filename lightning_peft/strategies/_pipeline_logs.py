@@ -1,5 +1,6 @@
-"""The pipeline's logging: what ``training_step`` logs on the last stage, per micro-batch, combined as one process
-would log it for the whole batch and replayed on every rank (:class:`~lightning_peft.strategies.PipelineStrategy`)."""
+"""The pipeline's logging: what ``training_step`` logs on the last stage, per micro-batch, combined as one process would
+log it for the whole batch and replayed on every rank
+([`PipelineStrategy`][lightning_peft.strategies.PipelineStrategy])."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``convert_checkpoint`` at its documented path, and ``python -m lightning_peft.strategies.checkpoint SHARDED_DIR
-OUTPUT_FILE [--trust]``. The conversion is pure torch: :mod:`lightning_peft.parallel.checkpoint`."""
+OUTPUT_FILE [--trust]``. The conversion is pure torch: `lightning_peft.parallel.checkpoint`."""
 
 from __future__ import annotations
 

@@ -1,18 +1,20 @@
 """``DeviceMapStrategy``: plain model parallelism in one process, consecutive layers on different devices.
 
-The Lightning glue over :func:`lightning_peft.parallel.device_map.dispatch_model` (the map, the hooks, the limits:
+The Lightning glue over `lightning_peft.parallel.device_map.dispatch_model` (the map, the hooks, the limits:
 see that module): at ``model_to_device`` (after the PEFT callbacks injected their adapters) the LightningModule, or
 its ``model_attribute``, is placed by the map; ``LightningModule.device`` is the first device, where batches go;
 each parameter's optimizer state lives on the parameter's device.
 
-YAML::
+YAML:
 
-    trainer:
-      accelerator: gpu
-      devices: 2              # cuda:0 and cuda:1 ("cpu" twice with accelerator: cpu)
-      strategy:
-        class_path: lightning_peft.strategies.DeviceMapStrategy
-        init_args: {device_map: auto}
+```yaml
+trainer:
+  accelerator: gpu
+  devices: 2              # cuda:0 and cuda:1 ("cpu" twice with accelerator: cpu)
+  strategy:
+    class_path: lightning_peft.strategies.DeviceMapStrategy
+    init_args: {device_map: auto}
+```
 """
 
 from __future__ import annotations
@@ -53,14 +55,16 @@ class DeviceMapStrategy(SingleDeviceStrategy):
             Not with a dict map (its values are the devices).
         model_attribute: Dotted path of the model to split inside the LightningModule (e.g. ``"decoder"``); map
             names are relative to it. Default: the LightningModule itself.
-        accelerator, checkpoint_io, precision_plugin: As for Lightning's strategies (the Trainer fills them).
+        accelerator: As for Lightning's strategies (the Trainer fills it).
+        checkpoint_io: As for Lightning's strategies (the Trainer fills it).
+        precision_plugin: As for Lightning's strategies (the Trainer fills it).
 
     Raises:
         ValueError: If ``device_map`` is neither ``"auto"`` nor a non-empty dict, both a dict and ``devices`` are
             given, ``devices`` is empty, or a device does not exist on this machine.
         TypeError: If a device is not a string, integer or ``torch.device``.
 
-    Example:
+    Examples:
         >>> strategy = DeviceMapStrategy(devices=["cpu", "cpu"])
         >>> strategy.root_device
         device(type='cpu')

@@ -4,9 +4,9 @@ Lightning has no pipeline strategy (pytorch-lightning issue 17180). `PipelineStr
 sequential model into ``num_stages`` consecutive stages, one rank holding each (two or more with the interleaved
 schedule), and runs every training batch as ``num_microbatches`` micro-batches through a pipeline schedule.
 
-This is the Lightning glue. The pieces, stages and schedules are pure torch in :mod:`lightning_peft.parallel.pipeline`
+This is the Lightning glue. The pieces, stages and schedules are pure torch in `lightning_peft.parallel.pipeline`
 (papers, the bubble formula and shapes are there); what each rank holds and exchanges, and merging the stage files,
-in :mod:`lightning_peft.parallel.pipeline_state`.
+in `lightning_peft.parallel.pipeline_state`.
 
 Contract with the LightningModule (nothing to change in it):
 
@@ -126,7 +126,7 @@ class PipelineStrategy(DDPStrategy):
     Raises:
         ValueError: If an argument is out of range or the schedule unknown.
 
-    Example:
+    Examples:
         >>> strategy = PipelineStrategy(num_stages=2, schedule="gpipe", num_microbatches=4, split_points=["layers.2"])
         >>> strategy.bubble_fraction()
         0.2
@@ -184,7 +184,7 @@ class PipelineStrategy(DDPStrategy):
         self.last_step_seconds: float | None = None  # wall time of the last training schedule.step
 
     def bubble_fraction(self, ranks: int | None = None) -> float:
-        """The idle share the schedule predicts (:func:`lightning_peft.parallel.pipeline.bubble_fraction`).
+        """The idle share the schedule predicts (`lightning_peft.parallel.pipeline.bubble_fraction`).
 
         Args:
             ranks: The number of pipeline processes ``p``; default: the number of stages (interleaved: half of it).
@@ -417,7 +417,7 @@ class PipelineStrategy(DDPStrategy):
         self, module: nn.Module, params: Sequence[nn.Parameter] | None = None
     ) -> Iterator[nn.Module]:
         """Inside, the chosen parameters of ``module`` (default: all, and then its buffers too) hold their full
-        values on global rank 0 (:func:`~lightning_peft.parallel.pipeline.gather_on_rank`); every rank must enter."""
+        values on global rank 0 (`gather_on_rank`); every rank must enter."""
         with gather_on_rank(module, params, self._foreign_buffer_ids, self.global_rank, self.world_size,
                             self.root_device):
             yield module

@@ -1,7 +1,7 @@
 """``TensorParallelStrategy``: Megatron-style tensor parallelism on DTensor with an automatic, LoRA-aware plan, and
 optional data parallelism (a 2-D mesh ``(data_parallel, tensor_parallel)``).
 
-The Lightning glue over :mod:`lightning_peft.parallel.tensor_parallel` (the rule, LoRA's placements, the plan, the
+The Lightning glue over `lightning_peft.parallel.tensor_parallel` (the rule, LoRA's placements, the plan, the
 shapes: see that module). The plan is applied in ``setup``, after the PEFT callbacks injected their adapters; the
 ranks of one tensor-parallel group see the same batch; the gradients of the trainable parameters are averaged over
 the data-parallel group after each backward (as DDP does, unbucketed: a parameter one replica's batch did not reach
@@ -53,16 +53,19 @@ class TensorParallelStrategy(ModelParallelStrategy):
         process_group_backend: ``"gloo"`` (CPU) or ``"nccl"``; None picks by device.
         timeout: Collective timeout.
 
-    YAML::
+    YAML:
 
-        trainer:
-          strategy:
-            class_path: lightning_peft.strategies.TensorParallelStrategy
-            init_args: {tensor_parallel_size: 2, plan: auto}
+    ```yaml
+    trainer:
+      strategy:
+        class_path: lightning_peft.strategies.TensorParallelStrategy
+        init_args: {tensor_parallel_size: 2, plan: auto}
+    ```
 
     Raises:
         ValueError: If ``tensor_parallel_size`` is not a positive integer, the plan is malformed, the device count
-            is not a multiple of it, or (at setup) the plan does not fit the model (see :func:`lightning_peft.parallel.tensor_parallel.resolve_plan`).
+            is not a multiple of it, or (at setup) the plan does not fit the model (see
+            `lightning_peft.parallel.tensor_parallel.resolve_plan`).
     """
 
     # Its data-parallel average takes every trainable gradient in one order, zeros for a replica that left one

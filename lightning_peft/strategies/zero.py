@@ -3,15 +3,11 @@
 ZeRO (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", arXiv:1910.02054)
 removes the redundancy of data parallelism: each of the ``N`` ranks keeps ``1/N`` of
 
-=========  ===========================  ===========================================  ============================
-stage      partitioned                  DeepSpeed (``backend="deepspeed"``)           native (``backend="native"``)
-=========  ===========================  ===========================================  ============================
-1          optimizer state              ZeRO stage 1                                  DDP + ``ZeroRedundancyOptimizer``
-2          + gradients                  ZeRO stage 2                                  FSDP2 ``fully_shard``, parameters kept
-                                                                                      gathered from forward to backward
-3          + parameters                 ZeRO stage 3                                  FSDP2 ``fully_shard``, parameters
-                                                                                      resharded after forward
-=========  ===========================  ===========================================  ============================
+| stage | partitioned | DeepSpeed (``backend="deepspeed"``) | native (``backend="native"``) |
+| --- | --- | --- | --- |
+| 1 | optimizer state | ZeRO stage 1 | DDP + ``ZeroRedundancyOptimizer`` |
+| 2 | + gradients | ZeRO stage 2 | FSDP2 ``fully_shard``, parameters kept gathered from forward to backward |
+| 3 | + parameters | ZeRO stage 3 | FSDP2 ``fully_shard``, parameters resharded after forward |
 
 Per rank, for ``P`` trained parameters with Adam in float32 (4 bytes each for weights, gradients and each of the two
 moments): DDP holds ``4P + 4P + 8P``; stage 1 ``4P + 4P + 8P/N``; stage 2 ``4P + 4P/N + 8P/N``; stage 3
@@ -20,22 +16,23 @@ The frozen base of a LoRA model holds no gradient and no optimizer state on any 
 removed from the optimizer before the engine sees it, so optimizer state and gradients are those of the adapter.
 
 With FSDP2 each adapter wrapper's frozen ``base_layer`` is its own unit and the repeated blocks (the children of
-every ``nn.ModuleList``) are units holding the adapter's parameters (:mod:`lightning_peft.strategies.zero_native`).
+every ``nn.ModuleList``) are units holding the adapter's parameters (`lightning_peft.strategies.zero_native`).
 
 This class is a front: ``ZeROStrategy(stage=3, backend="native")`` returns the backend's strategy (a
-``DeepSpeedStrategy``, ``DDPStrategy`` or ``ModelParallelStrategy`` subclass, defined in
-:mod:`~lightning_peft.strategies.zero_deepspeed` and :mod:`~lightning_peft.strategies.zero_native`), which is also a
-``ZeROStrategy``. The pure helpers are in :mod:`lightning_peft.parallel.zero`.
-Importing :mod:`lightning_peft.strategies` registers ``zero1``, ``zero2``, ``zero3`` (DeepSpeed),
-``zero2_offload``, ``zero3_offload`` and ``zero1_native``, ``zero2_native``, ``zero3_native`` in Lightning's
-strategy registry.
+``DeepSpeedStrategy``, ``DDPStrategy`` or ``ModelParallelStrategy`` subclass, defined in `zero_deepspeed` and
+`zero_native`), which is also a ``ZeROStrategy``. The pure helpers are in `lightning_peft.parallel.zero`. Importing
+[`lightning_peft.strategies`][lightning_peft.strategies] registers ``zero1``, ``zero2``, ``zero3`` (DeepSpeed),
+``zero2_offload``, ``zero3_offload`` and ``zero1_native``, ``zero2_native``, ``zero3_native`` in Lightning's strategy
+registry.
 
-YAML::
+YAML:
 
-    trainer:
-      strategy:
-        class_path: lightning_peft.strategies.ZeROStrategy
-        init_args: {stage: 3, backend: native}
+```yaml
+trainer:
+  strategy:
+    class_path: lightning_peft.strategies.ZeROStrategy
+    init_args: {stage: 3, backend: native}
+```
 """
 
 from __future__ import annotations
@@ -59,19 +56,8 @@ DEEPSPEED_INSTALL = ("pip install 'lightning-peft[deepspeed]' (DeepSpeed builds 
 class ZeROStrategy(Strategy):
     """ZeRO stage 1, 2 or 3 on DeepSpeed or native torch.distributed; returns the backend's strategy.
 
-    Args:
-        stage: 1 (optimizer state partitioned), 2 (+ gradients) or 3 (+ parameters).
-        backend: ``"deepspeed"`` or ``"native"`` (``ZeroRedundancyOptimizer`` for stage 1, FSDP2 for 2 and 3).
-        offload_optimizer: Keep the optimizer state (and its step) in CPU memory; DeepSpeed only, on a GPU.
-        offload_parameters: Keep parameters in CPU memory (DeepSpeed stage 3; FSDP2 stages 2 and 3, where it
-            offloads gradients and the optimizer step too). On a GPU only.
-        options: The engine options as one dict: what YAML can give (LightningCLI takes only named arguments),
-            e.g. ``init_args: {stage: 3, options: {stage3_param_persistence_threshold: 0}}``.
-        **engine_options: Passed through. DeepSpeed: any ``DeepSpeedStrategy`` argument (``config``,
-            ``allgather_bucket_size``, ...) or ``zero_optimization`` key (``stage3_param_persistence_threshold``,
-            ...). Native stage 1: ``DDPStrategy`` arguments, ``DistributedDataParallel`` ones
-            (``find_unused_parameters``) and ``ZeroRedundancyOptimizer`` ones (``parameters_as_bucket_view``). Native stages 2 and 3: ``ModelParallelStrategy`` arguments
-            (``save_distributed_checkpoint``, ``timeout``) and ``fully_shard`` ones (``mp_policy``).
+    Its arguments are those of [`__new__`][lightning_peft.strategies.ZeROStrategy.__new__] (below), which picks the
+    backend's class.
     """
 
     stage: int
@@ -95,6 +81,23 @@ class ZeROStrategy(Strategy):
         options: dict[str, Any] | None = None,
         **engine_options: Any,
     ) -> ZeROStrategy:
+        """Checks the arguments that need no Trainer and returns an instance of the backend's strategy class.
+
+        Args:
+            stage: 1 (optimizer state partitioned), 2 (+ gradients) or 3 (+ parameters).
+            backend: ``"deepspeed"`` or ``"native"`` (``ZeroRedundancyOptimizer`` for stage 1, FSDP2 for 2 and 3).
+            offload_optimizer: Keep the optimizer state (and its step) in CPU memory; DeepSpeed only, on a GPU.
+            offload_parameters: Keep parameters in CPU memory (DeepSpeed stage 3; FSDP2 stages 2 and 3, where it
+                offloads gradients and the optimizer step too). On a GPU only.
+            options: The engine options as one dict: what YAML can give (LightningCLI takes only named arguments),
+                e.g. ``init_args: {stage: 3, options: {stage3_param_persistence_threshold: 0}}``.
+            **engine_options: Passed through. DeepSpeed: any ``DeepSpeedStrategy`` argument (``config``,
+                ``allgather_bucket_size``, ...) or ``zero_optimization`` key (``stage3_param_persistence_threshold``,
+                ...). Native stage 1: ``DDPStrategy`` arguments, ``DistributedDataParallel`` ones
+                (``find_unused_parameters``) and ``ZeroRedundancyOptimizer`` ones (``parameters_as_bucket_view``).
+                Native stages 2 and 3: ``ModelParallelStrategy`` arguments (``save_distributed_checkpoint``,
+                ``timeout``) and ``fully_shard`` ones (``mp_policy``).
+        """
         # The one signature of the front: LightningCLI (jsonargparse) and inspect.signature read a class's own
         # __new__, and a backend's __init__ binds its arguments to it (_arguments). Python then calls the returned
         # backend class's __init__ with the same arguments.

@@ -4,7 +4,7 @@ Stock ``DeepSpeedStrategy`` refuses the CPU; the overrides here fix that (the en
 a CPU has, no shared-memory op to compile), take a torch optimizer without its frozen parameters, follow Lightning's
 gradient clipping and accumulation windows, size the communication buckets to the model, and load a ZeRO-3
 checkpoint for validate/test/predict by assembling its full weights. The front and the arguments:
-:mod:`lightning_peft.strategies.zero`.
+`lightning_peft.strategies.zero`.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ class DeepSpeedZeRO(ZeROStrategy, DeepSpeedStrategy):
     @property
     @override
     def handles_gradient_accumulation(self) -> bool:
-        """False: Lightning decides the windows, as under DDP, and the engine follows (see :meth:`backward`).
+        """False: Lightning decides the windows, as under DDP, and the engine follows (see `backward`).
 
         With True (``DeepSpeedStrategy``'s answer) Lightning calls ``engine.step()`` after every micro-batch and the
         engine steps after every ``gradient_accumulation_steps``-th of the whole run: its windows run across epoch

@@ -2,9 +2,9 @@
 and 3 as FSDP2 ``fully_shard`` (stage 3 reshards after forward, stage 2 keeps parameters gathered).
 
 With FSDP2 each adapter wrapper's frozen ``base_layer`` is its own unit and the repeated blocks are units holding
-the adapter's parameters (:func:`lightning_peft.parallel.zero.fsdp_units`); the LightningModule is the root unit, and
+the adapter's parameters (`lightning_peft.parallel.zero.fsdp_units`); the LightningModule is the root unit, and
 its ``training_step``/``validation_step``/... run through its ``__call__`` so that the root's parameters are
-gathered for them (Lightning calls those hooks directly). The front and the arguments: :mod:`lightning_peft.strategies.zero`.
+gathered for them (Lightning calls those hooks directly). The front and the arguments: `lightning_peft.strategies.zero`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """Gradient accumulation with a step-keyed schedule and exact loss scaling.
 
 An optimizer step ``t`` is taken after a *window* of ``n_t`` micro-batches. Each micro-batch ``i`` of the window
-contributes its (mean-reduced) loss divided by ``n_t``, so the accumulated gradient is::
+contributes its (mean-reduced) loss divided by ``n_t``, so the accumulated gradient is:
 
-    g_t = sum_{i in window t} grad(L_i) / n_t
+```text
+g_t = sum_{i in window t} grad(L_i) / n_t
+```
 
 which for equal-sized micro-batches is exactly the gradient of one batch ``n_t`` times as large.
 
@@ -16,13 +18,14 @@ as the schedule says for the step it will produce. When the epoch runs out of mi
 shorter, and its losses are divided by its real length ``n < count`` (not by ``count``): every step averages
 over exactly the micro-batches it got. ``windows(10, 0)`` for a constant count 4 is ``[4, 4, 2]``.
 
-Shapes: none of this touches tensors except :func:`shorten_window`, which scales every ``.grad`` in place
-(any shape, dtype or device).
+Shapes: none of this touches tensors except [`shorten_window`][lightning_peft.training.shorten_window], which scales
+every ``.grad`` in place (any shape, dtype or device).
 
-Target global batch: ``global = micro_batch_size * data_parallel_size * count``, where ``data_parallel_size`` is
-the number of distinct batches one optimizer step sees (the number of processes under plain data parallelism; 1
-under pipeline parallelism, ``world / tp`` under tensor parallelism); :meth:`AccumulationSchedule.for_global_batch`
-derives the constant ``count``.
+Target global batch: ``global = micro_batch_size * data_parallel_size * count``, where ``data_parallel_size`` is the
+number of distinct batches one optimizer step sees (the number of processes under plain data parallelism; 1 under
+pipeline parallelism, ``world / tp`` under tensor parallelism);
+[`AccumulationSchedule.for_global_batch`][lightning_peft.training.AccumulationSchedule.for_global_batch] derives the
+constant ``count``.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ class Window(NamedTuple):
 
 
 class MicroBatch(NamedTuple):
-    """One micro-batch of :meth:`AccumulationSchedule.micro_batches`.
+    """One micro-batch of
+    [`AccumulationSchedule.micro_batches`][lightning_peft.training.AccumulationSchedule.micro_batches].
 
     ``batch`` is what the loader gave; divide its loss by ``window_size``; it contributes to optimizer step
     ``step``; step the optimizer after its backward when ``last``.
@@ -71,7 +75,7 @@ class AccumulationSchedule:
         TypeError: If ``schedule`` is neither an int nor a mapping of ints to ints.
         ValueError: If a step is negative or a count is below 1.
 
-    Example:
+    Examples:
         >>> schedule = AccumulationSchedule({0: 1, 3: 4})
         >>> schedule.accumulation_at(2), schedule.accumulation_at(3)
         (1, 4)
@@ -135,7 +139,7 @@ class AccumulationSchedule:
             ValueError: If a size is not a positive integer, or ``global_batch_size`` is not a multiple of
                 ``micro_batch_size * data_parallel_size``.
 
-        Example:
+        Examples:
             >>> AccumulationSchedule.for_global_batch(64, micro_batch_size=8, data_parallel_size=2).schedule
             {0: 4}
         """
@@ -165,7 +169,7 @@ class AccumulationSchedule:
 
         ``num_batches`` may be ``math.inf`` (an epoch of unknown length): no window is then cut short.
 
-        Example:
+        Examples:
             >>> AccumulationSchedule({0: 1, 2: 3}).window_at(6, num_batches=7)  # windows 1, 1, 3, 2
             Window(start=5, size=2, step=3)
         """
@@ -186,7 +190,7 @@ class AccumulationSchedule:
     def windows(self, num_batches: int, start_step: int = 0) -> list[int]:
         """The window sizes of one epoch of ``num_batches`` micro-batches whose first window produces ``start_step``.
 
-        Example:
+        Examples:
             >>> AccumulationSchedule(4).windows(10)
             [4, 4, 2]
         """
@@ -227,12 +231,12 @@ class AccumulationSchedule:
                 is never marked ``last``.
 
         Yields:
-            :class:`MicroBatch` ``(batch, window_size, step, last)``.
+            `MicroBatch` ``(batch, window_size, step, last)``.
 
         Raises:
             TypeError: If ``batches`` has no ``len()`` and ``num_batches`` is not given.
 
-        Example:
+        Examples:
             >>> step = 0
             >>> for micro in AccumulationSchedule(4).micro_batches(range(10), start_step=step):
             ...     # (loss_fn(model(micro.batch)) / micro.window_size).backward()

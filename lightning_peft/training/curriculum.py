@@ -7,22 +7,23 @@ Learning for Neural Machine Translation", arXiv:1903.09848 (the "root" pacing). 
 al., "The Stability-Efficiency Dilemma: Investigating Sequence Length Warmup for Training GPT Models",
 arXiv:2108.06084, as MosaicML Composer's ``SeqLengthWarmup``.
 
-The pieces, one module each (all importable from here and from :mod:`lightning_peft.training`):
+The pieces, one module each (all importable from here and from [`lightning_peft.training`][lightning_peft.training]):
 
-- scoring (:mod:`~lightning_peft.training.scoring`): a scorer maps a sample to a number, low = easy
-  (:class:`LengthScorer`, :class:`LossScorer`); :func:`compute_scores` scores a data set once, with an on-disk cache
-  (:mod:`~lightning_peft.training.score_cache`); a saved teacher model (:mod:`~lightning_peft.training.teacher`);
-- pacing (:mod:`~lightning_peft.training.pacing`): step ``t`` admits the easiest ``ceil(g(t) * N)`` samples,
-  ``g`` one of :data:`PACINGS` (:func:`pacing_fraction`);
-- sampling (:mod:`~lightning_peft.training.sampler`): :class:`CurriculumSampler` draws each batch from its step's
-  pool, resumable and split over DDP ranks;
-- sequence-length warm-up (:mod:`~lightning_peft.training.seq_warmup`): :func:`warmup_length`,
-  :func:`truncate_batch`.
+- scoring (`scoring`): a scorer maps a sample to a number, low = easy
+  ([`LengthScorer`][lightning_peft.training.LengthScorer], [`LossScorer`][lightning_peft.training.LossScorer]);
+  [`compute_scores`][lightning_peft.training.compute_scores] scores a data set once, with an on-disk cache
+  (`score_cache`); a saved teacher model (`teacher`);
+- pacing (`pacing`): step ``t`` admits the easiest ``ceil(g(t) * N)`` samples, ``g`` one of `PACINGS`
+  ([`pacing_fraction`][lightning_peft.training.pacing_fraction]);
+- sampling (`sampler`): [`CurriculumSampler`][lightning_peft.training.CurriculumSampler] draws each batch from its
+  step's pool, resumable and split over DDP ranks;
+- sequence-length warm-up (`seq_warmup`): [`warmup_length`][lightning_peft.training.warmup_length],
+  [`truncate_batch`][lightning_peft.training.truncate_batch].
 
 Shapes: scores ``(N,)`` float64; batches are dicts of ``(B, T)`` tensors (``input_ids``, ``attention_mask``,
 ...) plus per-sample ones such as ``labels`` ``(B,)``.
 
-Example:
+Examples:
     Score by length, then draw: step 0 admits the shorter half, step 1 all four samples.
 
     >>> data = [{"input_ids": [1] * n} for n in (5, 2, 9, 3)]

@@ -3,20 +3,23 @@
 Paper: Neelakantan et al., "Adding Gradient Noise Improves Learning for Very Deep Networks", arXiv:1511.06807.
 
 Update rule. At optimizer step ``t`` (counted from 0) every gradient gets independent Gaussian noise whose
-**variance** decays with ``t``::
+**variance** decays with ``t``:
 
-    g <- g + N(0, sigma_t^2),    sigma_t^2 = eta / (1 + t)^gamma
+```text
+g <- g + N(0, sigma_t^2),    sigma_t^2 = eta / (1 + t)^gamma
+```
 
 with ``gamma = 0.55`` and ``eta`` from {0.01, 0.3, 1.0} in the paper. (Several public implementations use that
 expression as the standard deviation; here it is the variance, as in the paper, and a test checks it
 statistically.)
 
-Shapes: the noise of a parameter has the parameter's **full** shape, whatever part of its gradient this process
-holds (a DTensor shard under FSDP2 or tensor parallelism, a DeepSpeed partition): it is drawn on the CPU, in
-float32, from the given generator (or a fresh one seeded from ``seed`` and ``t``: :func:`step_generator`), one
-parameter after the other in the order given, and each process adds the block of it that its gradient holds
-(:mod:`lightning_peft._grads`). So two processes, a run and its resumption, and a sharded run and a replicated one
-that agree on the seed and the parameter order add the same noise to every element.
+Shapes: the noise of a parameter has the parameter's **full** shape, whatever part of its gradient this process holds (a
+DTensor shard under FSDP2 or tensor parallelism, a DeepSpeed partition): it is drawn on the CPU, in float32, from the
+given generator (or a fresh one seeded from ``seed`` and ``t``:
+[`step_generator`][lightning_peft.training.step_generator]), one parameter after the other in the order given, and each
+process adds the block of it that its gradient holds (`lightning_peft._grads`). So two processes, a run and its
+resumption, and a sharded run and a replicated one that agree on the seed and the parameter order add the same noise to
+every element.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from lightning_peft._grads import add_to_grad
 def noise_variance(step: int, eta: float, gamma: float = 0.55, who: str = "add_gradient_noise") -> float:
     """``eta / (1 + step) ** gamma``: the variance of the noise at optimizer step ``step``.
 
-    Example:
+    Examples:
         >>> round(noise_variance(0, 0.3), 6), round(noise_variance(99, 0.3), 6)
         (0.3, 0.02383)
     """
@@ -66,7 +69,7 @@ def add_gradient_noise(
     """Add ``N(0, eta / (1 + step)^gamma)`` noise in place to the gradient of every parameter that has one.
 
     The gradient may live wherever a strategy keeps it (``p.grad``, a DTensor, DeepSpeed's partitions: see
-    :mod:`lightning_peft._grads`); under a sharded strategy every process must call this with the same parameters in
+    `lightning_peft._grads`); under a sharded strategy every process must call this with the same parameters in
     the same order (DeepSpeed's stages 1-2 assemble each gradient with a collective).
 
     Args:

@@ -6,9 +6,11 @@ arXiv:2106.08254, whose convention is used here (MAE and BEiT recipes use 0.65 t
 
 Rule. A model with ``L`` layers numbers its parameters by depth ``d``: the embeddings ``d = 0``, layer ``i``
 (0-based) ``d = i + 1``, everything above the last layer (pooler, head, final norm) ``d = L + 1``. A parameter
-at depth ``d`` trains with::
+at depth ``d`` trains with:
 
-    lr_d = lr * decay ** (L + 1 - d)
+```text
+lr_d = lr * decay ** (L + 1 - d)
+```
 
 so layer ``i`` gets ``lr * decay ** (L - i)``, the embeddings ``lr * decay ** (L + 1)`` and the head ``lr``.
 
@@ -32,7 +34,7 @@ from torch.optim import Optimizer
 
 from lightning_peft._checks import fraction, positive, real
 
-# Each group the split of an optimizer's groups makes (:func:`decayed_groups`) carries, under this key, {"scale": the
+# Each group the split of an optimizer's groups makes (`decayed_groups`) carries, under this key, {"scale": the
 # factor its lr must keep, "origin": which of the user's groups it came from, "label": its depth's name}. In the group
 # itself, so that it survives what strategies do to optimizers (ZeroRedundancyOptimizer copies the groups into a new
 # optimizer, DeepSpeed wraps the optimizer) and what a checkpoint does to them (loading replaces the group dicts with
@@ -66,7 +68,7 @@ def layer_depths(
         ValueError: If a pattern is not a valid regular expression, a layer pattern lacks its group or matches
             no parameter, or no parameter lies in a layer.
 
-    Example:
+    Examples:
         >>> net = nn.ModuleDict({"embed": nn.Embedding(5, 2), "layers": nn.ModuleList([nn.Linear(2, 2)] * 1),
         ...                      "head": nn.Linear(2, 3)})
         >>> layer_depths(net)
@@ -207,7 +209,7 @@ def layerwise_lr_groups(
         ValueError: If ``decay``, ``lr`` or ``weight_decay`` is out of range, a pattern is wrong (see
             `layer_depths`), or no parameter requires gradients.
 
-    Example:
+    Examples:
         >>> net = nn.ModuleDict({"embed": nn.Embedding(5, 2), "layers": nn.ModuleList([nn.Linear(2, 2)]),
         ...                      "head": nn.Linear(2, 3)})
         >>> [(g["names"], round(g["lr"], 4)) for g in layerwise_lr_groups(net, lr=1.0, decay=0.5)]
@@ -315,8 +317,8 @@ def scale_plateau_floors(scheduler: Any, entries: list[dict[str, Any] | None]) -
 def decayed_groups(group: dict[str, Any], optimizer: Any, names: dict[int, str], depths: dict[str, int],
                    num_layers: int, decay: float, bias_and_norm_weight_decay: float | None, origin: int,
                    who: str) -> list[dict[str, Any]]:
-    """One of ``optimizer``'s param groups split by depth (:func:`split_by_depth`), each part tagged under
-    :data:`GROUP_KEY` with its scale, ``origin`` (the index of the user's group) and depth label.
+    """One of ``optimizer``'s param groups split by depth (`split_by_depth`), each part tagged under
+    `GROUP_KEY` with its scale, ``origin`` (the index of the user's group) and depth label.
 
     The group's lr (else the optimizer's default) is the top one; a group given as ``(name, tensor)`` pairs keeps
     its names (``AdamW(model.named_parameters())``).

@@ -5,12 +5,14 @@ Paper: Hacohen & Weinshall, "On The Power of Curriculum Learning in Training Dee
 Learning for Neural Machine Translation", arXiv:1903.09848 (the "root" pacing).
 
 With the ``N`` samples sorted by score, optimizer step ``t`` admits the easiest ``n_t = ceil(g(t) * N)`` samples,
-with ``s`` the start fraction and ``T`` the duration (all four give ``g(t) = 1`` for ``t >= T``)::
+with ``s`` the start fraction and ``T`` the duration (all four give ``g(t) = 1`` for ``t >= T``):
 
-    linear        g(t) = s + (1 - s) * t / T
-    root          g(t) = sqrt(s^2 + (1 - s^2) * t / T)                  (Platanios et al.'s competence)
-    step          g(t) = s + (1 - s) * floor(K * t / T) / K             (K = stairs equal rises)
-    exponential   g(t) = s * (1 / s)^(t / T)
+```text
+linear        g(t) = s + (1 - s) * t / T
+root          g(t) = sqrt(s^2 + (1 - s^2) * t / T)                  (Platanios et al.'s competence)
+step          g(t) = s + (1 - s) * floor(K * t / T) / K             (K = stairs equal rises)
+exponential   g(t) = s * (1 / s)^(t / T)
+```
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def pacing_fraction(
         TypeError: If an argument has the wrong type.
         ValueError: If an argument is out of range or the pacing is unknown.
 
-    Example:
+    Examples:
         >>> [round(pacing_fraction(t, "linear", 0.2, 4), 2) for t in range(6)]
         [0.2, 0.4, 0.6, 0.8, 1.0, 1.0]
         >>> [round(pacing_fraction(t, "step", 0.2, 4, stairs=2), 2) for t in range(5)]
@@ -70,7 +72,8 @@ def pacing_fraction(
 
 
 def check_pacing(pacing: object, start_fraction: object, duration: object, stairs: object, who: str) -> None:
-    """Raises what :func:`pacing_fraction` would raise for these settings; returns None if they are valid."""
+    """Raises what [`pacing_fraction`][lightning_peft.training.pacing_fraction] would raise for these settings; returns
+    None if they are valid."""
     choice(who, "pacing", pacing, PACINGS)
     fraction(who, "start_fraction", start_fraction,
              meaning="the share of the easiest data admitted at step 0; 1 admits everything from the start")

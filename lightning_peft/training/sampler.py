@@ -1,6 +1,6 @@
 """The curriculum sampler: each batch is drawn from the easiest ``ceil(g(t) * N)`` samples at optimizer step ``t``.
 
-Paper: Hacohen & Weinshall, arXiv:1904.03626 (``g`` the pacing: :mod:`lightning_peft.training.pacing`).
+Paper: Hacohen & Weinshall, arXiv:1904.03626 (``g`` the pacing: `lightning_peft.training.pacing`).
 
 Every epoch is a stream of draws: each draw is uniform among the admitted samples not yet drawn in the current
 *pass*; a pass ends when every admitted sample was drawn, and samples that are admitted mid-pass join the current
@@ -43,13 +43,13 @@ def _epoch_seed(seed: int, epoch: int) -> int:
 class CurriculumSampler(Sampler[int]):
     """Draws each batch from the easiest ``ceil(g(t) * N)`` samples (``g`` the pacing, ``t`` the step).
 
-    See the module docstring for the draw rule. Use it as a DataLoader's ``sampler`` with the same
-    ``batch_size``; under DDP give every rank the same arguments but its own ``rank`` (the data-parallel rank:
-    under pipeline or tensor parallelism the ranks that read one batch share it). The step of batch ``k`` of
-    epoch ``e`` is the optimizer step a trainer reaches there: windows of ``accumulate_grad_batches``
-    micro-batches (a count, or a step-keyed :class:`~lightning_peft.training.AccumulationSchedule`) are laid from
-    each epoch's first batch, one optimizer step each, and a trainer steps at the end of an epoch even inside a
-    window; for a constant count ``a`` that is ``e * ceil(batches_per_epoch / a) + k // a``.
+    See the module docstring for the draw rule. Use it as a DataLoader's ``sampler`` with the same ``batch_size``; under
+    DDP give every rank the same arguments but its own ``rank`` (the data-parallel rank: under pipeline or tensor
+    parallelism the ranks that read one batch share it). The step of batch ``k`` of epoch ``e`` is the optimizer step a
+    trainer reaches there: windows of ``accumulate_grad_batches`` micro-batches (a count, or a step-keyed
+    [`AccumulationSchedule`][lightning_peft.training.AccumulationSchedule]) are laid from each epoch's first batch, one
+    optimizer step each, and a trainer steps at the end of an epoch even inside a window; for a constant count ``a``
+    that is ``e * ceil(batches_per_epoch / a) + k // a``.
 
     Resuming: ``state_dict()`` is ``{"epoch", "batches", "step", "epoch_step"}`` (batches of that epoch handed
     out, counted when a batch's first index is; the optimizer step there and at the epoch's start), and
@@ -81,7 +81,7 @@ class CurriculumSampler(Sampler[int]):
         TypeError: If an argument has the wrong type.
         ValueError: If an argument is out of range, or a score is not finite.
 
-    Example:
+    Examples:
         Sample 3 is the easiest, then 1, 2, 0 (``order``). Step 0 admits two samples, step 1 three:
 
         >>> sampler = CurriculumSampler([3.0, 1.0, 2.0, 0.0], batch_size=2, duration=2, start_fraction=0.5)
@@ -234,8 +234,9 @@ class CurriculumSampler(Sampler[int]):
                 "epoch_step": self.step(self.epoch, 0)}
 
     def position(self, batches: int, step: int) -> dict[str, int]:
-        """:meth:`state_dict` as a trainer counts it: ``batches`` of the current epoch trained, ``step`` optimizer
-        steps done (DataLoader workers fetch ahead of training, so the sampler's own count runs ahead)."""
+        """[`state_dict`][lightning_peft.training.CurriculumSampler.state_dict] as a trainer counts it: ``batches`` of
+        the current epoch trained, ``step`` optimizer steps done (DataLoader workers fetch ahead of training, so the
+        sampler's own count runs ahead)."""
         return {"epoch": self.epoch, "batches": min(batches, self.batches_per_epoch), "step": step,
                 "epoch_step": self.step(self.epoch, 0)}
 

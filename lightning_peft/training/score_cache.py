@@ -1,7 +1,7 @@
 """The on-disk cache of curriculum scores, keyed by a hash of the data and one of the scorer.
 
 The cache file, ``cache_dir/scores-<key>.pt``, is keyed by a hash of the data (every sample's content, see
-:func:`dataset_fingerprint`; or a caller's ``data_fingerprint``) and one of the scorer (:func:`scorer_fingerprint`):
+`dataset_fingerprint`; or a caller's ``data_fingerprint``) and one of the scorer (`scorer_fingerprint`):
 its ``fingerprint()`` method (or string attribute) if it has one, else, for a plain function or a
 ``functools.partial`` of one, its qualified name, bytecode, bound arguments and the plain data it reads. It is
 written under a temporary name and renamed into place, so a crash leaves no half-written file, and read back with

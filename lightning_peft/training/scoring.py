@@ -1,14 +1,14 @@
 """Curriculum scoring: map each sample to a number, low = easy, and score a data set once.
 
 Paper: Hacohen & Weinshall, "On The Power of Curriculum Learning in Training Deep Networks", arXiv:1904.03626 (a
-*scoring function* orders the data: a sample's loss under a teacher, "transfer scoring", or under the model
-itself, "self-paced"). Built in: :class:`LengthScorer` (the number of real tokens) and :class:`LossScorer` (the
-per-sample loss under a reference model: a teacher, or the model itself before training). :func:`compute_scores`
-scores a dataset once and can cache the scores on disk (:mod:`lightning_peft.training.score_cache`), so a second
-run reads them back.
+*scoring function* orders the data: a sample's loss under a teacher, "transfer scoring", or under the model itself,
+"self-paced"). Built in: [`LengthScorer`][lightning_peft.training.LengthScorer] (the number of real tokens) and
+[`LossScorer`][lightning_peft.training.LossScorer] (the per-sample loss under a reference model: a teacher, or the model
+itself before training). [`compute_scores`][lightning_peft.training.compute_scores] scores a dataset once and can cache
+the scores on disk (`lightning_peft.training.score_cache`), so a second run reads them back.
 
-Shapes: scores ``(N,)`` float64; a :class:`LossScorer` batch is what ``collate_fn`` makes of a list of samples, its
-losses ``(B,)``.
+Shapes: scores ``(N,)`` float64; a [`LossScorer`][lightning_peft.training.LossScorer] batch is what ``collate_fn``
+makes of a list of samples, its losses ``(B,)``.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class LengthScorer:
         key: Where the token ids are in a sample: a mapping key, or an index for tuple samples.
         pad_token_id: The padding id not to count; None counts every entry.
 
-    Example:
+    Examples:
         >>> LengthScorer()({"input_ids": [101, 7, 8, 102], "labels": 1})
         4.0
         >>> LengthScorer(key=0, pad_token_id=0)((torch.tensor([5, 6, 0, 0]), 1))
@@ -83,7 +83,8 @@ class LengthScorer:
 
 
 def classification_loss(model: nn.Module, batch: Any) -> Tensor:
-    """Per-sample cross-entropy of a classifier, shape ``(B,)``: the default loss of :class:`LossScorer`.
+    """Per-sample cross-entropy of a classifier, shape ``(B,)``: the default loss of
+    [`LossScorer`][lightning_peft.training.LossScorer].
 
     Args:
         model: Returns logits ``(B, C)``, or an object with ``.logits`` (a Hugging Face model).
@@ -118,7 +119,7 @@ class LossScorer:
         model: The reference model.
         collate_fn: Makes a batch of a list of samples; None uses ``torch``'s ``default_collate``.
         batch_size: Samples per forward pass.
-        loss_fn: ``loss_fn(model, batch) -> (B,)`` per-sample losses; None uses :func:`classification_loss`.
+        loss_fn: ``loss_fn(model, batch) -> (B,)`` per-sample losses; None uses `classification_loss`.
 
     Raises:
         TypeError: If an argument has the wrong type.
@@ -184,13 +185,12 @@ def compute_scores(
 ) -> Tensor:
     """Scores every sample of ``dataset`` (low = easy), reading and writing an on-disk cache if asked to.
 
-    A scorer is a callable ``sample -> number``. One with a ``score_batch(samples) -> (B,)`` method and a
-    ``batch_size`` (as :class:`LossScorer`) is called on batches instead. The cache file,
-    ``cache_dir/scores-<key>.pt``, is keyed by a hash of the data (every sample's content; or
-    ``data_fingerprint``) and one of the scorer: its ``fingerprint()`` method (or string attribute) if it has
-    one, else, for a plain function or a ``functools.partial`` of one, its qualified name, bytecode and bound
-    arguments. It is written under a temporary name and renamed into place, so a crash leaves no half-written
-    file.
+    A scorer is a callable ``sample -> number``. One with a ``score_batch(samples) -> (B,)`` method and a ``batch_size``
+    (as [`LossScorer`][lightning_peft.training.LossScorer]) is called on batches instead. The cache file,
+    ``cache_dir/scores-<key>.pt``, is keyed by a hash of the data (every sample's content; or ``data_fingerprint``) and
+    one of the scorer: its ``fingerprint()`` method (or string attribute) if it has one, else, for a plain function or a
+    ``functools.partial`` of one, its qualified name, bytecode and bound arguments. It is written under a temporary name
+    and renamed into place, so a crash leaves no half-written file.
 
     Args:
         dataset: A map-style dataset (``len`` and ``[i]``).
@@ -300,9 +300,9 @@ def resolve_scorer(scorer: object, who: str = "Curriculum") -> Callable[[Any], f
 
 
 def dotted_name(function: Callable[..., Any]) -> str:
-    """``module.qualname`` of ``function``: what :func:`resolve_scorer` imports back.
+    """``module.qualname`` of ``function``: what `resolve_scorer` imports back.
 
-    Example:
+    Examples:
         >>> dotted_name(classification_loss)
         'lightning_peft.training.scoring.classification_loss'
     """

@@ -1,9 +1,10 @@
 """Sequence-length warm-up: train on shorter sequences first.
 
 Paper: Li et al., "The Stability-Efficiency Dilemma: Investigating Sequence Length Warmup for Training GPT Models",
-arXiv:2108.06084, as MosaicML Composer's ``SeqLengthWarmup``. At step ``t`` the batch's ``(B, T)`` tensors are cut
-to ``L(t)`` positions (:func:`warmup_length`, :func:`truncate_batch`), ``L`` rising from ``min_length`` to
-``max_length`` over ``duration`` steps in multiples of 8.
+arXiv:2108.06084, as MosaicML Composer's ``SeqLengthWarmup``. At step ``t`` the batch's ``(B, T)`` tensors are cut to
+``L(t)`` positions ([`warmup_length`][lightning_peft.training.warmup_length],
+[`truncate_batch`][lightning_peft.training.truncate_batch]), ``L`` rising from ``min_length`` to ``max_length`` over
+``duration`` steps in multiples of 8.
 
 Shapes: batches are dicts of ``(B, T)`` tensors (``input_ids``, ``attention_mask``, ...) plus per-sample ones such as
 ``labels`` ``(B,)``.
@@ -36,7 +37,7 @@ def warmup_length(
         TypeError: If an argument is not an integer.
         ValueError: If an argument is out of range, or ``min_length > max_length``.
 
-    Example:
+    Examples:
         >>> [warmup_length(t, 8, 32, 4) for t in range(5)]
         [8, 8, 16, 24, 32]
     """
@@ -70,7 +71,7 @@ def truncate_batch(
         TypeError: If ``batch`` is not a mapping.
         ValueError: If it has no ``input_ids`` tensor of shape ``(B, T)``, or ``length`` is not positive.
 
-    Example:
+    Examples:
         >>> batch = {"input_ids": torch.ones(2, 5, dtype=torch.long), "labels": torch.tensor([0, 1])}
         >>> {k: tuple(v.shape) for k, v in truncate_batch(batch, 3).items()}
         {'input_ids': (2, 3), 'labels': (2,)}
@@ -98,8 +99,10 @@ def truncate_batch(
 
 def warm_up_batch(batch: Any, step: int, min_length: int, max_length: int, duration: int,
                   who: str = "warm_up_batch") -> int:
-    """Cut ``batch`` in place to the warm-up length of step ``step`` (:func:`warmup_length`, :func:`truncate_batch`)
-    and return its sequence length now: a training step that gets this same dict trains on the cut tensors.
+    """Cut ``batch`` in place to the warm-up length of step ``step``
+    ([`warmup_length`][lightning_peft.training.warmup_length],
+    [`truncate_batch`][lightning_peft.training.truncate_batch]) and return its sequence length now: a training step that
+    gets this same dict trains on the cut tensors.
 
     Raises:
         TypeError: If ``batch`` is not a mutable mapping of ``(B, T)`` tensors.

@@ -1,9 +1,9 @@
 """The teacher of a curriculum's transfer scoring: a Hugging Face sequence classifier saved with ``save_pretrained``.
 
-Paper: Hacohen & Weinshall, arXiv:1904.03626: a teacher trained on the same task ranks the data by its per-sample
-loss (:class:`~lightning_peft.training.scoring.LossScorer`). A teacher that trained a few steps, or stopped before its
-run's end, ranks the data close to an untrained model: :func:`teacher_report` says how long the teacher trained, from
-the training record written next to the export (``MergeOnSave`` writes one).
+Paper: Hacohen & Weinshall, arXiv:1904.03626: a teacher trained on the same task ranks the data by its per-sample loss
+([`LossScorer`][lightning_peft.training.LossScorer]). A teacher that trained a few steps, or stopped before its run's
+end, ranks the data close to an untrained model: `teacher_report` says how long the teacher trained, from the training
+record written next to the export (``MergeOnSave`` writes one).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def teacher_report(directory: str, record_file: str, who: str = "Curriculum") ->
     """``(what to tell, what to warn of or None)`` about the teacher in ``directory``, from its training record.
 
     ``record_file`` is the record's file name in ``directory`` (JSON with ``optimizer_steps`` and, optionally,
-    ``planned_steps``). A teacher that trained under :data:`MIN_TEACHER_STEPS` steps, or fewer than its run planned,
+    ``planned_steps``). A teacher that trained under `MIN_TEACHER_STEPS` steps, or fewer than its run planned,
     is warned of.
     """
     record_path = os.path.join(directory, record_file)

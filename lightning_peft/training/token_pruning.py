@@ -1,16 +1,18 @@
 """Token pruning during training: the annealing ramp that phases it in, and the measure of the work it leaves.
 
-The rule itself (which tokens a layer keeps) is :class:`lightning_peft.nn.TokenPruner`, applied inside
-:class:`lightning_peft.nn.TransformerEncoder`; this module is what a training loop (or the ``TokenPruning``
-callback) adds around it.
+The rule itself (which tokens a layer keeps) is [`lightning_peft.nn.TokenPruner`][lightning_peft.nn.TokenPruner],
+applied inside [`lightning_peft.nn.TransformerEncoder`][lightning_peft.nn.TransformerEncoder]; this module is what a
+training loop (or the ``TokenPruning`` callback) adds around it.
 
 Annealing: the pruner's scale at optimizer step ``t`` grows linearly from 0 (no pruning) to 1 (the configured keep
-ratios) over ``A = anneal_fraction * total_steps`` steps::
+ratios) over ``A = anneal_fraction * total_steps`` steps:
 
-    scale(t) = min(1, t / A)        (1 throughout when A = 0)
-    effective keep ratio of layer i = 1 - scale(t) * (1 - r_i)
+```text
+scale(t) = min(1, t / A)        (1 throughout when A = 0)
+effective keep ratio of layer i = 1 - scale(t) * (1 - r_i)
+```
 
-Kept share (:class:`KeptTokenShare`): the share of the token-layer work left, the real tokens leaving each layer
+Kept share (`KeptTokenShare`): the share of the token-layer work left, the real tokens leaving each layer
 summed over layers and samples, over ``num_layers`` times the real tokens entering the encoder (1.0 without pruning).
 Shapes: ``input_ids`` ``(B, T)``, ``attention_mask`` ``(B, T)``; each layer's kept counts ``(B,)``.
 """
@@ -30,7 +32,7 @@ __all__ = ["KeptTokenShare", "anneal_scale", "anneal_steps"]
 def anneal_scale(step: int, anneal_steps: float) -> float:
     """``min(1, step / anneal_steps)``: the pruner's scale at optimizer step ``step``; 1.0 when ``anneal_steps`` is 0.
 
-    Example:
+    Examples:
         >>> [round(anneal_scale(t, 3.0), 4) for t in range(5)]
         [0.0, 0.3333, 0.6667, 1.0, 1.0]
     """
@@ -43,7 +45,7 @@ def anneal_steps(anneal_fraction: float, total_steps: float, who: str = "anneal_
     Raises:
         ValueError: If ``total_steps`` is infinite (a run without an end in steps) and ``anneal_fraction > 0``.
 
-    Example:
+    Examples:
         >>> anneal_steps(0.3, 20)
         6.0
     """
@@ -58,8 +60,8 @@ def anneal_steps(anneal_fraction: float, total_steps: float, who: str = "anneal_
 
 
 class KeptTokenShare:
-    """Records the real tokens entering each encoder (:meth:`hook`, a forward pre-hook with kwargs) and gives the kept
-    share of their last forward (:meth:`share`)."""
+    """Records the real tokens entering each encoder (`hook`, a forward pre-hook with kwargs) and gives the kept
+    share of their last forward (`share`)."""
 
     def __init__(self) -> None:
         self._entering: dict[int, tuple[Tensor, int]] = {}  # id(encoder) -> (real tokens, samples) of its last forward

@@ -1,21 +1,21 @@
 """The accumulation windows of a training run that may resume anywhere, and may end inside a window.
 
 The windows of an epoch are laid from an *anchor*: a micro-batch known to start a window and the optimizer step it
-produces (the epoch's first micro-batch and the step then; saved in checkpoints, so a resumed epoch keeps its
-windows). Each window follows :class:`~lightning_peft.training.accumulation.AccumulationSchedule`.
+produces (the epoch's first micro-batch and the step then; saved in checkpoints, so a resumed epoch keeps its windows).
+Each window follows [`AccumulationSchedule`][lightning_peft.training.AccumulationSchedule].
 
-Loss division (:meth:`WindowTracker.loss_window`): each micro-batch's loss is divided by its window's size, except
+Loss division (`WindowTracker.loss_window`): each micro-batch's loss is divided by its window's size, except
 
 - resumed inside a window (a checkpoint saved between its micro-batches): the gradient of the micro-batches before
   the checkpoint is not in the checkpoint, so the rest of the window is divided by the micro-batches it has left;
 - a stream of unknown length ending inside a window: the step comes at the last micro-batch, so it is divided by the
   micro-batches the window got, and the gradient accumulated so far is rescaled
-  (:func:`~lightning_peft.training.accumulation.shorten_window`).
+  ([`shorten_window`][lightning_peft.training.shorten_window]).
 
 Either way each optimizer step averages over the micro-batches it got. Lightning-free: the ``GradientAccumulation``
 callback feeds it the trainer's counters.
 
-Example:
+Examples:
     >>> from lightning_peft.training import AccumulationSchedule
     >>> tracker, schedule = WindowTracker(), AccumulationSchedule(4)
     >>> tracker.window(schedule, epoch=0, batch=5, num_batches=10, step=0)  # anchored at batch 5, step 0
@@ -48,7 +48,7 @@ class WindowTracker:
         self._restored, self._resumed_at = False, None
 
     def restore(self, anchor: Sequence[int] | None) -> None:
-        """The anchor from a checkpoint (:attr:`anchor` as a list, or None)."""
+        """The anchor from a checkpoint (`anchor` as a list, or None)."""
         self.anchor = None if anchor is None else (int(anchor[0]), int(anchor[1]), int(anchor[2]))
         self._restored, self._resumed_at = True, None
 
@@ -103,7 +103,7 @@ def fit_steps(schedule: AccumulationSchedule, num_batches: float, max_epochs: in
     """The optimizer steps of a fit of ``max_epochs`` epochs of ``num_batches`` micro-batches, at most ``max_steps``
     (-1: no limit); ``inf`` when the fit has no end in steps (``max_epochs`` None or -1, ``num_batches`` inf).
 
-    Example:
+    Examples:
         >>> fit_steps(AccumulationSchedule({0: 1, 3: 4}), num_batches=10, max_epochs=2, max_steps=-1)
         8
     """
