@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _memory import MALLOC_MODES, interpreter_run, reset_peak_rss, rss_kb  # noqa: E402
 from _report import finish, output_arguments, save_figure, say  # noqa: E402
 from lightning_peft.nn import TransformerDecoder, apply_activation_checkpointing  # noqa: E402
+from lightning_peft.nn.checkpointing import checkpointed_modules  # noqa: E402
 from lightning_peft.peft import inject_lora  # noqa: E402
 
 DEPTHS = (4, 8, 16, 24)
@@ -78,8 +79,8 @@ def build(args: argparse.Namespace, depth: int, name: str) -> nn.Module:
                                num_heads=args.heads, ffn_size=args.ffn, max_position_embeddings=args.seq_len)
     inject_lora(model, rank=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     with torch.no_grad():  # B != 0, so the adapters are on the gradient path of every block
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
+        for key, p in model.named_parameters():
+            if "lora_B" in key:
                 p.normal_(0, 0.02)
     if name != "plain":
         apply_activation_checkpointing(model, release_memory=None if name == "checkpointed" else False)
@@ -146,7 +147,8 @@ def measure_one(args: argparse.Namespace, name: str, depth: int) -> dict[str, fl
     _, after = rss_kb()
     grads = trainable_grad_mb(model)
     return {"growth_mb": (after - before) / 1024, "activation_mb": (after - before) / 1024 - grads,
-            "trainable_grad_mb": grads, "peak_was_reset": was_reset}
+            "trainable_grad_mb": grads, "peak_was_reset": was_reset,
+            "checkpointed_blocks": len(checkpointed_modules(model))}
 
 
 def measure_memory(args: argparse.Namespace) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
