@@ -9,6 +9,19 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs 2 workers on the 2 cores: one thread each
+    torch.set_num_threads(1)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under ``-n 2 --dist loadgroup`` (``make test``), a file's tests run on one worker (its module fixtures are
+    built once), and every file that reads the session's 2-rank launch runs on the same worker, so the launch
+    happens once: each worker has its own session."""
+    shared = {item.path for item in items if "two_ranks" in item.fixturenames}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("two_ranks" if item.path in shared else str(item.path)))
+
 
 @pytest.fixture
 def tiny_bert_config():
