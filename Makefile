@@ -30,10 +30,10 @@ demo: $(VENV)/.installed-examples
 	HF_HUB_OFFLINE=1 $(VENV)/bin/lightning-peft fit --config $(CONFIG)
 
 # The suite on 2 workers (pytest-xdist; PYTEST_WORKERS=0 runs it in one process): a file's tests stay on one
-# worker, and the files that share the session's 2-rank launch share a worker (tests/conftest.py).
+# worker, and the files that share the session's 2-rank launch share a worker (tests/conftest.py's scheduler).
 PYTEST_WORKERS ?= 2
 test: $(VENV)/.installed-test
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed-bench
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_lora.py

@@ -13,14 +13,23 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs 2 workers on the 2
     torch.set_num_threads(1)
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """Under ``-n 2 --dist loadgroup`` (``make test``), a file's tests run on one worker (its module fixtures are
-    built once), and every file that reads the session's 2-rank launch runs on the same worker, so the launch
-    happens once: each worker has its own session."""
-    shared = {item.path for item in items if "two_ranks" in item.fixturenames}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("two_ranks" if item.path in shared else str(item.path)))
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``-n 2`` (``make test``): every file of a job of the session's 2-rank launch runs on one worker, so the
+    launch happens once (each worker has its own session); any other file runs whole on one worker, so its module
+    fixtures are built once. (xdist's own ``loadgroup`` marks cannot do it: xdist 3.8 writes the group into
+    ``Item._nodeid``, which pytest 9 no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    from tests._two_ranks import JOBS
+
+    shared = {user for user, _ in JOBS.values()}
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "two_ranks" if path in shared else path
+
+    return Scheduling(config, log)
 
 
 @pytest.fixture
