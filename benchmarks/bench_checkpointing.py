@@ -7,10 +7,10 @@ case where reentrant checkpointing silently gives zero gradients), batch 4 x 256
 the language-model cross-entropy on random labels:
 
 - **plain**: ordinary autograd, which keeps every block's activations until backward;
-- **checkpointed**: :func:`lightning_peft.nn.apply_activation_checkpointing` with its defaults (every
-  ``TransformerBlock``, non-reentrant; ``release_memory=None``: on glibc, ``malloc_trim(0)`` after each block's
-  forward returns the heap pages its temporaries freed): each block keeps its input and is run again in backward;
-- **kept**: the same with ``release_memory=False`` (the freed pages stay with glibc), for the record.
+- **checkpointed**: :func:`lightning_peft.nn.apply_activation_checkpointing` (every ``TransformerBlock``,
+  non-reentrant) with ``release_memory=None``: on glibc, ``malloc_trim(0)`` after each block's forward returns the
+  heap pages its temporaries freed; each block keeps its input and is run again in backward;
+- **kept**: the same with ``release_memory=False``, the default (the freed pages stay with glibc).
 
 Both are the same model with the same weights; before measuring, the script checks on a small input that every
 trainable gradient is the same on both sides (aborts above 1e-6 relative).
@@ -64,7 +64,7 @@ from lightning_peft.nn.checkpointing import checkpointed_modules  # noqa: E402
 from lightning_peft.peft import inject_lora  # noqa: E402
 
 DEPTHS = (4, 8, 16, 24)
-CONTENDERS = ("checkpointed", "plain", "kept")  # kept: checkpointed with release_memory=False
+CONTENDERS = ("checkpointed", "plain", "kept")  # kept: checkpointed with release_memory=False (the default)
 GRADIENT_TOLERANCE = 1e-6
 # The model's and the batch's sizes: (the real run's, --quick's); a memory child gets the same.
 SIZES = {"batch_size": (4, 1), "seq_len": (256, 16), "hidden": (256, 32), "heads": (4, 2), "ffn": (1024, 64),
@@ -72,8 +72,8 @@ SIZES = {"batch_size": (4, 1), "seq_len": (256, 16), "hidden": (256, 32), "heads
 
 
 def build(args: argparse.Namespace, depth: int, name: str) -> nn.Module:
-    """The decoder with LoRA; ``name``: "plain", "checkpointed" (the defaults: freed heap pages released after each
-    block's forward) or "kept" (checkpointed with ``release_memory=False``)."""
+    """The decoder with LoRA; ``name``: "plain", "checkpointed" (``release_memory=None``: freed heap pages released
+    after each block's forward) or "kept" (checkpointed with ``release_memory=False``, the default)."""
     torch.manual_seed(0)
     model = TransformerDecoder(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=depth,
                                num_heads=args.heads, ffn_size=args.ffn, max_position_embeddings=args.seq_len)
@@ -240,7 +240,8 @@ def report_tables(args: argparse.Namespace, times: dict, memory: dict, error: fl
     grads = next(iter(memory.values()))["plain"][str(deepest)]["trainable_grad_mb"]
     say(f"\nTrainable (LoRA) gradients subtracted: {grads:.2f} MB at {deepest} blocks. mmap128k: "
         "MALLOC_MMAP_THRESHOLD_=131072, every block of 128 KiB or more its own mapping, returned on free. "
-        "checkpointed: the defaults (release_memory=None: glibc's malloc_trim(0) after each block's forward).")
+        "checkpointed: release_memory=None (glibc's malloc_trim(0) after each block's forward); kept: "
+        "release_memory=False, the default.")
     med = {k: statistics.median(v) for k, v in times.items()}
     f_ms, b_ms = med["forward"], med["backward"]
     floor = (2 * f_ms + b_ms) / (f_ms + b_ms)

@@ -50,10 +50,11 @@ class ActivationCheckpointing(Callback):
         release_memory: After each checkpointed block's forward on the CPU, return the heap pages it freed to the
             operating system (glibc ``malloc_trim``); without it glibc's default malloc keeps them resident and
             checkpointing saves less (measured at 24 blocks: 0.40 of the plain activation memory instead of 0.24,
-            for 1.13x the step time). None: on where glibc provides it; False: never.
+            for 1.13x the step time). None: on where glibc provides it; False (default): never (see
+            `lightning_peft.nn.apply_activation_checkpointing` for why it is off by default).
     """
 
-    def __init__(self, modules: list[str] | None = None, release_memory: bool | None = None) -> None:
+    def __init__(self, modules: list[str] | None = None, release_memory: bool | None = False) -> None:
         self.modules = check_modules(modules, "ActivationCheckpointing")
         self.release_memory = check_release_memory(release_memory, "ActivationCheckpointing")
         self._applied: pl.LightningModule | None = None

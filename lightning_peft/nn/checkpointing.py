@@ -122,7 +122,7 @@ def apply_activation_checkpointing(
     model: nn.Module,
     modules: Sequence[str | type] | None = None,
     *,
-    release_memory: bool | None = None,
+    release_memory: bool | None = False,
     who: str = _WHO,
 ) -> dict[str, nn.Module]:
     """Checkpoint the forward of the chosen modules of ``model`` (see the module docstring for ``modules``).
@@ -134,8 +134,10 @@ def apply_activation_checkpointing(
             after each such forward on the CPU (glibc's ``malloc_trim(0)``, about 0.1-0.6 ms a call). Under glibc's
             default malloc, the freed temporaries of each block lie below the block's kept input in the heap, so
             they stay resident: measured at 24 blocks (``benchmarks/bench_checkpointing.py``), activation memory
-            is 0.40 of the plain model's without the release and 0.24 with it, at 1.13x the step time. None
-            (default): on where glibc provides ``malloc_trim``; True there only; False: never. Numerics are unchanged.
+            is 0.40 of the plain model's without the release and 0.24 with it, at 1.13x the step time. None: on
+            where glibc provides ``malloc_trim``; True: there only; False (default): never. Numerics are unchanged.
+            Off by default: it acts on the whole process's allocator, and one CI run that had used it crashed a
+            gloo thread inside ``malloc`` later in the same process, which was not ruled out as its effect.
         who: Who asks, in error messages (the callback gives its name).
 
     Returns:
@@ -210,7 +212,7 @@ def remove_activation_checkpointing(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def check_release_memory(release_memory: object, who: str) -> bool:
-    """``release_memory`` resolved: None is whether glibc's ``malloc_trim`` is here; True must find it."""
+    """``release_memory`` resolved: None is whether glibc's ``malloc_trim`` is here; True must find it; False."""
     if release_memory is None:
         return _malloc_trim_function() is not None
     if not isinstance(release_memory, bool):

@@ -284,7 +284,9 @@ def test_release_memory_trims_after_each_checkpointed_forward_on_the_cpu_and_cha
     calls = []
     monkeypatch.setattr(checkpointing, "_malloc_trim", lambda: (calls.append(1), real(0)))  # a spy: the real trim runs
     model = decoder()
-    wrapped = apply_activation_checkpointing(model)  # None: on where glibc provides malloc_trim
+    default = apply_activation_checkpointing(decoder())
+    assert not any(vars(m)["forward"].release_memory for m in default.values())  # off unless asked for
+    wrapped = apply_activation_checkpointing(model, release_memory=None)  # None: on where glibc has malloc_trim
     assert all(vars(m)["forward"].release_memory for m in wrapped.values())
     _, got = gradients(model)
     assert len(calls) == len(wrapped)  # once per block forward; the recomputation in backward does not trim
