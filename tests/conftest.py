@@ -13,6 +13,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs 2 workers on the 2
     torch.set_num_threads(1)
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of xdist's: pytest without xdist runs the suite too
 def pytest_xdist_make_scheduler(config, log):
     """Under ``-n 2`` (``make test``): every file of a job of the session's 2-rank launch runs on one worker, so the
     launch happens once (each worker has its own session); any other file runs whole on one worker, so its module
