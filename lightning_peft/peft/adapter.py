@@ -23,7 +23,8 @@ What an [`Adapter`][lightning_peft.peft.Adapter] answers:
 | ``unload(model, merge)`` | put the plain modules back (merged or not) and forget the adapter |
 | ``peft_config(model)`` | the ``adapter_config.json`` content; ``peft_state(model)`` the tensors under PEFT's keys; ``from_peft(model, config, source)`` injects what a PEFT config describes |
 | ``peft_key_prefix`` | what PEFT's files put before those keys (``base_model.model.``; prompt learning: none) |
-| ``peft_fields`` | the ``adapter_config.json`` fields PEFT's config class has (None: the technique checks its own); [`load_adapter`][lightning_peft.peft.load_adapter] warns about any other field |
+| ``peft_fields`` | the ``adapter_config.json`` fields PEFT's config class has (None: any); [`load_adapter`][lightning_peft.peft.load_adapter] warns about any other field |
+| ``format_version`` | set for a file format of lightning-peft's own (PEFT has none for the technique): [`load_adapter`][lightning_peft.peft.load_adapter] refuses a file of another version, and any field outside ``peft_fields``, before the technique reads it |
 | ``training_only`` | config keys that only steer training (dropout, init): a resume may change them |
 | ``resume_fields(config)`` | a config_dict as the flat fields that must agree to resume (less ``training_only``) |
 | ``matches(config)`` | whether the adapter is what a config describes (a callback asking again goes on) |
@@ -61,6 +62,7 @@ class Adapter(ABC):
     mergeable: ClassVar[bool] = False
     peft_key_prefix: ClassVar[str] = "base_model.model."
     peft_fields: ClassVar[frozenset[str] | None] = None
+    format_version: ClassVar[int | None] = None
     training_only: ClassVar[tuple[str, ...]] = ()  # config_dict() keys that only steer training: a resume may change them
 
     @abstractmethod

@@ -86,6 +86,7 @@ from torch import Tensor, nn
 from ._bottleneck_config import (
     DEFAULT_INIT_SCALE,
     DEFAULT_REDUCTION_FACTOR,
+    FILE_FIELDS,
     FORMAT_VERSION,
     PEFT_TYPE,
     BottleneckConfig,
@@ -103,10 +104,10 @@ from .adapter import (
 )
 from .modules_to_save import plain_key, restore_modules, saved_state, set_submodule, wrap_modules_to_save
 
-__all__ = ["DEFAULT_INIT_SCALE", "DEFAULT_REDUCTION_FACTOR", "FORMAT_VERSION", "NON_LINEARITIES", "PEFT_TYPE",
-           "Bottleneck", "BottleneckAdapter", "BottleneckConfig", "BottleneckLayer", "Placement", "Projection",
-           "Targets", "as_config", "bottleneck_layers", "check_targets", "config_from_file", "inject_bottleneck_adapters",
-           "output_size", "unload_bottleneck_adapters"]
+__all__ = ["DEFAULT_INIT_SCALE", "DEFAULT_REDUCTION_FACTOR", "FILE_FIELDS", "FORMAT_VERSION", "NON_LINEARITIES",
+           "PEFT_TYPE", "Bottleneck", "BottleneckAdapter", "BottleneckConfig", "BottleneckLayer", "Placement",
+           "Projection", "Targets", "as_config", "bottleneck_layers", "check_targets", "config_from_file",
+           "inject_bottleneck_adapters", "output_size", "unload_bottleneck_adapters"]
 
 log = logging.getLogger(__name__)
 _WHO = "BottleneckAdapters"
@@ -220,6 +221,8 @@ class BottleneckAdapter(Adapter):
 
     kind: ClassVar[str] = "bottleneck"
     peft_type: ClassVar[str] = PEFT_TYPE
+    peft_fields: ClassVar[frozenset[str]] = FILE_FIELDS  # our own format: exact, at this version
+    format_version: ClassVar[int] = FORMAT_VERSION
     mergeable: ClassVar[bool] = False
     #: ``config_dict()["config"]`` keys that only steer training: a resume may change them.
     training_only: ClassVar[tuple[str, ...]] = ("dropout", "init_scale")

@@ -298,7 +298,7 @@ def _load_one(model: nn.Module, directory: Path, adapter_name: str) -> None:
     config = read_adapter_config(directory)
     source = str(directory / CONFIG_NAME)
     cls = technique_for_peft_type(config.get("peft_type"), source)
-    _warn_about_unknown_fields(config, cls, source)
+    _check_fields(config, cls, source)
     tensors = read_adapter_weights(directory, cls.peft_key_prefix)
     _refuse_non_finite(tensors, directory, cls.peft_key_prefix)
     adapter = attached(model).get(cls.kind)
@@ -324,12 +324,25 @@ def _load_one(model: nn.Module, directory: Path, adapter_name: str) -> None:
             expected[key].copy_(value)
 
 
-def _warn_about_unknown_fields(config: dict, cls: type[Adapter], source: str) -> None:
-    """Fields neither we nor PEFT's config class know: probably a typo or a newer format, and ignored here."""
-    if cls.peft_fields is None:
-        return
-    unknown = sorted(set(config) - cls.peft_fields)
-    if unknown:
+def _check_fields(config: dict, cls: type[Adapter], source: str) -> None:
+    """The file's version and fields against what ``cls`` reads. Our own format (``format_version`` set) is exact: a
+    field we do not know would be ignored, so it is refused. PEFT's fields are open (a typo, or a newer format, is
+    ignored), so they are warned about."""
+    known = cls.peft_fields
+    unknown = sorted(set(config) - known) if known is not None else []
+    what = f"{cls.kind.replace('_', ' ')} adapter"
+    if cls.format_version is not None:
+        if config.get("format_version") != cls.format_version:
+            raise ValueError(
+                f"load_adapter: {source} has format_version={config.get('format_version')!r}; this version of "
+                f"lightning-peft reads {what}s of format_version {cls.format_version}. Upgrade lightning-peft."
+            )
+        if unknown:
+            raise ValueError(
+                f"load_adapter: {source} has field {unknown[0]!r}, which a {what} config does not have; loading it "
+                f"would ignore what it means. Fields: {', '.join(sorted(known or ()))}."
+            )
+    elif unknown:
         warnings.warn(
             f"load_adapter: {source} has field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}, "
             f"which Hugging Face PEFT's {cls.peft_type} config does not have (as of peft 0.21.2); "
