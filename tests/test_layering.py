@@ -151,3 +151,28 @@ def test_the_cycle_check_finds_a_lazy_cycle(tmp_path):
     assert cycles(graph) == [["lightning_peft.a.x", "lightning_peft.b"]]
     assert cycles(layer_graph(graph)) == [["a", "b"]]
     assert graph["lightning_peft"] == set()
+
+
+# ------------------------------------------------------------------------------------------------ file sizes
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def test_technique_files_and_callbacks_stay_within_their_sizes():
+    """The redesign's size goals, kept: no file over 400 lines in the technique layers; a PEFT technique's callback
+    (an `AdapterCallback` subclass: a typed constructor and one inject) under 100, any other callback file 250."""
+    import inspect
+
+    import lightning_peft.callbacks as callbacks
+    from lightning_peft.callbacks._adapter import AdapterCallback
+
+    over = [f"{p.relative_to(PACKAGE)}: {_lines(p)}" for layer in ("peft", "training", "nn")
+            for p in sorted((PACKAGE / layer).rglob("*.py")) if _lines(p) > 400]
+    technique = {Path(inspect.getsourcefile(c)) for c in vars(callbacks).values()
+                 if isinstance(c, type) and issubclass(c, AdapterCallback) and c is not AdapterCallback}
+    assert {p.stem for p in technique} == {"lora", "multi_lora", "bottleneck", "prompt_tuning", "prefix_tuning"}
+    over += [f"{p.relative_to(PACKAGE)}: {_lines(p)}" for p in sorted(technique) if _lines(p) >= 100]
+    over += [f"{p.relative_to(PACKAGE)}: {_lines(p)}" for p in sorted((PACKAGE / "callbacks").glob("*.py"))
+             if _lines(p) > 250]
+    assert not over, over

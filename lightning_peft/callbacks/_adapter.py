@@ -41,7 +41,8 @@ class AdapterCallback(Callback):
 
     A subclass sets ``who`` (its name in messages), ``kind`` (its [`Adapter`][lightning_peft.peft.Adapter]'s) and
     ``what`` (the adapter in words: ``"a LoRA adapter"``), keeps its settings in ``self.config`` (an object with
-    ``to_dict()``) or overrides `settings`, and defines `inject`.
+    ``to_dict()``; several named adapters: ``self.configs``, ``{name: config}``) or overrides `settings`, and defines
+    `inject`.
     """
 
     who: ClassVar[str]
@@ -74,10 +75,17 @@ class AdapterCallback(Callback):
     def check(self, trainer: pl.Trainer) -> None:
         """Refuse a strategy the technique cannot run under (called first in ``setup``; default: none)."""
 
+    def adapter_configs(self) -> list[Any]:
+        """The configs of this callback's adapters: ``self.configs``' values (several named adapters), else
+        ``[self.config]`` (``[None]`` for a callback that keeps its settings otherwise)."""
+        configs = getattr(self, "configs", None)
+        return list(configs.values()) if configs else [getattr(self, "config", None)]
+
     @property
     def quantize(self) -> str | None:
-        """How the adapted layers' frozen base is quantized (``"nf4"``, ``"int8"``; default None: full precision)."""
-        return None
+        """How the adapted layers' frozen base is quantized (``"nf4"``, ``"int8"``; None: full precision): the
+        configs' ``quantize``, one setting for all adapters."""
+        return getattr(self.adapter_configs()[0], "quantize", None)
 
     def saving(self, model: nn.Module) -> str:
         """``", saving <modules> in full"`` for the info line (empty if the adapter saves no module in full)."""
@@ -86,7 +94,7 @@ class AdapterCallback(Callback):
 
     def own_dropout(self) -> float:
         """The dropout probability this callback's adapter uses (the largest, for several adapters)."""
-        return float(getattr(getattr(self, "config", None), "dropout", 0.0) or 0.0)
+        return max(float(getattr(config, "dropout", 0.0) or 0.0) for config in self.adapter_configs())
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

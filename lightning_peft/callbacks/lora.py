@@ -2,8 +2,7 @@
 
 The math lives in [`lightning_peft.peft`][lightning_peft.peft]; `AdapterCallback` calls it:
 [`inject_lora`][lightning_peft.peft.inject_lora] at ``setup`` (before ``configure_optimizers``); a model that already
-has
-this adapter is used as it is if the config agrees. Checkpoints record the adapters; ``adapter_only_checkpoint=True``
+has this adapter is used as it is if the config agrees. Checkpoints record the adapters; ``adapter_only_checkpoint=True``
 drops the frozen base parameters (those no adapter owns) and keeps the adapters, trained biases, ``modules_to_save``,
 any other trainable parameter and the buffers. Resuming with another rank, alpha or target set is refused.
 
@@ -27,7 +26,7 @@ from torch import nn
 from lightning_peft.callbacks._adapter import AdapterCallback
 from lightning_peft.callbacks._lightning import warn_emulated_bf16
 from lightning_peft.peft.adapter import DEFAULT
-from lightning_peft.peft.lora import as_config, inject_lora, lora_spec
+from lightning_peft.peft.lora import as_config, inject_lora
 
 
 class LoRA(AdapterCallback):
@@ -88,15 +87,12 @@ class LoRA(AdapterCallback):
     def request(self) -> dict[str, Any]:  # the model's first adapter must be this one, whatever its name
         return {"adapters": {DEFAULT: {"config": self.config.to_dict()}}, "first_only": True}
 
-    quantize = property(lambda self: self.config.quantize)
-
     def check(self, trainer: pl.Trainer) -> None:
         warn_emulated_bf16("LoRA", trainer)
 
     def inject(self, trainer: pl.Trainer, model: nn.Module) -> str:
         layers = inject_lora(model, self.config)
-        saved = lora_spec(model).modules_to_save
         dora = "DoRA, " if self.config.use_dora else ""
         return (f"adapted {len(layers)} modules of {type(model).__name__} ({dora}rank {self.config.rank}, alpha "
-                f"{self.config.alpha}{', saving ' + ', '.join(saved) + ' in full' if saved else ''})")
+                f"{self.config.alpha}{self.saving(model)})")
 

@@ -70,9 +70,6 @@ class MultiLoRA(RoutesBatches, AdapterCallback):
         self.routing_key = routing_key
         self.active = active or self.names[0]
 
-    def own_dropout(self) -> float:
-        return max(config.dropout for config in self.configs.values())
-
     def settings(self) -> dict[str, Any]:
         return {name: config.to_dict() for name, config in self.configs.items()}
 
@@ -82,7 +79,6 @@ class MultiLoRA(RoutesBatches, AdapterCallback):
     def shown(self, adapter: LoRAAdapter) -> Any:
         return {name: config for name, (config, _) in adapter.adapters.items()}
 
-    quantize = property(lambda self: next(iter(self.configs.values())).quantize)  # shared by every adapter
     def check(self, trainer: pl.Trainer) -> None:
         check_strategy(trainer.strategy)
 

@@ -63,10 +63,8 @@ class PromptTuning(AdapterCallback):
         super().__init__(adapter_only_checkpoint, model_attribute)
         check_options(num_virtual_tokens, init, init_text, modules_to_save, "PromptTuning")
         if tokenizer is not None and not isinstance(tokenizer, str):
-            raise TypeError(
-                f"PromptTuning(tokenizer={type(tokenizer).__name__}): give the tokenizer's name or directory "
-                "(or leave it None to use the datamodule's tokenizer)."
-            )
+            raise TypeError(f"PromptTuning(tokenizer={type(tokenizer).__name__}): give the tokenizer's name or "
+                            "directory (or leave it None to use the datamodule's tokenizer).")
         self.num_virtual_tokens = int(num_virtual_tokens)
         self.init = init
         self.init_text = init_text
