@@ -48,6 +48,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from .._checks import integer
 from .adapter import unwrap
 from .layers import LoRALayer, require_spec
 from .lora import LoRAAdapter, add_adapter
@@ -214,9 +215,7 @@ def _combined_rank(target: str, layer: LoRALayer, weights: Mapping[str, float], 
         return sum(ranks.values())
     if rank is None:
         return max(ranks.values())
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-        raise ValueError(f"combine_adapters(rank={rank!r}): rank must be a positive integer.")
-    return rank
+    return integer("combine_adapters", "rank", rank, minimum=1, example="8")
 
 
 def _factors(layer: LoRALayer, name: str) -> tuple[Tensor, Tensor]:

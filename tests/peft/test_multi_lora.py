@@ -434,6 +434,10 @@ def test_combine_errors():
         combine_adapters(model, {"a": 1.0}, "mix", method="cat", rank=2)
     with pytest.raises(ValueError, match=r"combine_adapters: weight nan of 'a' must be a finite number"):
         combine_adapters(model, {"a": float("nan")}, "mix")
+    with pytest.raises(ValueError, match=r"combine_adapters\(rank=0\): rank must be an integer >= 1, e\.g\. 8\.$"):
+        combine_adapters(model, {"a": 1.0}, "mix", method="svd", rank=0)
+    with pytest.raises(TypeError, match=r"combine_adapters\(rank=2\.5\): rank must be an integer >= 1"):
+        combine_adapters(model, {"a": 1.0}, "mix", method="svd", rank=2.5)
     assert "mix" not in lora_layers(model)["blocks.0.query"].specs  # nothing half-built
 
 
