@@ -55,15 +55,17 @@ def unmatched(targets: Targets, names: Iterable[str]) -> list[str]:
     return [t for t in targets if not any(name_matches(n, [t]) for n in names)]
 
 
-def refuse_unmatched(who: str, targets: Targets, names: Iterable[str], model: nn.Module, describe) -> None:
-    """Raise if an entry of a ``target_modules`` list matches no module: a typo would silently adapt fewer modules.
+def refuse_unmatched(who: str, targets: Targets, names: Iterable[str], model: nn.Module, describe,
+                     what: str = "target_modules") -> None:
+    """Raise if an entry of a ``target_modules`` list (or of the ``what`` list) matches no module: a typo would
+    silently adapt fewer modules (or, for ``exclude_modules``, more).
 
     ``describe(model)`` lists the modules the technique can adapt, for the message.
     """
     missing = unmatched(targets, names)
     if missing:
         raise ValueError(
-            f"{who}(target_modules={targets!r}): {', '.join(repr(m) for m in missing)} matched no module of "
+            f"{who}({what}={targets!r}): {', '.join(repr(m) for m in missing)} matched no module of "
             f"{type(model).__name__} (an entry matches a module whose name equals it or ends with '.' + it). "
             f"Fix or remove {'it' if len(missing) == 1 else 'them'}; modules it can adapt: {describe(model)}."
         )

@@ -230,6 +230,12 @@ def config_from_peft(config: dict, source: str = "adapter_config.json", who: str
             f"{who}: {source} sets init_lora_weights={init!r}, an initialisation that also rewrites the base "
             f"weights; lightning-peft does not implement it, so the adapter would mean something else here; {instead}."
         )
+    if who != "load_adapter" and init not in (True, "gaussian"):  # a loaded adapter's init is overwritten anyway
+        raise ValueError(
+            f"{who}: {source} sets init_lora_weights={init!r}; lightning-peft starts LoRA as PEFT's True (B = 0, A "
+            "Kaiming-uniform) or 'gaussian' (A normal) only, so this adapter would start elsewhere than asked; pass "
+            "init_lora_weights=True or 'gaussian', or use Hugging Face PEFT for it."
+        )
     if who != "load_adapter" and config.get("target_modules") is None:
         raise ValueError(
             f"{who}: {source} has target_modules=None; lightning-peft does not guess PEFT's per-architecture "

@@ -133,6 +133,11 @@ def config_for_model(model: nn.Module, config: dict[str, Any], source: str) -> L
                       f"{type(unwrap(model)).__name__}; they are ignored, as PEFT ignores them.",
                       UserWarning, stacklevel=4)
         ours = dataclasses.replace(ours, target_modules=[t for t in ours.target_modules if t not in missing])
+    exclude = ours.exclude_modules
+    if exclude is not None:  # PEFT ignores exclusions that match nothing: they change nothing it adapts
+        kept = ([e for e in exclude if e not in unmatched(exclude, names)] if not isinstance(exclude, str)
+                else exclude if any(re.fullmatch(exclude, n) for n in names) else None)
+        ours = dataclasses.replace(ours, exclude_modules=kept or None)
     return ours
 
 

@@ -28,7 +28,9 @@ import warnings
 
 from torch import nn
 
-from ._common import chosen_by_name, inside, name_matches, pattern_matches, refuse_no_target, task_heads
+from ._common import (
+    Targets, chosen_by_name, inside, name_matches, pattern_matches, refuse_no_target, refuse_unmatched, task_heads,
+)
 from .adapter import attached
 from .layers import LoRALayer, conv1d_type
 from .lora_config import LoRAConfig
@@ -97,6 +99,7 @@ def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]
         refuse_no_target("LoRA", config.target_modules, model, "adapt", _describe_modules(model),
                          "bert.encoder.layer.0.attention.self.query")
     if config.exclude_modules is not None:
+        _refuse_unmatched_exclusion(model, config.exclude_modules, names)
         kept = [n for n in chosen if not name_matches(n, config.exclude_modules)]
         if not kept:
             raise ValueError(
@@ -108,6 +111,18 @@ def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]
     _check_types(model, config, chosen, modules, inside_fused)
     _check_aliases(chosen, names, modules)
     return chosen, to_save
+
+
+def _refuse_unmatched_exclusion(model: nn.Module, exclude: Targets, names: list[str]) -> None:
+    """A typo in ``exclude_modules`` would silently adapt what it meant to keep out: every list entry, and a regular
+    expression, must match some module."""
+    refuse_unmatched("LoRA", exclude, names, model, _describe_modules, what="exclude_modules")
+    if isinstance(exclude, str) and not any(re.fullmatch(exclude, n) for n in names):
+        raise ValueError(
+            f"LoRA(exclude_modules={exclude!r}): the regular expression matches no module name of "
+            f"{type(model).__name__} (it must match a full name, e.g. {_preview(names)}). Fix it, or leave "
+            "exclude_modules out."
+        )
 
 
 def _adaptable_view(model: nn.Module) -> dict[str, nn.Module]:

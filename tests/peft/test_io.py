@@ -152,6 +152,11 @@ PEFT_CASES = {
         r=2, lora_alpha=4, target_modules=r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj",
         exclude_modules=["layers.0.mlp.down_proj"], task_type="CAUSAL_LM",
     )),
+    # PEFT ignores an exclusion that matches nothing when another does; so does loading (injecting refuses it).
+    "bert-exclude-unmatched": ("bert", dict(
+        r=4, lora_alpha=16, target_modules=["query", "key", "value"], modules_to_save=["classifier"],
+        exclude_modules=["layer.0.attention.self.value", "nope"],
+    )),
 }
 
 
@@ -798,6 +803,21 @@ def test_a_peft_lora_config_object_is_accepted_and_means_the_same(tmp_path):
 def test_a_peft_lora_config_with_an_unsupported_feature_is_refused_by_name():
     with pytest.raises(ValueError, match=r"peft\.LoraConfig sets lora_bias=True, which lightning-peft does not support"):
         inject_lora(_fresh(_base("bert"), "bert"), LoraConfig(r=4, target_modules=["query"], lora_bias=True))
+
+
+@pytest.mark.parametrize("init", [False, "orthogonal"])
+def test_a_peft_lora_config_with_another_start_is_refused_and_a_saved_one_loads(tmp_path, init):
+    # Injecting from it would start elsewhere than PEFT does; a saved adapter's weights replace the start anyway.
+    with pytest.raises(ValueError, match=rf"inject_lora: peft\.LoraConfig sets init_lora_weights={init!r}; "
+                                         r"lightning-peft starts LoRA as PEFT's True .* or 'gaussian'"):
+        inject_lora(_fresh(_base("bert"), "bert"), LoraConfig(r=4, target_modules=["query"], init_lora_weights=init))
+    model = _fresh(_base("bert"), "bert")
+    inject_lora(model, rank=4, target_modules=["query"])
+    _randomise_ours(model)
+    save_adapter(model, tmp_path)
+    _edit_config(tmp_path, init_lora_weights=init)
+    loaded = load_adapter(_fresh(_base("bert"), "bert"), tmp_path)
+    torch.testing.assert_close(_out(loaded), _out(model))
 
 
 def test_peft_loads_an_adapter_from_a_compiled_model_with_plain_names(tmp_path):

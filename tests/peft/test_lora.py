@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from lightning_peft.peft import (
     trainable_parameters,
     unmerge_lora,
 )
+from lightning_peft.peft.adapter import attached
 from tests._models import Tiny, conv1d, randomise
 
 
@@ -689,6 +691,18 @@ def test_a_target_string_is_a_regex_and_the_error_says_to_use_a_list():
                                          r"regular expression that must match the full module name .* give a list: "
                                          r"\['query'\]"):
         inject_lora(Tiny(), target_modules="query")
+
+
+@pytest.mark.parametrize("exclude, message", [
+    (["qery"], r"LoRA\(exclude_modules=\['qery'\]\): 'qery' matched no module of Tiny .* Fix or remove it"),
+    (r"blocks\.9\..*", re.escape(r"LoRA(exclude_modules='blocks\\.9\\..*'): the regular expression matches no "
+                                 "module name of Tiny")),
+])
+def test_an_exclusion_that_matches_nothing_is_refused_as_a_typo(exclude, message):
+    model = Tiny()
+    with pytest.raises(ValueError, match=message):
+        inject_lora(model, target_modules="all-linear", exclude_modules=exclude)
+    assert not attached(model)
 
 
 def test_an_exclusion_that_removes_every_target_blames_exclude_modules():
