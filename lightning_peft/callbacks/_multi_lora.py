@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_peft._seams import data_parallel, refuse, splits_layers, strategy_family, tensor_parallel_size
@@ -67,6 +67,7 @@ class RoutesBatches(Callback):
     routing_key: str
     names: list[str]
     _routing: contextlib.ExitStack | None = None
+    _warned_unrouted = False
 
     def names_of(self, batch: Any) -> list[str | None] | None:
         """Each sample's adapter from ``batch[routing_key]`` (None when the batch has no such entry).
@@ -100,6 +101,8 @@ class RoutesBatches(Callback):
         self._end_routing()
         names = self.names_of(batch)
         if names is None:
+            if stage == "train":
+                self._warn_unrouted(batch)
             return
         stack = contextlib.ExitStack()
         stack.enter_context(route_adapters(self.adapted_model, names))  # checks the names and that none is merged
@@ -109,6 +112,20 @@ class RoutesBatches(Callback):
         for name in self.names:
             pl_module.log(f"{stage}_adapter_samples/{name}", float(names.count(name)), on_step=False, on_epoch=True,
                           reduce_fx="sum", batch_size=len(names))
+
+    def _warn_unrouted(self, batch: Any) -> None:
+        """Once: a training batch without the key trains the active adapter alone (a ``routing_key`` typo would train
+        one adapter of several, silently)."""
+        if self._warned_unrouted or len(self.names) < 2:
+            return
+        self._warned_unrouted = True
+        entries = f"its entries: {list(batch)}" if isinstance(batch, Mapping) else f"a {type(batch).__name__}"
+        rank_zero_warn(
+            f"MultiLoRA: a training batch has no {self.routing_key!r} entry ({entries}), so it trains the active "
+            f"adapter {getattr(self, 'active', None)!r} alone, and the others get no gradient from it. Name each "
+            f"sample's adapter in batch[{self.routing_key!r}], or set routing_key= to the entry that does.",
+            category=UserWarning,
+        )
 
     def _end_routing(self) -> None:
         stack, self._routing = self._routing, None

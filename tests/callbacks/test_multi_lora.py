@@ -4,6 +4,7 @@ adapters stay untouched, resume equals a straight run, exports hold every adapte
 from __future__ import annotations
 
 import copy
+import warnings
 
 import lightning.pytorch as pl
 import peft
@@ -96,7 +97,10 @@ def test_batches_without_the_key_use_the_active_adapter_and_counts_are_logged(ti
     callback = MultiLoRA(adapters=ADAPTERS, active="sport")
     unrouted = [{k: v for k, v in b.items() if k != "adapter"} for b in batches()]
     fit = trainer(tmp_path, max_steps=3, limit_val_batches=2, callbacks=[callback])
-    fit.fit(module, loader(), DataLoader(unrouted, batch_size=None))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit.fit(module, loader(), DataLoader(unrouted, batch_size=None))
+    assert not [w for w in caught if "MultiLoRA" in str(w.message)]  # unrouted validation batches: no warning
     metrics = fit.callback_metrics
     assert metrics["train_adapter_samples/news"] == 5 and metrics["train_adapter_samples/sport"] == 4
     assert "val_adapter_samples/news" not in metrics  # the validation batches had no routing key
@@ -105,6 +109,17 @@ def test_batches_without_the_key_use_the_active_adapter_and_counts_are_logged(ti
         expected = model(input_ids=unrouted[0]["input_ids"]).logits
         with route_adapters(model, ["sport"] * 4):
             assert torch.equal(model(input_ids=unrouted[0]["input_ids"]).logits, expected)
+
+
+def test_a_routing_key_no_training_batch_has_is_warned_about_once(tiny_bert_config, tmp_path):
+    module = Routed(tiny_bert_config)
+    callback = MultiLoRA(adapters=ADAPTERS, routing_key="task")  # the batches say "adapter"
+    with pytest.warns(UserWarning, match=r"MultiLoRA: a training batch has no 'task' entry \(its entries: "
+                                         r"\['input_ids', 'labels', 'adapter'\]\), so it trains the active adapter "
+                                         r"'news' alone.* or set routing_key= to the entry that does") as caught:
+        trainer(tmp_path, max_steps=3, callbacks=[callback]).fit(module, loader())
+    assert len([w for w in caught if "MultiLoRA: a training batch" in str(w.message)]) == 1
+    assert not any(torch.count_nonzero(p) for n, p in module.named_parameters() if "lora_B.sport" in n)
 
 
 def test_merge_on_save_exports_every_adapter_and_the_chosen_merged_model(tiny_bert_config, tmp_path):
