@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_peft.callbacks._lightning import refuse_changed_settings
+from lightning_peft.callbacks._lightning import refuse_changed_settings, refuse_earlier_model_copies
 from lightning_peft.callbacks._quantize import check_quantized_shards, check_quantized_strategy
 from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.callbacks._target import resolve_target
@@ -105,6 +105,7 @@ class AdapterCallback(Callback):
         self.adapted_model = model
         adapter = attached(model).get(self.kind)
         if adapter is None:
+            refuse_earlier_model_copies(trainer, self, self.who, self.what)
             line = self.inject(trainer, model)
             check_quantized_shards(f"{self.who}(quantize={self.quantize!r})", model, trainer.strategy)
             rank_zero_info(f"{self.who}: {line}; {trainable_parameters(pl_module)}")

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.accelerators import CPUAccelerator
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
@@ -122,4 +122,20 @@ def warn_emulated_bf16(who: str, trainer: pl.Trainer) -> None:
             "PyTorch emulates it, and a LoRA training step runs many times slower than in float32 (17x measured "
             "on such a CPU). Use precision='32-true' on this machine; bf16 pays on GPUs and on CPUs with "
             "AVX512-BF16/AMX."
+        )
+
+
+def refuse_earlier_model_copies(trainer: pl.Trainer, callback: Callback, who: str, what: str) -> None:
+    """Raise if a weight-averaging callback (``StochasticWeightAveraging``, ``WeightAveraging`` / EMA) comes before
+    ``callback`` in ``Trainer(callbacks=...)``: it copied the model in its ``setup``, before ``callback`` changes
+    the model there, so its average would be of another model (SWA fails later on mismatched shapes)."""
+    callbacks = list(trainer.callbacks)
+    mine = next((i for i, c in enumerate(callbacks) if c is callback), len(callbacks))
+    earlier = [c for c in callbacks[:mine] if isinstance(c, (StochasticWeightAveraging, WeightAveraging))]
+    if earlier:
+        name = type(earlier[0]).__name__
+        raise RuntimeError(
+            f"{who}: {name} comes before {who} in Trainer(callbacks=[...]), so it copied the model in its setup "
+            f"before {who} added {what}; its average would be of the model without them. Put {who} before {name} in "
+            "the callbacks list."
         )

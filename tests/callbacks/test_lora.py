@@ -7,7 +7,7 @@ import logging
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, ModelCheckpoint, StochasticWeightAveraging
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -122,6 +122,23 @@ def test_a_second_lora_config_on_an_adapted_model_is_refused(tiny_bert_config, t
     with pytest.raises(RuntimeError, match=r"LoRA: BertForSequenceClassification already has a LoRA adapter with "
                                            r"another config"):
         trainer(tmp_path, max_steps=1, callbacks=[LoRA(rank=2, target_modules=["key"])]).fit(module, loader())
+
+
+def test_weight_averaging_before_the_adapter_callback_is_refused_and_after_it_averages_the_adapted_model(
+        tiny_bert_config, tmp_path):
+    # SWA and EMA copy the model in their setup: before LoRA injected, the copy has no adapters (SWA then failed at
+    # its first epoch on mismatched shapes; EMA would average another model).
+    for averaging in (StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1), EMAWeightAveraging()):
+        module = Classifier(tiny_bert_config)
+        name = type(averaging).__name__
+        with pytest.raises(RuntimeError, match=rf"LoRA: {name} comes before LoRA in Trainer\(callbacks=\[\.\.\.\]\), "
+                                               rf"so it copied the model .* Put LoRA before {name}"):
+            trainer(tmp_path, max_steps=1, callbacks=[averaging, LoRA(**LORA_ARGS)]).fit(module, loader())
+        assert not lora_layers(module.model)  # refused before the model changed
+    module = Classifier(tiny_bert_config)
+    swa = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)
+    trainer(tmp_path, max_epochs=2, limit_train_batches=2, callbacks=[LoRA(**LORA_ARGS), swa]).fit(module, loader())
+    assert swa.n_averaged is not None and int(swa.n_averaged) >= 1 and lora_layers(module.model)
 
 
 def test_unknown_model_attribute_is_refused(tiny_bert_config, tmp_path):
