@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import override
 
@@ -106,7 +107,7 @@ class AdapterCallback(Callback):
         adapter = attached(model).get(self.kind)
         if adapter is None:
             refuse_earlier_model_copies(trainer, self, self.who, self.what)
-            line = self.inject(trainer, model)
+            line = inject_or_explain(self, trainer, pl_module, model)
             check_quantized_shards(f"{self.who}(quantize={self.quantize!r})", model, trainer.strategy)
             rank_zero_info(f"{self.who}: {line}; {trainable_parameters(pl_module)}")
         elif not adapter.matches(self.request()):
@@ -137,6 +138,22 @@ class AdapterCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         refuse_changed_settings(self.who, state_dict.get("config") or {}, self.settings(),
                                 technique(self.kind).training_only)
+
+
+def inject_or_explain(callback: AdapterCallback, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                      model: nn.Module) -> str:
+    """``callback.inject``; a failure on a LightningModule that builds layers in ``configure_model`` says that those
+    layers do not exist yet (Lightning calls that hook after the callbacks' ``setup``, where adapters go in)."""
+    try:
+        return callback.inject(trainer, model)
+    except (ValueError, TypeError) as err:
+        if not is_overridden("configure_model", pl_module):
+            raise
+        raise type(err)(
+            f"{err} Note: {type(pl_module).__name__} overrides configure_model, which Lightning calls after the "
+            f"callbacks' setup, where {callback.who} adds {callback.what}: layers built there do not exist yet. Build "
+            "the model in __init__ (from_pretrained there, as usual)."
+        ) from err
 
 
 def warn_about_eval_dropout(model: nn.Module, who: str, own: float) -> None:

@@ -141,6 +141,25 @@ def test_weight_averaging_before_the_adapter_callback_is_refused_and_after_it_av
     assert swa.n_averaged is not None and int(swa.n_averaged) >= 1 and lora_layers(module.model)
 
 
+def test_a_model_built_in_configure_model_is_named_as_the_cause(tiny_bert_config, tmp_path):
+    class Late(Classifier):
+        def __init__(self, config):
+            super().__init__(config)
+            self.config, self.model = config, None
+
+        def configure_model(self):
+            from transformers import BertForSequenceClassification
+
+            if self.model is None:
+                self.model = BertForSequenceClassification(self.config)
+
+    with pytest.raises(ValueError, match=r"LoRA\(modules_to_save=\['classifier'\]\): .* matched no module of Late\. "
+                                         r".* Note: Late overrides "
+                                         r"configure_model, which Lightning calls after the callbacks' setup, where "
+                                         r"LoRA adds a LoRA adapter: .* Build the model in __init__"):
+        trainer(tmp_path, max_steps=1, callbacks=[LoRA(**LORA_ARGS)]).fit(Late(tiny_bert_config), loader())
+
+
 def test_unknown_model_attribute_is_refused(tiny_bert_config, tmp_path):
     module = Classifier(tiny_bert_config)
     with pytest.raises(ValueError, match=r"LoRA\(model_attribute='backbone'\): Classifier has no such submodule\. "
