@@ -17,7 +17,10 @@ so layer ``i`` gets ``lr * decay ** (L - i)``, the embeddings ``lr * decay ** (L
 Depth comes from parameter names: the first match of a layer pattern (a regular expression whose one group is
 the layer index, ``layer.N``, ``layers.N``, ``h.N``, ``blocks.N``, ``block.N`` by default) gives the layer; else an
 embedding pattern (a name part containing ``embed``, or ``wte``, ``wpe``, ``cls_token``, ``mask_token``,
-``shared``) gives ``d = 0``; else the parameter is above the layers. ``L`` is one more than the largest layer index
+``shared``) gives ``d = 0``; else the parameter is above the layers. Prompt learning's parameters
+(`lightning_peft.peft`) follow the same reading: the soft prompt (``lightning_peft_prompt``) stands in front of the
+input embeddings, so ``d = 0``; the prefix (``lightning_peft_prefix``) is one table of every layer's keys and values,
+so no layer's rate is its own and it takes the top rate (``d = L + 1``), as parameters outside the layers do. ``L`` is one more than the largest layer index
 among all parameters, frozen ones included, so freezing or adapting some layers (LoRA) does not change the
 depth. Several stacks (an encoder and a decoder) share the numbering: layer ``i`` of each gets the same rate.
 """
@@ -40,6 +43,10 @@ from lightning_peft._checks import fraction, positive, real
 # optimizer, DeepSpeed wraps the optimizer) and what a checkpoint does to them (loading replaces the group dicts with
 # the saved ones, which carry it too).
 GROUP_KEY = "layerwise_lr"
+
+# The modules prompt and prefix tuning add (peft's PROMPT_MODULE and PREFIX_ATTRIBUTE; a test holds the names equal).
+PROMPT_PATTERN = re.compile(r"(?:^|\.)lightning_peft_prompt\.")
+ACROSS_LAYERS_PATTERN = re.compile(r"(?:^|\.)lightning_peft_prefix\.")
 
 DEFAULT_LAYER_PATTERNS = (r"(?:^|\.)(?:layer|layers|h|blocks|block)\.(\d+)(?:\.|$)",)
 DEFAULT_EMBEDDING_PATTERNS = (r"(?:^|\.)(?:[A-Za-z_]*embed[A-Za-z_]*|wte|wpe|cls_token|mask_token|shared)(?:\.|$)",)
@@ -100,7 +107,8 @@ def layer_depths(
     num_layers = max(layers.values()) + 1
     depths = {
         name: layers[name] + 1 if name in layers
-        else 0 if any(regex.search(name) for regex in embedding_res)
+        else num_layers + 1 if ACROSS_LAYERS_PATTERN.search(name)
+        else 0 if PROMPT_PATTERN.search(name) or any(regex.search(name) for regex in embedding_res)
         else num_layers + 1
         for name in names
     }

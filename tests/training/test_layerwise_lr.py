@@ -71,6 +71,26 @@ def test_after_lora_only_trainable_parameters_are_grouped_and_the_depth_counts_f
     ]
 
 
+def test_a_soft_prompt_gets_the_embedding_rate_and_a_prefix_the_top_rate():
+    """The prompt stands in front of the input embeddings; the prefix is one table of every layer's keys and values
+    (its name has "embedding" in it, which once gave it the embedding rate)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from lightning_peft.peft import inject_prefix_tuning, inject_prompt_tuning
+    from lightning_peft.peft._prefix import PREFIX_ATTRIBUTE
+    from lightning_peft.peft._prompt import PROMPT_MODULE
+
+    prompted = bert(layers=3)
+    inject_prompt_tuning(prompted, num_virtual_tokens=2, modules_to_save=[])
+    rates = {n: g["lr"] for g in layerwise_lr_groups(prompted, lr=1.0, decay=0.5) for n in g["names"]}
+    assert rates == {f"{PROMPT_MODULE}.weight": 0.5 ** 4}  # the embeddings' decay^(L + 1)
+    prefixed = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=3, n_head=2, n_positions=32))
+    inject_prefix_tuning(prefixed, num_virtual_tokens=2, prefix_projection=True, modules_to_save=[])
+    rates = {n: g["lr"] for g in layerwise_lr_groups(prefixed, lr=1.0, decay=0.5) for n in g["names"]}
+    assert rates and all(n.startswith(f"{PREFIX_ATTRIBUTE}.") for n in rates) and set(rates.values()) == {1.0}
+    assert f"{PREFIX_ATTRIBUTE}.embedding.weight" in rates
+
+
 def test_gpt2_llama_and_t5_layouts_are_found():
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, T5Config, T5Model
 
