@@ -4,6 +4,7 @@ warm-up; errors."""
 
 from __future__ import annotations
 
+import itertools
 import types
 
 import lightning.pytorch as pl
@@ -12,11 +13,26 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 from lightning_peft.callbacks import Curriculum, GradientNoise, LoRA
 from lightning_peft.peft import adapter_state_dict, inject_lora
-from lightning_peft.training import CurriculumSampler, LossScorer, compute_scores, warmup_length
+from lightning_peft.callbacks._train_loader import check_resamplable
+from lightning_peft.training import (
+    AccumulationSchedule,
+    CurriculumSampler,
+    LossScorer,
+    compute_scores,
+    warmup_length,
+)
 
 from tests._models import LORA_ARGS, Classifier, Indexed, indexed_data, loader, token_sum, trainer
 
@@ -203,10 +219,12 @@ def test_resuming_with_other_curriculum_settings_or_other_data_is_refused(tiny_b
 
 
 class Lengths(pl.LightningDataModule):
-    """Dict batches of (B, 16) token tensors; sample i has 2 + (7 * i) % 15 real tokens."""
+    """Dict batches of (B, 16) token tensors; sample i has 2 + (7 * i) % 15 real tokens (``mask_samples=False``: the
+    samples have no attention mask, only padded ids); ``loader``: keyword arguments of the train DataLoader."""
 
-    def __init__(self) -> None:
+    def __init__(self, mask_samples: bool = True, **loader) -> None:
         super().__init__()
+        self.loader = {"batch_size": 4, **loader}
         self.items = []
         for i in range(16):
             real = 2 + (7 * i) % 15
@@ -214,9 +232,11 @@ class Lengths(pl.LightningDataModule):
             mask[:real] = 1
             self.items.append({"input_ids": torch.arange(16) * mask, "attention_mask": mask,
                                "labels": torch.tensor(i % 2), "index": torch.tensor(i)})
+            if not mask_samples:
+                del self.items[-1]["attention_mask"]
 
     def train_dataloader(self):
-        return DataLoader(self.items, batch_size=4)
+        return DataLoader(self.items, **self.loader)
 
 
 class Bag(pl.LightningModule):
@@ -231,7 +251,7 @@ class Bag(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         self.lengths.append(batch["input_ids"].shape[1])
         self.seen.append(batch["index"].tolist())
-        mask = batch["attention_mask"].unsqueeze(-1)  # (B, T, 1)
+        mask = batch.get("attention_mask", batch["input_ids"] > 0).unsqueeze(-1)  # (B, T, 1)
         pooled = (self.embed(batch["input_ids"]) * mask).sum(1) / mask.sum(1)  # (B, 4)
         return nn.functional.cross_entropy(self.head(pooled), batch["labels"])
 
@@ -281,6 +301,69 @@ def test_loaders_whose_sampler_cannot_be_replaced_are_refused(tiny_bert_config, 
     with pytest.raises(error, match=match):
         trainer(tmp_path, max_steps=1, callbacks=[Curriculum(duration=4, scorer=token_sum)]).fit(
             Classifier(tiny_bert_config), train())
+
+
+def test_a_sampler_of_its_own_is_refused_before_training_and_shuffle_is_not(tmp_path):
+    """The curriculum sampler replaces the loader's: a subset or weights the user's sampler chose would be lost
+    silently, so such a sampler is refused at setup, named; shuffle= samplers, a plain DistributedSampler and the
+    data modules' EpochShuffleSampler (all only order the whole dataset) are replaced."""
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+
+    from lightning_peft.data import EpochShuffleSampler
+
+    module, data = Bag(), Lengths(sampler=SubsetRandomSampler([0, 1, 2, 3]))
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    fix = (r"To train on part of the data, give the DataLoader torch\.utils\.data\.Subset\(dataset, indices\) as its "
+           r"dataset; else drop sampler= \(shuffle=True or False is fine: the curriculum owns the order\)")
+    with pytest.raises(TypeError, match=r"Curriculum: the train DataLoader has a sampler of its own "
+                                        r"\(SubsetRandomSampler\), which the curriculum sampler would replace.*" + fix):
+        trainer(tmp_path, max_steps=2, callbacks=[Curriculum(duration=100, start_fraction=1.0)]).fit(
+            module, datamodule=data)
+    assert module.seen == [] and all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
+    items = data.items
+    for sampler, name in [
+        (WeightedRandomSampler([1.0] * 16, 16), "WeightedRandomSampler"),
+        (RandomSampler(items, replacement=True), r"RandomSampler\(replacement=True, num_samples=None\)"),
+        (RandomSampler(items, num_samples=4), r"RandomSampler\(replacement=False, num_samples=4\)"),
+        (SequentialSampler(range(4)), "SequentialSampler over another data source than the DataLoader's dataset"),
+        (DistributedSamplerWrapper(SubsetRandomSampler([0, 1]), num_replicas=1, rank=0),
+         "DistributedSamplerWrapper"),
+        (EpochShuffleSampler(4, seed=0), "EpochShuffleSampler of 4 samples for a dataset of 16"),
+    ]:
+        with pytest.raises(TypeError, match=rf"Curriculum: the train DataLoader has a sampler of its own \({name}"):
+            check_resamplable(DataLoader(items, batch_size=4, sampler=sampler), "Curriculum")
+    for accepted in (DataLoader(items, batch_size=4, shuffle=True), DataLoader(items, batch_size=4, shuffle=False),
+                   DataLoader(items, batch_size=4, sampler=DistributedSampler(items, num_replicas=2, rank=1)),
+                   DataLoader(items, batch_size=4, sampler=EpochShuffleSampler(16, seed=0))):  # the data modules
+        assert check_resamplable(accepted, "Curriculum") is accepted
+    module = Bag()  # a shuffled loader trains under the curriculum, drawing from the whole data once admitted
+    trainer(tmp_path, max_epochs=1, callbacks=[Curriculum(duration=1, start_fraction=0.25)]).fit(
+        module, datamodule=Lengths(shuffle=True))
+    shortest = sorted(range(16), key=lambda i: int(data.items[i]["attention_mask"].sum()))[:4]
+    assert len(module.seen) == 4 and set(module.seen[0]) <= set(shortest)
+
+
+def constant(sample) -> float:
+    return 1.0
+
+
+def test_scores_that_are_all_the_same_are_refused_before_training(tmp_path):
+    """Padded samples without an attention mask all have the padded length: no easy-to-hard order, so the
+    curriculum would admit a random share while logging its fraction. Refused after scoring, before a step."""
+    for scorer, fix in (("length", r"give the samples an attention_mask \(without one, LengthScorer counts padding"),
+                        (constant, r"check the scorer: it gave every sample the same value")):
+        module = Bag()
+        name = scorer if isinstance(scorer, str) else "tests.callbacks.test_curriculum.constant"
+        with pytest.raises(ValueError, match=rf"Curriculum\(scorer='{name}'\): all 16 samples have the same score "
+                                             rf"\((16|1)\.0\), so there is no easy-to-hard order.*; {fix}"):
+            trainer(tmp_path, max_steps=1, callbacks=[Curriculum(duration=4, scorer=scorer)]).fit(
+                module, datamodule=Lengths(mask_samples=False))
+        assert module.seen == []
+    # With start_fraction=1 every step admits all the data, so no order is used (a sequence-length warm-up alone).
+    module = Bag()
+    trainer(tmp_path, max_steps=1, callbacks=[Curriculum(duration=4, start_fraction=1.0)]).fit(
+        module, datamodule=Lengths(mask_samples=False))
+    assert len(module.seen) == 1
 
 
 def test_a_trainer_without_the_loader_request_it_wraps_is_reported(tiny_bert_config, tmp_path):
