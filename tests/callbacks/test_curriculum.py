@@ -413,31 +413,44 @@ def test_bad_settings_fail_when_the_callback_is_made(kwargs, error, match):
         Curriculum(**{"duration": 4, **kwargs})
 
 
-class RecordPools(Callback):
-    """The sample indices of every batch and the optimizer step it trained at."""
+class RecordWindows(Callback):
+    """How many micro-batches the module had trained at each optimizer step: the windows of each step."""
 
     def __init__(self) -> None:
-        self.steps: list[int] = []
+        self.ends: list[int] = []
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.steps.append(trainer.global_step)
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.ends.append(len(pl_module.seen))
 
 
-def test_a_changing_accumulation_schedule_paces_every_batch_by_the_step_it_trains(tiny_bert_config, tmp_path):
-    """GradientAccumulation(schedule={0: 1, 2: 3}) beside the curriculum (refused before): each batch comes from
-    the pool of the optimizer step Lightning is really at."""
+def test_a_changing_accumulation_schedule_draws_each_optimizer_steps_micro_batches_from_its_pool(tmp_path):
+    """GradientAccumulation(schedule={0: 1, 2: 3, 5: 2}) beside the curriculum, changing mid-epoch in both epochs:
+    the micro-batches of every optimizer step (as the optimizer saw them) are exactly what a plain loop over a
+    CurriculumSampler with that AccumulationSchedule draws, and all come from that step's pool."""
     from lightning_peft.callbacks import GradientAccumulation
 
-    torch.manual_seed(0)
-    module = Indexed(tiny_bert_config)
-    curriculum, pools = Curriculum(duration=6, scorer=token_sum, start_fraction=0.25), RecordPools()
-    callbacks = [LoRA(**LORA_ARGS), GradientAccumulation(schedule={0: 1, 2: 3}), curriculum, pools]
-    trainer(tmp_path, max_epochs=2, callbacks=callbacks).fit(module, DataLoader(indexed_data(), batch_size=2))
-    assert pools.steps == [0, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4, 5, 5, 5, 6, 6]  # windows 1 1 3 3 | 3 3 2 (epoch ends)
-    sampler = curriculum.sampler
-    for step, seen in zip(pools.steps, module.seen):
-        assert set(seen) <= set(sampler.order[: sampler.pool_size(step)]), (step, seen)
-    assert [sampler.step(1, k) for k in range(8)] == pools.steps[8:]
+    schedule = {0: 1, 2: 3, 5: 2}
+    module, windows, curriculum = Bag(), RecordWindows(), Curriculum(duration=6, start_fraction=0.25)
+    trainer(tmp_path, max_epochs=2, callbacks=[GradientAccumulation(schedule=schedule), curriculum, windows]).fit(
+        module, datamodule=Lengths(batch_size=2))
+    bounds = [0, *windows.ends]
+    steps = [module.seen[a:b] for a, b in itertools.pairwise(bounds)]  # the micro-batches of each optimizer step
+    assert [len(batches) for batches in steps] == [1, 1, 3, 3, 3, 2, 2, 1]  # Lightning steps at an epoch's end
+    assert bounds[-1] == len(module.seen) == 16
+    lengths = [int(item["attention_mask"].sum()) for item in Lengths().items]
+    plain = CurriculumSampler(lengths, batch_size=2, duration=6, start_fraction=0.25,
+                              accumulate_grad_batches=AccumulationSchedule(schedule))
+    expected = []
+    for epoch in range(2):
+        plain.set_epoch(epoch)
+        expected += [batch["index"].tolist() for batch in DataLoader(Lengths().items, batch_size=2, sampler=plain)]
+    assert module.seen == expected
+    pools = [plain.pool_size(step) for step in range(len(steps))]
+    assert pools == [4, 6, 8, 10, 12, 14, 16, 16]
+    for step, batches in enumerate(steps):
+        assert {i for batch in batches for i in batch} <= set(plain.order[: pools[step]]), step
+    once = CurriculumSampler(lengths, batch_size=2, duration=6, start_fraction=0.25)  # paced as if a count of 1
+    assert [b.tolist() for b in DataLoader(range(16), batch_size=2, sampler=once)] != expected[:8]
 
 
 def test_lightnings_epoch_keyed_accumulation_scheduler_is_refused_with_the_replacement(tiny_bert_config, tmp_path):
