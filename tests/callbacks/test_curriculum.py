@@ -4,6 +4,7 @@ warm-up; errors."""
 
 from __future__ import annotations
 
+import itertools
 import types
 
 import lightning.pytorch as pl
@@ -12,11 +13,26 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 from lightning_peft.callbacks import Curriculum, GradientNoise, LoRA
 from lightning_peft.peft import adapter_state_dict, inject_lora
-from lightning_peft.training import CurriculumSampler, LossScorer, compute_scores, warmup_length
+from lightning_peft.callbacks._train_loader import check_resamplable
+from lightning_peft.training import (
+    AccumulationSchedule,
+    CurriculumSampler,
+    LossScorer,
+    compute_scores,
+    warmup_length,
+)
 
 from tests._models import LORA_ARGS, Classifier, Indexed, indexed_data, loader, token_sum, trainer
 
@@ -203,10 +219,12 @@ def test_resuming_with_other_curriculum_settings_or_other_data_is_refused(tiny_b
 
 
 class Lengths(pl.LightningDataModule):
-    """Dict batches of (B, 16) token tensors; sample i has 2 + (7 * i) % 15 real tokens."""
+    """Dict batches of (B, 16) token tensors; sample i has 2 + (7 * i) % 15 real tokens (``mask_samples=False``: the
+    samples have no attention mask, only padded ids); ``loader``: keyword arguments of the train DataLoader."""
 
-    def __init__(self) -> None:
+    def __init__(self, mask_samples: bool = True, **loader) -> None:
         super().__init__()
+        self.loader = {"batch_size": 4, **loader}
         self.items = []
         for i in range(16):
             real = 2 + (7 * i) % 15
@@ -214,9 +232,11 @@ class Lengths(pl.LightningDataModule):
             mask[:real] = 1
             self.items.append({"input_ids": torch.arange(16) * mask, "attention_mask": mask,
                                "labels": torch.tensor(i % 2), "index": torch.tensor(i)})
+            if not mask_samples:
+                del self.items[-1]["attention_mask"]
 
     def train_dataloader(self):
-        return DataLoader(self.items, batch_size=4)
+        return DataLoader(self.items, **self.loader)
 
 
 class Bag(pl.LightningModule):
@@ -231,7 +251,7 @@ class Bag(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         self.lengths.append(batch["input_ids"].shape[1])
         self.seen.append(batch["index"].tolist())
-        mask = batch["attention_mask"].unsqueeze(-1)  # (B, T, 1)
+        mask = batch.get("attention_mask", batch["input_ids"] > 0).unsqueeze(-1)  # (B, T, 1)
         pooled = (self.embed(batch["input_ids"]) * mask).sum(1) / mask.sum(1)  # (B, 4)
         return nn.functional.cross_entropy(self.head(pooled), batch["labels"])
 
@@ -283,6 +303,69 @@ def test_loaders_whose_sampler_cannot_be_replaced_are_refused(tiny_bert_config, 
             Classifier(tiny_bert_config), train())
 
 
+def test_a_sampler_of_its_own_is_refused_before_training_and_shuffle_is_not(tmp_path):
+    """The curriculum sampler replaces the loader's: a subset or weights the user's sampler chose would be lost
+    silently, so such a sampler is refused at setup, named; shuffle= samplers, a plain DistributedSampler and the
+    data modules' EpochShuffleSampler (all only order the whole dataset) are replaced."""
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+
+    from lightning_peft.data import EpochShuffleSampler
+
+    module, data = Bag(), Lengths(sampler=SubsetRandomSampler([0, 1, 2, 3]))
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    fix = (r"To train on part of the data, give the DataLoader torch\.utils\.data\.Subset\(dataset, indices\) as its "
+           r"dataset; else drop sampler= \(shuffle=True or False is fine: the curriculum owns the order\)")
+    with pytest.raises(TypeError, match=r"Curriculum: the train DataLoader has a sampler of its own "
+                                        r"\(SubsetRandomSampler\), which the curriculum sampler would replace.*" + fix):
+        trainer(tmp_path, max_steps=2, callbacks=[Curriculum(duration=100, start_fraction=1.0)]).fit(
+            module, datamodule=data)
+    assert module.seen == [] and all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
+    items = data.items
+    for sampler, name in [
+        (WeightedRandomSampler([1.0] * 16, 16), "WeightedRandomSampler"),
+        (RandomSampler(items, replacement=True), r"RandomSampler\(replacement=True, num_samples=None\)"),
+        (RandomSampler(items, num_samples=4), r"RandomSampler\(replacement=False, num_samples=4\)"),
+        (SequentialSampler(range(4)), "SequentialSampler over another data source than the DataLoader's dataset"),
+        (DistributedSamplerWrapper(SubsetRandomSampler([0, 1]), num_replicas=1, rank=0),
+         "DistributedSamplerWrapper"),
+        (EpochShuffleSampler(4, seed=0), "EpochShuffleSampler of 4 samples for a dataset of 16"),
+    ]:
+        with pytest.raises(TypeError, match=rf"Curriculum: the train DataLoader has a sampler of its own \({name}"):
+            check_resamplable(DataLoader(items, batch_size=4, sampler=sampler), "Curriculum")
+    for accepted in (DataLoader(items, batch_size=4, shuffle=True), DataLoader(items, batch_size=4, shuffle=False),
+                   DataLoader(items, batch_size=4, sampler=DistributedSampler(items, num_replicas=2, rank=1)),
+                   DataLoader(items, batch_size=4, sampler=EpochShuffleSampler(16, seed=0))):  # the data modules
+        assert check_resamplable(accepted, "Curriculum") is accepted
+    module = Bag()  # a shuffled loader trains under the curriculum, drawing from the whole data once admitted
+    trainer(tmp_path, max_epochs=1, callbacks=[Curriculum(duration=1, start_fraction=0.25)]).fit(
+        module, datamodule=Lengths(shuffle=True))
+    shortest = sorted(range(16), key=lambda i: int(data.items[i]["attention_mask"].sum()))[:4]
+    assert len(module.seen) == 4 and set(module.seen[0]) <= set(shortest)
+
+
+def constant(sample) -> float:
+    return 1.0
+
+
+def test_scores_that_are_all_the_same_are_refused_before_training(tmp_path):
+    """Padded samples without an attention mask all have the padded length: no easy-to-hard order, so the
+    curriculum would admit a random share while logging its fraction. Refused after scoring, before a step."""
+    for scorer, fix in (("length", r"give the samples an attention_mask \(without one, LengthScorer counts padding"),
+                        (constant, r"check the scorer: it gave every sample the same value")):
+        module = Bag()
+        name = scorer if isinstance(scorer, str) else "tests.callbacks.test_curriculum.constant"
+        with pytest.raises(ValueError, match=rf"Curriculum\(scorer='{name}'\): all 16 samples have the same score "
+                                             rf"\((16|1)\.0\), so there is no easy-to-hard order.*; {fix}"):
+            trainer(tmp_path, max_steps=1, callbacks=[Curriculum(duration=4, scorer=scorer)]).fit(
+                module, datamodule=Lengths(mask_samples=False))
+        assert module.seen == []
+    # With start_fraction=1 every step admits all the data, so no order is used (a sequence-length warm-up alone).
+    module = Bag()
+    trainer(tmp_path, max_steps=1, callbacks=[Curriculum(duration=4, start_fraction=1.0)]).fit(
+        module, datamodule=Lengths(mask_samples=False))
+    assert len(module.seen) == 1
+
+
 def test_a_trainer_without_the_loader_request_it_wraps_is_reported(tiny_bert_config, tmp_path):
     run = trainer(tmp_path, max_steps=1, callbacks=[Curriculum(duration=4, scorer=token_sum)])
     run.fit_loop._data_source = types.SimpleNamespace()  # as if a future Lightning had renamed it
@@ -330,31 +413,44 @@ def test_bad_settings_fail_when_the_callback_is_made(kwargs, error, match):
         Curriculum(**{"duration": 4, **kwargs})
 
 
-class RecordPools(Callback):
-    """The sample indices of every batch and the optimizer step it trained at."""
+class RecordWindows(Callback):
+    """How many micro-batches the module had trained at each optimizer step: the windows of each step."""
 
     def __init__(self) -> None:
-        self.steps: list[int] = []
+        self.ends: list[int] = []
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.steps.append(trainer.global_step)
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.ends.append(len(pl_module.seen))
 
 
-def test_a_changing_accumulation_schedule_paces_every_batch_by_the_step_it_trains(tiny_bert_config, tmp_path):
-    """GradientAccumulation(schedule={0: 1, 2: 3}) beside the curriculum (refused before): each batch comes from
-    the pool of the optimizer step Lightning is really at."""
+def test_a_changing_accumulation_schedule_draws_each_optimizer_steps_micro_batches_from_its_pool(tmp_path):
+    """GradientAccumulation(schedule={0: 1, 2: 3, 5: 2}) beside the curriculum, changing mid-epoch in both epochs:
+    the micro-batches of every optimizer step (as the optimizer saw them) are exactly what a plain loop over a
+    CurriculumSampler with that AccumulationSchedule draws, and all come from that step's pool."""
     from lightning_peft.callbacks import GradientAccumulation
 
-    torch.manual_seed(0)
-    module = Indexed(tiny_bert_config)
-    curriculum, pools = Curriculum(duration=6, scorer=token_sum, start_fraction=0.25), RecordPools()
-    callbacks = [LoRA(**LORA_ARGS), GradientAccumulation(schedule={0: 1, 2: 3}), curriculum, pools]
-    trainer(tmp_path, max_epochs=2, callbacks=callbacks).fit(module, DataLoader(indexed_data(), batch_size=2))
-    assert pools.steps == [0, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4, 5, 5, 5, 6, 6]  # windows 1 1 3 3 | 3 3 2 (epoch ends)
-    sampler = curriculum.sampler
-    for step, seen in zip(pools.steps, module.seen):
-        assert set(seen) <= set(sampler.order[: sampler.pool_size(step)]), (step, seen)
-    assert [sampler.step(1, k) for k in range(8)] == pools.steps[8:]
+    schedule = {0: 1, 2: 3, 5: 2}
+    module, windows, curriculum = Bag(), RecordWindows(), Curriculum(duration=6, start_fraction=0.25)
+    trainer(tmp_path, max_epochs=2, callbacks=[GradientAccumulation(schedule=schedule), curriculum, windows]).fit(
+        module, datamodule=Lengths(batch_size=2))
+    bounds = [0, *windows.ends]
+    steps = [module.seen[a:b] for a, b in itertools.pairwise(bounds)]  # the micro-batches of each optimizer step
+    assert [len(batches) for batches in steps] == [1, 1, 3, 3, 3, 2, 2, 1]  # Lightning steps at an epoch's end
+    assert bounds[-1] == len(module.seen) == 16
+    lengths = [int(item["attention_mask"].sum()) for item in Lengths().items]
+    plain = CurriculumSampler(lengths, batch_size=2, duration=6, start_fraction=0.25,
+                              accumulate_grad_batches=AccumulationSchedule(schedule))
+    expected = []
+    for epoch in range(2):
+        plain.set_epoch(epoch)
+        expected += [batch["index"].tolist() for batch in DataLoader(Lengths().items, batch_size=2, sampler=plain)]
+    assert module.seen == expected
+    pools = [plain.pool_size(step) for step in range(len(steps))]
+    assert pools == [4, 6, 8, 10, 12, 14, 16, 16]
+    for step, batches in enumerate(steps):
+        assert {i for batch in batches for i in batch} <= set(plain.order[: pools[step]]), step
+    once = CurriculumSampler(lengths, batch_size=2, duration=6, start_fraction=0.25)  # paced as if a count of 1
+    assert [b.tolist() for b in DataLoader(range(16), batch_size=2, sampler=once)] != expected[:8]
 
 
 def test_lightnings_epoch_keyed_accumulation_scheduler_is_refused_with_the_replacement(tiny_bert_config, tmp_path):

@@ -16,6 +16,7 @@ from lightning_peft.training.curriculum import (
     CurriculumSampler,
     LengthScorer,
     LossScorer,
+    check_ordered,
     classification_loss,
     compute_scores,
     pacing_fraction,
@@ -274,6 +275,27 @@ def test_length_scorer_counts_real_tokens():
     with pytest.raises(TypeError, match=r"LengthScorer\(key='input_ids'\): a sample of type tuple has no "
                                         r"entry 'input_ids'; set key to where the token ids are"):
         LengthScorer()((torch.tensor([4, 5]), 1))
+
+
+def test_scores_that_are_all_the_same_have_no_order_and_are_refused_naming_the_fix():
+    """Padded samples without an attention mask: the length scorer counts the padding, every sample scores the
+    padded length, and no curriculum can order them."""
+    padded = [{"input_ids": torch.tensor([5] * n + [0] * (6 - n))} for n in (2, 6, 4)]
+    scores = compute_scores(padded, LengthScorer())
+    assert scores.tolist() == [6.0, 6.0, 6.0]
+    with pytest.raises(ValueError, match=r"^Curriculum\(scorer='length'\): all 3 samples have the same score \(6\.0\), "
+                                        r"so there is no easy-to-hard order and the curriculum would admit a random "
+                                        r"share of the data; give the samples an attention_mask \(without one, "
+                                        r"LengthScorer counts padding as tokens.*LengthScorer\(pad_token_id=<the pad "
+                                        r"id>\) as the scorer\.$"):
+        check_ordered(scores, "length", "Curriculum")
+    with pytest.raises(ValueError, match=r"^CurriculumSampler\(scorer='loss'\): all 2 samples have the same score "
+                                        r"\(0\.5\), .*; check the scorer: it gave every sample the same value\.$"):
+        check_ordered(torch.tensor([0.5, 0.5]), "loss")
+    with_mask = [{**sample, "attention_mask": (sample["input_ids"] > 0).long()} for sample in padded]
+    check_ordered(compute_scores(with_mask, LengthScorer()), "length")  # [2, 6, 4]: ordered
+    check_ordered(compute_scores(padded, LengthScorer(pad_token_id=0)), "length")
+    check_ordered(torch.tensor([1.0]), "length")  # one sample: nothing to order, nothing random
 
 
 class Counting:
