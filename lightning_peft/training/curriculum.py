@@ -52,8 +52,7 @@ from lightning_peft.training.teacher import check_teacher, load_teacher, teacher
 
 __all__ = [
     "PACINGS", "TRUNCATED_KEYS", "CurriculumSampler", "LengthScorer", "LossScorer", "check_ordered", "check_pacing",
-    "check_teacher",
-    "classification_loss", "compute_scores", "dataset_fingerprint", "dotted_name", "load_teacher", "pacing_fraction",
-    "resolve_scorer", "scorer_fingerprint", "teacher_report", "truncate_batch", "warm_up_batch",
+    "check_teacher", "classification_loss", "compute_scores", "dataset_fingerprint", "dotted_name", "load_teacher",
+    "pacing_fraction", "resolve_scorer", "scorer_fingerprint", "teacher_report", "truncate_batch", "warm_up_batch",
     "warmup_length",
 ]
