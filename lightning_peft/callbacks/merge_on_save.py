@@ -50,7 +50,7 @@ from lightning_peft._atomic import write_dir
 from lightning_peft._gather import gathered, reshard
 from lightning_peft.callbacks._lightning import on_rank_zero
 from lightning_peft.callbacks._target import is_hf_model, resolve_target
-from lightning_peft.peft.adapter import adapter_tensors, attached, merged_state_dict
+from lightning_peft.peft.adapter import adapter_tensors, attached, embeddings_untied, merged_state_dict, untied_config
 from lightning_peft.peft.io import check_saveable, unshared
 from lightning_peft.peft.io import save_adapter as write_adapter
 
@@ -228,8 +228,11 @@ def _quiet_deepspeed_detection() -> Iterator[None]:
 def _save_merged(model, state: dict, directory: Path, trainer: pl.Trainer) -> None:
     (directory / TRAINING_RECORD).write_text(json.dumps(training_record(trainer), indent=1) + "\n")
     if is_hf_model(model):
+        untie = embeddings_untied(model, state)  # both matrices written, each under its own key
         with _quiet_deepspeed_detection():
-            model.save_pretrained(directory, state_dict=state)
+            model.save_pretrained(directory, state_dict=unshared(state) if untie else state)
+        if untie:  # a copy, after save_pretrained has recorded the architecture and dtype in the live config
+            untied_config(model.config).save_pretrained(directory)
         tokenizer = getattr(trainer.datamodule, "tokenizer", None) if trainer.datamodule is not None else None
         if callable(getattr(tokenizer, "save_pretrained", None)):
             tokenizer.save_pretrained(directory)
