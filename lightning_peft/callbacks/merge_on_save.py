@@ -51,7 +51,8 @@ from lightning_peft._checks import boolean, path
 from lightning_peft._gather import gathered, reshard
 from lightning_peft.callbacks._lightning import on_rank_zero
 from lightning_peft.callbacks._target import is_hf_model, resolve_target
-from lightning_peft.peft.adapter import adapter_tensors, attached, embeddings_untied, merged_state_dict, untied_config
+from lightning_peft.peft._export import save_pretrained_merged
+from lightning_peft.peft.adapter import adapter_tensors, attached, merged_state_dict
 from lightning_peft.peft.io import check_saveable, unshared
 from lightning_peft.peft.io import save_adapter as write_adapter
 
@@ -235,11 +236,8 @@ def _quiet_deepspeed_detection() -> Iterator[None]:
 def _save_merged(model, state: dict, directory: Path, trainer: pl.Trainer) -> None:
     (directory / TRAINING_RECORD).write_text(json.dumps(training_record(trainer), indent=1) + "\n")
     if is_hf_model(model):
-        untie = embeddings_untied(model, state)  # both matrices written, each under its own key
         with _quiet_deepspeed_detection():
-            model.save_pretrained(directory, state_dict=unshared(state) if untie else state)
-        if untie:  # a copy, after save_pretrained has recorded the architecture and dtype in the live config
-            untied_config(model.config).save_pretrained(directory)
+            save_pretrained_merged(model, state, directory)  # tied embeddings the merge made differ: untied
         tokenizer = getattr(trainer.datamodule, "tokenizer", None) if trainer.datamodule is not None else None
         if callable(getattr(tokenizer, "save_pretrained", None)):
             tokenizer.save_pretrained(directory)

@@ -38,7 +38,6 @@ written (adapter keys, targets, merged state dicts) has that segment removed (`c
 
 from __future__ import annotations
 
-import copy
 import importlib
 import importlib.util
 from abc import ABC, abstractmethod
@@ -300,41 +299,6 @@ def merged_state_dict(model: nn.Module, adapter_name: str | None = None) -> dict
         named = {"name": adapter_name} if adapter_name is not None and hasattr(adapter, "names") else {}
         state = adapter.merged_state(model, state, **named)
     return {clean_key(k): v for k, v in state.items()}
-
-
-
-def embeddings_untied(model: nn.Module, state: dict[str, Tensor]) -> bool:
-    """Whether ``model`` ties its input and output embeddings (``config.tie_word_embeddings``, one matrix for both)
-    but ``state``, its [`merged_state_dict`][lightning_peft.peft.merged_state_dict], holds two different ones: an
-    adapter on one of them (the LM head, the token embedding) was folded into that one only.
-
-    A merged export of such a model must keep both matrices and say so in its config (`untied_config`): a loader that follows the config would tie them
-    again and lose the adapted one.
-    """
-    model = unwrap(model)
-    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
-        return False
-    try:
-        modules = model.get_input_embeddings(), model.get_output_embeddings()
-    except (AttributeError, NotImplementedError):  # not a Hugging Face model, or one without embeddings
-        return False
-    names = {id(module): name for name, module in model.named_modules()}
-    keys = [clean_key(f"{names[id(module)]}.weight") if id(module) in names else None for module in modules]
-    if None in keys or keys[0] == keys[1] or not all(key in state for key in keys):
-        return False
-    first, second = (state[key] for key in keys)
-    return first.shape != second.shape or not (first.data_ptr() == second.data_ptr() or first.equal(second))
-
-
-def untied_config(config: Any) -> Any:
-    """A copy of a Hugging Face ``config`` with ``tie_word_embeddings=False`` (also in the text config of a
-    composite model); ``config`` itself is not changed."""
-    config = copy.deepcopy(config)
-    text = config.get_text_config(decoder=True) if callable(getattr(config, "get_text_config", None)) else config
-    for part in {id(config): config, id(text): text}.values():
-        if getattr(part, "tie_word_embeddings", False):
-            part.tie_word_embeddings = False
-    return config
 
 
 @dataclass(frozen=True)

@@ -162,18 +162,15 @@ def test_a_model_adapted_in_configure_model_is_exported(tmp_path):
 
 
 @pytest.mark.parametrize(("kwargs", "error", "message"), [
-    ({"dirpath": 5}, TypeError, r"MergeOnSave\(dirpath=5\): dirpath must be a path \(str or os\.PathLike\), e\.g\. "
-                                r"'artifacts/run'\."),
-    ({"dirpath": ""}, ValueError, r"MergeOnSave\(dirpath=''\): dirpath must be a non-empty path, e\.g\. "
-                                  r"'artifacts/run'\."),
-    ({"every_checkpoint": "yes"}, TypeError, r"MergeOnSave\(every_checkpoint='yes'\): every_checkpoint must be True "
-                                             r"or False\."),
+    ({"dirpath": 5}, TypeError, (r"MergeOnSave\(dirpath=5\): dirpath must be a path \(str or os\.PathLike\), "
+                                 r"e\.g\. 'artifacts/run'\.")),
+    ({"dirpath": ""}, ValueError, r"MergeOnSave\(dirpath=''\): dirpath must be a non-empty path, e\.g\. 'artifacts/run'"),
+    ({"every_checkpoint": "yes"}, TypeError, r"MergeOnSave\(every_checkpoint='yes'\): every_checkpoint must be True"),
     ({"save_adapter": 1}, TypeError, r"MergeOnSave\(save_adapter=1\): save_adapter must be True or False\."),
     ({"save_merged": None}, TypeError, r"MergeOnSave\(save_merged=None\): save_merged must be True or False\."),
-    ({"adapter_name": 0}, TypeError, r"MergeOnSave\(adapter_name=0\): adapter_name must be a name \(str\) or None, "
-                                     r"e\.g\. 'default'\."),
-    ({"model_attribute": ["model"]}, TypeError, r"MergeOnSave\(model_attribute=\['model'\]\): model_attribute must "
-                                                r"be a name \(str\) or None, e\.g\. 'model'\."),
+    ({"adapter_name": 0}, TypeError, r"MergeOnSave\(adapter_name=0\): adapter_name must be a name \(str\) or None"),
+    ({"model_attribute": ["model"]}, TypeError, (r"MergeOnSave\(model_attribute=\['model'\]\): model_attribute must "
+                                                 r"be a name \(str\) or None, e\.g\. 'model'\.")),
 ])
 def test_bad_arguments_are_refused_at_construction(kwargs, error, message):
     with pytest.raises(error, match=message):
