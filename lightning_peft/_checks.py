@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import re
 from collections.abc import Iterable
 from typing import TypeVar
@@ -124,6 +125,15 @@ def names(who: str, name: str, value: object, *, example: str = "['classifier']"
     if not all(isinstance(item, str) for item in items):
         raise TypeError(f"{who}({name}={value!r}): {name} must be a list of names, e.g. {example}.")
     return sorted(items) if isinstance(value, (set, frozenset)) else items
+
+
+def path(who: str, name: str, value: object, *, example: str | None = None) -> str | os.PathLike:
+    """``value`` if it is a non-empty path: a ``str`` or an ``os.PathLike`` (a ``pathlib.Path``)."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise _fail(TypeError, who, name, value, "a path (str or os.PathLike)", example, None)
+    if not os.fspath(value):
+        raise _fail(ValueError, who, name, value, "a non-empty path", example, None)
+    return value
 
 
 def regex(who: str, name: str, value: object) -> str:

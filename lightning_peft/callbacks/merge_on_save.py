@@ -47,9 +47,11 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_peft._atomic import write_dir
+from lightning_peft._checks import boolean, path
 from lightning_peft._gather import gathered, reshard
 from lightning_peft.callbacks._lightning import on_rank_zero
 from lightning_peft.callbacks._target import is_hf_model, resolve_target
+from lightning_peft.peft._export import save_pretrained_merged
 from lightning_peft.peft.adapter import adapter_tensors, attached, merged_state_dict
 from lightning_peft.peft.io import check_saveable, unshared
 from lightning_peft.peft.io import save_adapter as write_adapter
@@ -76,8 +78,14 @@ class MergeOnSave(Callback):
         adapter_name: str | None = None,
         model_attribute: str | None = None,
     ) -> None:
-        if not dirpath:
-            raise ValueError("MergeOnSave(dirpath=''): give a directory to write the merged model to.")
+        path("MergeOnSave", "dirpath", dirpath, example="'artifacts/run'")
+        for name, flag in (("every_checkpoint", every_checkpoint), ("save_adapter", save_adapter),
+                           ("save_merged", save_merged)):
+            boolean("MergeOnSave", name, flag)
+        for name, value, example in (("adapter_name", adapter_name, "'default'"),
+                                     ("model_attribute", model_attribute, "'model'")):
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"MergeOnSave({name}={value!r}): {name} must be a name (str) or None, e.g. {example}.")
         if not (save_adapter or save_merged):
             raise ValueError("MergeOnSave(save_adapter=False, save_merged=False): nothing to export; keep one of them.")
         self.dirpath = Path(dirpath)
@@ -229,7 +237,7 @@ def _save_merged(model, state: dict, directory: Path, trainer: pl.Trainer) -> No
     (directory / TRAINING_RECORD).write_text(json.dumps(training_record(trainer), indent=1) + "\n")
     if is_hf_model(model):
         with _quiet_deepspeed_detection():
-            model.save_pretrained(directory, state_dict=state)
+            save_pretrained_merged(model, state, directory)  # tied embeddings the merge made differ: untied
         tokenizer = getattr(trainer.datamodule, "tokenizer", None) if trainer.datamodule is not None else None
         if callable(getattr(tokenizer, "save_pretrained", None)):
             tokenizer.save_pretrained(directory)

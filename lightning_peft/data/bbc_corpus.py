@@ -201,6 +201,59 @@ def check_fractions(who: str, val_fraction: float, test_fraction: float) -> None
         )
 
 
+def _split_counts(n: int, val_fraction: float, test_fraction: float) -> dict[str, int]:
+    """How many of a class's ``n`` articles go to training, validation and test (`stratified_split`'s rule)."""
+    n_val = round(n * val_fraction)
+    n_test = min(round(n * test_fraction), n - n_val)
+    return {"training": n - n_val - n_test, "validation": n_val, "test": n_test}
+
+
+def _empty_splits(n: int, val_fraction: float, test_fraction: float) -> list[str]:
+    """The splits a class of ``n`` articles would leave empty although they are asked for (training always is)."""
+    asked = {"training": 1.0, "validation": val_fraction, "test": test_fraction}
+    counts = _split_counts(n, val_fraction, test_fraction)
+    return [split for split, count in counts.items() if not count and asked[split]]
+
+
+def check_split_sizes(who: str, labels: list[int], class_names: list[str], limit_per_class: int | None,
+                      val_fraction: float, test_fraction: float) -> None:
+    """Raises a ValueError naming ``who`` if `stratified_split` would leave a class with no training article, or
+    with no validation (test) article although ``val_fraction`` (``test_fraction``) asks for some: a small
+    ``limit_per_class`` rounds a share to 0, and the run would then evaluate on nothing without a word.
+
+    A fraction of exactly 0 asks for no such split and is never refused.
+
+    Examples:
+        >>> check_split_sizes("X", [0] * 6, ["a"], 6, 0.1, 0.0)  # 5 for training, 1 for validation
+        >>> check_split_sizes("X", [0] * 4, ["a"], 4, 0.1, 0.0)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: X(...): class 'a' keeps 4 articles, which split into 4 for training, 0 for validation (round(4 ...
+    """
+    for label, n in sorted(Counter(labels).items()):
+        empty = _empty_splits(n, val_fraction, test_fraction)
+        if not empty:
+            continue
+        fractions = {"validation": val_fraction, "test": test_fraction}
+        shown = [f"{count} for {split}" + (f" (round({n} * {fractions[split]}) = 0)" if split in empty and split
+                                           in fractions and round(n * fractions[split]) == 0 else "")
+                 for split, count in _split_counts(n, val_fraction, test_fraction).items()]
+        fixes = []
+        if limit_per_class == n:  # the limit, not the corpus, made the class this small
+            enough = next((m for m in range(n + 1, 10 * n + 1000) if not _empty_splits(m, val_fraction, test_fraction)),
+                          None)
+            fixes += [f"a larger limit_per_class (at least {enough} for these fractions)"] if enough else []
+        fixes.append("smaller fractions" if "training" in empty else "larger fractions")
+        if "training" not in empty:
+            zeros = " and ".join(f"{'val' if split == 'validation' else split}_fraction=0" for split in empty)
+            fixes.append(f"{zeros} to have no {' or '.join(empty)} split")
+        raise ValueError(
+            f"{who}(limit_per_class={limit_per_class!r}, val_fraction={val_fraction!r}, test_fraction="
+            f"{test_fraction!r}): class {class_names[label]!r} keeps {n} article{'s' * (n != 1)}, which split into "
+            f"{shown[0]}, {shown[1]} and {shown[2]}, so the {' and '.join(empty)} split{'s' * (len(empty) > 1)} would "
+            f"be empty. Give {', '.join(fixes[:-1])}{', or ' if len(fixes) > 1 else ''}{fixes[-1]}."
+        )
+
+
 def stratified_split(
     labels: list[int], val_fraction: float, test_fraction: float, seed: int
 ) -> tuple[list[int], list[int], list[int]]:
@@ -238,8 +291,8 @@ def stratified_split(
     for label in sorted(by_class):
         members = by_class[label]
         order = [members[i] for i in torch.randperm(len(members), generator=generator).tolist()]
-        n_val = round(len(members) * val_fraction)
-        n_test = min(round(len(members) * test_fraction), len(members) - n_val)
+        counts = _split_counts(len(members), val_fraction, test_fraction)
+        n_val, n_test = counts["validation"], counts["test"]
         val += order[:n_val]
         test += order[n_val : n_val + n_test]
         train += order[n_val + n_test :]

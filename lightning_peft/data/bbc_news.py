@@ -26,6 +26,7 @@ from lightning_peft.data.bbc_corpus import (
     _class_names,
     _corpus_root,
     check_fractions,
+    check_split_sizes,
     interleave_classes,
     load_bbc_news,
     stratified_split,
@@ -150,8 +151,9 @@ class BBCNewsDataModule(LightningDataModule):
         A tokenizer without a pad token (GPT-2's) pads with its eos token, which is logged at INFO level.
 
         Raises:
-            ValueError: If ``max_length`` exceeds what the tokenizer allows, or the tokenizer has neither a
-                pad nor an eos token.
+            ValueError: If ``max_length`` exceeds what the tokenizer allows, the tokenizer has neither a
+                pad nor an eos token, or ``limit_per_class`` is too small for the fractions: a split a fraction
+                above 0 asks for, or training, would be empty (`check_split_sizes`).
         """
         if self._datasets:
             return
@@ -159,8 +161,10 @@ class BBCNewsDataModule(LightningDataModule):
         pad_token_id = self._pad_token_id(tokenizer)
         texts, labels, self._class_names = load_bbc_news()
         texts, labels = self._limit(texts, labels)
-        features = dict(tokenizer(texts, truncation=True, max_length=self.max_length))
+        check_split_sizes("BBCNewsDataModule", labels, self._class_names, self.limit_per_class, self.val_fraction,
+                          self.test_fraction)  # before the corpus is tokenised
         train, val, test = stratified_split(labels, self.val_fraction, self.test_fraction, self.seed)
+        features = dict(tokenizer(texts, truncation=True, max_length=self.max_length))
         splits = train, interleave_classes(val, labels), interleave_classes(test, labels)  # prefixes hold every class
         adapters = self._adapters(labels)
         for name, indices in zip(("train", "val", "test"), splits):

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_peft._checks import integer
 from lightning_peft._pretrained import resolve_pretrained
 from lightning_peft.data.batches import EpochShuffleSampler
-from lightning_peft.data.bbc_corpus import check_fractions, load_bbc_news, stratified_split
+from lightning_peft.data.bbc_corpus import check_fractions, check_split_sizes, load_bbc_news, stratified_split
 
 __all__ = ["BBCNewsLMDataModule", "IGNORE_INDEX", "pack_blocks"]
 
@@ -174,19 +174,23 @@ class BBCNewsLMDataModule(LightningDataModule):
         """Loads, splits, tokenises and packs the corpus (once, whatever the stage).
 
         Raises:
-            ValueError: If the tokenizer has no eos and no ``[SEP]`` token to separate articles.
+            ValueError: If the tokenizer has no eos and no ``[SEP]`` token to separate articles, or
+                ``limit_per_class`` is too small for the fractions: a split a fraction above 0 asks for, or
+                training, would be empty (`check_split_sizes`).
         """
         if self._datasets:
             return
         self.tokenizer = tokenizer = _load_tokenizer(self.tokenizer_name)
         separator = self._separator_id(tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else separator
-        texts, labels, _ = load_bbc_news()
+        texts, labels, class_names = load_bbc_news()
         kept = _first_per_class(labels, self.limit_per_class)
         texts, labels = [texts[i] for i in kept], [labels[i] for i in kept]
+        check_split_sizes("BBCNewsLMDataModule", labels, class_names, self.limit_per_class, self.val_fraction,
+                          self.test_fraction)  # before the corpus is tokenised
+        splits = stratified_split(labels, self.val_fraction, self.test_fraction, self.seed)
         # verbose=False: whole articles exceed the tokenizer's model_max_length, which is what packing is for.
         ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
-        splits = stratified_split(labels, self.val_fraction, self.test_fraction, self.seed)
         for name, indices in zip(_SPLITS, splits):
             blocks = pack_blocks([ids[i] for i in indices], self.block_size, separator, pad)
             self._datasets[name] = _Blocks(blocks)

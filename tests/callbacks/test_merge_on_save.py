@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -157,9 +161,24 @@ def test_a_model_adapted_in_configure_model_is_exported(tmp_path):
     assert set(load_file(tmp_path / "out" / "merged" / "model.safetensors")) == {"0.weight", "0.bias", "2.weight", "2.bias"}
 
 
-def test_empty_dirpath_is_refused():
-    with pytest.raises(ValueError, match=r"MergeOnSave\(dirpath=''\): give a directory"):
-        MergeOnSave(dirpath="")
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"dirpath": 5}, TypeError, (r"MergeOnSave\(dirpath=5\): dirpath must be a path \(str or os\.PathLike\), "
+                                 r"e\.g\. 'artifacts/run'\.")),
+    ({"dirpath": ""}, ValueError, r"MergeOnSave\(dirpath=''\): dirpath must be a non-empty path, e\.g\. 'artifacts/run'"),
+    ({"every_checkpoint": "yes"}, TypeError, r"MergeOnSave\(every_checkpoint='yes'\): every_checkpoint must be True"),
+    ({"save_adapter": 1}, TypeError, r"MergeOnSave\(save_adapter=1\): save_adapter must be True or False\."),
+    ({"save_merged": None}, TypeError, r"MergeOnSave\(save_merged=None\): save_merged must be True or False\."),
+    ({"adapter_name": 0}, TypeError, r"MergeOnSave\(adapter_name=0\): adapter_name must be a name \(str\) or None"),
+    ({"model_attribute": ["model"]}, TypeError, (r"MergeOnSave\(model_attribute=\['model'\]\): model_attribute must "
+                                                 r"be a name \(str\) or None, e\.g\. 'model'\.")),
+])
+def test_bad_arguments_are_refused_at_construction(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        MergeOnSave(**kwargs)
+
+
+def test_a_pathlib_dirpath_is_taken(tmp_path):
+    assert MergeOnSave(dirpath=tmp_path / "run").dirpath == tmp_path / "run"
 
 
 def test_techniques_that_cannot_merge_export_the_adapter_alone(tiny_bert_config, tmp_path):
@@ -242,3 +261,64 @@ def test_a_single_process_export_prints_no_deepspeed_accelerator_warning(tmp_pat
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "export" / "merged" / "config.json").is_file()
     assert "Setting accelerator to CPU" not in result.stdout + result.stderr
+
+
+class CausalLM(pl.LightningModule):
+    """A tiny GPT-2 LM head model in float64 (tied input and output embeddings, as GPT-2 ships)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2LMHeadModel
+
+        from tests._models import gpt2_config
+
+        torch.manual_seed(0)
+        self.model = GPT2LMHeadModel(gpt2_config(vocab_size=50)).double()
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.5)
+
+
+@contextlib.contextmanager
+def transformers_warnings():
+    """The messages transformers logs while the block runs (its loggers do not propagate to the root)."""
+    records: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())
+    root = logging.getLogger("transformers")
+    root.addHandler(handler)
+    try:
+        yield records
+    finally:
+        root.removeHandler(handler)
+
+
+@pytest.mark.parametrize(("target", "untied"), [("lm_head", True), ("wte", True), ("c_attn", False)])
+def test_a_tied_model_with_an_adapted_embedding_is_exported_untied(target, untied, tmp_path):
+    """An adapter on the LM head or the token embedding of a tied GPT-2 makes the merged two differ: the export holds
+    both and its config says tie_word_embeddings=False (a loader that follows the config would re-tie them and lose
+    the adapted one). An adapter elsewhere leaves the config, and the one shared matrix, as they were."""
+    from transformers import GPT2LMHeadModel
+
+    module = CausalLM()
+    ids = torch.randint(0, 50, (4, 8))
+    run = trainer(tmp_path, max_steps=2, callbacks=[LoRA(rank=2, target_modules=[target]),
+                                                    MergeOnSave(dirpath=str(tmp_path / "out"), save_adapter=False)])
+    run.fit(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=2))
+    merged = tmp_path / "out" / "merged"
+    assert json.loads((merged / "config.json").read_text())["tie_word_embeddings"] is (not untied)
+    assert module.model.config.tie_word_embeddings is True  # the live config, shared by its submodules, is unchanged
+    assert module.model.transformer.config is module.model.config
+    saved = load_file(merged / "model.safetensors")
+    assert ("lm_head.weight" in saved) is untied and "transformer.wte.weight" in saved
+    module.model.eval()
+    with torch.no_grad(), transformers_warnings() as warned:
+        expected = module.model(input_ids=ids).logits
+        loaded = GPT2LMHeadModel.from_pretrained(merged, dtype=torch.float64).eval()
+        assert_close(loaded(input_ids=ids).logits, expected, rtol=1e-12, atol=1e-12)
+    assert not [message for message in warned if "tie" in message], warned
+    lm_head, wte = loaded.lm_head.weight, loaded.transformer.wte.weight
+    assert (lm_head.data_ptr() != wte.data_ptr()) is untied and torch.equal(lm_head, wte) is (not untied)

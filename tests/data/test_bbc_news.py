@@ -418,10 +418,12 @@ def test_datamodule_pads_with_eos_when_the_tokenizer_has_no_pad_token(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     tokenizer = _save_tokenizer(tmp_path, eos_token="[SEP]")
-    module = BBCNewsDataModule(tokenizer, max_length=512, batch_size=4, limit_per_class=2)
+    module = BBCNewsDataModule(tokenizer, max_length=512, batch_size=4, limit_per_class=2, val_fraction=0.0,
+                               test_fraction=0.0)  # fractions of 0: no validation or test split, all 10 train
     with caplog.at_level(logging.INFO, logger=bbc_news.__name__):
         module.setup("fit")
     assert module.tokenizer.pad_token_id is None
+    assert {name: len(dataset) for name, dataset in module._datasets.items()} == {"train": 10, "val": 0, "test": 0}
     eos = module.tokenizer.eos_token_id
     assert eos == 102  # [SEP] of the MiniLM vocabulary
     logged = (
@@ -466,6 +468,41 @@ def test_datamodule_rejects_a_tokenizer_without_pad_and_eos_tokens(tmp_path: Pat
 def test_datamodule_rejects_bad_arguments(kwargs: dict[str, object], error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         BBCNewsDataModule(TOKENIZER, **kwargs)
+
+
+def test_datamodule_refuses_a_limit_that_leaves_a_split_empty() -> None:
+    """limit_per_class=4 with the default fractions: round(4 * 0.1) = 0, so validation and test used to be empty
+    and the run evaluated nothing without a word. Refused in setup, before training (fractions of 0 still mean no
+    such split: test_datamodule_pads_with_eos_when_the_tokenizer_has_no_pad_token)."""
+    with pytest.raises(ValueError, match=(
+        r"^BBCNewsDataModule\(limit_per_class=4, val_fraction=0\.1, test_fraction=0\.1\): class 'business' keeps 4 "
+        r"articles, which split into 4 for training, 0 for validation \(round\(4 \* 0\.1\) = 0\) and 0 for test "
+        r"\(round\(4 \* 0\.1\) = 0\), so the validation and test splits would be empty\. Give a larger "
+        r"limit_per_class \(at least 6 for these fractions\), larger fractions, or val_fraction=0 and "
+        r"test_fraction=0 to have no validation or test split\.$")):
+        BBCNewsDataModule(TOKENIZER, max_length=16, limit_per_class=4).setup("fit")
+
+
+@pytest.mark.parametrize(("sizes", "limit", "fractions", "match"), [
+    ([2], 2, (0.4, 0.4), (r"class 'a' keeps 2 articles, which split into 0 for training, 1 for validation and 1 for "
+                          r"test, so the training split would be empty\. Give a larger limit_per_class \(at least 3 "
+                          r"for these fractions\), or smaller fractions\.$")),
+    ([1], 1, (0.6, 0.3), (r"keeps 1 article, .* so the training and test splits would be empty\. Give a larger "
+                          r"limit_per_class \(at least 4 for these fractions\), or smaller fractions\.$")),
+    ([9, 2], 9, (0.2, 0.0), (r"^X\(limit_per_class=9, val_fraction=0\.2, test_fraction=0\.0\): class 'b' keeps 2 "
+                             r"articles, which split into 2 for training, 0 for validation \(round\(2 \* 0\.2\) = 0\) "
+                             r"and 0 for test, so the validation split would be empty\. Give larger fractions, or "
+                             r"val_fraction=0 to have no validation split\.$")),
+    ([497], None, (0.0001, 0.1), r"keeps 497 articles, .* 0 for validation \(round\(497 \* 0\.0001\) = 0\) and 50"),
+], ids=["no-training", "no-training-no-test", "class-smaller-than-the-limit", "whole-corpus"])
+def test_split_sizes_name_the_empty_split_and_the_fix(sizes, limit, fractions, match) -> None:
+    """The limit suggested is the smallest that fills every split asked for; none is where the corpus, not the limit,
+    made the class small (class 'b' of 2 under a limit of 9; the whole corpus)."""
+    labels = [label for label, size in enumerate(sizes) for _ in range(size)]
+    with pytest.raises(ValueError, match=match):
+        bbc_corpus.check_split_sizes("X", labels, ["a", "b"], limit, *fractions)
+    bbc_corpus.check_split_sizes("X", [0] * 6, ["a"], 6, 0.1, 0.1)  # 4 / 1 / 1
+    bbc_corpus.check_split_sizes("X", [0], ["a"], 1, 0.0, 0.0)  # fractions of 0: training only
 
 
 def test_datamodule_rejects_max_length_beyond_the_model() -> None:

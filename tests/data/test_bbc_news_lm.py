@@ -164,6 +164,13 @@ def test_rejects_bad_arguments(kwargs: dict[str, object], error: type, match: st
         BBCNewsLMDataModule(TOKENIZER, **kwargs)
 
 
+def test_a_limit_that_leaves_a_split_empty_is_refused_in_setup() -> None:
+    with pytest.raises(ValueError, match=r"^BBCNewsLMDataModule\(limit_per_class=4, val_fraction=0\.1, "
+                                         r"test_fraction=0\.1\): class 'business' keeps 4 articles, .* so the "
+                                         r"validation and test splits would be empty\. Give a larger limit_per_class"):
+        BBCNewsLMDataModule(TOKENIZER, limit_per_class=4).setup("fit")
+
+
 def test_loaders_and_vocab_size_need_setup() -> None:
     module = BBCNewsLMDataModule(TOKENIZER)
     with pytest.raises(RuntimeError, match=r"^BBCNewsLMDataModule.train_dataloader: called before setup\(\)"):

@@ -359,7 +359,8 @@ def test_example_config_fits_on_two_cpu_devices(tmp_path: Path, monkeypatch: pyt
         "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1", "--trainer.limit_test_batches", "1",
         "--model.init_args.decoder",
         '{"hidden_size": 16, "num_layers": 2, "num_heads": 2, "tie_word_embeddings": true}',
-        "--data.init_args.limit_per_class", "2", "--data.init_args.block_size", "16"])
+        "--data.init_args.limit_per_class", "2", "--data.init_args.block_size", "16",
+        "--data.init_args.val_fraction", "0", "--data.init_args.test_fraction", "0"])  # 2 per class: no val/test
     assert isinstance(cli.trainer.strategy, DeviceMapStrategy)
     assert cli.trainer.strategy.parallel_devices == [torch.device("cpu")] * 2
     assert cli.trainer.global_step == 2
