@@ -110,6 +110,8 @@ def check_unique_callbacks(callbacks: Any) -> None:
 def _format_test_results(results: list[dict[str, float]]) -> str:
     """One line per test dataloader: ``name=value`` for each metric."""
     lines = ["Test metrics (final weights):"]
+    if not any(results):  # e.g. a datamodule with test_fraction=0: the loop ran no batch
+        return lines[0] + " none: the test loop logged no metric (an empty test split?)."
     for metrics in results:
         lines.append("  " + "  ".join(f"{name}={value:.4f}" for name, value in sorted(metrics.items())))
     return "\n".join(lines)

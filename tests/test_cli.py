@@ -186,3 +186,11 @@ def test_a_second_lora_on_a_config_that_has_one_is_refused_with_the_fix() -> Non
     with pytest.raises(ValueError, match=r"lightning-peft: trainer.callbacks lists LoRA 2 times \(entries \[2, 4\]\); "
                                          r"a Trainer takes one LoRA\. The config probably has one already"):
         main(args)
+
+
+def test_a_test_loop_that_logs_nothing_says_so() -> None:
+    from lightning_peft.cli import _format_test_results
+
+    assert _format_test_results([{}]) == ("Test metrics (final weights): none: the test loop logged no metric (an "
+                                          "empty test split?).")
+    assert _format_test_results([{"test_acc": 0.5}]) == "Test metrics (final weights):\n  test_acc=0.5000"
