@@ -18,6 +18,35 @@ def say(text: str = "") -> None:
     LINES.append(text)
 
 
+def machine() -> dict[str, Any]:
+    """What the numbers depend on: the CPU (model, instruction level, native bf16 or not), the threads, versions."""
+    import platform
+
+    import torch
+
+    from lightning_peft._hardware import cpu_bf16_is_native
+
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": model, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "native_bf16": cpu_bf16_is_native(), "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "python": platform.python_version()}
+
+
+def say_machine() -> dict[str, Any]:
+    """Print (and keep for ``--txt``) one line on the machine, at the top of a run; returns `machine`'s dict."""
+    m = machine()
+    say(f"machine: {m['cpu']}, CPU capability {m['cpu_capability']}, native bf16 {'yes' if m['native_bf16'] else 'no'}"
+        f", {m['threads']} torch threads of {m['cpus']} CPUs; torch {m['torch']}, python {m['python']}")
+    return m
+
+
 def write_results(json_path: str | None, txt_path: str | None, report: dict) -> None:
     """Write ``report`` as JSON and the printed lines as text, to the paths given (None: skip)."""
     if json_path:

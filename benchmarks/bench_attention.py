@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _memory import fresh_runs, reset_peak_rss, rss_kb  # noqa: E402
-from _report import say, write_results  # noqa: E402
+from _report import say, say_machine, write_results  # noqa: E402
 from lightning_peft.nn.attention import attention, select_backend  # noqa: E402
 
 LENGTHS = (512, 1024, 2048, 4096)
@@ -243,6 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.memory_child:
         return memory_child(args)
     torch.set_num_threads(args.threads)
+    say_machine()
     started = time.perf_counter()
     shape = f"batch {args.batch_size}, {args.heads} heads x {args.head_dim}, fp32, {args.threads} CPU threads"
     probe = torch.zeros(1, args.heads, 1, args.head_dim)

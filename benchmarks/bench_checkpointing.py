@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _memory import MALLOC_MODES, interpreter_run, reset_peak_rss, rss_kb  # noqa: E402
-from _report import finish, output_arguments, save_figure, say  # noqa: E402
+from _report import finish, output_arguments, save_figure, say, say_machine  # noqa: E402
 from lightning_peft.nn import TransformerDecoder, apply_activation_checkpointing  # noqa: E402
 from lightning_peft.nn.checkpointing import checkpointed_modules  # noqa: E402
 from lightning_peft.peft import inject_lora  # noqa: E402
@@ -295,6 +295,7 @@ def describe(args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> dict:
     started, args = time.perf_counter(), parse_args(argv)
     torch.set_num_threads(args.threads)
+    say_machine()
     if args.memory_child:  # one measurement, as JSON for the parent
         print(json.dumps(measure_one(args, args.memory_child, args.memory_depth)))
         return {}

@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _memory import interpreter_run, reset_peak_rss, rss_kb  # noqa: E402
-from _report import save_figure, say, write_results  # noqa: E402
+from _report import save_figure, say, say_machine, write_results  # noqa: E402
 from _timing import alternate, row  # noqa: E402
 from lightning_peft.nn.chunked_loss import DEFAULT_CHUNK_SIZE, chunked_cross_entropy  # noqa: E402
 
@@ -253,6 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.memory_child:
         return memory_child(args)
     torch.set_num_threads(args.threads)
+    say_machine()
     started = time.perf_counter()
     head = "trainable head" if args.trainable_head else "frozen head"
     say(f"## chunked_cross_entropy vs F.cross_entropy (float32, {head}; torch {torch.__version__}; "

@@ -41,7 +41,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _report import say, write_results  # noqa: E402
+from _report import say, say_machine, write_results  # noqa: E402
 from bench_lora import alternate  # noqa: E402
 from lightning_peft.nn import TransformerDecoder  # noqa: E402
 from lightning_peft.peft import inject_lora  # noqa: E402
@@ -99,6 +99,7 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--txt")
     args = parser.parse_args()
+    say_machine()
     if args.quick:
         args.hidden, args.layers, args.heads, args.vocab, args.batch, args.length = 32, 4, 2, 500, 2, 32
         args.repeats, args.steps, args.groups = 2, 2, [2]

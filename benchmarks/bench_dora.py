@@ -38,7 +38,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from torch import nn  # noqa: E402
 
-from _report import say, write_results  # noqa: E402
+from _report import say, say_machine, write_results  # noqa: E402
 from bench_lora import (  # noqa: E402
     B_INIT_STD, MODULES_TO_SAVE, TARGETS, alternate, forward_fn, load_base, logits, make_batch, max_diff, print_spread,
     print_table, row, train_step_fn, trainable,
@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    say_machine()
     flags = torch.backends.cpu.get_cpu_capability()
     say(f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, python "
         f"{platform.python_version()}, {args.threads} threads of {os.cpu_count()} CPUs, CPU capability {flags}")

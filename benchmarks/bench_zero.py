@@ -52,7 +52,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _report import exit_worker, say, write_results  # noqa: E402
+from _report import exit_worker, say, say_machine, write_results  # noqa: E402
 
 STRATEGIES = ["ddp", "deepspeed1", "deepspeed2", "deepspeed3", "native1", "native2", "native3"]
 MODES = ["full", "lora"]
@@ -282,6 +282,7 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--txt")
     args = parser.parse_args()
+    say_machine()
     if args.strategies[0] != "ddp":
         parser.error("--strategies: the first must be ddp (the ratios are to it)")
     if args.worker:

@@ -255,3 +255,18 @@ def test_bench_memory_efficient_quick_runs_each_technique_and_plots(tmp_path, mo
     assert all(r["step_ms"] > 0 and math.isfinite(r["peak_mb"]) for r in results.values())  # quick: in-process
     assert report["summary"]["goal"] == 0.35 and report["summary"]["step_ratio"] > 0
     assert "| contender | peak training memory (MB) |" in txt.read_text() and plot.stat().st_size > 1000
+
+
+def test_every_benchmark_prints_the_machine_it_ran_on():
+    """Ratios from shared, unlike machines need the CPU beside them (its model, instruction level, native bf16):
+    every benchmark's main() calls _report.say_machine()."""
+    import ast
+
+    missing = []
+    for path in sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("bench_*.py")):
+        main = next(node for node in ast.parse(path.read_text()).body
+                    if isinstance(node, ast.FunctionDef) and node.name == "main")
+        calls = {node.func.id for node in ast.walk(main) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+        if "say_machine" not in calls:
+            missing.append(path.name)
+    assert not missing, missing
