@@ -1,0 +1,313 @@
+"""`CausalLM`: `TransformerDecoder` (random, or a Llama-style checkpoint) trained on next-token prediction.
+
+Shapes:
+
+| tensor | shape | meaning |
+| --- | --- | --- |
+| input_ids | (B, L) | token ids |
+| attention_mask | (B, L) | 1 for real tokens, 0 for padding |
+| labels | (B, L) | next-token targets *not* shifted, -100 = ignored |
+| decoder logits | (B, L, V) | V = vocab_size; position t predicts token t + 1 |
+
+Causal-LM loss and perplexity: with ``t`` over the real target tokens (``labels[:, 1:] != -100``),
+``loss = sum_t -log p(token_t | tokens_<t) / n`` and ``ppl = exp(loss)``. Validation and test sum the token
+losses and counts over the whole split (across batches and processes) before dividing, so ``val_ppl`` is the
+perplexity of the split, not a mean of per-batch perplexities. With ``CausalLM(chunked_loss=n)`` training,
+validation and test compute that sum with `lightning_peft.nn.chunked_cross_entropy` from the decoder's hidden states,
+``n`` tokens at a time, never the ``(B, L, V)`` logits, when the head is a plain ``nn.Linear`` (see
+`CausalLM.chunked_head`); any other head keeps the plain loss.
+"""
+
+from __future__ import annotations
+
+import math  # noqa: F401  (the doctests use it)
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+from torchmetrics import Metric
+
+from lightning_peft._checks import integer
+from lightning_peft.modules._block_common import _adamw_with_schedule, _check_args, _check_options, add_moe_losses
+from lightning_peft.nn.chunked_loss import chunked_cross_entropy
+from lightning_peft.nn.transformer import TransformerDecoder
+
+__all__ = ["CausalLM", "TokenLoss", "shifted_token_losses"]
+
+IGNORE_INDEX = -100
+
+
+def shifted_token_losses(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """Sum of the next-token cross-entropies and the number of targets; ``t`` predicts ``labels[:, t + 1]``.
+
+    Args:
+        logits: ``(B, L, V)``.
+        labels: ``(B, L)`` token ids, not shifted; ``-100`` marks tokens that are not targets (padding).
+
+    Returns:
+        ``(loss_sum, count)``: float32 sum over the targets (computed in float32 whatever the logits' dtype)
+        and the int64 number of targets.
+
+    Examples:
+        >>> logits = torch.zeros(1, 3, 4)  # uniform over 4 tokens: each target costs log 4
+        >>> loss_sum, count = shifted_token_losses(logits, torch.tensor([[1, 2, -100]]))
+        >>> round(loss_sum.item() / math.log(4), 4), count.item()
+        (1.0, 1)
+    """
+    target = _shifted(labels)  # (B, L)
+    loss_sum = F.cross_entropy(  # on the logits as they are: slicing off the last position would copy them
+        logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    return loss_sum, (target != IGNORE_INDEX).sum()
+
+
+def _shifted(labels: Tensor) -> Tensor:
+    """``(B, L)`` targets: position ``t`` gets ``labels[:, t + 1]``; the last position predicts nothing (-100)."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+class TokenLoss(Metric):
+    """Token-weighted mean of a loss over a whole split: ``sum of token losses / number of tokens``.
+
+    States are a float64 sum and an int64 count, summed across processes. With ``exponentiate=True`` it
+    computes ``exp`` of that mean: the perplexity.
+
+    Examples:
+        >>> ppl = TokenLoss(exponentiate=True)
+        >>> ppl.update(torch.tensor(3.0), torch.tensor(2)); ppl.update(torch.tensor(1.0), torch.tensor(2))
+        >>> round(ppl.compute().item(), 4) == round(math.exp(1.0), 4)
+        True
+    """
+
+    full_state_update = False
+    higher_is_better = False
+
+    def __init__(self, exponentiate: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.exponentiate = exponentiate
+        self.add_state("total", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
+
+    def update(self, loss_sum: Tensor, count: Tensor) -> None:
+        """Adds a batch: the sum of its token losses and the number of tokens."""
+        self.total += loss_sum.detach().to(torch.float64)
+        self.count += count.detach().to(torch.int64)
+
+    def compute(self) -> Tensor:
+        mean = self.total / self.count
+        return mean.exp() if self.exponentiate else mean
+
+
+class CausalLM(LightningModule):
+    """Next-token language modelling with `TransformerDecoder`.
+
+    Batches are dicts with ``input_ids`` ``(B, L)``, ``attention_mask`` (optional) and ``labels`` (optional,
+    unshifted, ``-100`` where no loss is taken; default: ``input_ids`` with padding ignored). Logs
+    ``train_loss`` (token mean of the batch), ``val_loss`` / ``val_ppl`` and ``test_loss`` / ``test_ppl``
+    (over the whole split, see the module docstring).
+
+    Args:
+        vocab_size: Vocabulary size (the tokenizer's); with ``pretrained`` it must equal the checkpoint's.
+        decoder: Keyword arguments of `TransformerDecoder` (``hidden_size``, ``num_layers``, ``num_heads``,
+            ...); with ``pretrained``, overrides that keep the architecture (``dropout``, ``backend``).
+        pretrained: A Llama-style checkpoint directory (see `TransformerDecoder.from_pretrained`); ``None``
+            trains from scratch.
+        learning_rate: Peak AdamW learning rate.
+        weight_decay: AdamW weight decay on matrices (embeddings included), not on norm weights.
+        warmup_fraction: Fraction of the optimizer steps spent warming the learning rate up.
+        chunked_loss: Tokens per chunk of `lightning_peft.nn.chunked_cross_entropy` for the training, validation
+            and test loss (memory ``O(chunked_loss * V)`` instead of ``O(B * L * V)``; equal to the plain loss up to
+            float rounding); ``None`` (the default) computes the ``(B, L, V)`` logits. Used only while the head is
+            a plain ``nn.Linear`` (see `chunked_head`).
+
+    Raises:
+        ValueError: If an argument is out of range, or ``decoder`` sets ``vocab_size`` (use the argument).
+        TypeError: If ``decoder`` is not a dict.
+
+    Examples:
+        >>> lm = CausalLM(vocab_size=50, decoder={"hidden_size": 16, "num_layers": 1, "num_heads": 2})
+        >>> lm(torch.tensor([[1, 5, 7]])).shape
+        torch.Size([1, 3, 50])
+        >>> lm.generate(torch.tensor([[1, 5]]), max_new_tokens=3).shape
+        torch.Size([1, 5])
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 30522,
+        decoder: dict[str, Any] | None = None,
+        pretrained: str | None = None,
+        learning_rate: float = 1e-3,
+        weight_decay: float = 0.1,
+        warmup_fraction: float = 0.05,
+        chunked_loss: int | None = None,
+    ) -> None:
+        super().__init__()
+        _check_args("CausalLM", learning_rate, weight_decay, warmup_fraction)
+        if chunked_loss is not None:
+            integer("CausalLM", "chunked_loss", chunked_loss, minimum=1, example="1024",
+                    meaning="tokens per chunk of the loss; None for the plain loss")
+        options = _check_options("CausalLM", "decoder", decoder)
+        if "vocab_size" in options:
+            raise ValueError(
+                f"CausalLM(decoder={decoder!r}): set the vocabulary size with CausalLM(vocab_size=...), not "
+                "inside decoder."
+            )
+        self.save_hyperparameters()
+        options["vocab_size"] = vocab_size
+        if pretrained is None:
+            self.decoder = TransformerDecoder(**options)
+        else:
+            self.decoder = TransformerDecoder.from_pretrained(pretrained, **options)
+        self.val_loss = TokenLoss()
+        self.val_ppl = TokenLoss(exponentiate=True)
+        self.test_loss = TokenLoss()
+        self.test_ppl = TokenLoss(exponentiate=True)
+
+    def setup(self, stage: str) -> None:
+        """Checks that the datamodule's tokenizer (``vocab_size``, if it has one) fits the embedding.
+
+        Raises:
+            ValueError: If the tokenizer has more tokens than the decoder's vocabulary.
+        """
+        datamodule = self.trainer.datamodule  # set up already: Lightning sets the datamodule up first
+        tokens = getattr(datamodule, "vocab_size", None)
+        if tokens is not None and tokens > self.hparams.vocab_size:
+            raise ValueError(
+                f"CausalLM(vocab_size={self.hparams.vocab_size}) is smaller than the tokenizer of "
+                f"{type(datamodule).__name__}, which has {tokens} tokens; set model.init_args.vocab_size to "
+                f"{tokens}."
+            )
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Logits ``(B, L, vocab_size)``; position ``t`` scores the token at ``t + 1``."""
+        return self.decoder(input_ids, attention_mask)
+
+    def _inputs_and_labels(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor | None, Tensor]:
+        """``(input_ids, attention_mask, labels)``; labels default to the ids with padding ignored."""
+        input_ids, mask = batch["input_ids"], batch.get("attention_mask")
+        labels = batch.get("labels")
+        if labels is None:
+            labels = input_ids if mask is None else input_ids.masked_fill(mask == 0, IGNORE_INDEX)
+        return input_ids, mask, labels
+
+    def chunked_head(self) -> nn.Linear | None:
+        """The head the chunked loss runs on, or None for the plain loss (``chunked_loss=None``, or a head it
+        cannot see through).
+
+        The chunked loss reads ``lm_head.weight`` and ``bias`` itself and runs the decoder up to its final norm
+        (``TransformerDecoder.hidden_states``), so it applies only where that equals calling the model: the head is
+        exactly ``nn.Linear`` (not an adapter such as LoRA's wrapper, nor a modules-to-save copy) with plain tensors
+        (not quantized, not DTensor shards of tensor parallelism), and no hook or replaced ``forward`` sits on this
+        module, the decoder or the head (device maps, pipeline stages).
+        """
+        if self.hparams.get("chunked_loss") is None:
+            return None
+        head = self.decoder.lm_head
+        if type(head) is not nn.Linear or type(self.decoder).forward is not TransformerDecoder.forward:
+            return None
+        if any(p is not None and type(p) not in (nn.Parameter, Tensor) for p in (head.weight, head.bias)):
+            return None
+        for module in (self, self.decoder, head):
+            if module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module):
+                return None
+        return head
+
+    def _token_losses(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        input_ids, mask, labels = self._inputs_and_labels(batch)
+        head = self.chunked_head()
+        if head is None:
+            return shifted_token_losses(self(input_ids, mask), labels)
+        target = _shifted(labels)  # (B, L)
+        hidden = self.decoder.hidden_states(input_ids, mask)  # (B, L, H)
+        loss_sum = chunked_cross_entropy(  # under autocast the head's own dtype (the plain head would run lower)
+            hidden.to(head.weight.dtype), head.weight, target, chunk_size=self.hparams.chunked_loss,
+            ignore_index=IGNORE_INDEX, reduction="sum", bias=head.bias,
+        )
+        return loss_sum.float(), (target != IGNORE_INDEX).sum()
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        """Token-mean cross-entropy of the batch (logged as ``train_loss``) plus any MoE auxiliary losses."""
+        loss_sum, count = self._token_losses(batch)
+        loss = loss_sum / count.clamp(min=1)
+        self.log("train_loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return add_moe_losses(self, self.decoder, loss, batch["input_ids"].shape[0])
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        """Accumulates ``val_loss`` and ``val_ppl`` over the validation split."""
+        self._evaluate(batch, self.val_loss, self.val_ppl, "val")
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        """Accumulates ``test_loss`` and ``test_ppl`` over the test split."""
+        self._evaluate(batch, self.test_loss, self.test_ppl, "test")
+
+    def _evaluate(self, batch: dict[str, Tensor], loss: TokenLoss, ppl: TokenLoss, prefix: str) -> None:
+        loss_sum, count = self._token_losses(batch)
+        loss.update(loss_sum, count)
+        ppl.update(loss_sum, count)
+        self.log(f"{prefix}_loss", loss, prog_bar=True)
+        self.log(f"{prefix}_ppl", ppl, prog_bar=True)
+
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        """Per-sequence ``loss`` (token mean, ``(B,)``) and ``tokens`` (number of targets, ``(B,)``)."""
+        input_ids, mask, labels = self._inputs_and_labels(batch)
+        target = labels[:, 1:]  # (B, L-1)
+        losses = F.cross_entropy(  # (B, L-1); class scores on dim 1, as cross_entropy wants them
+            self(input_ids, mask)[:, :-1].float().transpose(1, 2), target, ignore_index=IGNORE_INDEX,
+            reduction="none",
+        )
+        counts = (target != IGNORE_INDEX).sum(dim=1)  # (B,)
+        return {"loss": losses.sum(dim=1) / counts.clamp(min=1), "tokens": counts}
+
+    @torch.no_grad()
+    def generate(
+        self, input_ids: Tensor, max_new_tokens: int, temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Appends ``max_new_tokens`` tokens to ``input_ids`` ``(B, L)``, a forward pass per token (no cache).
+
+        Args:
+            input_ids: The prompts, ``(B, L)``, all real tokens.
+            max_new_tokens: How many tokens to add.
+            temperature: 0 for greedy decoding; otherwise sampling from ``softmax(logits / temperature)``.
+            generator: Random generator for sampling (reproducible draws).
+
+        Returns:
+            ``(B, L + max_new_tokens)``: the prompts followed by the new tokens. The context is cut to the
+            decoder's ``max_position_embeddings`` last tokens. Runs in eval mode; the mode is restored.
+
+        Raises:
+            ValueError: If ``max_new_tokens`` is negative or ``temperature`` is negative.
+        """
+        integer("CausalLM.generate", "max_new_tokens", max_new_tokens, minimum=0)
+        if not temperature >= 0:
+            raise ValueError(
+                f"CausalLM.generate(temperature={temperature!r}): temperature must be >= 0 (0 = greedy)."
+            )
+        was_training = self.training
+        self.eval()
+        try:
+            tokens = input_ids
+            for _ in range(max_new_tokens):
+                context = tokens[:, -self.decoder.max_position_embeddings :]
+                logits = self(context)[:, -1].float()  # (B, V)
+                if temperature == 0:
+                    new = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+                else:
+                    probs = torch.softmax(logits / temperature, dim=-1)
+                    new = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
+                tokens = torch.cat([tokens, new.to(tokens.dtype)], dim=1)
+            return tokens
+        finally:
+            self.train(was_training)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW over the trainable parameters with a per-step linear warm-up and decay schedule.
+
+        Raises:
+            ValueError: If no parameter requires gradients, or the run length is unknown.
+        """
+        return _adamw_with_schedule(self, "CausalLM")
