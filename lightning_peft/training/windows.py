@@ -86,7 +86,9 @@ class WindowTracker:
         ``last``: the stream ends after this micro-batch (the trainer steps after it).
         """
         window = self.window(schedule, epoch, batch, num_batches, step, anchor=True)
-        assert window is not None
+        if window is None:  # anchor=True always finds one: an internal error, kept under python -O too
+            raise RuntimeError(f"lightning-peft: no accumulation window for micro-batch {batch} of epoch {epoch} "
+                               f"(step {step}); this is a bug, please report it with the schedule {schedule!r}.")
         if self._restored:  # the first micro-batch after a checkpoint was loaded
             self._restored, self._resumed_at = False, (epoch, batch)
         first, end = window.start, window.start + window.size
