@@ -110,8 +110,9 @@ class RoutesBatches(Callback):
         if stage == "predict":
             return
         for name in self.names:
+            # Summed over the data-parallel ranks too (MultiLoRA runs only where every rank is one of them).
             pl_module.log(f"{stage}_adapter_samples/{name}", float(names.count(name)), on_step=False, on_epoch=True,
-                          reduce_fx="sum", batch_size=len(names))
+                          reduce_fx="sum", batch_size=len(names), sync_dist=True)
 
     def _warn_unrouted(self, batch: Any) -> None:
         """Once: a training batch without the key trains the active adapter alone (a ``routing_key`` typo would train

@@ -98,8 +98,18 @@ def others(out: Path, devices: int, batch_size: int) -> None:
             enable_progress_bar=False, enable_model_summary=False, default_root_dir=out, use_distributed_sampler=False,
             callbacks=[callback(), ModelCheckpoint(dirpath=out / name, save_last=True)],
         )
-        trainer.fit(module, datamodule=RoundRobinData(dataset(), batch_size))
+        data = routed() if name == "multi_lora" else dataset()
+        trainer.fit(module, datamodule=RoundRobinData(data, batch_size))
         torch.save(adapter_state_dict(module.model), out / f"{name}-rank{trainer.global_rank}.pt")
+        counts = {k: float(v) for k, v in trainer.callback_metrics.items() if "adapter_samples" in k}
+        torch.save(counts, out / f"{name}-counts-rank{trainer.global_rank}.pt")
+
+
+def routed() -> list[dict]:
+    """The samples of ``dataset()`` with an adapter each: "news" for the first 12, then "sport" (a rank of a 2-rank
+    round robin routes none of its first batch to "sport")."""
+    return [{"input_ids": ids, "labels": label, "adapter": "news" if i < 12 else "sport"}
+            for i, (ids, label) in enumerate(dataset())]
 
 
 class FailsOnRankZero(MergeOnSave):

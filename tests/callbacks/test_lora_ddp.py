@@ -44,6 +44,11 @@ def test_ddp_two_processes_equal_one_process_on_the_joint_batch(two_ranks, tmp_p
             assert_close(rank0[key], single[key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
         state = torch.load(ddp / name / "last.ckpt", weights_only=False)["state_dict"]
         assert set(state) == {f"model.{k}" for k in single}, name  # rank 0 wrote it, adapter-only
+    # MultiLoRA's logged sample counts are the whole batch's on every rank, as one process logs them.
+    counts = [torch.load(ddp / f"multi_lora-counts-rank{r}.pt") for r in (0, 1)]
+    single = torch.load(tmp_path / "single" / "multi_lora-counts-rank0.pt")
+    assert single == {"train_adapter_samples/news": 12.0, "train_adapter_samples/sport": 4.0}
+    assert counts[0] == counts[1] == single
 
 
 @pytest.mark.multiprocess
