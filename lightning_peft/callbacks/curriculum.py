@@ -142,8 +142,9 @@ class Curriculum(PatchingCallback):
         return self._loader
 
     def _resample(self, loader: DataLoader, trainer: pl.Trainer, pl_module: pl.LightningModule) -> CurriculumSampler:
-        """The scores and a sampler over them for ``loader``, at the restored position if any (used up: a reloaded
-        loader starts afresh)."""
+        """The scores and a sampler over them for ``loader``, at the restored position if any. Every loader made
+        before training starts gets it (DeepSpeed makes one before the restore, the fit loop another after it);
+        one reloaded later starts afresh (`on_train_start` lets the restored state go)."""
         scores = self._scores(loader, trainer, pl_module)
         if self.start_fraction < 1.0:  # else every step admits all the data: no order is used (the warm-up alone)
             check_ordered(scores, self.scorer, "Curriculum")
@@ -160,7 +161,7 @@ class Curriculum(PatchingCallback):
             sampler = CurriculumSampler(scores, **settings, batches_per_epoch=limited)
         if self._restored and self._restored["position"] is not None:
             sampler.load_state_dict(self._restored["position"])
-        self.scores, self.sampler, self._restored = scores, sampler, None
+        self.scores, self.sampler = scores, sampler
         return sampler
 
     def _scores(self, loader: DataLoader, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Tensor:
@@ -198,6 +199,10 @@ class Curriculum(PatchingCallback):
             if warning:
                 rank_zero_warn(warning)
         return LossScorer(model, collate_fn=loader.collate_fn, batch_size=loader.batch_size)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restored = None  # the train loader is made: a later reload starts its epoch afresh
 
     @override
     def on_train_batch_start(

@@ -45,6 +45,15 @@ class RestoreAfterSetup(SingleDeviceStrategy):
         return True
 
 
+class AsksForTheLoaderInSetup(RestoreAfterSetup):
+    """Builds the train loader in its setup, before the restore, as DeepSpeed does to read the micro-batch size
+    (``_auto_select_batch_size``); the fit loop builds its own after the restore."""
+
+    def setup(self, trainer) -> None:
+        trainer.fit_loop._data_source.dataloader()
+        super().setup(trainer)
+
+
 class RecordStart(Callback):
     def on_fit_start(self, trainer, pl_module):
         self.state = {k: v.clone() for k, v in adapter_state_dict(pl_module.model).items()}
@@ -151,9 +160,11 @@ def test_a_resumed_run_continues_the_schedule_of_the_straight_run(tiny_bert_conf
         ("epochs/epoch=0.ckpt", 4, {"estimate": True}),  # end of epoch 0; the loader is made in between
         # mid-epoch 0; the loader is made before the callbacks are restored
         ("steps/step=3.ckpt", 3, {"estimate": True, "strategy": RestoreAfterSetup(torch.device("cpu"))}),
+        # mid-epoch 0; one loader made before the restore (DeepSpeed's), the one that trains after it
+        ("steps/step=3.ckpt", 3, {"strategy": AsksForTheLoaderInSetup(torch.device("cpu"))}),
     ]
     for checkpoint, done, how in cases:
-        resumed, curriculum = fit(tiny_bert_config, tmp_path / f"resumed{done}", 3,
+        resumed, curriculum = fit(tiny_bert_config, tmp_path / f"resumed{done}-{len(how)}", 3,
                                   ckpt_path=tmp_path / "straight" / checkpoint, **how)
         assert resumed.seen == straight.seen[done:], checkpoint
         # Self-paced scores come from the checkpoint, not from the resumed (already trained) model.
