@@ -55,6 +55,15 @@ def unmatched(targets: Targets, names: Iterable[str]) -> list[str]:
     return [t for t in targets if not any(name_matches(n, [t]) for n in names)]
 
 
+def matched(targets: Targets, names: Iterable[str]) -> Targets | None:
+    """``targets`` less the list entries that match none of ``names``; a regular expression that matches none of
+    them, or a list left empty: None."""
+    names = list(names)
+    if isinstance(targets, str):
+        return targets if any(name_matches(n, targets) for n in names) else None
+    return [t for t in targets if any(name_matches(n, [t]) for n in names)] or None
+
+
 def refuse_unmatched(who: str, targets: Targets, names: Iterable[str], model: nn.Module, describe,
                      what: str = "target_modules") -> None:
     """Raise if an entry of a ``target_modules`` list (or of the ``what`` list) matches no module: a typo would

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ._common import name_matches, unmatched
+from ._common import matched, name_matches, unmatched
 from .adapter import base_model_name, clean_key, unwrap
 from .layers import DEFAULT, LoRAConv2d, lora_layers
 from .lora_config import LoRAConfig, config_from_peft
@@ -133,11 +133,8 @@ def config_for_model(model: nn.Module, config: dict[str, Any], source: str) -> L
                       f"{type(unwrap(model)).__name__}; they are ignored, as PEFT ignores them.",
                       UserWarning, stacklevel=4)
         ours = dataclasses.replace(ours, target_modules=[t for t in ours.target_modules if t not in missing])
-    exclude = ours.exclude_modules
-    if exclude is not None:  # PEFT ignores exclusions that match nothing: they change nothing it adapts
-        kept = ([e for e in exclude if e not in unmatched(exclude, names)] if not isinstance(exclude, str)
-                else exclude if any(re.fullmatch(exclude, n) for n in names) else None)
-        ours = dataclasses.replace(ours, exclude_modules=kept or None)
+    if ours.exclude_modules is not None:  # PEFT ignores exclusions that match nothing: they change nothing it adapts
+        ours = dataclasses.replace(ours, exclude_modules=matched(ours.exclude_modules, names))
     return ours
 
 

@@ -29,7 +29,8 @@ import warnings
 from torch import nn
 
 from ._common import (
-    Targets, chosen_by_name, inside, name_matches, pattern_matches, refuse_no_target, refuse_unmatched, task_heads,
+    Targets, chosen_by_name, inside, matched, name_matches, pattern_matches, refuse_no_target, refuse_unmatched,
+    task_heads,
 )
 from .adapter import attached
 from .layers import LoRALayer, conv1d_type
@@ -117,7 +118,7 @@ def _refuse_unmatched_exclusion(model: nn.Module, exclude: Targets, names: list[
     """A typo in ``exclude_modules`` would silently adapt what it meant to keep out: every list entry, and a regular
     expression, must match some module."""
     refuse_unmatched("LoRA", exclude, names, model, _describe_modules, what="exclude_modules")
-    if isinstance(exclude, str) and not any(re.fullmatch(exclude, n) for n in names):
+    if isinstance(exclude, str) and matched(exclude, names) is None:
         raise ValueError(
             f"LoRA(exclude_modules={exclude!r}): the regular expression matches no module name of "
             f"{type(model).__name__} (it must match a full name, e.g. {_preview(names)}). Fix it, or leave "

@@ -20,8 +20,8 @@ embedding pattern (a name part containing ``embed``, or ``wte``, ``wpe``, ``cls_
 ``shared``) gives ``d = 0``; else the parameter is above the layers. Prompt learning's parameters
 (`lightning_peft.peft`) follow the same reading: the soft prompt (``lightning_peft_prompt``) stands in front of the
 input embeddings, so ``d = 0``; the prefix (``lightning_peft_prefix``) is one table of every layer's keys and values,
-so no layer's rate is its own and it takes the top rate (``d = L + 1``), as parameters outside the layers do. ``L`` is one more than the largest layer index
-among all parameters, frozen ones included, so freezing or adapting some layers (LoRA) does not change the
+so no layer's rate is its own and it takes the top rate (``d = L + 1``), as parameters outside the layers do. ``L``
+is one more than the largest layer index among all parameters, frozen ones included, so freezing or adapting some layers (LoRA) does not change the
 depth. Several stacks (an encoder and a decoder) share the numbering: layer ``i`` of each gets the same rate.
 """
 
