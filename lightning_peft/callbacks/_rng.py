@@ -23,7 +23,9 @@ restores callback states after ``setup``, by ``state_key``, so a callback added 
 the ``Trainer``. A ``Trainer`` without any of our callbacks can pass ``RNGState()`` itself.
 
 Mid-epoch, the batches themselves must come back too: that is the loader's part (a loader with ``state_dict`` /
-``load_state_dict``, as Lightning requires). Not covered: workers of a mid-epoch iterator (their seeds were drawn at
+``load_state_dict``, as Lightning requires). When Lightning loaded that loader before the restore (asked for
+``estimated_stepping_batches`` in ``configure_optimizers``), ``on_train_start`` gives it the checkpoint's position
+(`restore_loader_position`), which Lightning would otherwise drop. Not covered: workers of a mid-epoch iterator (their seeds were drawn at
 the epoch's start) and draws made by user hooks that run between the checkpoint and the next batch in one run only.
 """
 
@@ -40,6 +42,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.seed import isolate_rng
 from typing_extensions import override
+
+from lightning_peft.callbacks._train_loader import restore_loader_position
 
 __all__ = ["RNGState", "keep_rng"]
 
@@ -133,15 +137,18 @@ class RNGState(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._saved is None:
-            return
+        resumed = self._saved is not None
         fetched = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # batches of this epoch before the save
-        if 0 < fetched < trainer.num_training_batches:
+        if resumed and 0 < fetched < trainer.num_training_batches:
             # Mid-epoch: the straight run made this epoch's iterator before the checkpoint, so the draw of the
             # resumed run's new iterator is taken back.
             _apply(self._saved)
             self._saved = None
-        _isolate_skipped_validation(trainer)
+        # The batches come back too, for a loader made before the restore; after the generators, so that its new
+        # iterator draws from where Lightning's would have (isolated: the generators stay where they are).
+        restore_loader_position(trainer)
+        if resumed:
+            _isolate_skipped_validation(trainer)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

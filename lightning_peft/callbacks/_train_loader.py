@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.seed import isolate_rng
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from lightning_peft.callbacks._lightning import Patches
@@ -48,6 +49,26 @@ def train_loader(trainer: pl.Trainer) -> Any:
         return trainer.train_dataloader
     source = getattr(trainer.fit_loop, "_data_source", None)
     return source.dataloader() if source is not None and source.is_defined() else None
+
+
+def restore_loader_position(trainer: pl.Trainer) -> None:
+    """Give the train loader the position the checkpoint holds, when Lightning loaded the loader before the restore.
+
+    Lightning positions a stateful train loader (``state_dict`` / ``load_state_dict``) when it loads the loader after
+    the checkpoint's training state. ``trainer.estimated_stepping_batches`` in ``configure_optimizers`` (the usual
+    total of a warm-up schedule) loads it earlier, and Lightning then keeps the position without ever applying it
+    (Lightning issue 20550), so a mid-epoch resume would train on the epoch's first batches again. Call it before
+    the first batch (``on_train_start``): the position is applied, and the epoch's iterator made again from it, as
+    Lightning does after loading the loader itself. The new iterator's seed draw is isolated, so the generators stay
+    where the restore left them.
+    """
+    loop = trainer.fit_loop
+    pending = getattr(loop, "_combined_loader_states_to_load", None)
+    if not (loop.restarting and pending and getattr(loop, "_data_fetcher", None) is not None):
+        return  # not resuming, or nothing pending: Lightning applied the position (or there is none)
+    loop._load_combined_loader_states()
+    with isolate_rng():
+        iter(loop._data_fetcher)  # the epoch's iterator from the restored position (Lightning's setup_data does so)
 
 
 def loader_batch_size(loader: Any, who: str, fix: str) -> int:

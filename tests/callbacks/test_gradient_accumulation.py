@@ -43,8 +43,9 @@ class Regression(pl.LightningModule):
 class Estimating(Regression):
     """Records what an LR schedule would see in configure_optimizers.
 
-    Not for the resume tests: asking for ``estimated_stepping_batches`` there loads the train loader before the
-    checkpoint's loader state is restored, and Lightning then never restores it (Lightning issue 20550).
+    Asking for ``estimated_stepping_batches`` there loads the train loader before the checkpoint's loader state is
+    restored, which Lightning then never applies (Lightning issue 20550); the callbacks' ``RNGState`` applies it
+    (a mid-epoch resume with such a schedule: ``tests/callbacks/test_lora.py``).
     """
 
     def configure_optimizers(self):

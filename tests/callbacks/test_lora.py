@@ -11,9 +11,9 @@ from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, ModelCheck
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_peft.callbacks import LoRA
+from lightning_peft.callbacks import GradientAccumulation, LoRA
 from lightning_peft.peft import LoRAConfig, adapter_state_dict, inject_lora, lora_layers
-from tests._models import LORA_ARGS, Classifier, loader, trainer
+from tests._models import LORA_ARGS, Classifier, ResumableLoader, loader, tensors, trainer
 
 
 class RecordInitialAdapter(Callback):
@@ -193,3 +193,46 @@ def test_a_model_left_in_eval_mode_is_named_with_the_adapter_s_dropout(tiny_bert
         warnings.simplefilter("always")
         trainer(tmp_path, max_steps=1, callbacks=[LoRA(**LORA_ARGS, dropout=0.1)]).fit(trained, loader())
     assert not [w for w in caught if "dropout module" in str(w.message)]
+
+
+class WarmUp(Classifier):
+    """AdamW with a linear warm-up and decay over the fit's steps, counted as users do in configure_optimizers
+    (``estimated_stepping_batches``, or ``GradientAccumulation.total_steps``): asking loads the train loader before
+    the checkpoint's loader position is restored."""
+
+    def __init__(self, config, total: str) -> None:
+        super().__init__(config)
+        self.total = total
+
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        total = (GradientAccumulation.total_steps(self.trainer) if self.total == "total_steps"
+                 else self.trainer.estimated_stepping_batches)
+        warm_up = 3
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min((step + 1) / warm_up, (total - step) / (total - warm_up)))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+@pytest.mark.parametrize(("total", "accumulate"), [
+    ("estimated_stepping_batches", False), ("estimated_stepping_batches", True), ("total_steps", True)])
+def test_a_mid_epoch_resume_with_the_warm_up_total_equals_the_straight_run(tiny_bert_config, tmp_path, total,
+                                                                             accumulate):
+    def fit(root, ckpt_path=None):
+        torch.manual_seed(0)
+        module = WarmUp(tiny_bert_config, total)
+        every_5 = ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=5, save_top_k=-1)
+        callbacks = [LoRA(**LORA_ARGS, dropout=0.1), every_5]  # only LoRA: it brings the resume callback
+        if accumulate:
+            callbacks.append(GradientAccumulation(global_batch_size=8))
+        data = ResumableLoader(TensorDataset(*tensors(24)), batch_size=4)  # 6 batches an epoch
+        trainer(root, max_epochs=4, callbacks=callbacks, enable_checkpointing=True).fit(module, data,
+                                                                                         ckpt_path=ckpt_path)
+        return adapter_state_dict(module.model)
+
+    straight = fit(tmp_path / "straight")
+    # Step 10 is mid-epoch: batch 4 of 6 of epoch 1, or micro-batch 2 of 6 of epoch 3 with 2 per step.
+    resumed = fit(tmp_path / "resumed", ckpt_path=tmp_path / "straight" / "step=10.ckpt")
+    assert resumed.keys() == straight.keys()
+    for key in straight:
+        assert torch.equal(resumed[key], straight[key]), (key, (resumed[key] - straight[key]).abs().max())

@@ -107,8 +107,8 @@ def test_batches_without_the_key_use_the_active_adapter_and_counts_are_logged(ti
     model = module.model.eval()
     with torch.no_grad():
         expected = model(input_ids=unrouted[0]["input_ids"]).logits
-        with route_adapters(model, ["sport"] * 4):
-            assert torch.equal(model(input_ids=unrouted[0]["input_ids"]).logits, expected)
+        with route_adapters(model, ["sport"] * 4):  # the routed path (bmm) rounds unlike the active one (addmm)
+            assert_close(model(input_ids=unrouted[0]["input_ids"]).logits, expected)
 
 
 def test_a_routing_key_no_training_batch_has_is_warned_about_once(tiny_bert_config, tmp_path):

@@ -394,7 +394,8 @@ def test_a_failed_forward_inside_route_adapters_still_ends_the_routing():
         model(IDS)
     expected = model(IDS)  # routing over: every sample uses the active adapter again
     with route_adapters(model, ["a"] * 5):
-        assert torch.equal(model(IDS), expected)
+        # Within rounding: the routed path (bmm) and the single-adapter one (addmm) round differently on some CPUs.
+        assert_close(model(IDS), expected)
 
 
 def test_adapter_management_errors():
