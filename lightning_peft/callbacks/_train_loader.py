@@ -63,8 +63,10 @@ def restore_loader_position(trainer: pl.Trainer) -> None:
     where the restore left them.
     """
     loop = trainer.fit_loop
-    pending = getattr(loop, "_combined_loader_states_to_load", None)
-    if not (loop.restarting and pending and getattr(loop, "_data_fetcher", None) is not None):
+    # Lightning's own fields, read directly: a Lightning that renamed them fails here loudly (the test of this
+    # resume fails too), rather than resuming from the epoch's start without a word.
+    pending = loop._combined_loader_states_to_load
+    if not (loop.restarting and pending and loop._data_fetcher is not None):
         return  # not resuming, or nothing pending: Lightning applied the position (or there is none)
     loop._load_combined_loader_states()
     with isolate_rng():
