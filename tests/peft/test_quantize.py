@@ -237,6 +237,12 @@ def test_unknown_methods_are_refused_naming_the_choices():
         quantize_base(Net(), "fp4")
     with pytest.raises(ValueError, match=r"'qeury' matched no module of Net"):
         quantize_base(Net(), "nf4", target_modules=["qeury"])
+    model = Net()
+    with pytest.raises(ValueError, match=r"quantize_base\(target_modules='all_linear'\) matched no module of Net\. "
+                                         r"Modules it can quantize: query, value, down, small, head\. Did you mean "
+                                         r"'all-linear'"):
+        quantize_base(model, "nf4", target_modules="all_linear")  # a regular expression that matches nothing
+    assert not quantized_layers(model)
 
 
 def test_shard_problems_name_each_weight_fsdp2_cannot_split():
