@@ -9,9 +9,10 @@ what PEFT writes. A model with adapters of several techniques is saved one direc
 ``<directory>/<kind>/``.
 
 Files are written under a temporary name and renamed into place, so a failure never leaves a half-written
-adapter; non-finite weights are refused before anything is written. Weights are read with safetensors, or from
-PEFT's legacy ``adapter_model.bin`` with ``torch.load(weights_only=True)``: an adapter file from a stranger
-cannot run code.
+adapter; non-finite weights, and a scale or factors that overflow the dtype the adapted layers compute in
+(`lightning_peft.peft._limits`), are refused before anything is written or loaded. Weights are read with
+safetensors, or from PEFT's legacy ``adapter_model.bin`` with ``torch.load(weights_only=True)``: an adapter file from
+a stranger cannot run code.
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from .._atomic import write_files
+from ._limits import check_loaded_values, refuse_overflow
 from .adapter import DEFAULT, Adapter, attached, require_adapters, technique, technique_for_peft_type, unwrap
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 LEGACY_WEIGHTS_NAME = "adapter_model.bin"
 KEY_PREFIX = "base_model.model."
+_OVERFLOW_ON_SAVE = ("Nothing was written. Check the training for divergence (loss, learning rate), or lower alpha; "
+                     "a model that loads this adapter would compute nothing but inf and NaN.")
 
 
 def peft_config(model: nn.Module) -> dict:
@@ -114,8 +118,10 @@ def _adapter_files(model: nn.Module, adapter: Adapter, directory: Path, name: st
             "save_adapter=False), or adapt other layers."
         )
     named = {} if name is None else {"adapter_name": name}
+    state = adapter.peft_state(model, **named)
+    tensors = _writable(state, adapter.peft_key_prefix)
+    refuse_overflow(adapter.value_problems(model, state, **named), "save_adapter", _OVERFLOW_ON_SAVE)
     text = json.dumps(adapter.peft_config(model, **named), indent=2, sort_keys=True) + "\n"
-    tensors = _writable(adapter.peft_state(model, **named), adapter.peft_key_prefix)
     return {
         directory / WEIGHTS_NAME: lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}),
         directory / CONFIG_NAME: lambda tmp: Path(tmp).write_text(text),
@@ -315,6 +321,7 @@ def _load_one(model: nn.Module, directory: Path, adapter_name: str) -> None:
         asker = f"the model's existing {cls.kind} adapter has (it was injected before loading)"
     try:
         expected = _check_fit(model, adapter, tensors, directory, asker, named)
+        check_loaded_values(model, adapter, tensors, expected, directory, named)
     except Exception:
         if injected:
             _undo_injection(model, adapter, added_to, adapter_name, requires_grad)
