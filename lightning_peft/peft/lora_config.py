@@ -117,8 +117,8 @@ def _as_rank(value: object, what: str) -> int:
 
 
 def _as_alpha(value: object, what: str) -> float:
-    # Above float32's largest value the scale alpha / r overflows the adapter's output (`_limits`); a half-precision
-    # base's narrower limit is checked at inject, where its dtype is known.
+    # An alpha above float32's largest value makes every output inf or NaN (`_limits`); the scale's limit for a
+    # half-precision base is checked at inject, where the dtype is known.
     alpha = positive("LoRA", what, value, example="16")
     real("LoRA", what, value, maximum=FLOAT32_MAX, example="16",
          meaning="float32's largest value; an alpha beyond it makes every output inf or NaN")
