@@ -100,7 +100,10 @@ def refuse_no_target(who: str, targets: Targets | None, model: nn.Module, can: s
     module ("adapt"), ``described`` the modules it can do it to, ``example`` a full module name for the hint that
     a string is a regular expression."""
     hint = ""
-    if isinstance(targets, str) and targets != "all-linear":
+    if isinstance(targets, str) and re.sub(r"[\W_]", "", targets.lower()) == "alllinear":
+        hint = (" Did you mean 'all-linear' (Hugging Face PEFT's spelling, with a hyphen)? It chooses every linear "
+                "layer but the output head.")
+    elif isinstance(targets, str) and targets != "all-linear":
         hint = (" A string is a regular expression that must match the full module name "
                 f"(e.g. {example!r}); to match by name or suffix, give a list: [{targets!r}].")
     raise ValueError(

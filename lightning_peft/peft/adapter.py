@@ -22,6 +22,7 @@ What an [`Adapter`][lightning_peft.peft.Adapter] answers:
 | ``merged_state(model, s)`` | turn a full state dict ``s`` of the adapted model into the plain model's state dict (a technique with named adapters takes ``name``: the one to fold in) |
 | ``unload(model, merge)`` | put the plain modules back (merged or not) and forget the adapter |
 | ``peft_config(model)`` | the ``adapter_config.json`` content; ``peft_state(model)`` the tensors under PEFT's keys; ``from_peft(model, config, source)`` injects what a PEFT config describes |
+| ``value_problems(model, state)`` | why the scale or the tensors ``state`` (PEFT's keys) would overflow the dtype the adapted layers compute in: [`save_adapter`][lightning_peft.peft.save_adapter] and [`load_adapter`][lightning_peft.peft.load_adapter] refuse them |
 | ``peft_key_prefix`` | what PEFT's files put before those keys (``base_model.model.``; prompt learning: none) |
 | ``peft_fields`` | the ``adapter_config.json`` fields PEFT's config class has (None: any); [`load_adapter`][lightning_peft.peft.load_adapter] warns about any other field |
 | ``format_version`` | set for a file format of lightning-peft's own (PEFT has none for the technique): [`load_adapter`][lightning_peft.peft.load_adapter] refuses a file of another version, and any field outside ``peft_fields``, before the technique reads it |
@@ -126,6 +127,11 @@ class Adapter(ABC):
 
     def peft_problems(self, model: nn.Module) -> list[str]:
         """Reasons PEFT would run this adapter differently (empty if its format represents it faithfully)."""
+        return []
+
+    def value_problems(self, model: nn.Module, state: dict[str, Tensor]) -> list[str]:
+        """Why ``state`` (this adapter's tensors under PEFT's keys: the model's own, or a file's about to be loaded)
+        would overflow the dtype the adapted layers compute in, one line per module (empty: it would not)."""
         return []
 
     @classmethod

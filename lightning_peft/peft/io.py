@@ -1,17 +1,19 @@
 """Save and load adapters in the Hugging Face PEFT layout, for every technique through the adapter protocol.
 
-A directory holds ``adapter_config.json`` (only fields PEFT knows) and ``adapter_model.safetensors`` with keys
-``base_model.model.<module path>.<tensor>``; for LoRA: ``lora_A.weight`` / ``lora_B.weight`` (``lora_embedding_A`` /
-``lora_embedding_B`` for embeddings), ``<path>.base_layer.bias`` for trained biases of adapted layers,
-``<path>.<param>`` for ``modules_to_save``. ``peft.PeftModel.from_pretrained`` loads what
+A directory holds ``adapter_config.json`` (PEFT's fields, and ``lightning_peft``: the base the adapter was trained
+on, which PEFT ignores and `load_adapter` checks: `lightning_peft.peft._base_identity`) and
+``adapter_model.safetensors`` with keys ``base_model.model.<module path>.<tensor>``; for LoRA: ``lora_A.weight`` /
+``lora_B.weight`` (``lora_embedding_A`` / ``lora_embedding_B`` for embeddings), ``<path>.base_layer.bias`` for trained
+biases of adapted layers, ``<path>.<param>`` for ``modules_to_save``. ``peft.PeftModel.from_pretrained`` loads what
 [`save_adapter`][lightning_peft.peft.save_adapter] writes, and [`load_adapter`][lightning_peft.peft.load_adapter] loads
 what PEFT writes. A model with adapters of several techniques is saved one directory per technique,
 ``<directory>/<kind>/``.
 
 Files are written under a temporary name and renamed into place, so a failure never leaves a half-written
-adapter; non-finite weights are refused before anything is written. Weights are read with safetensors, or from
-PEFT's legacy ``adapter_model.bin`` with ``torch.load(weights_only=True)``: an adapter file from a stranger
-cannot run code.
+adapter; non-finite weights, and a scale or factors that overflow the dtype the adapted layers compute in
+(`lightning_peft.peft._limits`), are refused before anything is written or loaded. Weights are read with
+safetensors, or from PEFT's legacy ``adapter_model.bin`` with ``torch.load(weights_only=True)``: an adapter file from
+a stranger cannot run code.
 """
 
 from __future__ import annotations
@@ -29,16 +31,21 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from .._atomic import write_files
+from ._base_identity import FIELD as IDENTITY_FIELD, warn_if_other_base, with_record
+from ._limits import check_loaded_values, refuse_overflow
 from .adapter import DEFAULT, Adapter, attached, require_adapters, technique, technique_for_peft_type, unwrap
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 LEGACY_WEIGHTS_NAME = "adapter_model.bin"
 KEY_PREFIX = "base_model.model."
+_OVERFLOW_ON_SAVE = ("Nothing was written. Check the training for divergence (loss, learning rate), or lower alpha; "
+                     "a model that loads this adapter would compute nothing but inf and NaN.")
 
 
 def peft_config(model: nn.Module) -> dict:
-    """The ``adapter_config.json`` content for ``model``'s (single) adapter, in PEFT's vocabulary."""
+    """The ``adapter_config.json`` content for ``model``'s (single) adapter, in PEFT's vocabulary: PEFT's fields
+    only (``peft.LoraConfig(**peft_config(model))`` builds its config); the file adds ``lightning_peft``."""
     adapters = require_adapters(model, "peft_config")
     return next(iter(adapters.values())).peft_config(model)
 
@@ -114,8 +121,11 @@ def _adapter_files(model: nn.Module, adapter: Adapter, directory: Path, name: st
             "save_adapter=False), or adapt other layers."
         )
     named = {} if name is None else {"adapter_name": name}
-    text = json.dumps(adapter.peft_config(model, **named), indent=2, sort_keys=True) + "\n"
-    tensors = _writable(adapter.peft_state(model, **named), adapter.peft_key_prefix)
+    state = adapter.peft_state(model, **named)
+    tensors = _writable(state, adapter.peft_key_prefix)
+    refuse_overflow(adapter.value_problems(model, state, **named), "save_adapter", _OVERFLOW_ON_SAVE)
+    config = with_record(adapter.peft_config(model, **named), model, adapter, state)
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
     return {
         directory / WEIGHTS_NAME: lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}),
         directory / CONFIG_NAME: lambda tmp: Path(tmp).write_text(text),
@@ -296,6 +306,7 @@ def _has_named_adapters(peft_type: object, folder: Path) -> bool:
 
 def _load_one(model: nn.Module, directory: Path, adapter_name: str) -> None:
     config = read_adapter_config(directory)
+    recorded = config.pop(IDENTITY_FIELD, None)  # lightning-peft's record of the base, checked once the adapter fits
     source = str(directory / CONFIG_NAME)
     cls = technique_for_peft_type(config.get("peft_type"), source)
     _check_fields(config, cls, source)
@@ -315,10 +326,12 @@ def _load_one(model: nn.Module, directory: Path, adapter_name: str) -> None:
         asker = f"the model's existing {cls.kind} adapter has (it was injected before loading)"
     try:
         expected = _check_fit(model, adapter, tensors, directory, asker, named)
+        check_loaded_values(model, adapter, tensors, expected, directory, named)
     except Exception:
         if injected:
             _undo_injection(model, adapter, added_to, adapter_name, requires_grad)
         raise
+    warn_if_other_base(model, adapter, config, recorded, tensors, source)
     with torch.no_grad():
         for key, value in tensors.items():
             expected[key].copy_(value)

@@ -27,12 +27,13 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
+from ._limits import refuse_overflowing_scales
 from .adapter import Adapter, attach, attached, detach, register, remove_adapter, trainable_parameters, unwrap
 from .layers import DEFAULT, LoRALayer, Routing, lora_layers, lora_spec, make_layer, require_spec
 from .lora_config import LoRAConfig, as_config, check_adapter_name
 from .lora_merge import merge_lora, unmerge_lora
 from .lora_peft import PEFT_FIELDS, check_peft_config, config_for_model, peft_config, peft_problems, peft_state
-from .lora_peft import point_peft_methods
+from .lora_peft import point_peft_methods, value_problems
 from .lora_targets import _select, _warn_about_settings
 from .modules_to_save import fold_modules_to_save, set_submodule, wrap_modules_to_save
 from .quantize import drop_quantizer_entries, plain_state, quantize_layers
@@ -237,6 +238,9 @@ class LoRAAdapter(Adapter):
     def peft_problems(self, model: nn.Module) -> list[str]:
         return peft_problems(self, model)
 
+    def value_problems(self, model: nn.Module, state: dict[str, Tensor], adapter_name: str | None = None) -> list[str]:
+        return value_problems(self, model, state, self._name(adapter_name))
+
     def check_peft_config(self, model: nn.Module, config: Any, source: str, adapter_name: str = DEFAULT) -> None:
         check_peft_config(self, model, config, source, adapter_name)
 
@@ -245,10 +249,13 @@ class LoRAAdapter(Adapter):
         cls, model: nn.Module, config: dict[str, Any], source: str, adapter_name: str = DEFAULT
     ) -> LoRAAdapter:
         ours = config_for_model(model, config, source)
-        if lora_spec(model) is None:
-            inject_lora(model, ours, adapter_name=adapter_name)
-        else:
-            add_adapter(model, adapter_name, ours)
+        try:
+            if lora_spec(model) is None:
+                inject_lora(model, ours, adapter_name=adapter_name)
+            else:
+                add_adapter(model, adapter_name, ours)
+        except ValueError as err:  # the settings do not fit this model (e.g. a scale its dtype cannot hold)
+            raise ValueError(f"load_adapter: {source}: {err}") from None
         return attached(model)["lora"]
 
 
@@ -300,6 +307,7 @@ def _inject(
     model: nn.Module, config: LoRAConfig, targets: list[str], to_save: list[str], adapter_name: str
 ) -> dict[str, LoRALayer]:
     """Add adapter ``adapter_name`` to exactly ``targets`` and wrap ``to_save`` (full names, already checked)."""
+    refuse_overflowing_scales(model, config, targets)  # before any change
     quantize_layers(model, targets, config.quantize, "LoRA", isinstance(config.target_modules, list))  # first
     spec = lora_spec(model)
     routing = spec.routing if spec is not None else Routing(adapter_name)

@@ -14,8 +14,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .._checks import boolean, choice, integer, names as name_list, positive, probability, regex
+from .._checks import boolean, choice, integer, names as name_list, positive, probability, real, regex
 from ._common import pattern_matches
+from ._limits import FLOAT32_MAX
 from .lora_layer import Init
 from .quantize import check_method
 
@@ -116,7 +117,11 @@ def _as_rank(value: object, what: str) -> int:
 
 
 def _as_alpha(value: object, what: str) -> float:
+    # An alpha above float32's largest value makes every output inf or NaN (`_limits`); the scale's limit for a
+    # half-precision base is checked at inject, where the dtype is known.
     alpha = positive("LoRA", what, value, example="16")
+    real("LoRA", what, value, maximum=FLOAT32_MAX, example="16",
+         meaning="float32's largest value; an alpha beyond it makes every output inf or NaN")
     return value if isinstance(value, int) else alpha  # an int alpha stays an int (PEFT's files write it so)
 
 
@@ -245,6 +250,13 @@ def config_from_peft(config: dict, source: str = "adapter_config.json", who: str
     if absent:
         raise ValueError(f"{who}: {source} has no {absent[0]!r}; it is not a complete LoRA adapter config.")
     targets = config["target_modules"]
+    try:
+        return _from_fields(config, targets, init)
+    except (TypeError, ValueError) as err:  # a file's value LoRAConfig refuses: the message names the file
+        raise type(err)(f"{who}: {source} holds a value LoRA refuses: {err}") from None
+
+
+def _from_fields(config: dict, targets: Any, init: Any) -> LoRAConfig:
     return LoRAConfig(
         rank=config["r"],
         alpha=config.get("lora_alpha", 8),

@@ -14,6 +14,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from ._common import matched, name_matches, unmatched
+from ._limits import factor_problem, scale_problem
 from .adapter import base_model_name, clean_key, unwrap
 from .layers import DEFAULT, LoRAConv2d, lora_layers
 from .lora_config import LoRAConfig, config_from_peft
@@ -91,6 +92,29 @@ def peft_problems(adapter, model: nn.Module) -> list[str]:
             if base.padding_mode != "zeros":
                 problems.append(f"{name!r} is a Conv2d with padding_mode={base.padding_mode!r}")
     return problems
+
+
+def value_problems(adapter, model: nn.Module, state: dict[str, Tensor], name: str) -> list[str]:
+    """Why adapter ``name``'s scale, or its factors in ``state`` (PEFT's keys: the model's own tensors, or a file's),
+    would overflow the dtype each adapted layer's base weight computes in (`lightning_peft.peft._limits`)."""
+    problems = []
+    for target in adapter.adapters[name][1]:
+        layer = unwrap(model).get_submodule(target)
+        spec, dtype = layer.specs[name], layer.base_layer.weight.dtype
+        problem = scale_problem(clean_key(target), spec.alpha, spec.rank, spec.use_rslora, dtype)
+        if problem is None:
+            a, b = (clean_key(plain_key(f"{target}.{_peft_key(key, name)}")) for key in _factor_keys(layer, name))
+            if a in state and b in state:
+                problem = factor_problem(clean_key(target), state[a], state[b], spec.scaling, dtype)
+        if problem is not None:
+            problems.append(problem)
+    return problems
+
+
+def _factor_keys(layer, name: str) -> tuple[str, str]:
+    """The layer-relative keys of adapter ``name``'s ``A`` and ``B`` (``lora_A.<name>.weight``, ...)."""
+    keys = {id(p): k for k, p in layer.adapter_parameters(name).items()}
+    return tuple(keys[id(p)] for p in layer.factors(name))
 
 
 def check_peft_config(adapter, model: nn.Module, config: Any, source: str, adapter_name: str = DEFAULT) -> None:

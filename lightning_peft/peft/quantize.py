@@ -44,7 +44,15 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from ._common import Targets, dense_weight, is_quantized, name_matches, refuse_unmatched, wraps_a_layer
+from ._common import (
+    Targets,
+    dense_weight,
+    is_quantized,
+    name_matches,
+    refuse_no_target,
+    refuse_unmatched,
+    wraps_a_layer,
+)
 from .modules_to_save import ModulesToSave
 
 __all__ = ["METHODS", "NF4_BLOCK", "is_quantized", "quantize_base", "quantized_layers", "shard_problems"]
@@ -260,8 +268,10 @@ def quantize_base(
         chosen = [n for n, m in view.items() if isinstance(m, nn.Linear) and n != head]
     else:
         chosen = [n for n in view if name_matches(n, target_modules)]
-        refuse_unmatched("quantize_base", target_modules, list(view), model,
-                         lambda m: ", ".join(n for n, v in view.items() if isinstance(v, nn.Linear)) or "none")
+        linears = ", ".join(n for n, v in view.items() if isinstance(v, nn.Linear)) or "none"
+        refuse_unmatched("quantize_base", target_modules, list(view), model, lambda m: linears)
+        if not chosen:  # a regular expression that matches nothing (e.g. 'all_linear') would quantize nothing
+            refuse_no_target("quantize_base", target_modules, model, "quantize", linears, linears.split(", ")[0])
     if exclude_modules is not None:
         chosen = [n for n in chosen if not name_matches(n, exclude_modules)]
     named = isinstance(target_modules, list)

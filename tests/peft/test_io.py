@@ -199,6 +199,8 @@ def test_saved_files_are_in_peft_layout(family, tmp_path):
 
     config = json.loads((tmp_path / CONFIG).read_text())
     assert config["peft_type"] == "LORA"
+    ours_only = config.pop("lightning_peft")  # the base it was trained on (tests/peft/test_base_identity.py)
+    assert ours_only["base_model"]["architecture"] == type(ours).__name__
     assert set(config) <= {f.name for f in dataclasses.fields(peft.LoraConfig)}
     assert config == peft_config(ours)
     assert isinstance(peft.LoraConfig.from_pretrained(tmp_path), peft.LoraConfig)

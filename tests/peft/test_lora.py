@@ -693,6 +693,15 @@ def test_a_target_string_is_a_regex_and_the_error_says_to_use_a_list():
         inject_lora(Tiny(), target_modules="query")
 
 
+@pytest.mark.parametrize("spelling", ["all_linear", "All Linear", "alllinear"])
+def test_a_misspelled_all_linear_suggests_peft_spelling_not_a_list(spelling):
+    match = (rf"LoRA\(target_modules='{spelling}'\) matched no module of Tiny\. .* Did you mean 'all-linear' "
+             r"\(Hugging Face PEFT's spelling, with a hyphen\)\?")
+    with pytest.raises(ValueError, match=match) as error:
+        inject_lora(Tiny(), target_modules=spelling)
+    assert "give a list" not in str(error.value)
+
+
 @pytest.mark.parametrize("exclude, message", [
     (["qery"], r"LoRA\(exclude_modules=\['qery'\]\): 'qery' matched no module of Tiny .* Fix or remove it"),
     (r"blocks\.9\..*", re.escape(r"LoRA(exclude_modules='blocks\\.9\\..*'): the regular expression matches no "

@@ -295,6 +295,8 @@ def test_saved_files_are_in_peft_layout(tmp_path):
         "inference_mode": True, "num_virtual_tokens": N, "token_dim": 16, "num_transformer_submodules": 1,
         "num_attention_heads": 2, "num_layers": 2, "encoder_hidden_size": 5, "prefix_projection": True,
         "init_weights": None, "modules_to_save": ["classifier"],
+        # the base it was trained on (tests/peft/test_base_identity.py): no layer is wrapped, so no fingerprint
+        "lightning_peft": {"base_model": {"architecture": "BertForSequenceClassification", "model_type": "bert"}},
     }
     tensors = load_file(tmp_path / "adapter_model.safetensors")
     assert set(tensors) == {"prompt_embeddings", "base_model.classifier.weight", "base_model.classifier.bias"}

@@ -153,7 +153,7 @@ def test_float32_merge_equals_the_unmerged_quantized_model():
         assert_close(unload_lora(model, merge=True)(x), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_the_adapter_file_is_unchanged_and_peft_loads_it_onto_the_full_precision_base(tmp_path):
+def test_the_adapter_file_differs_only_by_the_recorded_quantization_and_peft_loads_it(tmp_path):
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
     config = transformers.BertConfig(vocab_size=32, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -167,14 +167,20 @@ def test_the_adapter_file_is_unchanged_and_peft_loads_it_onto_the_full_precision
     quantized.load_state_dict(adapter_state_dict(full), strict=False)
     save_adapter(full, tmp_path / "full")
     save_adapter(quantized, tmp_path / "quantized")
-    for name in ("adapter_config.json", "adapter_model.safetensors"):  # the same files, byte for byte
-        assert (tmp_path / "full" / name).read_bytes() == (tmp_path / "quantized" / name).read_bytes()
+    weights = "adapter_model.safetensors"  # the same tensors, byte for byte
+    assert (tmp_path / "full" / weights).read_bytes() == (tmp_path / "quantized" / weights).read_bytes()
+    full_config, quantized_config = (json.loads((tmp_path / d / "adapter_config.json").read_text())
+                                     for d in ("full", "quantized"))
+    assert quantized_config["lightning_peft"]["base_model"].pop("quantization") == {"nf4": 2}  # query, value
+    assert quantized_config == full_config  # nothing else differs
     theirs = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "quantized")).eval()
     ids = torch.randint(0, 32, (2, 8))
     with torch.no_grad():
         assert_close(theirs(input_ids=ids).last_hidden_state, full(input_ids=ids).last_hidden_state)
-    again = copy.deepcopy(base)  # and ours loads it onto a base that it then quantizes
-    load_adapter(again, tmp_path / "quantized")
+    again = copy.deepcopy(base)  # ours loads it onto the full-precision base too, saying it is not the trained model
+    with pytest.warns(UserWarning, match=r"was trained on a base whose adapted layers were quantized \(nf4 on 2 "
+                                         r"layers\); the adapted layers of this BertModel are full precision"):
+        load_adapter(again, tmp_path / "quantized")
     assert not quantized_layers(again)
 
 
@@ -237,6 +243,12 @@ def test_unknown_methods_are_refused_naming_the_choices():
         quantize_base(Net(), "fp4")
     with pytest.raises(ValueError, match=r"'qeury' matched no module of Net"):
         quantize_base(Net(), "nf4", target_modules=["qeury"])
+    model = Net()
+    with pytest.raises(ValueError, match=r"quantize_base\(target_modules='all_linear'\) matched no module of Net\. "
+                                         r"Modules it can quantize: query, value, down, small, head\. Did you mean "
+                                         r"'all-linear'"):
+        quantize_base(model, "nf4", target_modules="all_linear")  # a regular expression that matches nothing
+    assert not quantized_layers(model)
 
 
 def test_shard_problems_name_each_weight_fsdp2_cannot_split():

