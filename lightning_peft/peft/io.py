@@ -1,8 +1,8 @@
 """Save and load adapters in the Hugging Face PEFT layout, for every technique through the adapter protocol.
 
-A directory holds ``adapter_config.json`` (PEFT's fields, and ``lightning_peft``: the base the adapter was trained
-on, which PEFT ignores and `load_adapter` checks: `lightning_peft.peft._base_identity`) and
-``adapter_model.safetensors`` with keys ``base_model.model.<module path>.<tensor>``; for LoRA: ``lora_A.weight`` /
+A directory holds ``adapter_config.json`` (PEFT's fields) and ``adapter_model.safetensors`` (its header records the
+base the adapter was trained on, which PEFT passes over and `load_adapter` checks: `lightning_peft.peft._base_identity`)
+with keys ``base_model.model.<module path>.<tensor>``; for LoRA: ``lora_A.weight`` /
 ``lora_B.weight`` (``lora_embedding_A`` / ``lora_embedding_B`` for embeddings), ``<path>.base_layer.bias`` for trained
 biases of adapted layers, ``<path>.<param>`` for ``modules_to_save``. ``peft.PeftModel.from_pretrained`` loads what
 [`save_adapter`][lightning_peft.peft.save_adapter] writes, and [`load_adapter`][lightning_peft.peft.load_adapter] loads
@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import Tensor, nn
 
 from .._atomic import write_files
-from ._base_identity import FIELD as IDENTITY_FIELD, warn_if_other_base, with_record
+from ._base_identity import header, read_record, warn_if_other_base
 from ._limits import check_loaded_values, refuse_overflow
 from .adapter import DEFAULT, Adapter, attached, require_adapters, technique, technique_for_peft_type, unwrap
 
@@ -124,12 +124,29 @@ def _adapter_files(model: nn.Module, adapter: Adapter, directory: Path, name: st
     state = adapter.peft_state(model, **named)
     tensors = _writable(state, adapter.peft_key_prefix)
     refuse_overflow(adapter.value_problems(model, state, **named), "save_adapter", _OVERFLOW_ON_SAVE)
-    config = with_record(adapter.peft_config(model, **named), model, adapter, state)
-    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    text = json.dumps(adapter.peft_config(model, **named), indent=2, sort_keys=True) + "\n"
+    metadata = {"format": "pt", **header(model, adapter, state)}
     return {
-        directory / WEIGHTS_NAME: lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}),
+        directory / WEIGHTS_NAME: lambda tmp: Path(tmp).write_bytes(safetensors_bytes(tensors, metadata)),
         directory / CONFIG_NAME: lambda tmp: Path(tmp).write_text(text),
     }
+
+
+def safetensors_bytes(tensors: dict[str, Tensor], metadata: dict[str, str]) -> bytes:
+    """``tensors`` and ``metadata`` as a safetensors file whose bytes depend on them alone.
+
+    safetensors writes its ``__metadata__`` map in hash order, which changes from process to process once it holds two
+    entries; the header is written again with the entries sorted (the same JSON text reordered, so of the same length,
+    and the tensors' offsets stay), so that saving one adapter twice gives one file.
+    """
+    data = bytearray(save(tensors, metadata=metadata))
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(text) <= length:  # (a JSON writer that escapes differently: keep safetensors' own header)
+        data[8:8 + length] = text.ljust(length)  # safetensors pads its header with spaces too
+    return bytes(data)
 
 
 def _writable(state: dict[str, Tensor], prefix: str = KEY_PREFIX) -> dict[str, Tensor]:
@@ -306,7 +323,7 @@ def _has_named_adapters(peft_type: object, folder: Path) -> bool:
 
 def _load_one(model: nn.Module, directory: Path, adapter_name: str) -> None:
     config = read_adapter_config(directory)
-    recorded = config.pop(IDENTITY_FIELD, None)  # lightning-peft's record of the base, checked once the adapter fits
+    recorded = read_record(directory / WEIGHTS_NAME)  # lightning-peft's record of the base, checked once the adapter fits
     source = str(directory / CONFIG_NAME)
     cls = technique_for_peft_type(config.get("peft_type"), source)
     _check_fields(config, cls, source)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.testing import assert_close
 
@@ -60,8 +62,13 @@ def _load_silently(model: nn.Module, directory: Path) -> None:
         load_adapter(model, directory)
 
 
+def _header(directory: Path) -> dict[str, str]:
+    with safe_open(str(directory / "adapter_model.safetensors"), "pt") as handle:
+        return handle.metadata()
+
+
 def _record(directory: Path) -> dict:
-    return json.loads((directory / "adapter_config.json").read_text())["lightning_peft"]["base_model"]
+    return json.loads(_header(directory)["lightning_peft"])["base_model"]
 
 
 # ---------------------------------------------------------------------------------------------- quantization
@@ -109,15 +116,17 @@ def test_an_adapter_trained_on_bitsandbytes_nf4_warns_on_our_nf4_whose_blocks_di
         load_adapter(ours, tmp_path)
 
 
-def test_peft_still_loads_the_file_with_the_extra_field(tmp_path):
+def test_peft_loads_the_file_with_the_record_without_a_word(tmp_path):
     base = _llama()
     _save(copy.deepcopy(base), tmp_path, target_modules=TARGETS, quantize="nf4")
-    with pytest.warns(UserWarning, match=r"Unexpected keyword arguments \['lightning_peft'\] for class LoraConfig"):
-        config = peft.LoraConfig.from_pretrained(tmp_path)  # PEFT names the field it ignores
+    assert "lightning_peft" not in json.loads((tmp_path / "adapter_config.json").read_text())  # PEFT would warn
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the record is in the weights' header, which PEFT passes over
+        config = peft.LoraConfig.from_pretrained(tmp_path)
+        theirs = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path)).eval()
     assert (config.r, config.lora_alpha) == (4, 8)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        theirs = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path)).eval()
+        warnings.simplefilter("ignore")  # ours says the base is not quantized as in training
         ours = load_adapter(copy.deepcopy(base), tmp_path)
     assert_close(_logits(theirs), _logits(ours))  # the same adapter on the full-precision base
 
@@ -164,7 +173,7 @@ def test_our_own_models_are_told_apart_by_class_and_by_the_base_weight_shapes(tm
 def test_an_adapter_written_by_peft_loads_without_a_warning(tmp_path):
     theirs = peft.get_peft_model(_llama(), peft.LoraConfig(r=4, target_modules=TARGETS))
     theirs.save_pretrained(tmp_path)
-    assert "lightning_peft" not in json.loads((tmp_path / "adapter_config.json").read_text())
+    assert "lightning_peft" not in _header(tmp_path)
     _load_silently(_llama(), tmp_path)
 
 
@@ -191,8 +200,7 @@ def test_base_model_name_or_path_naming_another_model_warns(tmp_path, saved_as, 
 
 def test_a_malformed_record_is_ignored_with_a_warning(tmp_path):
     _save(Tiny(), tmp_path, target_modules=["query"])
-    config = json.loads((tmp_path / "adapter_config.json").read_text())
-    config["lightning_peft"] = "llama"
-    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
-    with pytest.warns(UserWarning, match=r"has a 'lightning_peft' field that is not what lightning-peft writes"):
+    weights = tmp_path / "adapter_model.safetensors"
+    save_file(load_file(weights), weights, metadata={"format": "pt", "lightning_peft": '"llama"'})
+    with pytest.warns(UserWarning, match=r"has a 'lightning_peft' header entry that is not what lightning-peft writes"):
         load_adapter(Tiny(), tmp_path)

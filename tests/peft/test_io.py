@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load as load_safetensors_bytes
+from safetensors import safe_open
 from torch import nn
 
 peft = pytest.importorskip("peft")
@@ -199,8 +200,8 @@ def test_saved_files_are_in_peft_layout(family, tmp_path):
 
     config = json.loads((tmp_path / CONFIG).read_text())
     assert config["peft_type"] == "LORA"
-    ours_only = config.pop("lightning_peft")  # the base it was trained on (tests/peft/test_base_identity.py)
-    assert ours_only["base_model"]["architecture"] == type(ours).__name__
+    with safe_open(str(tmp_path / WEIGHTS), "pt") as handle:  # the base it was trained on (test_base_identity.py)
+        assert json.loads(handle.metadata()["lightning_peft"])["base_model"]["architecture"] == type(ours).__name__
     assert set(config) <= {f.name for f in dataclasses.fields(peft.LoraConfig)}
     assert config == peft_config(ours)
     assert isinstance(peft.LoraConfig.from_pretrained(tmp_path), peft.LoraConfig)
@@ -928,3 +929,19 @@ def test_base_model_name_is_portable_and_peft_loads_the_adapter_given_the_base(t
         assert json.loads((out / CONFIG).read_text())["base_model_name_or_path"] == recorded
         theirs = PeftModel.from_pretrained(_fresh(base, "bert"), out).eval()
         torch.testing.assert_close(_out(theirs), _out(model.eval()), rtol=1e-12, atol=1e-12)
+
+
+def test_safetensors_bytes_depend_on_the_tensors_and_metadata_alone(tmp_path):
+    from lightning_peft.peft.io import safetensors_bytes
+
+    tensors = {"b": torch.arange(6.0).reshape(2, 3), "a": torch.ones(3, dtype=torch.float16)}
+    metadata = {f"k{i}": f"v{i}" * i for i in range(12)}  # safetensors writes a map this long in hash order
+    data = safetensors_bytes(tensors, metadata)
+    assert data == safetensors_bytes(tensors, dict(reversed(metadata.items())))
+    length = int.from_bytes(data[:8], "little")
+    assert list(json.loads(data[8:8 + length])["__metadata__"]) == sorted(metadata)
+    loaded = load_safetensors_bytes(data)
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+    (tmp_path / "x.safetensors").write_bytes(data)
+    with safe_open(str(tmp_path / "x.safetensors"), "pt") as handle:
+        assert handle.metadata() == metadata

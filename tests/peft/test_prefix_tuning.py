@@ -283,6 +283,7 @@ def test_save_load_round_trip(projection, tmp_path):
 
 
 def test_saved_files_are_in_peft_layout(tmp_path):
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     torch.manual_seed(0)
@@ -295,9 +296,10 @@ def test_saved_files_are_in_peft_layout(tmp_path):
         "inference_mode": True, "num_virtual_tokens": N, "token_dim": 16, "num_transformer_submodules": 1,
         "num_attention_heads": 2, "num_layers": 2, "encoder_hidden_size": 5, "prefix_projection": True,
         "init_weights": None, "modules_to_save": ["classifier"],
-        # the base it was trained on (tests/peft/test_base_identity.py): no layer is wrapped, so no fingerprint
-        "lightning_peft": {"base_model": {"architecture": "BertForSequenceClassification", "model_type": "bert"}},
     }
+    with safe_open(str(tmp_path / "adapter_model.safetensors"), "pt") as handle:  # the base it was trained on
+        recorded = json.loads(handle.metadata()["lightning_peft"])  # (test_base_identity.py): no wrapped layer,
+    assert recorded == {"base_model": {"architecture": "BertForSequenceClassification", "model_type": "bert"}}
     tensors = load_file(tmp_path / "adapter_model.safetensors")
     assert set(tensors) == {"prompt_embeddings", "base_model.classifier.weight", "base_model.classifier.bias"}
     assert torch.equal(tensors["prompt_embeddings"], table_of(model))

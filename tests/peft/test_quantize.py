@@ -19,6 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from safetensors import safe_open
+from safetensors.torch import load_file
 from torch.testing import assert_close
 
 from lightning_peft.peft import (
@@ -167,12 +169,19 @@ def test_the_adapter_file_differs_only_by_the_recorded_quantization_and_peft_loa
     quantized.load_state_dict(adapter_state_dict(full), strict=False)
     save_adapter(full, tmp_path / "full")
     save_adapter(quantized, tmp_path / "quantized")
-    weights = "adapter_model.safetensors"  # the same tensors, byte for byte
-    assert (tmp_path / "full" / weights).read_bytes() == (tmp_path / "quantized" / weights).read_bytes()
+    weights = "adapter_model.safetensors"  # the same tensors, bit for bit, and the same config
+    full_tensors, quantized_tensors = (load_file(tmp_path / d / weights) for d in ("full", "quantized"))
+    assert full_tensors.keys() == quantized_tensors.keys()
+    assert all(torch.equal(full_tensors[k], quantized_tensors[k]) for k in full_tensors)
     full_config, quantized_config = (json.loads((tmp_path / d / "adapter_config.json").read_text())
                                      for d in ("full", "quantized"))
-    assert quantized_config["lightning_peft"]["base_model"].pop("quantization") == {"nf4": 2}  # query, value
-    assert quantized_config == full_config  # nothing else differs
+    assert quantized_config == full_config
+    records = []
+    for d in ("full", "quantized"):
+        with safe_open(str(tmp_path / d / weights), "pt") as handle:
+            records.append(json.loads(handle.metadata()["lightning_peft"])["base_model"])
+    assert records[1].pop("quantization") == {"nf4": 2}  # query, value
+    assert records[1] == records[0]  # nothing else differs
     theirs = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "quantized")).eval()
     ids = torch.randint(0, 32, (2, 8))
     with torch.no_grad():
