@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from .._atomic import write_files
+from .._manifest import check_export
 from .adapter import DEFAULT, Adapter, attached, require_adapters, technique, technique_for_peft_type, unwrap
 
 CONFIG_NAME = "adapter_config.json"
@@ -253,6 +254,7 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike, adapter_name: s
         ValueError: If the files are not an adapter that fits ``model`` (the message names the key).
     """
     directory = Path(directory)
+    check_export(directory, "load_adapter")  # a MergeOnSave export: adapter/ and merged/ are of one export
     if (directory / CONFIG_NAME).is_file():
         _load_one(model, directory, adapter_name)
         if adapter_name == DEFAULT:
