@@ -157,7 +157,11 @@ def finish_dir(directory: Path) -> None:
 
 def swap(new: Path, final: Path) -> None:
     """Put directory ``new`` at ``final`` and remove the previous ``final``; ``final`` never lacks a whole directory
-    where the filesystem can exchange two names, else only between two renames (`restore_moved` puts it back)."""
+    where the filesystem can exchange two names, else only between two renames (`restore_moved` puts it back).
+    A file or a symbolic link at ``final`` is replaced, not followed (as Lightning replaces a file by a folder
+    checkpoint)."""
+    if final.is_symlink() or (final.exists() and not final.is_dir()):
+        final.unlink()  # a rename cannot put a folder over a file or a link in one step
     if not final.exists():
         os.replace(new, final)
     elif exchange(new, final):  # ``new`` holds the previous directory now

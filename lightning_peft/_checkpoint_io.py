@@ -23,7 +23,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.strategies import Strategy
 from typing_extensions import override
 
-from lightning_peft._atomic import clean_stale, finish_dir, refuse_link, save_torch, swap, temporary_prefix
+from lightning_peft._atomic import clean_stale, finish_dir, save_torch, swap, temporary_prefix
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -86,11 +86,8 @@ def save_folder(strategy: Strategy, path: Any, write: Callable[[Path], object]) 
     target = Path(path)
     name = None
     if strategy.is_global_zero:
-        refuse_link(target, type(strategy).__name__)
         target.parent.mkdir(parents=True, exist_ok=True)
         clean_stale(target.parent)
-        if target.is_file():
-            target.unlink()  # a single-file checkpoint of the same name, as Lightning's folder saves do
         name = tempfile.mkdtemp(prefix=temporary_prefix(target.name, "new"), dir=target.parent)
     folder = Path(strategy.broadcast(name))  # what global rank 0 made, on every rank
     try:

@@ -97,3 +97,17 @@ def test_a_folder_checkpoint_is_swapped_in_whole_or_not_at_all(tmp_path):
     assert (target / "shard-0").read_text() == "first" and os.listdir(tmp_path) == ["last.ckpt"]
     save_folder(strategy, target, write("second"))
     assert os.listdir(target) == ["shard-0"] and (target / "shard-0").read_text() == "second"
+
+
+def test_a_folder_checkpoint_replaces_a_file_or_a_link_of_its_name_not_what_the_link_points_to(tmp_path):
+    strategy = SingleDeviceStrategy(torch.device("cpu"))
+    (tmp_path / "epoch=0.ckpt").mkdir()
+    (tmp_path / "epoch=0.ckpt" / "shard-0").write_text("epoch 0")
+    (tmp_path / "last.ckpt").symlink_to(tmp_path / "epoch=0.ckpt")  # what ModelCheckpoint(save_last="link") makes
+    (tmp_path / "other.ckpt").write_text("a single-file checkpoint")
+
+    for name in ("last.ckpt", "other.ckpt"):
+        save_folder(strategy, tmp_path / name, lambda folder: (folder / "shard-0").write_text("new"))
+        assert not (tmp_path / name).is_symlink() and (tmp_path / name / "shard-0").read_text() == "new"
+    assert (tmp_path / "epoch=0.ckpt" / "shard-0").read_text() == "epoch 0"
+    assert sorted(os.listdir(tmp_path)) == ["epoch=0.ckpt", "last.ckpt", "other.ckpt"]
