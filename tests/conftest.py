@@ -64,3 +64,26 @@ def two_ranks(request, tmp_path_factory):
 
     jobs = _two_ranks.jobs_for({item.path for item in request.session.items})
     return _two_ranks.launch(tmp_path_factory.mktemp("two_ranks"), jobs)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A factory of tiny filesystems (tmpfs of ``size`` bytes) under ``tmp_path``, where a write really runs out of
+    space; the test is skipped where mounting is not permitted."""
+    import subprocess
+
+    mounted = []
+
+    def make(size: int, name: str = "disk"):
+        folder = tmp_path / name
+        folder.mkdir()
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.strip()}")
+        mounted.append(folder)
+        return folder
+
+    yield make
+    for folder in mounted:
+        subprocess.run(["umount", "--lazy", str(folder)], check=False)

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
+import signal
 import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from lightning_peft._atomic import write_dir, write_files
+from lightning_peft._atomic import save_torch, write_dir, write_files
 
 
 @pytest.fixture
@@ -62,3 +67,44 @@ def test_directory_swap_permissions_and_failure(tmp_path, umask_022):
         write_dir(final, broken)
     assert (final / "sub" / "model.safetensors").read_text() == "v2"
     assert [p.name for p in tmp_path.iterdir()] == ["merged"]  # no temporary or old directories left
+
+
+SAVER = """
+import sys, torch
+from lightning_peft._atomic import save_torch
+save_torch({"weights": torch.ones(int(sys.argv[2]))}, sys.argv[1])
+"""
+
+
+def _kill_while_writing(target: Path, numel: int) -> None:
+    """Start a process that saves (as `AtomicCheckpointIO` does) ``numel`` floats to ``target`` and SIGKILL it once it has begun writing."""
+    before = target.stat()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    saver = subprocess.Popen([sys.executable, "-c", SAVER, str(target), str(numel)], env=env)
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline and saver.poll() is None:
+            others = [p for p in target.parent.iterdir() if p != target]
+            changed = target.stat().st_mtime_ns != before.st_mtime_ns or target.stat().st_size != before.st_size
+            if changed or any(p.stat().st_size > 0 for p in others):
+                break
+            time.sleep(0.001)
+        assert saver.poll() is None, "the saver finished before it could be killed; save more"
+        os.kill(saver.pid, signal.SIGKILL)
+    finally:
+        saver.kill()
+        saver.wait()  # reaped: its pid is no longer alive
+
+
+def test_a_kill_while_saving_keeps_the_previous_file_and_the_next_save_cleans_up(tmp_path):
+    target = tmp_path / "last.ckpt"
+    save_torch({"weights": torch.arange(10.0)}, target)
+    before = target.read_bytes()
+
+    _kill_while_writing(target, 2**25)  # 128 MiB: writing takes a while
+
+    assert target.read_bytes() == before
+    (left,) = [p for p in tmp_path.iterdir() if p != target]  # the killed writer's temporary
+    assert left.name.startswith(".last.ckpt.tmp-")
+    save_torch({"weights": torch.arange(3.0)}, tmp_path / "epoch=1.ckpt")
+    assert sorted(os.listdir(tmp_path)) == ["epoch=1.ckpt", "last.ckpt"]  # its writer is gone: removed

@@ -3,8 +3,9 @@
 A technique's callback is its constructor (plain typed keyword arguments for LightningCLI, building a config) and
 `AdapterCallback.inject` (one call of the technique's inject function). The rest is here:
 
-- ``setup``: resolve the model inside the LightningModule (``model_attribute``), keep the RNG state across resumes, then
-  inject the adapter if the model has none of this technique, or go on with the model as it is if its adapter
+- ``setup``: resolve the model inside the LightningModule (``model_attribute``), keep the RNG state across resumes,
+  have checkpoints written to a temporary file and renamed (`lightning_peft._checkpoint_io`), then inject the adapter
+  if the model has none of this technique, or go on with the model as it is if its adapter
   [`matches`][lightning_peft.peft.Adapter.matches] this callback's config, and refuse otherwise (naming both); an info
   line gives the trainable-parameter report; checkpoint loads are watched (see below);
 - ``on_train_start``: refuse an optimizer built before the adapters existed; warn about dropout left in eval mode;
@@ -27,6 +28,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import override
 
+from lightning_peft._checkpoint_io import use_atomic_checkpoint_io
 from lightning_peft.callbacks._lightning import refuse_changed_settings, refuse_earlier_model_copies
 from lightning_peft.callbacks._quantize import check_quantized_shards, check_quantized_strategy
 from lightning_peft.callbacks._rng import keep_rng
@@ -102,6 +104,7 @@ class AdapterCallback(Callback):
         check_quantized_strategy(self.who, self.quantize, trainer.strategy)
         self.check(trainer)
         keep_rng(trainer)  # resume draws what the straight run drew (dropout)
+        use_atomic_checkpoint_io(trainer.strategy)  # a kill while saving keeps the previous checkpoint
         _, model = resolve_target(pl_module, self.model_attribute, self.who)
         self.adapted_model = model
         adapter = attached(model).get(self.kind)

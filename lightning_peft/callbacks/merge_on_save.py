@@ -14,10 +14,13 @@ with ``save_merged=False``: the adapter folder only.
 
 The merge is computed out of place ([`merged_state_dict`][lightning_peft.peft.merged_state_dict]): the weights that keep
 training are never modified. Both exports are computed and checked (finite values, a layout PEFT runs the same way)
-before anything is written, and each directory is written under a temporary name and renamed into place. At fit start it
-checks, before any training, that ``dirpath`` can be written, that the model has an adapter, and that no trained
-parameter lies outside the exported model. If the export fails on rank 0, every rank raises (no rank is left waiting in
-a collective).
+before anything is written, and each directory is written under a temporary name and renamed into place; both carry a
+manifest (``lightning_peft_export.json``: the export's id and global step, every file's size) that ``load_adapter``
+checks, and the next export completes one that a kill interrupted between its two folders
+(`lightning_peft.peft.recover_export`). At fit start it checks, before any training, that ``dirpath`` can be written
+and has room for the export, that ``merged`` and ``adapter`` there are no symbolic links, that the model has an
+adapter, and that no trained parameter lies outside the exported model. If the export fails on rank 0, every rank
+raises (no rank is left waiting in a collective).
 
 YAML:
 
@@ -33,8 +36,6 @@ import contextlib
 import json
 import logging
 import math
-import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,9 +47,10 @@ from safetensors.torch import save_file
 from torch import nn
 from typing_extensions import override
 
-from lightning_peft._atomic import write_dir
 from lightning_peft._checks import boolean, path
 from lightning_peft._gather import gathered, reshard
+from lightning_peft._manifest import write_export
+from lightning_peft.callbacks._export_checks import check_target, export_bytes, no_adapter
 from lightning_peft.callbacks._lightning import on_rank_zero
 from lightning_peft.callbacks._target import is_hf_model, resolve_target
 from lightning_peft.peft._export import save_pretrained_merged
@@ -101,11 +103,7 @@ class MergeOnSave(Callback):
         # Checked here, not in setup: a model built (and adapted) in configure_model exists only now.
         name, model = resolve_target(pl_module, self.model_attribute, "MergeOnSave")
         if not attached(model):
-            raise RuntimeError(
-                f"MergeOnSave: {type(model).__name__} has no adapter when fit starts. Add a PEFT callback (LoRA, "
-                "MultiLoRA, BottleneckAdapters, PromptTuning, PrefixTuning) to Trainer(callbacks=[...]) with the same "
-                "model_attribute, or call its inject function in configure_model."
-            )
+            raise RuntimeError(no_adapter("MergeOnSave", self.model_attribute, pl_module, name, model))
         _refuse_trained_outside(pl_module, name, model)
         unmergeable = [kind for kind, adapter in attached(model).items() if not adapter.mergeable]
         if self.save_merged and unmergeable:
@@ -120,19 +118,9 @@ class MergeOnSave(Callback):
         if self.save_adapter:
             with _gathered(trainer, model, adapter_parameters(model)):
                 check_saveable(model)
-        on_rank_zero(trainer, self._check_writable, "MergeOnSave", "the check of dirpath")
-
-    def _check_writable(self) -> None:
-        try:
-            self.dirpath.mkdir(parents=True, exist_ok=True)
-            fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=self.dirpath)
-            os.close(fd)
-            os.unlink(probe)
-        except OSError as err:
-            raise ValueError(
-                f"MergeOnSave(dirpath={str(self.dirpath)!r}): cannot write there ({type(err).__name__}: "
-                f"{err.strerror or err}). Choose a writable directory; checked before training so no run is lost."
-            ) from None
+        needed = export_bytes(model, self.save_merged, self.save_adapter)
+        check = lambda: check_target(f"MergeOnSave(dirpath={str(self.dirpath)!r})", self.dirpath, needed)  # noqa: E731
+        on_rank_zero(trainer, check, "MergeOnSave", "the check of dirpath")
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -159,21 +147,17 @@ class MergeOnSave(Callback):
 
     def _write(self, trainer: pl.Trainer, pl_module: pl.LightningModule, directory: Path) -> dict[str, Path]:
         _, model = resolve_target(pl_module, self.model_attribute, "MergeOnSave")
-        paths: dict[str, Path] = {}
-        messages = []
+        writers = {}
         if self.save_merged:
             state = merged_state_dict(model, self.adapter_name)  # raises before anything is written if non-finite
+            writers["merged"] = lambda tmp: _save_merged(model, state, tmp, trainer)
         if self.save_adapter:
             check_saveable(model)  # likewise for the adapter, so merged/ is never written without adapter/
-        if self.save_merged:
-            paths["merged"] = directory / "merged"
-            write_dir(paths["merged"], lambda tmp: _save_merged(model, state, tmp, trainer))
-            messages.append(f"wrote the merged model to {paths['merged'].resolve()}")
-        if self.save_adapter:
-            paths["adapter"] = directory / "adapter"
-            write_dir(paths["adapter"], lambda tmp: write_adapter(model, tmp))
-            messages.append(f"wrote the PEFT adapter to {paths['adapter'].resolve()}")
-        rank_zero_info("MergeOnSave: " + "; ".join(messages))
+            writers["adapter"] = lambda tmp: write_adapter(model, tmp)
+        # one export: both folders carry a manifest naming it, and an interrupted pair is completed next time
+        paths = write_export(directory, writers, global_step=int(trainer.global_step))
+        rank_zero_info("MergeOnSave: " + "; ".join(f"wrote the {'merged model' if name == 'merged' else 'PEFT adapter'} "
+                                                   f"to {path.resolve()}" for name, path in paths.items()))
         self.last_export = paths
         return paths
 

@@ -12,6 +12,7 @@ from .bottleneck import (
     inject_bottleneck_adapters,
     unload_bottleneck_adapters,
 )
+from .._manifest import recover_export
 from .io import load_adapter, peft_config, save_adapter
 from .layers import LoRAConv2d, LoRAEmbedding, LoRALayer, LoRALinear, Routing, lora_layers
 from .lora import LoRAAdapter, add_adapter, inject_lora, unload_lora
@@ -85,6 +86,7 @@ __all__ = [
     "prefix_tuning_spec",
     "prompt_embedding",
     "quantize_base",
+    "recover_export",
     "route_adapters",
     "save_adapter",
     "set_adapter",

@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save
 from torch import Tensor, nn
 
 from .._atomic import write_files
+from .._manifest import check_export
 from ._base_identity import header, read_record, warn_if_other_base
 from ._limits import check_loaded_values, refuse_overflow
 from .adapter import DEFAULT, Adapter, attached, require_adapters, technique, technique_for_peft_type, unwrap
@@ -280,6 +281,7 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike, adapter_name: s
         ValueError: If the files are not an adapter that fits ``model`` (the message names the key).
     """
     directory = Path(directory)
+    check_export(directory, "load_adapter")  # a MergeOnSave export: adapter/ and merged/ are of one export
     if (directory / CONFIG_NAME).is_file():
         _load_one(model, directory, adapter_name)
         if adapter_name == DEFAULT:

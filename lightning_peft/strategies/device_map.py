@@ -32,6 +32,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
+from lightning_peft._checkpoint_io import AtomicCheckpoints
 from lightning_peft._submodule import submodule
 from lightning_peft.parallel.device_map import (
     DeviceMap,
@@ -45,7 +46,7 @@ from lightning_peft.parallel.device_map import (
 __all__ = ["DeviceMapStrategy"]
 
 
-class DeviceMapStrategy(SingleDeviceStrategy):
+class DeviceMapStrategy(AtomicCheckpoints, SingleDeviceStrategy):
     """Plain model parallelism in one process: consecutive layers on different devices (see the module docstring).
 
     Args:

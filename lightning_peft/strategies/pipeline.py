@@ -70,6 +70,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_peft._checkpoint_io import AtomicCheckpoints, save_folder
 from lightning_peft._checks import integer, names
 from lightning_peft.parallel.pipeline import (
     SCHEDULES,
@@ -103,7 +104,7 @@ from lightning_peft.strategies._pipeline_logs import LogRecorder, replay
 __all__ = ["PipelineStrategy", "consolidate_checkpoint"]  # consolidate_checkpoint: its documented path
 
 
-class PipelineStrategy(DDPStrategy):
+class PipelineStrategy(AtomicCheckpoints, DDPStrategy):
     """Pipeline parallelism on ``torch.distributed.pipelining``: GPipe, 1F1B and interleaved 1F1B schedules.
 
     See the module docstring for the contract with the LightningModule, checkpoints and exports. Every rank reads the
@@ -432,20 +433,16 @@ class PipelineStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Writes ``filepath/stage-<rank>.ckpt`` on every rank (see the module docstring)."""
-        directory = Path(filepath)
-        if self.is_global_zero and directory.is_file():
-            directory.unlink()
-        self.barrier("pipeline_checkpoint_dir")
-        directory.mkdir(parents=True, exist_ok=True)
+        """Writes ``filepath/stage-<rank>.ckpt`` on every rank (see the module docstring), into a temporary folder
+        that replaces ``filepath`` once every stage is written."""
         checkpoint = {**checkpoint, "pipeline": {
             "rank": self.global_rank, "world_size": self.world_size, "num_stages": self.num_stages,
             "schedule": self.schedule, "model_attribute": self._attribute, "stages": self._split_names,
             "optimizer_positions": self._optimizer_positions,
         }}
-        self.checkpoint_io.save_checkpoint(checkpoint, directory / STAGE_FILE.format(self.global_rank),
-                                           storage_options=storage_options)
-        self.barrier("pipeline_checkpoint_saved")
+        stage_file = STAGE_FILE.format(self.global_rank)
+        save_folder(self, self.broadcast(filepath), lambda directory: self.checkpoint_io.save_checkpoint(
+            checkpoint, directory / stage_file, storage_options=storage_options))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_peft._checkpoint_io import AtomicCheckpoints, save_sharded
 from lightning_peft._checks import integer
 from lightning_peft._seams import refuse
 from lightning_peft.parallel.checkpoint import load_optimizer_states
@@ -37,7 +38,7 @@ __all__ = ["TensorParallelStrategy"]
 WHO = "TensorParallelStrategy"
 
 
-class TensorParallelStrategy(ModelParallelStrategy):
+class TensorParallelStrategy(AtomicCheckpoints, ModelParallelStrategy):
     """Tensor parallelism over DTensor with an automatic, LoRA-aware plan; optional data parallelism (2-D mesh).
 
     Unlike Lightning's `ModelParallelStrategy`, the LightningModule needs no ``configure_model``: the plan is applied
@@ -162,6 +163,13 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 f"{sum(s == 'rowwise' for s in self.applied_plan.values())} row-wise); "
                 f"{local_parameter_bytes(self.model) / 2**20:.2f} MiB of parameters on this rank."
             )
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Lightning's save; a distributed checkpoint is written into a temporary folder that then replaces
+        ``filepath`` (a kill mid-save leaves the previous checkpoint whole)."""
+        save_sharded(self, super().save_checkpoint, checkpoint, filepath, storage_options,
+                     sharded=self._save_distributed_checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from typing import Any, ClassVar, Literal
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
+from lightning_peft._checkpoint_io import AtomicCheckpoints
 from lightning_peft._checks import choice, integer
 
 __all__ = ["ZeROStrategy"]
@@ -53,7 +54,7 @@ DEEPSPEED_INSTALL = ("pip install 'lightning-peft[deepspeed]' (DeepSpeed builds 
                      "then pip install --no-build-isolation deepspeed)")
 
 
-class ZeROStrategy(Strategy):
+class ZeROStrategy(AtomicCheckpoints, Strategy):
     """ZeRO stage 1, 2 or 3 on DeepSpeed or native torch.distributed; returns the backend's strategy.
 
     Its arguments are those of [`__new__`][lightning_peft.strategies.ZeROStrategy.__new__] (below), which picks the

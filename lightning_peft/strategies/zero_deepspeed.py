@@ -26,6 +26,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_peft._checkpoint_io import save_sharded
 from lightning_peft.parallel.checkpoint import deepspeed_checkpoint
 from lightning_peft.parallel.zero import drop_frozen, restore_torch_linear, skip_shared_memory_op, zero_config_fields
 from lightning_peft.peft.checkpoint import KEY as CHECKPOINT_KEY
@@ -206,6 +207,11 @@ class DeepSpeedZeRO(ZeROStrategy, DeepSpeedStrategy):
             dist_init_required=False,
         )
         return engine, deepspeed_optimizer
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        # DeepSpeed writes the folder from every rank: filled under a temporary name and swapped in whole
+        save_sharded(self, super().save_checkpoint, checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_peft._checkpoint_io import save_sharded
 from lightning_peft.parallel.zero import drop_frozen, fsdp_units, load_partial, rebind_schedulers
 from lightning_peft.peft.checkpoint import KEY as CHECKPOINT_KEY
 from lightning_peft.strategies.zero import ZeROStrategy, split_options
@@ -147,6 +148,12 @@ class NativeFSDP(ZeROStrategy, ModelParallelStrategy):
         for unit in fsdp_units(module):
             fully_shard(unit, **options)
         fully_shard(module, **options)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        # a distributed checkpoint is filled under a temporary name and swapped in whole
+        save_sharded(self, super().save_checkpoint, checkpoint, filepath, storage_options,
+                     sharded=self._save_distributed_checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

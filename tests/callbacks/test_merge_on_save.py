@@ -322,3 +322,82 @@ def test_a_tied_model_with_an_adapted_embedding_is_exported_untied(target, untie
     assert not [message for message in warned if "tie" in message], warned
     lm_head, wte = loaded.lm_head.weight, loaded.transformer.wte.weight
     assert (lm_head.data_ptr() != wte.data_ptr()) is untied and torch.equal(lm_head, wte) is (not untied)
+
+
+def _plain_fit(tmp_path, export: MergeOnSave, max_steps: int = 2) -> pl.Trainer:
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    run = trainer(tmp_path, max_steps=max_steps,
+                  callbacks=[LoRA(rank=2, target_modules=["0"], model_attribute="net"), export])
+    run.fit(PlainModule(), torch.utils.data.DataLoader(data, batch_size=4))
+    return run
+
+
+def test_merged_and_adapter_name_one_export_and_stale_temporaries_are_removed_by_the_next(tmp_path):
+    from lightning_peft._atomic import HOST
+    from lightning_peft._manifest import MANIFEST
+
+    out = tmp_path / "out"
+    run = _plain_fit(tmp_path, MergeOnSave(dirpath=str(out), model_attribute="net"))
+    first = [json.loads((out / part / MANIFEST).read_text()) for part in ("merged", "adapter")]
+    assert first[0]["export"] == first[1]["export"] and first[0]["global_step"] == run.global_step == 2
+    assert set(first[0]["files"]) == {"model.safetensors", "lightning_peft_training.json"}
+    import shutil  # what killed writers left: a temporary of ours, and a moved-aside folder of an earlier version
+
+    shutil.copytree(out / "adapter", out / f".adapter.new-{HOST}-999999999-x")
+    shutil.copytree(out / "merged", out / ".merged.old-999999999")
+    _plain_fit(tmp_path, MergeOnSave(dirpath=str(out), model_attribute="net"), max_steps=3)
+    again = [json.loads((out / part / MANIFEST).read_text()) for part in ("merged", "adapter")]
+    assert again[0]["export"] == again[1]["export"] != first[0]["export"] and again[0]["global_step"] == 3
+    assert sorted(p.name for p in out.iterdir()) == ["adapter", "merged"]
+
+
+def test_a_symlinked_merged_folder_is_refused_before_training(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "merged").symlink_to(tmp_path / "elsewhere")
+    export = MergeOnSave(dirpath=str(tmp_path / "out"), model_attribute="net")
+    with pytest.raises(ValueError, match=r"MergeOnSave\(dirpath='.*out'\): .*out/merged is a symbolic link \(to "
+                                         r".*elsewhere\); an atomic write replaces the link, not what it points to"):
+        _plain_fit(tmp_path, export)
+    assert not list((tmp_path / "elsewhere").iterdir())
+
+
+def test_too_little_free_space_is_refused_before_training_naming_folder_needed_and_free(small_disk, tmp_path):
+    import re
+    import shutil
+
+    disk = small_disk(4096)
+    module = PlainModule()
+    module.net = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 2))
+    data = torch.utils.data.TensorDataset(torch.randn(8, 64), torch.randint(0, 2, (8,)))
+    run = trainer(tmp_path, max_steps=2, callbacks=[LoRA(rank=2, target_modules=["0"], model_attribute="net"),
+                                                   MergeOnSave(dirpath=str(disk), model_attribute="net")])
+    with pytest.raises(RuntimeError, match=r"MergeOnSave\(dirpath='.*disk'\): the export needs at least 17\.8 KiB "
+                                           r"\(16\.8 KiB merged \+ 1\.0 KiB adapter\) but the filesystem of '.*disk' "
+                                           r"has 4\.0 KiB free \(\d+ > \d+ bytes\)") as caught:
+        run.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    needed, free = map(int, re.search(r"\((\d+) > (\d+) bytes\)", str(caught.value)).groups())
+    base, adapter = (64 * 64 + 64 + 2 * 64 + 2) * 4, (2 * 64 + 64 * 2) * 4  # float32 weights and LoRA factors
+    assert free == shutil.disk_usage(disk).free and needed == base + adapter
+    assert run.global_step == 0
+
+
+def test_the_size_estimate_is_a_tight_lower_bound_of_what_is_written(tmp_path):
+    from lightning_peft.callbacks._export_checks import export_bytes
+
+    out = tmp_path / "out"
+    export = MergeOnSave(dirpath=str(out), model_attribute="net")
+    run = _plain_fit(tmp_path, export)
+    needed = export_bytes(run.lightning_module.net, merged=True, adapter=True)
+    for part, file in (("merged", "model.safetensors"), ("adapter", "adapter_model.safetensors")):
+        written = (out / part / file).stat().st_size
+        assert 0 < needed[part] <= written < needed[part] + 1024, part  # the rest is the safetensors header
+
+
+def test_model_attribute_empty_next_to_a_default_lora_names_the_argument_and_the_fix(tiny_bert_config, tmp_path):
+    export = MergeOnSave(dirpath=str(tmp_path / "out"), model_attribute="")
+    with pytest.raises(RuntimeError, match=r"MergeOnSave\(model_attribute=''\) exports the whole LightningModule "
+                                           r"\(Classifier\), which has no adapter; the PEFT callbacks adapted 'model'\. "
+                                           r"Give MergeOnSave the PEFT callback's model_attribute \(here "
+                                           r"MergeOnSave\(model_attribute='model'\), or None where the callback has None\)"):
+        trainer(tmp_path, max_steps=1, callbacks=[LoRA(**LORA_ARGS), export]).fit(Classifier(tiny_bert_config), loader())
