@@ -17,12 +17,25 @@ model = MyModule.load_from_checkpoint("model.ckpt")       # or lightning_peft.ca
 or from a shell: ``python -m lightning_peft.strategies.checkpoint SHARDED_DIR OUTPUT_FILE [--trust]``. An adapter-only
 checkpoint stays adapter-only: loading takes the frozen base from the module as built. No process group is needed.
 
-Reading a checkpoint from a stranger must not run its code. Pickled files are read with
-``torch.load(weights_only=True)``, allowing only the few plain classes DeepSpeed writes into its files
-(`DEEPSPEED_SAFE_GLOBALS`); DeepSpeed's own reader (``zero_to_fp32``) unpickles without that restriction, so
-every file it will read is checked that way first, and torch's distributed-checkpoint ``.metadata`` is checked by an
-unpickler that knows only its metadata classes. A file holding anything else is refused, naming it;
-``trust=True`` (``--trust``) skips the checks, for a checkpoint whose origin you trust.
+Reading a checkpoint from a stranger must not run its code. With ``trust=False`` (the default, and what
+``load_from_checkpoint`` on a directory uses) nothing is unpickled unrestricted, as DeepSpeed's and torch's readers
+would:
+
+- pickled files (DeepSpeed's ``*_states.pt``, ``meta.pt``, ``stage-<r>.ckpt``) with ``torch.load(weights_only=True)``,
+  allowing exactly the plain classes DeepSpeed writes (`deepspeed_safe_globals`); DeepSpeed's ``zero_to_fp32`` only
+  assembles what was read;
+- DeepSpeed's ``latest`` must name one folder of the directory, by name: no pattern (``*`` is a folder called ``*``),
+  no path (``..``, ``/``);
+- a distributed checkpoint's ``.metadata`` with an unpickler that allows exact (module, name) pairs of torch's metadata
+  classes (a name reached through an allowed module, as ``os.system`` through ``torch.distributed.checkpoint.metadata``,
+  is not one), naming only data files beside it; its non-tensor entries with ``torch.load(weights_only=True)``
+  (torch reads its tensors that way too);
+- no file that is a link leading out of the directory.
+
+What cannot be read that way is refused, naming the file (and the entry) and pointing to ``trust=True``
+(``--trust``), which reads the files unrestricted, for a checkpoint whose origin you trust (the tag is still one
+folder by name). An empty or truncated file, a missing rank's file or an output that cannot be written (a full disk:
+nothing is replaced) is named with its cause too.
 """
 
 from __future__ import annotations
@@ -60,9 +73,11 @@ def convert_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike,
         ``output``.
 
     Raises:
-        ValueError: If ``checkpoint`` is a single file already, a directory of neither layout, or (unless
-            ``trust``) holds a file that could run code when read.
+        ValueError: If ``checkpoint`` is a single file already, a directory of neither layout, holds an empty,
+            truncated or missing file, or (unless ``trust``) a file that could run code when read, a DeepSpeed tag
+            that is not a folder's name or a link out of the directory; the message names the file.
         FileNotFoundError: If ``checkpoint`` does not exist.
+        OSError: If ``output`` cannot be written (a full disk): named, with the cause; nothing is replaced.
     """
     source, target = Path(checkpoint), Path(output)
     if not source.exists():

@@ -37,6 +37,18 @@ class Evil:
         return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
 
 
+def convert_without_running(crafted: Path, output: Path, marker: Path, **kwargs) -> Path:
+    """``convert_checkpoint``, checking (whether it returns or raises) that the crafted code did not run."""
+    try:
+        return convert_checkpoint(crafted, output, **kwargs)
+    finally:
+        assert not marker.exists(), "reading the crafted checkpoint ran its code"
+
+
+def add_evil(states: Path, marker: Path) -> None:
+    torch.save({**torch.load(states, weights_only=False), "extra": Evil(marker)}, states)
+
+
 class OneProcess(Classifier):
     def train_dataloader(self) -> DataLoader:
         return DataLoader(data(), batch_size=4)
@@ -79,8 +91,7 @@ def test_a_crafted_deepspeed_file_is_refused_and_does_not_run(deepspeed_run, tmp
     directory, _ = deepspeed_run
     crafted = shutil.copytree(directory, tmp_path / "crafted.ckpt")
     (states,) = (crafted / "checkpoint").glob("mp_rank_*_model_states.pt")
-    content = torch.load(states, weights_only=False)
-    torch.save({**content, "extra": Evil(tmp_path / "ran.txt")}, states)
+    add_evil(states, tmp_path / "ran.txt")
     with pytest.raises(ValueError, match=r"mp_rank_00_model_states.pt' holds objects that torch.load\(weights_only="
                                          r"True\) does not read \(exec\); .* pass convert_checkpoint\(\.\.\., trust=True\)"):
         convert_checkpoint(crafted, tmp_path / "one.ckpt")
@@ -117,16 +128,15 @@ def good_files(deepspeed_run) -> Path:
 def test_a_glob_as_tag_reads_only_the_folder_of_that_name(deepspeed_run, tag, tmp_path):
     """DeepSpeed's reader globbed ``<dir>/<tag>/*_model_states.pt``: beside a folder literally named ``*`` (which the
     old check read), it unpickled another folder's files unrestricted."""
-    crafted = tmp_path / "crafted.ckpt"
+    crafted, marker = tmp_path / "crafted.ckpt", tmp_path / "ran.txt"
     shutil.copytree(good_files(deepspeed_run), crafted / tag)
     (crafted / "latest").write_text(tag)
-    for other in ("step1", "step2"):  # what the glob matches
-        evil = shutil.copytree(good_files(deepspeed_run), crafted / other)
-        torch.save({**torch.load(evil / "mp_rank_00_model_states.pt", weights_only=False),
-                    "extra": Evil(tmp_path / "ran.txt")}, evil / "mp_rank_00_model_states.pt")
+    for other in ("step1", "step2"):  # what the glob matches: the first file read (with the check) is a good one
+        shutil.copytree(good_files(deepspeed_run), crafted / other)
+    add_evil(crafted / "step2" / "mp_rank_00_model_states.pt", marker)
     for trust in (False, True):  # trusted or not, the tag names one folder
-        state = torch.load(convert_checkpoint(crafted, tmp_path / "one.ckpt", trust=trust), weights_only=True)
-        assert not (tmp_path / "ran.txt").exists()
+        state = torch.load(convert_without_running(crafted, tmp_path / "one.ckpt", marker, trust=trust),
+                           weights_only=True)
         expected = torch.load(convert_checkpoint(deepspeed_run[0], tmp_path / "expected.ckpt"), weights_only=True)
         assert state["state_dict"].keys() == expected["state_dict"].keys()
         assert all(torch.equal(v, expected["state_dict"][k]) for k, v in state["state_dict"].items())
@@ -144,8 +154,6 @@ def test_a_tag_that_is_not_a_folder_name_is_refused(deepspeed_run, tag, tmp_path
 
 def test_a_tag_folder_that_links_outside_is_refused_unless_trusted(deepspeed_run, tmp_path):
     outside = shutil.copytree(good_files(deepspeed_run), tmp_path / "outside")
-    torch.save({**torch.load(outside / "mp_rank_00_model_states.pt", weights_only=False),
-                "extra": Evil(tmp_path / "ran.txt")}, outside / "mp_rank_00_model_states.pt")
     crafted = tmp_path / "crafted.ckpt"
     crafted.mkdir()
     (crafted / "latest").write_text("global_step2")
@@ -153,7 +161,7 @@ def test_a_tag_folder_that_links_outside_is_refused_unless_trusted(deepspeed_run
     with pytest.raises(ValueError, match=r"global_step2' is a link to '.*outside', outside the checkpoint .* pass "
                                          r"convert_checkpoint\(\.\.\., trust=True\)"):
         convert_checkpoint(crafted, tmp_path / "one.ckpt")
-    assert not (tmp_path / "ran.txt").exists()
+    assert convert_checkpoint(crafted, tmp_path / "one.ckpt", trust=True).is_file()  # a link you trust is followed
 
 
 def global_then_call(module: str, name: str, argument: str) -> bytes:
@@ -172,13 +180,12 @@ def test_metadata_reaching_os_system_through_an_allowed_module_is_refused(native
     module = "torch.distributed.checkpoint.metadata"
     pickle.loads(global_then_call(module, "os.system", f"touch {tmp_path / 'live.txt'}"))
     assert (tmp_path / "live.txt").exists()  # the payload runs when unpickled unrestricted
-    crafted = shutil.copytree(native_run[0], tmp_path / "crafted.ckpt")
-    (crafted / ".metadata").write_bytes(global_then_call(module, "os.system", f"touch {tmp_path / 'ran.txt'}"))
+    crafted, marker = shutil.copytree(native_run[0], tmp_path / "crafted.ckpt"), tmp_path / "ran.txt"
+    (crafted / ".metadata").write_bytes(global_then_call(module, "os.system", f"touch {marker}"))
     with pytest.raises(ValueError, match=r"crafted\.ckpt/\.metadata' holds objects a distributed checkpoint's metadata "
                                          r"does not \(torch\.distributed\.checkpoint\.metadata\.os\.system\); .* pass "
                                          r"convert_checkpoint\(\.\.\., trust=True\)"):
-        convert_checkpoint(crafted, tmp_path / "one.ckpt")
-    assert not (tmp_path / "ran.txt").exists()
+        convert_without_running(crafted, tmp_path / "one.ckpt", marker)
 
 
 def test_metadata_naming_a_data_file_outside_is_refused(native_run, tmp_path):
@@ -203,17 +210,16 @@ def test_a_non_tensor_entry_is_read_with_weights_only(native_run, tmp_path):
     state = torch.load(convert_checkpoint(plain, tmp_path / "one.ckpt"), weights_only=True)["state_dict"]
     assert state["note"] == {"epochs": 3, "name": "run"} and torch.equal(state["model.classifier.weight"],
                                                                         weights["model.classifier.weight"])
-    crafted = tmp_path / "crafted.ckpt"
-    dcp.save({"state_dict": {**weights, "extra": Evil(tmp_path / "ran.txt")}}, checkpoint_id=crafted, no_dist=True)
+    crafted, marker = tmp_path / "crafted.ckpt", tmp_path / "ran.txt"
+    dcp.save({"state_dict": {**weights, "extra": Evil(marker)}}, checkpoint_id=crafted, no_dist=True)
     shutil.copy(native_run[0] / "meta.pt", crafted / "meta.pt")
     with pytest.raises(ValueError, match=r"crafted\.ckpt/__0_0\.distcp' holds the entry 'state_dict\.extra', an object "
                                          r"that torch\.load\(weights_only=True\) does not read \(exec\); .* pass "
                                          r"convert_checkpoint\(\.\.\., trust=True\)"):
-        convert_checkpoint(crafted, tmp_path / "two.ckpt")
+        convert_without_running(crafted, tmp_path / "two.ckpt", marker)
     with pytest.raises(ValueError, match=r"holds the entry 'state_dict\.extra'"):  # the same through load_from_checkpoint
         load_from_checkpoint(Classifier, crafted, lora=False)
-    assert not (tmp_path / "ran.txt").exists()
-    assert not (tmp_path / "two.ckpt").exists()
+    assert not marker.exists() and not (tmp_path / "two.ckpt").exists()
 
 
 # --- a torn file, a full disk: the message names the file and the cause ------------------------------------------
