@@ -60,7 +60,7 @@ def read_metadata(file: Path, directory: Path) -> Metadata:
             metadata = _MetadataUnpickler(handle).load()
     except _Refused as error:
         raise untrusted(_WHO, file, f"objects a distributed checkpoint's metadata does not ({refused(error)})") from None
-    except (pickle.UnpicklingError, EOFError, *UNREADABLE) as error:
+    except UNREADABLE as error:  # empty, truncated, or not a pickle
         metadata = error
     if not isinstance(metadata, Metadata):
         what = f"{type(metadata).__name__}: {metadata}" if isinstance(metadata, BaseException) else \

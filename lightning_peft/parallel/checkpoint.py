@@ -43,6 +43,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +133,7 @@ def _write(state: dict[str, Any], target: Path) -> None:
                                    f"the temporary file removed). {fix}") from error
 
 
-def _chain(error: BaseException | None) -> Any:
+def _chain(error: BaseException | None) -> Iterator[BaseException]:
     """``error`` and the errors it was raised from or while handling."""
     while error is not None:
         yield error
@@ -175,6 +176,9 @@ def deepspeed_checkpoint(directory: Path, trust: bool = False) -> dict[str, Any]
 def _tag_folder(directory: Path, trust: bool) -> Path:
     """The folder ``latest`` names: exactly one child of ``directory``, by name (no pattern, no path)."""
     latest = inside(directory, directory / "latest", _WHO, trust)
+    if not latest.is_file():
+        raise ValueError(f"{_WHO}: {str(directory)!r} has no 'latest' file naming its tag folder: not a DeepSpeed "
+                         "checkpoint, or one whose save did not finish.")
     with latest.open("rb") as handle:
         tag = handle.read(256).decode("utf-8", "replace").strip()  # DeepSpeed writes a short name: global_step300
     if tag in ("", ".", "..") or Path(tag).name != tag or any(c in tag for c in "/\\\0"):
@@ -204,9 +208,11 @@ def _assemble(models: list[dict[str, Any]], optimizers: list[dict[str, Any]], ad
     read the files (``parse_model_states``, ``parse_optim_states``, then the merge of the stage)."""
     from deepspeed.utils import zero_to_fp32 as ds
 
+    refuse_partitioned_experts = getattr(ds, "_raise_if_autoep_zero3_partitioned_state", None)  # DeepSpeed >= 0.19
     states = []
     for model in models:
-        ds._raise_if_autoep_zero3_partitioned_state(model)
+        if refuse_partitioned_experts is not None:
+            refuse_partitioned_experts(model)
         buffers = {k: v.float() if v.is_floating_point() else v for k, v in model["module"].items()
                    if k in model["buffer_names"]}
         states.append(ds.zero_model_state(

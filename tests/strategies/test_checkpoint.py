@@ -261,9 +261,22 @@ def test_a_torn_metadata_file_is_named(native_run, how, tmp_path):
         convert_checkpoint(crafted, tmp_path / "one.ckpt")
 
 
-def test_a_pipeline_checkpoint_missing_a_stage_is_refused(tmp_path):
-    for rank in (0, 2):
-        torch.save({"state_dict": {f"layer{rank}.weight": torch.ones(2)}}, tmp_path / f"stage-{rank}.ckpt")
+def test_pipeline_stage_files_convert_and_a_missing_or_crafted_one_is_refused(tmp_path):
+    from lightning_peft.parallel import consolidate_checkpoint
+
+    for rank in (0, 1):
+        torch.save({"state_dict": {f"layer{rank}.weight": torch.full((2,), rank)}, "epoch": 3},
+                   tmp_path / f"stage-{rank}.ckpt")
+    converted = torch.load(convert_checkpoint(tmp_path, tmp_path / "one.ckpt"), weights_only=True)
+    assert converted["epoch"] == 3 and converted["state_dict"].keys() == {"layer0.weight", "layer1.weight"}
+    assert torch.equal(converted["state_dict"]["layer1.weight"], torch.full((2,), 1))
+    add_evil(tmp_path / "stage-1.ckpt", tmp_path / "ran.txt")
+    with pytest.raises(ValueError, match=r"consolidate_checkpoint: '.*stage-1\.ckpt' holds objects that torch\.load\("
+                                         r"weights_only=True\) does not read \(exec\); .* pass consolidate_checkpoint\("
+                                         r"\.\.\., weights_only=False\)"):
+        consolidate_checkpoint(tmp_path)
+    assert not (tmp_path / "ran.txt").exists()
+    (tmp_path / "stage-1.ckpt").rename(tmp_path / "stage-2.ckpt")
     with pytest.raises(ValueError, match=r"a pipeline checkpoint of 3 ranks lacks stage-1\.ckpt"):
         convert_checkpoint(tmp_path, tmp_path / "one.ckpt")
 
