@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 
+from lightning_peft.parallel._checkpoint_files import check_file
 from lightning_peft.peft.checkpoint import restore_adapters
 
 _PATCH_LOCK = threading.Lock()
@@ -42,6 +43,10 @@ def load_from_checkpoint(module_class: type[M], checkpoint_path: str | os.PathLi
     in a temporary file ([`convert_checkpoint`][lightning_peft.strategies.convert_checkpoint]), so one process loads
     what N ranks saved.
 
+    Raises:
+        ValueError: If the checkpoint file is empty or truncated (naming it), or, for a directory, what
+            [`convert_checkpoint`][lightning_peft.strategies.convert_checkpoint] refuses.
+
     Example:
         ``model = load_from_checkpoint(MyModule, "checkpoints/last.ckpt", map_location="cpu")``
     """
@@ -51,6 +56,8 @@ def load_from_checkpoint(module_class: type[M], checkpoint_path: str | os.PathLi
         with tempfile.TemporaryDirectory(prefix="lightning-peft-") as scratch:
             single = convert_checkpoint(checkpoint_path, Path(scratch) / "assembled.ckpt")
             return load_from_checkpoint(module_class, single, **kwargs)
+    if Path(checkpoint_path).is_file():  # torch says "failed finding central directory" for a torn file
+        check_file(Path(checkpoint_path), "load_from_checkpoint")
     with _PATCH_LOCK:
         own = module_class.__dict__.get("on_load_checkpoint")
         inherited = module_class.on_load_checkpoint

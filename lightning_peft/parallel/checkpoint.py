@@ -17,29 +17,45 @@ model = MyModule.load_from_checkpoint("model.ckpt")       # or lightning_peft.ca
 or from a shell: ``python -m lightning_peft.strategies.checkpoint SHARDED_DIR OUTPUT_FILE [--trust]``. An adapter-only
 checkpoint stays adapter-only: loading takes the frozen base from the module as built. No process group is needed.
 
-Reading a checkpoint from a stranger must not run its code. Pickled files are read with
-``torch.load(weights_only=True)``, allowing only the few plain classes DeepSpeed writes into its files
-(`DEEPSPEED_SAFE_GLOBALS`); DeepSpeed's own reader (``zero_to_fp32``) unpickles without that restriction, so
-every file it will read is checked that way first, and torch's distributed-checkpoint ``.metadata`` is checked by an
-unpickler that knows only its metadata classes. A file holding anything else is refused, naming it;
-``trust=True`` (``--trust``) skips the checks, for a checkpoint whose origin you trust.
+Reading a checkpoint from a stranger must not run its code. With ``trust=False`` (the default, and what
+``load_from_checkpoint`` on a directory uses) nothing is unpickled unrestricted, as DeepSpeed's and torch's readers
+would:
+
+- pickled files (DeepSpeed's ``*_states.pt``, ``meta.pt``, ``stage-<r>.ckpt``) with ``torch.load(weights_only=True)``,
+  allowing exactly the plain classes DeepSpeed writes (`deepspeed_safe_globals`); DeepSpeed's ``zero_to_fp32`` only
+  assembles what was read;
+- DeepSpeed's ``latest`` must name one folder of the directory, by name: no pattern (``*`` is a folder called ``*``),
+  no path (``..``, ``/``);
+- a distributed checkpoint's ``.metadata`` with an unpickler that allows exact (module, name) pairs of torch's metadata
+  classes (a name reached through an allowed module, as ``os.system`` through ``torch.distributed.checkpoint.metadata``,
+  is not one), naming only data files beside it; its non-tensor entries with ``torch.load(weights_only=True)``
+  (torch reads its tensors that way too);
+- no file that is a link leading out of the directory.
+
+What cannot be read that way is refused, naming the file (and the entry) and pointing to ``trust=True``
+(``--trust``), which reads the files unrestricted, for a checkpoint whose origin you trust (the tag is still one
+folder by name). An empty or truncated file, a missing rank's file or an output that cannot be written (a full disk:
+nothing is replaced) is named with its cause too.
 """
 
 from __future__ import annotations
 
+import errno
 import os
-import pickle
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_peft._atomic import write_files
-from lightning_peft.parallel.pipeline_state import consolidate_checkpoint
+from lightning_peft.parallel._checkpoint_files import FIX, inside, read_file
+from lightning_peft.parallel.pipeline_state import merge_stages, read_stages, stage_files
 
 __all__ = ["convert_checkpoint", "deepspeed_checkpoint", "load_optimizer_states"]
 
+_WHO = "convert_checkpoint"
 _DEEPSPEED_STATES = ("module", "optimizer", "lr_scheduler", "csr_tensor_module_names", "skipped_steps",
                      "global_steps", "dp_world_size", "mp_world_size", "buffer_names", "param_shapes",
                      "frozen_param_shapes", "shared_params", "frozen_param_fragments", "ds_config", "ds_version")
@@ -58,9 +74,11 @@ def convert_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike,
         ``output``.
 
     Raises:
-        ValueError: If ``checkpoint`` is a single file already, a directory of neither layout, or (unless
-            ``trust``) holds a file that could run code when read.
+        ValueError: If ``checkpoint`` is a single file already, a directory of neither layout, holds an empty,
+            truncated or missing file, or (unless ``trust``) a file that could run code when read, a DeepSpeed tag
+            that is not a folder's name or a link out of the directory; the message names the file.
         FileNotFoundError: If ``checkpoint`` does not exist.
+        OSError: If ``output`` cannot be written (a full disk): named, with the cause; nothing is replaced.
     """
     source, target = Path(checkpoint), Path(output)
     if not source.exists():
@@ -72,17 +90,54 @@ def convert_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike,
         state = _from_distributed_checkpoint(source, trust)
     elif (source / "latest").is_file():
         state = deepspeed_checkpoint(source, trust)
-    elif any(source.glob("stage-*.ckpt")):
-        state = consolidate_checkpoint(source, weights_only=not trust)
-        state.pop("optimizer_states", None)  # weights only, as for the other layouts
+    elif stages := stage_files(source):
+        parts = read_stages(stages, _WHO, trust)
+        for part in parts:
+            part.pop("optimizer_states", None)  # weights only, as for the other layouts
+        state = merge_stages(parts)
+        state.pop("optimizer_states")
     else:
         found = ", ".join(sorted(p.name for p in source.iterdir())[:6]) or "nothing"
         raise ValueError(f"convert_checkpoint({str(source)!r}): not a sharded checkpoint (neither DeepSpeed's "
                          "'latest' + checkpoint/, a distributed checkpoint's meta.pt nor a pipeline's stage-<r>.ckpt "
                          f"files); it holds: {found}.")
     target.parent.mkdir(parents=True, exist_ok=True)
-    write_files({target: lambda tmp: torch.save(state, tmp)})
+    _write(state, target)
     return target
+
+
+def _write(state: dict[str, Any], target: Path) -> None:
+    """``torch.save`` of ``state`` to ``target`` through a temporary file; a failed write says what happened.
+
+    torch reports a full disk as ``RuntimeError: [enforce fail at inline_container.cc] unexpected pos``; writing
+    through a Python file, the ``OSError`` the write raised is there (as it is, or as that error's context).
+    """
+
+    def save(tmp: str) -> None:
+        with open(tmp, "wb") as handle:
+            torch.save(state, handle)
+
+    existed = target.exists()
+    try:
+        write_files({target: save})
+    except (OSError, RuntimeError) as error:
+        cause = next((e for e in _chain(error) if isinstance(e, OSError)), None)
+        if cause is None:
+            raise
+        full = cause.errno in (errno.ENOSPC, errno.EDQUOT)
+        what = f"the disk is full ({cause.strerror})" if full else str(cause.strerror or cause)
+        kept = f"{str(target)!r} is as it was" if existed else f"no {target.name} was written"
+        fix = ("Free space there, or write the output to another disk." if full
+               else "Write the output somewhere this process can write.")
+        raise OSError(cause.errno, f"{_WHO}: could not write {str(target)!r}: {what}; nothing was replaced ({kept}, "
+                                   f"the temporary file removed). {fix}") from error
+
+
+def _chain(error: BaseException | None) -> Iterator[BaseException]:
+    """``error`` and the errors it was raised from or while handling."""
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
 
 
 def deepspeed_safe_globals() -> list[type]:
@@ -95,80 +150,99 @@ def deepspeed_safe_globals() -> list[type]:
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
-def _load(file: Path, trust: bool, safe_globals: list[type] = ()) -> Any:
-    """``torch.load`` of ``file`` on the CPU: ``weights_only`` (with ``safe_globals``) unless ``trust``."""
-    if trust:
-        return torch.load(file, map_location="cpu", weights_only=False)
-    try:
-        with torch.serialization.safe_globals(list(safe_globals)):
-            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as error:
-        found = re.search(r"GLOBAL (\S+)", str(error))
-        raise ValueError(
-            f"convert_checkpoint: {str(file)!r} holds objects that torch.load(weights_only=True) does not read "
-            f"({found.group(1) if found else str(error).splitlines()[0]}); reading it unrestricted could run code from whoever wrote it. If you trust where this "
-            "checkpoint comes from, pass convert_checkpoint(..., trust=True) (--trust on the command line)."
-        ) from None
-
-
 def deepspeed_checkpoint(directory: Path, trust: bool = False) -> dict[str, Any]:
-    """A DeepSpeed checkpoint directory as one Lightning checkpoint dict: full float32 weights, no optimizer."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, get_model_state_files
+    """A DeepSpeed checkpoint directory as one Lightning checkpoint dict: full float32 weights, no optimizer.
 
-    tag = (directory / "latest").read_text().strip()
+    The files are read here (`read_file`: ``weights_only`` unless ``trust``) and assembled by DeepSpeed's
+    ``zero_to_fp32`` functions, which are given what was read: DeepSpeed's own reader (which globs the tag folder and
+    unpickles unrestricted) reads nothing.
+    """
+    folder = _tag_folder(Path(directory), trust)
     safe = deepspeed_safe_globals()
-    if not trust:  # DeepSpeed's reader unpickles unrestricted: every file it reads passes the safe reader first
-        for file in sorted((directory / tag).glob("*.pt")):
-            _load(file, trust, safe)
-    # Rank 0's model-states file carries what Lightning saved besides the weights (its client state).
-    client = _load(Path(get_model_state_files(str(directory / tag))[0]), trust, safe)
+    models = [read_file(f, _WHO, trust, safe) for f in _rank_files(folder, "_model_states.pt", trust)]
+    optimizers = [read_file(f, _WHO, trust, safe) for f in _rank_files(folder, "_optim_states.pt", trust)]
+    client = models[0]  # rank 0's model states carry what Lightning saved besides the weights (its client state)
     adapter_only = bool((client.get("lightning_peft") or {}).get("adapter_only"))
-    weights = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag,
-                                                       exclude_frozen_parameters=adapter_only)
+    try:
+        weights = _assemble(models, optimizers, adapter_only)
+    except (KeyError, TypeError, IndexError, AttributeError) as error:
+        raise ValueError(f"{_WHO}: {str(folder)!r} is not a ZeRO checkpoint as DeepSpeed writes it (reading its "
+                         f"model and optimizer states failed: {type(error).__name__}: {error}). {FIX}") from None
     state = {k: v for k, v in client.items() if k not in _DEEPSPEED_STATES}
     state["state_dict"] = {k.removeprefix("_forward_module."): v for k, v in weights.items()}
     return state
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Reads torch's distributed-checkpoint ``.metadata`` (a plain pickle) knowing only the classes it holds."""
+def _tag_folder(directory: Path, trust: bool) -> Path:
+    """The folder ``latest`` names: exactly one child of ``directory``, by name (no pattern, no path)."""
+    latest = inside(directory, directory / "latest", _WHO, trust)
+    if not latest.is_file():
+        raise ValueError(f"{_WHO}: {str(directory)!r} has no 'latest' file naming its tag folder: not a DeepSpeed "
+                         "checkpoint, or one whose save did not finish.")
+    with latest.open("rb") as handle:
+        tag = handle.read(256).decode("utf-8", "replace").strip()  # DeepSpeed writes a short name: global_step300
+    if tag in ("", ".", "..") or Path(tag).name != tag or any(c in tag for c in "/\\\0"):
+        raise ValueError(f"{_WHO}: {str(latest)!r} names the tag {tag!r}, which is not the name of a folder in "
+                         f"{str(directory)!r} (DeepSpeed writes a folder name, such as 'global_step300'). Write the "
+                         "name of the checkpoint's tag folder into it.")
+    folder = inside(directory, directory / tag, _WHO, trust)
+    if not folder.is_dir():
+        found = ", ".join(sorted(p.name for p in directory.iterdir() if p.is_dir())[:6]) or "none"
+        raise ValueError(f"{_WHO}: {str(latest)!r} names the tag {tag!r}, but {str(directory)!r} has no folder of "
+                         f"that name (its folders: {found}). Write the name of the checkpoint's tag folder into it.")
+    return folder
 
-    _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
-                ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
 
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch.distributed.checkpoint.metadata" or (module, name) in self._ALLOWED or (
-            module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format))
-        ):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {module}.{name}")
+def _rank_files(folder: Path, suffix: str, trust: bool) -> list[Path]:
+    """The files of ``folder`` whose names end in ``suffix`` (``zero_to_fp32``'s ``*<suffix>``), in rank order."""
+    files = [p for p in folder.iterdir() if p.name.endswith(suffix) and not p.name.startswith(".")]
+    if not files:
+        raise ValueError(f"{_WHO}: {str(folder)!r} holds no *{suffix} file: not a DeepSpeed checkpoint's tag folder, "
+                         f"or one whose save did not finish. {FIX}")
+    natural = [[int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)] for p in files]
+    return [inside(folder.parent, p, _WHO, trust) for _, p in sorted(zip(natural, files), key=lambda x: x[0])]
 
 
-def _check_metadata(file: Path) -> None:
-    try:
-        with file.open("rb") as handle:
-            _MetadataUnpickler(handle).load()
-    except pickle.UnpicklingError as error:
-        raise ValueError(
-            f"convert_checkpoint: {str(file)!r} holds objects a distributed checkpoint's metadata does not ({error}); "
-            "reading it unrestricted could run code from whoever wrote it. If you trust where this checkpoint "
-            "comes from, pass convert_checkpoint(..., trust=True) (--trust on the command line)."
-        ) from None
+def _assemble(models: list[dict[str, Any]], optimizers: list[dict[str, Any]], adapter_only: bool) -> dict[str, Any]:
+    """The full weights from the ranks' model and optimizer states, as ``zero_to_fp32`` assembles them once it has
+    read the files (``parse_model_states``, ``parse_optim_states``, then the merge of the stage)."""
+    from deepspeed.utils import zero_to_fp32 as ds
+
+    refuse_partitioned_experts = getattr(ds, "_raise_if_autoep_zero3_partitioned_state", None)  # DeepSpeed >= 0.19
+    states = []
+    for model in models:
+        if refuse_partitioned_experts is not None:
+            refuse_partitioned_experts(model)
+        buffers = {k: v.float() if v.is_floating_point() else v for k, v in model["module"].items()
+                   if k in model["buffer_names"]}
+        states.append(ds.zero_model_state(
+            buffers=buffers, param_shapes=model["param_shapes"], ds_version=model.get("ds_version"),
+            shared_params=[[k, v] for k, v in model["shared_params"].items()],
+            frozen_param_shapes=model.get("frozen_param_shapes"),
+            frozen_param_fragments=model.get("frozen_param_fragments")))
+    first = optimizers[0]["optimizer_state_dict"]
+    stage, world = int(first["zero_stage"]), first["partition_count"]
+    world = max(world) if isinstance(world, list) else world
+    if world != len(optimizers):
+        raise ValueError(f"{_WHO}: the checkpoint was saved by {world} ranks but holds {len(optimizers)} "
+                         f"*_optim_states.pt files (a rank's save did not finish, or files of two saves). {FIX}")
+    key = "single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups"
+    groups = [o["optimizer_state_dict"][key] for o in optimizers]
+    if stage <= 2:
+        paddings = first.get("param_alignment_paddings")  # DeepSpeed >= 0.19 records it (and takes it)
+        extra = () if paddings is None else (paddings,)
+        weights = ds._get_fp32_state_dict_from_zero2_checkpoint(world, groups, states, adapter_only, *extra)
+    else:
+        weights = ds._get_fp32_state_dict_from_zero3_checkpoint(world, groups, states, adapter_only)
+    return ds.to_torch_tensor(weights)
 
 
 def _from_distributed_checkpoint(directory: Path, trust: bool = False) -> dict[str, Any]:
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    from lightning_peft.parallel._distcp import distributed_weights
 
-    if not trust:  # torch's reader unpickles .metadata unrestricted (its tensors it reads with weights_only)
-        _check_metadata(directory / ".metadata")
-    loaded: dict[str, Any] = {}
-    _load_state_dict(loaded, storage_reader=FileSystemReader(directory), planner=_EmptyStateDictLoadPlanner(),
-                     no_dist=True)
-    state = _load(directory / "meta.pt", trust)
-    state["state_dict"] = loaded["state_dict"]
+    weights = distributed_weights(directory, trust)
+    state = read_file(inside(directory, directory / "meta.pt", _WHO, trust), _WHO, trust)
+    state["state_dict"] = weights
     return state
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_peft.parallel._checkpoint_files import FIX, inside, read_file
 from lightning_peft.parallel.pipeline import Piece
 
 __all__ = [
@@ -259,18 +261,50 @@ def consolidate_checkpoint(path: str | os.PathLike[str], weights_only: bool = Tr
         The merged checkpoint dict (``torch.save`` it to get a file).
 
     Raises:
-        ValueError: If ``path`` holds no stage files.
+        ValueError: If ``path`` holds no stage files, misses a rank's, or one is empty, truncated, not a stage
+            checkpoint or (with ``weights_only``) holds other objects; the message names the file.
 
     Examples:
         >>> torch.save(consolidate_checkpoint("checkpoints/last.ckpt"), "last-merged.ckpt")  # doctest: +SKIP
     """
     directory = Path(path)
-    files = sorted(directory.glob("stage-*.ckpt"), key=lambda f: int(f.stem.split("-")[1]))
-    if not directory.is_dir() or not files:
+    files = stage_files(directory) if directory.is_dir() else []
+    if not files:
         raise ValueError(
             f"consolidate_checkpoint({str(path)!r}): not a pipeline checkpoint directory (no stage-<rank>.ckpt files)."
         )
-    parts = [torch.load(f, map_location="cpu", weights_only=weights_only) for f in files]
+    return merge_stages(read_stages(files, "consolidate_checkpoint", trust=not weights_only))
+
+
+def stage_files(directory: Path) -> list[Path]:
+    """The ``stage-<rank>.ckpt`` files of ``directory``, in rank order.
+
+    Raises:
+        ValueError: If a rank's file is missing (ranks 0 to the highest must all be there).
+    """
+    ranks = {int(m.group(1)): p for p in directory.iterdir() if (m := re.fullmatch(r"stage-(\d+)\.ckpt", p.name))}
+    missing = sorted(set(range(max(ranks, default=-1) + 1)) - set(ranks))
+    if missing:
+        raise ValueError(f"{str(directory)!r}: a pipeline checkpoint of {max(ranks) + 1} ranks lacks "
+                         f"{STAGE_FILE.format(missing[0])} (a rank's save did not finish, or was deleted); use a "
+                         "checkpoint whose every stage file is there.")
+    return [ranks[r] for r in sorted(ranks)]
+
+
+def read_stages(files: Sequence[Path], who: str, trust: bool) -> list[dict[str, Any]]:
+    """The stage files read (``weights_only`` unless ``trust``), each checked to be a stage checkpoint."""
+    parts = []
+    for file in files:
+        part = read_file(inside(file.parent, file, who, trust), who, trust)
+        if not isinstance(part, dict) or not isinstance(part.get("state_dict"), dict):
+            raise ValueError(f"{who}: {str(file)!r} is not a pipeline stage checkpoint (no 'state_dict' entry). "
+                             f"{FIX}")
+        parts.append(part)
+    return parts
+
+
+def merge_stages(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The stage checkpoints ``parts`` (in rank order) as one checkpoint of the unsplit model."""
     merged = {k: v for k, v in parts[0].items() if k != "pipeline"}
     merged["state_dict"] = {}
     for part in parts:

@@ -260,3 +260,17 @@ def test_an_adapter_only_checkpoint_says_how_to_load_it(tiny_bert_config, tmp_pa
     with pytest.raises(RuntimeError, match="Missing key"):  # what the record explains
         BackboneAndHead.load_from_checkpoint(ckpt, config=tiny_bert_config)
     load_from_checkpoint(BackboneAndHead, ckpt, config=tiny_bert_config)
+
+
+@pytest.mark.parametrize(("how", "expected"), [
+    ("empty", r"is empty \(0 bytes\), not a checkpoint: its save was cut off before it wrote anything"),
+    ("truncated", r"is truncated: a checkpoint of \d+ bytes that stops before its end"),
+])
+def test_a_torn_checkpoint_file_is_named_with_its_cause(tiny_bert_config, tmp_path, how, expected):
+    """torch says "PytorchStreamReader failed reading zip archive: failed finding central directory" or nothing."""
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"state_dict": Classifier(tiny_bert_config).state_dict()}, ckpt)
+    ckpt.write_bytes(b"" if how == "empty" else ckpt.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=rf"load_from_checkpoint: '.*last\.ckpt' {expected}.* Save the checkpoint "
+                                         r"again, or use another one\."):
+        load_from_checkpoint(Classifier, ckpt, config=tiny_bert_config)
