@@ -30,7 +30,7 @@ from typing_extensions import override
 from lightning_peft.callbacks._lightning import refuse_changed_settings, refuse_earlier_model_copies
 from lightning_peft.callbacks._quantize import check_quantized_shards, check_quantized_strategy
 from lightning_peft.callbacks._rng import keep_rng
-from lightning_peft.callbacks._target import resolve_target
+from lightning_peft.callbacks._target import refuse_two_callbacks_on_one_model, resolve_target
 from lightning_peft.peft.adapter import Adapter, attached, technique, trainable_parameters
 from lightning_peft.peft.checkpoint import KEY, check_same_adapters, fill_frozen, frozen_base, record_adapters
 
@@ -103,6 +103,7 @@ class AdapterCallback(Callback):
         self.check(trainer)
         keep_rng(trainer)  # resume draws what the straight run drew (dropout)
         _, model = resolve_target(pl_module, self.model_attribute, self.who)
+        refuse_two_callbacks_on_one_model(trainer.callbacks, self, pl_module, model)
         self.adapted_model = model
         adapter = attached(model).get(self.kind)
         if adapter is None:
