@@ -32,7 +32,14 @@ from lightning_peft.callbacks._quantize import check_quantized_shards, check_qua
 from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.callbacks._target import refuse_two_callbacks_on_one_model, resolve_target
 from lightning_peft.peft.adapter import Adapter, attached, technique, trainable_parameters
-from lightning_peft.peft.checkpoint import KEY, check_same_adapters, fill_frozen, frozen_base, record_adapters
+from lightning_peft.peft.checkpoint import (
+    KEY,
+    check_same_adapters,
+    check_shapes,
+    fill_frozen,
+    frozen_base,
+    record_adapters,
+)
 
 _HOOKED = "_lightning_peft_load_hook"
 
@@ -201,6 +208,8 @@ def _load_hook(module, state_dict, prefix, local_metadata, strict, missing, unex
     entry = (getattr(connector, "_loaded_checkpoint", None) or {}).get(KEY)
     if entry is not None:
         check_same_adapters(entry, module, who)
+    check_shapes(module, state_dict, who)
+    if entry is not None:
         if entry.get("adapter_only"):
             fill_frozen(module, state_dict, entry.get("dropped", []))
         return
