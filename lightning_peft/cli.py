@@ -16,8 +16,13 @@ Example:
 from __future__ import annotations
 
 import difflib
+import importlib
+import inspect
+import sys
+from pathlib import Path
 from typing import Any
 
+import yaml
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 
@@ -27,6 +32,7 @@ import lightning_peft.callbacks  # noqa: F401
 import lightning_peft.data  # noqa: F401
 import lightning_peft.modules  # noqa: F401
 import lightning_peft.strategies  # noqa: F401  (also registers zero1, zero3_native, ... by name)
+from lightning_peft.peft.lora_config import PEFT_NAMES
 
 __all__ = ["PeftCLI", "main"]
 
@@ -42,6 +48,17 @@ class PeftCLI(LightningCLI):
             default=False,
             help="fit only: after training, run the test loop on the final weights and print the metrics.",
         )
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        """Checks the callbacks of the YAML files (and of ``args`` given as a dict) first: jsonargparse's own message
+        for a key at the wrong place or under PEFT's name lists the union of types it tried, not the key's fix."""
+        for source, config in _configs(args):
+            for subcommand in (None, "fit", "validate", "test", "predict"):
+                section = config.get(subcommand, {}) if subcommand else config
+                trainer = section.get("trainer") if isinstance(section, dict) else None
+                if isinstance(trainer, dict):
+                    check_callback_entries(trainer.get("callbacks"), source)
+        super().parse_arguments(parser, args)
 
     def before_instantiate_classes(self) -> None:
         """Refuses an unknown ``--trainer.strategy`` name, listing this package's names (Lightning's list has none), and
@@ -105,6 +122,69 @@ def check_unique_callbacks(callbacks: Any) -> None:
                 f"takes one {name}. The config probably has one already: change its init_args in the YAML (or give "
                 f"a config without {name}) instead of adding another with --trainer.callbacks+={name}."
             )
+
+
+def _configs(args: ArgsType) -> list[tuple[str, dict]]:
+    """``(source, content)`` of the configs that ``args`` (``None``: ``sys.argv``) gives: a dict itself, the YAML files
+    of ``--config`` / ``-c`` (files that cannot be read are left to the parser)."""
+    if isinstance(args, dict):
+        return [("the config", args)]
+    argv = [str(a) for a in (sys.argv[1:] if args is None else args if isinstance(args, list) else [])]
+    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--config", "-c")]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    found = []
+    for path in paths:
+        try:
+            content = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(content, dict):
+            found.append((path, content))
+    return found
+
+
+def check_callback_entries(callbacks: Any, source: str) -> None:
+    """Raise for a ``trainer.callbacks`` entry whose arguments sit beside ``class_path`` instead of under
+    ``init_args``, and for a lightning-peft callback given Hugging Face PEFT's name of an argument (``r``).
+
+    Raises:
+        ValueError: Naming the file, the entry, the key and the fix.
+    """
+    for index, entry in enumerate(callbacks if isinstance(callbacks, list) else [callbacks]):
+        if not isinstance(entry, dict) or not isinstance(entry.get("class_path"), str):
+            continue
+        class_path = entry["class_path"]
+        name = class_path.rsplit(".", 1)[-1]
+        beside = [k for k in entry if k not in ("class_path", "init_args", "dict_kwargs", "__path__")]
+        if beside:
+            lines = "".join(f"\n      {k}: {entry[k]!r}" for k in beside)
+            raise ValueError(
+                f"lightning-peft: {source}: trainer.callbacks[{index}] ({name}) gives {', '.join(map(repr, beside))} "
+                f"beside class_path; a callback's arguments go under init_args:\n  - class_path: {class_path}\n"
+                f"    init_args:{lines}"
+            )
+        init_args = entry.get("init_args")
+        taken = _parameters(class_path)
+        for key in init_args if isinstance(init_args, dict) and taken else []:
+            ours = PEFT_NAMES.get(key)
+            if key not in taken and ours in taken:
+                raise ValueError(
+                    f"lightning-peft: {source}: trainer.callbacks[{index}]: {name} has no argument {key!r}; Hugging "
+                    f"Face PEFT's {key} is {ours!r} here. Write {ours}: {init_args[key]!r} under init_args."
+                )
+
+
+def _parameters(class_path: str) -> set[str]:
+    """The constructor arguments of a lightning-peft callback named by ``class_path`` (bare names resolve as the
+    parser resolves them); empty for another class or one that cannot be imported."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module or "lightning_peft.callbacks"), name)
+    except (ImportError, AttributeError, ValueError):
+        return set()
+    if not inspect.isclass(cls) or not cls.__module__.startswith("lightning_peft."):
+        return set()
+    return set(inspect.signature(cls.__init__).parameters) - {"self"}
 
 
 def _format_test_results(results: list[dict[str, float]]) -> str:

@@ -166,6 +166,24 @@ def test_yaml_typo_in_a_callback_argument_names_the_key(
     assert re.search(match, err), err
 
 
+@pytest.mark.parametrize(("callback", "match"), [
+    ({"class_path": "lightning_peft.callbacks.LoRA", "init_args": {"rank": 8, "r": 4}},
+     (r"typo\.yaml: trainer\.callbacks\[0\]: LoRA has no argument 'r'; Hugging Face PEFT's r is 'rank' here\. Write "
+      r"rank: 4 under init_args\.")),
+    ({"class_path": "LoRA", "init_args": {"lora_alpha": 16}}, r"LoRA has no argument 'lora_alpha'; .* is 'alpha'"),
+    ({"class_path": "lightning_peft.callbacks.LoRA", "rank": 4},
+     (r"typo\.yaml: trainer\.callbacks\[0\] \(LoRA\) gives 'rank' beside class_path; a callback's arguments go "
+      r"under init_args:\n  - class_path: lightning_peft\.callbacks\.LoRA\n    init_args:\n      rank: 4")),
+])
+def test_peft_names_and_arguments_beside_class_path_name_the_key_and_the_fix(tmp_path: Path, callback, match) -> None:
+    """jsonargparse's own message listed the union of types it had tried ('Option 'class_path' is not accepted',
+    'Option 'r' is not accepted') and not the fix; the LoRA docs promised that r names rank."""
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump({"trainer": {"callbacks": [callback]}}))
+    with pytest.raises(ValueError, match=match):
+        main(["fit", *BORING, "--config", str(path)])
+
+
 def test_an_unknown_strategy_name_lists_ours() -> None:
     """Lightning's own error lists only Lightning's names; ours names zero1-3, *_native, tensor_parallel, ..."""
     args = ["fit", "--model", "lightning.pytorch.demos.boring_classes.BoringModel", "--trainer.strategy", "zero4",

@@ -32,9 +32,16 @@ from lightning_peft._checkpoint_io import use_atomic_checkpoint_io
 from lightning_peft.callbacks._lightning import refuse_changed_settings, refuse_earlier_model_copies
 from lightning_peft.callbacks._quantize import check_quantized_shards, check_quantized_strategy
 from lightning_peft.callbacks._rng import keep_rng
-from lightning_peft.callbacks._target import resolve_target
+from lightning_peft.callbacks._target import refuse_two_callbacks_on_one_model, resolve_target
 from lightning_peft.peft.adapter import Adapter, attached, technique, trainable_parameters
-from lightning_peft.peft.checkpoint import KEY, check_same_adapters, fill_frozen, frozen_base, record_adapters
+from lightning_peft.peft.checkpoint import (
+    KEY,
+    check_same_adapters,
+    check_shapes,
+    fill_frozen,
+    frozen_base,
+    record_adapters,
+)
 
 _HOOKED = "_lightning_peft_load_hook"
 
@@ -106,6 +113,7 @@ class AdapterCallback(Callback):
         keep_rng(trainer)  # resume draws what the straight run drew (dropout)
         use_atomic_checkpoint_io(trainer.strategy)  # a kill while saving keeps the previous checkpoint
         _, model = resolve_target(pl_module, self.model_attribute, self.who)
+        refuse_two_callbacks_on_one_model(trainer.callbacks, self, pl_module, model)
         self.adapted_model = model
         adapter = attached(model).get(self.kind)
         if adapter is None:
@@ -203,6 +211,8 @@ def _load_hook(module, state_dict, prefix, local_metadata, strict, missing, unex
     entry = (getattr(connector, "_loaded_checkpoint", None) or {}).get(KEY)
     if entry is not None:
         check_same_adapters(entry, module, who)
+    check_shapes(module, state_dict, who)
+    if entry is not None:
         if entry.get("adapter_only"):
             fill_frozen(module, state_dict, entry.get("dropped", []))
         return

@@ -48,3 +48,29 @@ def resolve_target(pl_module: nn.Module, model_attribute: str | None, who: str) 
             "LightningModule (the same on every PEFT callback of the Trainer)."
         )
     return next(iter(found.items())) if found else ("", pl_module)
+
+
+def refuse_two_callbacks_on_one_model(callbacks: list, callback, pl_module: nn.Module, model: nn.Module) -> None:
+    """Raise if another callback of ``callback``'s technique (``kind``) in ``callbacks`` adapts the same ``model``.
+
+    ``LoRA`` and ``MultiLoRA`` both put LoRA adapters on a model, and a model carries one set of them: the second
+    callback would find the first's adapters with another config and refuse, naming only itself.
+    """
+    for other in callbacks:
+        if other is callback or getattr(other, "kind", None) != callback.kind or not hasattr(other, "model_attribute"):
+            continue
+        path, theirs = resolve_target(pl_module, other.model_attribute, other.who)
+        if theirs is not model:
+            continue
+        fix = "Keep one of them."
+        named = [c for c in (callback, other) if hasattr(c, "configs")]  # the one that takes several named adapters
+        if len(named) == 1:
+            single = other if named[0] is callback else callback
+            fix = (f"Keep one: {named[0].who} alone, with {single.who}'s settings as one of its adapters (with one "
+                   f"adapter, {named[0].who}(adapters={{'default': {{...}}}}) is {single.who} plus per-sample "
+                   f"routing), or {single.who} alone.")
+        where = type(model).__name__ + (f" ({path!r})" if path else "")
+        raise ValueError(
+            f"{callback.who} and {other.who} in one Trainer both adapt {where}, and a model carries one set of "
+            f"{callback.kind} adapters: the second callback would find the first's and refuse. {fix}"
+        )

@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 from lightning_peft.parallel.adapters import adapter_wrappers, frozen_base
 from lightning_peft.parallel.checkpoint import load_optimizer_states
 
-__all__ = ["drop_frozen", "fsdp_units", "load_partial", "rebind_schedulers", "restore_torch_linear",
+__all__ = ["drop_empty_groups", "drop_frozen", "fsdp_units", "load_partial", "rebind_schedulers", "restore_torch_linear",
            "skip_shared_memory_op", "zero_config_fields"]
 
 
@@ -33,6 +33,37 @@ def drop_frozen(optimizers: list[Optimizer]) -> None:
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if p.requires_grad]
+
+
+# A torch scheduler's lists with one entry per parameter group (LambdaLR's lr_lambdas, ReduceLROnPlateau's min_lrs,
+# CyclicLR's max_lrs and momenta, every scheduler's base_lrs and _last_lr).
+_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs", "base_momentums", "max_momentums")
+
+
+def drop_empty_groups(optimizer: Optimizer, schedulers: list[Any]) -> list[int]:
+    """Remove the parameter groups that hold no parameter (after `drop_frozen`), and their entries in the per-group
+    lists of ``schedulers`` (and of the schedulers they chain); returns the removed groups' indices.
+
+    The usual weight-decay / no-decay grouping over ``named_parameters()`` leaves the no-decay group (biases and
+    norms) empty under LoRA; DeepSpeed cannot partition an empty group. The other groups keep their settings, and each
+    scheduler keeps driving each remaining group as before.
+    """
+    groups = optimizer.param_groups
+    empty = [i for i, group in enumerate(groups) if not group["params"]]
+    if empty:
+        optimizer.param_groups = [group for i, group in enumerate(groups) if i not in empty]
+        for scheduler in schedulers:
+            _drop_entries(scheduler, set(empty), len(groups))
+    return empty
+
+
+def _drop_entries(scheduler: Any, empty: set[int], count: int) -> None:
+    for name in _PER_GROUP:
+        values = getattr(scheduler, name, None)
+        if isinstance(values, list) and len(values) == count:
+            setattr(scheduler, name, [v for i, v in enumerate(values) if i not in empty])
+    for child in getattr(scheduler, "_schedulers", []):  # SequentialLR, ChainedScheduler
+        _drop_entries(child, empty, count)
 
 
 def zero_config_fields() -> set[str]:

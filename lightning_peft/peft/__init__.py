@@ -2,6 +2,7 @@
 adapters, prompt tuning, prefix tuning; a quantized frozen base (QLoRA: ``quantize_base``); the adapter protocol they
 share; PEFT-format I/O."""
 
+from . import _model_methods  # noqa: F401  (what save_pretrained, set_adapter, ... do on an adapted model)
 from .adapter import Adapter, ParameterReport, adapter_state_dict, attached, merged_state_dict, trainable_parameters
 from .bottleneck import (
     Bottleneck,

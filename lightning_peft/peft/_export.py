@@ -52,11 +52,11 @@ def untied_config(config: Any) -> Any:
     return config
 
 
-def save_pretrained_merged(model: nn.Module, state: dict[str, Tensor], directory: Path) -> None:
-    """``model.save_pretrained(directory, state_dict=state)`` for ``state``, its
+def save_pretrained_merged(model: nn.Module, state: dict[str, Tensor], directory: Path, **options: Any) -> None:
+    """``model.save_pretrained(directory, state_dict=state, **options)`` for ``state``, its
     [`merged_state_dict`][lightning_peft.peft.merged_state_dict], with the config untied where the merge untied the
     embeddings (`embeddings_untied`)."""
     untie = embeddings_untied(model, state)
-    model.save_pretrained(directory, state_dict=unshared(state) if untie else state)
+    model.save_pretrained(directory, state_dict=unshared(state) if untie else state, **options)
     if untie:  # a copy, after save_pretrained has recorded the architecture and dtype in the live config
         untied_config(model.config).save_pretrained(directory)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -220,6 +221,7 @@ def attach(model: nn.Module, adapter: Adapter) -> None:
     adapters[adapter.kind] = adapter
     setattr(model, ADAPTERS_ATTRIBUTE, adapters)
     refreeze(model)
+    _point_model_methods(model)
 
 
 def detach(model: nn.Module, kind: str) -> None:
@@ -230,6 +232,49 @@ def detach(model: nn.Module, kind: str) -> None:
         setattr(model, ADAPTERS_ATTRIBUTE, adapters)
     elif hasattr(model, ADAPTERS_ATTRIBUTE):
         delattr(model, ADAPTERS_ATTRIBUTE)
+    _point_model_methods(model)
+
+
+# Methods called on an adapted model that must not do what the model's class does (a Hugging Face model's
+# save_pretrained would write keys from_pretrained does not know; PEFT's names the class lacks): name ->
+# (what runs instead, ``function(model, *args, **kwargs)``; whether it applies to a model, asked at every attach and
+# detach). Registered by `model_method` (`lightning_peft.peft._model_methods` holds them).
+_MODEL_METHODS: dict[str, tuple[Callable[..., Any], Callable[[nn.Module], bool]]] = {}
+
+
+def model_method(name: str, applies: Callable[[nn.Module], bool]) -> Callable[[Callable], Callable]:
+    """Register ``function(model, *args, **kwargs)`` as what ``model.<name>(...)`` runs on a model with adapters for
+    which ``applies(model)`` holds (a `_ModelMethod` in the instance's ``__dict__``, ahead of the class's method)."""
+    def register_method(function: Callable) -> Callable:
+        _MODEL_METHODS[name] = (function, applies)
+        return function
+
+    return register_method
+
+
+class _ModelMethod:
+    """Stands, on one adapted model, for its method ``name``: runs what `model_method` registered for it."""
+
+    def __init__(self, model: nn.Module, name: str) -> None:
+        self.model, self.name = model, name
+        self.__doc__ = _MODEL_METHODS[name][0].__doc__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _MODEL_METHODS[self.name][0](self.model, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<lightning-peft's {self.name} of an adapted {type(self.model).__name__}>"
+
+
+def _point_model_methods(model: nn.Module) -> None:
+    """Put the registered methods that apply on ``model`` (one with adapters) and take away the others."""
+    for name, (_, applies) in _MODEL_METHODS.items():
+        wanted = bool(attached(model)) and applies(model)
+        present = isinstance(model.__dict__.get(name), _ModelMethod)
+        if wanted and not present and name not in model.__dict__:
+            model.__dict__[name] = _ModelMethod(model, name)
+        elif present and not wanted:
+            del model.__dict__[name]
 
 
 def remove_adapter(model: nn.Module, adapter: Adapter, merge: bool) -> nn.Module:

@@ -95,6 +95,40 @@ def fill_frozen(pl_module: nn.Module, state_dict: dict[str, Tensor], keys: list[
         state_dict.setdefault(key, params[key].detach())
 
 
+def check_shapes(pl_module: nn.Module, state_dict: dict[str, Any], who: str) -> None:
+    """Raise if a tensor of ``state_dict`` has another shape than ``pl_module``'s tensor of the same key.
+
+    Adapters that agree in their settings (`check_same_adapters`) can still sit on a model of another size (another
+    hidden size: every ``lora_A`` has other columns); torch would list every mismatched key without the cause.
+    """
+    own = dict(pl_module.named_parameters(remove_duplicate=False))
+    own.update(pl_module.named_buffers(remove_duplicate=False))
+    wrong = [(key, tuple(value.shape), _shape(own[key])) for key, value in state_dict.items()
+             if key in own and isinstance(value, Tensor) and not _fits(value, own[key])]
+    if wrong:
+        key, saved, now = wrong[0]
+        more = f" (and {len(wrong) - 1} more tensors)" if len(wrong) > 1 else ""
+        raise ValueError(
+            f"{who}: the checkpoint's {key!r} has shape {saved}, but this {type(pl_module).__name__} has {now} there"
+            f"{more}: the checkpoint was written for a model of another size (another config: hidden size, vocabulary, "
+            "number of labels, ...). Build the module with the config it was trained with."
+        )
+
+
+def _shape(tensor: Tensor) -> tuple[int, ...]:
+    """The full shape of a model tensor (DeepSpeed stage 3 keeps it in ``ds_shape``)."""
+    return tuple(getattr(tensor, "ds_shape", tensor.shape))
+
+
+def _fits(saved: Tensor, own: Tensor) -> bool:
+    """Whether ``saved`` can load into the model's ``own``: the same full shape, or the same placeholder (DeepSpeed
+    stage 3 writes and loads its partitioned parameters as the empty tensors the module holds), or ``own`` is still
+    uninitialised (a lazy module)."""
+    if isinstance(own, nn.parameter.UninitializedTensorMixin):
+        return True
+    return tuple(saved.shape) in (_shape(own), tuple(own.shape))
+
+
 def check_same_adapters(saved: dict[str, Any], pl_module: nn.Module, who: str) -> None:
     """Raise if the adapters recorded in a checkpoint differ from the ones ``pl_module`` has now."""
     current = checkpoint_entry(pl_module, False)["models"]
@@ -133,7 +167,8 @@ def restore_adapters(pl_module: nn.Module, checkpoint: dict[str, Any]) -> None:
     module already has must match the recorded ones. Idempotent.
 
     Raises:
-        ValueError: If an adapter the module already has differs from the checkpoint's.
+        ValueError: If an adapter the module already has differs from the checkpoint's, or a tensor's shape differs
+            from the module's.
     """
     entry = checkpoint.get(KEY)
     if not entry:
@@ -144,5 +179,7 @@ def restore_adapters(pl_module: nn.Module, checkpoint: dict[str, Any]) -> None:
             if kind not in attached(model):
                 technique(kind).inject(model, config)
     check_same_adapters(entry, pl_module, "restore_adapters")
-    if entry.get("adapter_only") and "state_dict" in checkpoint:
-        fill_frozen(pl_module, checkpoint["state_dict"], entry.get("dropped", []))
+    if "state_dict" in checkpoint:
+        check_shapes(pl_module, checkpoint["state_dict"], "restore_adapters")
+        if entry.get("adapter_only"):
+            fill_frozen(pl_module, checkpoint["state_dict"], entry.get("dropped", []))

@@ -33,7 +33,7 @@ from .layers import DEFAULT, LoRALayer, Routing, lora_layers, lora_spec, make_la
 from .lora_config import LoRAConfig, as_config, check_adapter_name
 from .lora_merge import merge_lora, unmerge_lora
 from .lora_peft import PEFT_FIELDS, check_peft_config, config_for_model, peft_config, peft_problems, peft_state
-from .lora_peft import point_peft_methods, value_problems
+from .lora_peft import value_problems
 from .lora_targets import _select, _warn_about_settings
 from .modules_to_save import fold_modules_to_save, set_submodule, wrap_modules_to_save
 from .quantize import drop_quantizer_entries, plain_state, quantize_layers
@@ -169,7 +169,6 @@ class LoRAAdapter(Adapter):
             wrapper = model.get_submodule(name)
             set_submodule(model, name, wrapper.trained_module if merge else wrapper.original_module)
         detach(model, self.kind)
-        point_peft_methods(model, present=False)
 
     def matches(self, config: dict[str, Any]) -> bool:
         """Whether the named adapters' settings are those of ``config`` (``{"adapters": {name: {"config": fields}}}``,
@@ -331,7 +330,6 @@ def _inject(
         spec = LoRAAdapter({}, to_save, routing)
     spec.adapters[adapter_name] = (config, tuple(targets))
     attach(model, spec)
-    point_peft_methods(model, present=True)
     log.info("LoRA: adapter %r on %d modules of %s; %s", adapter_name, len(replaced), type(model).__name__,
              trainable_parameters(model))
     return replaced

@@ -24,7 +24,7 @@ Bias = Literal["none", "lora_only", "all"]
 Targets = list[str] | str
 
 # Hugging Face PEFT's names for our arguments: a user who types them is told ours.
-_PEFT_NAMES = {"r": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "init_lora_weights": "init"}
+PEFT_NAMES = {"r": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "init_lora_weights": "init"}
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def _as_targets(value: object, what: str) -> Targets:
 def as_config(config: object, kwargs: dict[str, Any], who: str) -> LoRAConfig:
     """A [`LoRAConfig`][lightning_peft.peft.LoRAConfig] from a config object (ours or PEFT's ``LoraConfig``) or keyword
     arguments."""
-    peft_names = {k: _PEFT_NAMES[k] for k in kwargs if k in _PEFT_NAMES}
+    peft_names = {k: PEFT_NAMES[k] for k in kwargs if k in PEFT_NAMES}
     if peft_names:
         key, ours = next(iter(peft_names.items()))
         raise TypeError(

@@ -323,7 +323,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
                 raise ValueError(
                     f"route_adapters: a batch of {x.shape[0]} samples reached {type(self).__name__} "
                     f"({self.base_layer}), but {len(routing.names)} adapter names were given; give one name per "
-                    "sample (the batch dimension must come first)."
+                    f"sample (the batch dimension must come first).{_repeated(x.shape[0], len(routing.names))}"
                 )
             # Only the adapters the batch uses are stacked (the others must get no gradient), every forward.
             selected = routing.select(self.adapter_names, x.device)
@@ -375,3 +375,13 @@ class LoRALayer(RoutedPath, LayerWrapper):
             for n, s in self.specs.items()
         )
         return f"{adapters}, merged={self.merged_adapter!r}" if self.merged else f"{adapters}, merged=False"
+
+
+def _repeated(samples: int, names: int) -> str:
+    """The hint for a batch a whole number of times larger than the names: ``generate`` repeating samples."""
+    if samples <= names or samples % names:
+        return ""
+    k = samples // names
+    return (f" A batch {k} times larger is what generate(num_beams={k}) or num_return_sequences={k} makes: call "
+            "generate on the Hugging Face model the adapters were injected into (it repeats the names as it repeats "
+            f"the samples), or give each name {k} times in a row.")

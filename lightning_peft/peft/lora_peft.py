@@ -1,5 +1,5 @@
 """LoRA in Hugging Face PEFT's format: the ``adapter_config.json`` a LoRA adapter writes, its tensors under PEFT's keys,
-the checks before loading PEFT's files, and pointers on an adapted model for ``PeftModel`` methods.
+and the checks before loading PEFT's files.
 
 [`LoRAAdapter`][lightning_peft.peft.LoRAAdapter] answers the protocol's PEFT members with these functions.
 """
@@ -160,38 +160,3 @@ def config_for_model(model: nn.Module, config: dict[str, Any], source: str) -> L
     if ours.exclude_modules is not None:  # PEFT ignores exclusions that match nothing: they change nothing it adapts
         ours = dataclasses.replace(ours, exclude_modules=matched(ours.exclude_modules, names))
     return ours
-
-
-# Hugging Face PEFT's PeftModel methods a user may call on a model adapted here, and what does it in lightning-peft.
-_PEFT_METHODS = {
-    "merge_and_unload": "lightning_peft.peft.unload_lora(model) returns the plain model with the active adapter "
-                        "merged (merge_lora(model) merges in place and keeps the LoRA layers)",
-    "unload": "lightning_peft.peft.unload_lora(model, merge=False) returns the plain model without the adapter",
-    "merge_adapter": "lightning_peft.peft.merge_lora(model) merges the active adapter in place",
-    "unmerge_adapter": "lightning_peft.peft.unmerge_lora(model) subtracts it again",
-}
-
-
-class _PeftMethod:
-    """Stands, on an adapted model, for a PEFT ``PeftModel`` method the model's class lacks: says what to call."""
-
-    def __init__(self, owner: str, name: str) -> None:
-        self.owner, self.name = owner, name
-
-    def __call__(self, *args, **kwargs):
-        raise AttributeError(
-            f"{self.owner}.{self.name}() is a method of Hugging Face PEFT's PeftModel; this {self.owner} carries "
-            f"lightning-peft LoRA layers instead: {_PEFT_METHODS[self.name]}."
-        )
-
-
-def point_peft_methods(model: nn.Module, present: bool) -> None:
-    """Add (or remove) the `_PeftMethod` pointers on ``model``, for names its class does not define."""
-    for name in _PEFT_METHODS:
-        if hasattr(type(model), name):
-            continue
-        if present and name not in model.__dict__:
-            model.__dict__[name] = _PeftMethod(type(model).__name__, name)
-        elif not present and isinstance(model.__dict__.get(name), _PeftMethod):
-            del model.__dict__[name]
-

@@ -50,7 +50,7 @@ from torch import Tensor, nn
 
 from .._checks import integer
 from .adapter import unwrap
-from .layers import LoRALayer, require_spec
+from .layers import LoRALayer, Routing, require_spec
 from .lora import LoRAAdapter, add_adapter
 from .lora_config import LoRAConfig
 from .lora_dora import refuse_routing
@@ -106,17 +106,27 @@ def disable_adapters(model: nn.Module) -> Iterator[None]:
     Raises:
         RuntimeError: If an adapter is merged into the base weights (the base output is then not available).
     """
-    spec = require_spec(model, "disable_adapters")
-    merged = _merged(unwrap(model))
-    if merged is not None:
-        raise RuntimeError(f"disable_adapters: adapter {merged!r} is merged into the base weights; call "
-                           "unmerge_lora(model) first.")
-    before = spec.routing.disabled
-    spec.routing.disabled = True
+    routing, before = switch_off(model, "disable_adapters")
     try:
         yield
     finally:
-        spec.routing.disabled = before
+        routing.disabled = before
+
+
+def switch_off(model: nn.Module, who: str) -> tuple[Routing, bool]:
+    """Turn every adapter of ``model`` off (the base output); returns the routing and whether they were off before.
+
+    Raises:
+        RuntimeError: If an adapter is merged into the base weights.
+    """
+    spec = require_spec(model, who)
+    merged = _merged(unwrap(model))
+    if merged is not None:
+        raise RuntimeError(f"{who}: adapter {merged!r} is merged into the base weights; call unmerge_lora(model) "
+                           "first.")
+    before = spec.routing.disabled
+    spec.routing.disabled = True
+    return spec.routing, before
 
 
 @contextlib.contextmanager

@@ -28,7 +28,13 @@ from typing_extensions import override
 
 from lightning_peft._checkpoint_io import save_sharded
 from lightning_peft.parallel.checkpoint import deepspeed_checkpoint
-from lightning_peft.parallel.zero import drop_frozen, restore_torch_linear, skip_shared_memory_op, zero_config_fields
+from lightning_peft.parallel.zero import (
+    drop_empty_groups,
+    drop_frozen,
+    restore_torch_linear,
+    skip_shared_memory_op,
+    zero_config_fields,
+)
 from lightning_peft.peft.checkpoint import KEY as CHECKPOINT_KEY
 from lightning_peft.peft.checkpoint import check_same_adapters
 from lightning_peft.strategies.zero import ZeROStrategy, split_options
@@ -190,13 +196,11 @@ class DeepSpeedZeRO(ZeROStrategy, DeepSpeedStrategy):
 
         if optimizer is not None:
             drop_frozen([optimizer])
-            empty = [i for i, g in enumerate(optimizer.param_groups) if not g["params"]]
-            if empty:
-                raise ValueError(
-                    f"{self._name()}: parameter group {empty[0]} of the optimizer holds no parameter that trains "
-                    "(e.g. a no-decay group of frozen biases under LoRA); DeepSpeed cannot partition an empty group. "
-                    "Build the groups from the parameters with requires_grad=True in configure_optimizers."
-                )
+            if not any(group["params"] for group in optimizer.param_groups):
+                raise ValueError(f"{self._name()}: no parameter of the optimizer trains (every one has "
+                                 "requires_grad=False); there is nothing for DeepSpeed to optimize.")
+            # DeepSpeed cannot partition an empty group (a no-decay group of frozen biases under LoRA): drop it.
+            drop_empty_groups(optimizer, [lr_scheduler] if lr_scheduler is not None else [])
         engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
             args=self._deepspeed_args(),
             config=self.config,

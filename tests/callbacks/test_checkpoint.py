@@ -13,7 +13,7 @@ from lightning_peft.callbacks import LoRA, MergeOnSave, load_from_checkpoint
 from lightning_peft.peft import adapter_state_dict, inject_lora
 from lightning_peft.peft.lora import lora_spec
 
-from tests._models import LORA_ARGS, Classifier, loader, trainer
+from tests._models import LORA_ARGS, Classifier, bert_config, loader, trainer
 
 
 def fit(module, tmp_path, callbacks, ckpt_path=None, **kwargs):
@@ -274,3 +274,22 @@ def test_a_torn_checkpoint_file_is_named_with_its_cause(tiny_bert_config, tmp_pa
     with pytest.raises(ValueError, match=rf"load_from_checkpoint: '.*last\.ckpt' {expected}.* Save the checkpoint "
                                          r"again, or use another one\."):
         load_from_checkpoint(Classifier, ckpt, config=tiny_bert_config)
+
+
+@pytest.mark.parametrize("adapter_only", [True, False])
+def test_a_checkpoint_of_another_model_size_names_the_tensor_both_shapes_and_the_cause(tmp_path, adapter_only):
+    """The same adapter settings on a model of another hidden size: torch listed every mismatched key."""
+    def lora():
+        return LoRA(rank=2, target_modules=["query"], adapter_only_checkpoint=adapter_only)
+
+    ckpt = fit(Classifier(bert_config()), tmp_path, [lora()], max_steps=1)
+    wider = bert_config(hidden_size=32, intermediate_size=64)
+    first = (r"model\.bert\.encoder\.layer\.0\.attention\.self\.query\.lora_A\.default\.weight' has shape \(2, 16\), "
+             r"but this Classifier has \(2, 32\)" if adapter_only else  # the frozen base is not in the file
+             r"model\.bert\.embeddings\.word_embeddings\.weight' has shape \(64, 16\), but this Classifier has \(64, 32\)")
+    cause = (r" there \(and \d+ more tensors\): the checkpoint was written for a model of another size \(another config: "
+             r"hidden size, vocabulary, number of labels, \.\.\.\)\. Build the module with the config it was trained with")
+    with pytest.raises(ValueError, match=rf"LoRA: the checkpoint's '{first}{cause}"):
+        fit(Classifier(wider), tmp_path / "resume", [lora()], ckpt_path=ckpt, max_steps=2)
+    with pytest.raises(ValueError, match=rf"restore_adapters: the checkpoint's '{first}{cause}"):
+        load_from_checkpoint(Classifier, ckpt, config=wider)

@@ -13,7 +13,7 @@ import torch
 from torch.testing import assert_close
 from torch.utils.data import DataLoader
 
-from lightning_peft.callbacks import MergeOnSave, MultiLoRA
+from lightning_peft.callbacks import LoRA, MergeOnSave, MultiLoRA
 from lightning_peft.peft import active_adapter, add_adapter, inject_lora, lora_layers, route_adapters, set_adapter
 from tests._models import Classifier, trainer
 
@@ -167,6 +167,20 @@ def test_bad_routing_entries_and_settings_are_refused(tiny_bert_config, tmp_path
             Routed(tiny_bert_config), loader()
         )
     assert all(not layer.routing.names for layer in lora_layers(Routed(tiny_bert_config).model).values())
+
+
+@pytest.mark.parametrize("lora_first", [True, False])
+def test_lora_and_multilora_on_one_model_are_refused_naming_both(tiny_bert_config, tmp_path, lora_first):
+    pair = [LoRA(rank=2, target_modules=["query"]), MultiLoRA(adapters=ADAPTERS)]
+    module = Routed(tiny_bert_config)
+    first, second = ("LoRA", "MultiLoRA") if lora_first else ("MultiLoRA", "LoRA")
+    with pytest.raises(ValueError, match=(
+        rf"{first} and {second} in one Trainer both adapt BertForSequenceClassification \('model'\), and a model "
+        r"carries one set of lora adapters: the second callback would find the first's and refuse\. Keep one: "
+        r"MultiLoRA alone, with LoRA's settings as one of its adapters .*or LoRA alone\."
+    )):
+        trainer(tmp_path, max_steps=1, callbacks=pair if lora_first else pair[::-1]).fit(module, loader())
+    assert not lora_layers(module.model)  # refused before either injected
 
 
 def test_a_routed_batch_on_a_merged_model_is_refused_and_routing_ends_after_each_batch(tiny_bert_config, tmp_path):

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 import torch
+from torch import nn
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
@@ -28,7 +29,8 @@ import lightning.pytorch as pl  # noqa: E402
 from transformers import BertForSequenceClassification  # noqa: E402
 
 from lightning_peft.callbacks import load_from_checkpoint  # noqa: E402
-from lightning_peft.peft import save_adapter  # noqa: E402
+from lightning_peft.parallel.zero import drop_empty_groups  # noqa: E402
+from lightning_peft.peft import adapter_state_dict, inject_lora, save_adapter  # noqa: E402
 from lightning_peft.strategies import ZeROStrategy, convert_checkpoint  # noqa: E402
 from lightning_peft.strategies import zero as zero_module  # noqa: E402
 from tests.strategies import zero_script  # noqa: E402
@@ -297,6 +299,72 @@ def test_missing_deepspeed_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> N
     assert ZeROStrategy(stage=2, backend="native").stage == 2  # the native backend needs no DeepSpeed
 
 
+class DecayGroups(Classifier):
+    """The usual grouping, by name over every parameter: no weight decay for biases and norms (first), decay for the
+    rest, each group with its own warm-up factor. LoRA without a trained head leaves the no-decay group empty."""
+
+    def __init__(self) -> None:
+        super().__init__(lora=False)
+        inject_lora(self.model, rank=4, target_modules=["query", "value"], modules_to_save=[])
+
+    def configure_optimizers(self):
+        named = list(self.named_parameters())
+        plain = [p for n, p in named if n.endswith("bias") or "LayerNorm" in n]
+        decayed = [p for n, p in named if not (n.endswith("bias") or "LayerNorm" in n)]
+        optimizer = torch.optim.AdamW([{"params": plain, "weight_decay": 0.0},
+                                       {"params": decayed, "weight_decay": 0.5}], lr=0.05)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda step: 0.0, lambda step: (step + 1) / 4])
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def test_an_empty_no_decay_group_is_dropped_and_deepspeed_trains_as_one_process_does(tmp_path: Path) -> None:
+    """The frozen no-decay group used to be refused ("Build the groups from the parameters with requires_grad=True",
+    which they were); now it is dropped, and the decay group keeps its weight decay and its own warm-up."""
+    weights = {}
+    for name, strategy in {"auto": "auto", "zero2": ZeROStrategy(stage=2)}.items():
+        module = DecayGroups()
+        pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=4, logger=False, enable_progress_bar=False,
+                   enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path).fit(module)
+        weights[name] = adapter_state_dict(module.model)
+    assert_close(weights["zero2"], weights["auto"], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(weights["auto"]["bert.encoder.layer.0.attention.self.query.lora_B.default.weight"],
+                           torch.zeros(64, 4))  # it trained
+
+
+def test_drop_empty_groups_keeps_each_groups_schedule() -> None:
+    """Each scheduler's per-group lists lose the dropped group's entry, so every remaining group keeps its own rate
+    (a chained scheduler's children too): the rates equal those of an optimizer built without the empty group."""
+    def build(with_empty: bool):
+        first, second = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))
+        groups = [{"params": [first], "lr": 0.1}, {"params": [second], "lr": 0.2}]
+        lambdas = [lambda s: 1.0 / (s + 1), lambda s: 0.5 ** s]
+        if with_empty:
+            groups.insert(1, {"params": [], "lr": 9.0})
+            lambdas.insert(1, lambda s: 100.0)
+        optimizer = torch.optim.AdamW(groups)
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+        decay = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=4)
+        return optimizer, torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, decay], milestones=[2])
+
+    optimizer, scheduler = build(with_empty=True)
+    assert drop_empty_groups(optimizer, [scheduler]) == [1]
+    reference, reference_scheduler = build(with_empty=False)
+    for _ in range(5):
+        optimizer.step(), scheduler.step(), reference.step(), reference_scheduler.step()
+        assert [g["lr"] for g in optimizer.param_groups] == [g["lr"] for g in reference.param_groups]
+    assert drop_empty_groups(reference, [reference_scheduler]) == []
+
+
+def test_an_optimizer_where_nothing_trains_is_refused_under_deepspeed(tmp_path: Path) -> None:
+    module = DecayGroups()
+    module.requires_grad_(False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=ZeROStrategy(stage=2), max_steps=1, logger=False,
+                         enable_progress_bar=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"ZeROStrategy\(stage=2, backend='deepspeed'\): no parameter of the optimizer "
+                                         r"trains \(every one has requires_grad=False\)"):
+        trainer.fit(module)
+
+
 @pytest.mark.parametrize(("strategy", "trainer_kwargs", "match"), [
     (lambda: ZeROStrategy(stage=3, offload_parameters=True), {}, r"offload_parameters=True\) with Trainer\(accelerator='cpu'\)"),
     (lambda: ZeROStrategy(stage=3, backend="native", offload_parameters=True), {}, "everything already is in CPU memory"),
@@ -304,11 +372,9 @@ def test_missing_deepspeed_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> N
     (lambda: ZeROStrategy(stage=2), {"gradient_clip_val": 0.5, "gradient_clip_algorithm": "value"}, "by norm only"),
     (lambda: ZeROStrategy(stage=2, config={"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0}),
      {"gradient_clip_val": 0.5}, r"gradient_clipping=1.0 but Trainer\(gradient_clip_val=0.5\)"),
-    (lambda: ZeROStrategy(stage=2), {"empty_group": True}, "parameter group 0 of the optimizer holds no parameter that"),
 ])
 def test_trainer_settings_it_cannot_honour_fail_before_training(strategy, trainer_kwargs: dict, match: str) -> None:
-    module = zero_script.GroupedClassifier(lora=True) if trainer_kwargs.get("empty_group") else Classifier(lora=True)
-    trainer_kwargs = {k: v for k, v in trainer_kwargs.items() if k != "empty_group"}
+    module = Classifier(lora=True)
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy(), max_steps=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, **trainer_kwargs)
     with pytest.raises(ValueError, match=match):
