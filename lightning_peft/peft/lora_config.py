@@ -245,6 +245,13 @@ def config_from_peft(config: dict, source: str = "adapter_config.json", who: str
     if absent:
         raise ValueError(f"{who}: {source} has no {absent[0]!r}; it is not a complete LoRA adapter config.")
     targets = config["target_modules"]
+    try:
+        return _lora_config(config, targets, init)
+    except (TypeError, ValueError) as err:  # name the file: LoRAConfig's message names only the field
+        raise type(err)(f"{who}: {source}: {err}") from None
+
+
+def _lora_config(config: dict, targets: object, init: object) -> LoRAConfig:
     return LoRAConfig(
         rank=config["r"],
         alpha=config.get("lora_alpha", 8),
