@@ -18,7 +18,13 @@ from safetensors.torch import save_file
 
 transformers = pytest.importorskip("transformers")
 
-from lightning_peft.peft import add_adapter, inject_lora, load_adapter, save_adapter
+from lightning_peft.peft import (
+    add_adapter,
+    inject_bottleneck_adapters,
+    inject_lora,
+    load_adapter,
+    save_adapter,
+)
 from tests.peft.test_io import (
     CONFIG,
     PREFIX,
@@ -243,3 +249,16 @@ def test_a_backtracking_pattern_is_refused_before_it_is_matched(field, value, na
         load_adapter(model, tmp_path)
     _assert_unchanged(model, snapshot)
 
+
+
+def test_a_several_technique_save_whose_second_part_does_not_fit_leaves_the_model_as_it_was(tmp_path):
+    model = _fresh(_base("bert"), "bert")
+    inject_lora(model, rank=4, alpha=8, target_modules=["query"], modules_to_save=[])
+    inject_bottleneck_adapters(model, placement="pfeiffer", modules_to_save=[])
+    save_adapter(model, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bottleneck", "lora"]
+    # bottleneck/ loads first; lora/ is read and checked alone (its ranks agree with its config) and fits no model
+    tensors = _read_weights(tmp_path / "lora" / WEIGHTS)
+    tensors[PREFIX + QUERY_A] = torch.zeros(4, 24)
+    save_file(tensors, tmp_path / "lora" / WEIGHTS)
+    _refused(tmp_path, ValueError, rf"key {PREFIX}{QUERY_A} has shape \(4, 24\), but the model needs \(4, 16\)")
