@@ -27,6 +27,8 @@ import re
 from collections.abc import Iterable
 from typing import TypeVar
 
+from ._regex import backtracking
+
 T = TypeVar("T")
 
 
@@ -137,12 +139,20 @@ def path(who: str, name: str, value: object, *, example: str | None = None) -> s
 
 
 def regex(who: str, name: str, value: object) -> str:
-    """``value`` if it is a string that compiles as a regular expression."""
+    """``value`` if it is a string that compiles as a regular expression matched in bounded time (`_regex`)."""
     if not isinstance(value, str):
         raise TypeError(f"{who}({name}={value!r}): {name} must be a regular expression string.")
     try:
         re.compile(value)
     except re.error as error:
         raise ValueError(f"{who}({name}={value!r}): {name} is not a valid regular expression ({error}).") from None
+    why = backtracking(value)
+    if why:
+        raise ValueError(
+            f"{who}({name}={value!r}): {name} has {why}, so matching it against a module name can take time that "
+            "grows exponentially with the name's length (catastrophic backtracking); it is refused before matching. "
+            r"Write it so each part of a name can be matched one way only (e.g. '.*\.(q|v)_proj', "
+            r"'model\.layers\.\d+\.self_attn\.q_proj'), or give a list of module names."
+        )
     return value
 

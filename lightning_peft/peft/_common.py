@@ -33,6 +33,7 @@ _TASK_HEADS = {
     "ForQuestionAnswering": ("qa_outputs",),
     "ForMultipleChoice": ("classifier",),
 }
+HEAD_NAMES = frozenset(name for heads in _TASK_HEADS.values() for name in heads)
 HALF = (torch.float16, torch.bfloat16)
 BASE_LAYER = "base_layer"
 

@@ -113,6 +113,18 @@ class PromptLearningAdapter(Adapter):
         }
 
     @classmethod
+    def check_peft_shapes(cls, model: nn.Module, config: dict[str, Any], shapes: dict[str, tuple[int, ...]], files,
+                          inject: bool) -> None:
+        """The table's rows are the file's own ``num_virtual_tokens``, and (``inject``) the file has the table:
+        checked before a table of ``num_virtual_tokens`` rows is allocated."""
+        n = cls.peft_num_virtual_tokens(config, str(files.config))
+        shape = shapes.get(PEFT_PROMPT_KEY)
+        if shape is None and inject:
+            raise files.lacking([PEFT_PROMPT_KEY], "its adapter config asks for", type(unwrap(model)).__name__)
+        if shape is not None and (len(shape) < 1 or shape[0] != n):
+            raise files.torn(PEFT_PROMPT_KEY, shape, 0, "num_virtual_tokens", n)
+
+    @classmethod
     def peft_num_virtual_tokens(cls, config: Any, source: str) -> int:
         """``num_virtual_tokens`` of a PEFT config of this technique; raises for another type or an
         encoder-decoder config (two stacks)."""

@@ -23,6 +23,7 @@ What an [`Adapter`][lightning_peft.peft.Adapter] answers:
 | ``unload(model, merge)`` | put the plain modules back (merged or not) and forget the adapter |
 | ``peft_config(model)`` | the ``adapter_config.json`` content; ``peft_state(model)`` the tensors under PEFT's keys; ``from_peft(model, config, source)`` injects what a PEFT config describes |
 | ``value_problems(model, state)`` | why the scale or the tensors ``state`` (PEFT's keys) would overflow the dtype the adapted layers compute in: [`save_adapter`][lightning_peft.peft.save_adapter] and [`load_adapter`][lightning_peft.peft.load_adapter] refuse them |
+| ``check_peft_shapes(model, config, shapes, files, inject)`` | before anything is allocated, raise if the shapes of a file's tensors disagree with the sizes its own config fixes (a torn save; a 3 KB file asking for ``r=2**24``), or, when ``inject``, if injecting the config would allocate a tensor the file has none for |
 | ``peft_key_prefix`` | what PEFT's files put before those keys (``base_model.model.``; prompt learning: none) |
 | ``peft_fields`` | the ``adapter_config.json`` fields PEFT's config class has (None: any); [`load_adapter`][lightning_peft.peft.load_adapter] warns about any other field |
 | ``format_version`` | set for a file format of lightning-peft's own (PEFT has none for the technique): [`load_adapter`][lightning_peft.peft.load_adapter] refuses a file of another version, and any field outside ``peft_fields``, before the technique reads it |
@@ -134,6 +135,14 @@ class Adapter(ABC):
         """Why ``state`` (this adapter's tensors under PEFT's keys: the model's own, or a file's about to be loaded)
         would overflow the dtype the adapted layers compute in, one line per module (empty: it would not)."""
         return []
+
+    @classmethod
+    def check_peft_shapes(cls, model: nn.Module, config: dict[str, Any], shapes: dict[str, tuple[int, ...]],
+                          files: Any, inject: bool) -> None:
+        """Raise, before [`from_peft`][lightning_peft.peft.Adapter.from_peft] allocates anything, if a size that
+        ``config`` fixes is not the one the file's tensors have (``shapes``, by PEFT key without the prefix), or, when
+        ``inject``, if injecting ``config`` into ``model`` would allocate a tensor the file has no counterpart for.
+        ``files`` (an ``AdapterFiles``) builds the messages, naming the files. Default: nothing to check."""
 
     @classmethod
     def from_peft(cls, model: nn.Module, config: dict[str, Any], source: str) -> Adapter:

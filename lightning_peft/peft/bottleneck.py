@@ -312,6 +312,24 @@ class BottleneckAdapter(Adapter):
             )
 
     @classmethod
+    def check_peft_shapes(cls, model: nn.Module, config: dict[str, Any], shapes: dict[str, tuple[int, ...]], files,
+                          inject: bool) -> None:
+        """Every target's ``W_down`` (m, d) and ``W_up`` (d, m) are in the file (``inject``), with the file's own
+        ``bottleneck_size`` as m: checked before adapters of that size are allocated."""
+        ours, targets, _ = config_from_file(config, str(files.config))
+        missing = []
+        for target in targets:
+            for key, dim in ((f"{target}.adapter.down.weight", 0), (f"{target}.adapter.up.weight", 1)):
+                shape = shapes.get(key)
+                if shape is None:
+                    missing.append(key)
+                elif ours.bottleneck_size is not None and (len(shape) <= dim or shape[dim] != ours.bottleneck_size):
+                    raise files.torn(key, shape, dim, "bottleneck_size", ours.bottleneck_size)
+        if missing and inject:
+            refuse_absent(unwrap(model), targets, f"load_adapter: {files.config}")  # the clearer cause first
+            raise files.lacking(missing, "its adapter config asks for", type(unwrap(model)).__name__)
+
+    @classmethod
     def from_peft(cls, model: nn.Module, config: dict[str, Any], source: str) -> BottleneckAdapter:
         ours, targets, to_save = config_from_file(config, source)
         return _inject_exact(model, ours, targets, to_save, f"load_adapter: {source}")

@@ -21,25 +21,23 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from pathlib import Path
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save
 from torch import Tensor, nn
 
 from .._atomic import write_files
 from .._manifest import check_export
+from ._adapter_files import CONFIG_NAME, KEY_PREFIX, WEIGHTS_NAME, AdapterFiles, and_more, read_adapter_config
+from ._adapter_files import read_adapter_weights, refuse_non_finite, refuse_outside, safetensors_bytes, unshared
+from ._adapter_files import weights_path
 from ._base_identity import header, read_record, warn_if_other_base
 from ._limits import check_loaded_values, refuse_overflow
 from .adapter import DEFAULT, Adapter, attached, require_adapters, technique, technique_for_peft_type, unwrap
 
-CONFIG_NAME = "adapter_config.json"
-WEIGHTS_NAME = "adapter_model.safetensors"
-LEGACY_WEIGHTS_NAME = "adapter_model.bin"
-KEY_PREFIX = "base_model.model."
 _OVERFLOW_ON_SAVE = ("Nothing was written. Check the training for divergence (loss, learning rate), or lower alpha; "
                      "a model that loads this adapter would compute nothing but inf and NaN.")
 
@@ -133,23 +131,6 @@ def _adapter_files(model: nn.Module, adapter: Adapter, directory: Path, name: st
     }
 
 
-def safetensors_bytes(tensors: dict[str, Tensor], metadata: dict[str, str]) -> bytes:
-    """``tensors`` and ``metadata`` as a safetensors file whose bytes depend on them alone.
-
-    safetensors writes its ``__metadata__`` map in hash order, which changes from process to process once it holds two
-    entries; the header is written again with the entries sorted (the same JSON text reordered, so of the same length,
-    and the tensors' offsets stay), so that saving one adapter twice gives one file.
-    """
-    data = bytearray(save(tensors, metadata=metadata))
-    length = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8:8 + length])
-    header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    if len(text) <= length:  # (a JSON writer that escapes differently: keep safetensors' own header)
-        data[8:8 + length] = text.ljust(length)  # safetensors pads its header with spaces too
-    return bytes(data)
-
-
 def _writable(state: dict[str, Tensor], prefix: str = KEY_PREFIX) -> dict[str, Tensor]:
     """Prefixed, detached, finite tensors; a tensor shared by two keys (tied copies) is written under both."""
     for key, value in state.items():
@@ -161,73 +142,8 @@ def _writable(state: dict[str, Tensor], prefix: str = KEY_PREFIX) -> dict[str, T
     return unshared({prefix + k: v.detach() for k, v in state.items()})
 
 
-def unshared(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Contiguous tensors, each key its own memory: safetensors refuses tensors that share it (tied weights)."""
-    seen: set[int] = set()
-    out = {}
-    for key, value in state.items():
-        pointer = value.untyped_storage().data_ptr()
-        out[key] = value.clone() if pointer in seen else value.contiguous()
-        seen.add(pointer)
-    return out
-
-
-def read_adapter_config(directory: Path) -> dict:
-    """The parsed ``adapter_config.json`` of ``directory``; a clear error if it is missing or malformed."""
-    path = directory / CONFIG_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"load_adapter: {path} does not exist; is {directory} an adapter directory?")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"load_adapter: {path} is not valid JSON ({err}); it is not a PEFT adapter config.") from None
-    if not isinstance(config, dict):
-        raise ValueError(
-            f"load_adapter: {path} holds a JSON {type(config).__name__}, not an object; it is not a PEFT adapter "
-            "config."
-        )
-    return config
-
-
-def read_adapter_weights(directory: Path, prefix: str = KEY_PREFIX) -> dict[str, Tensor]:
-    """Adapter tensors from ``directory``, with ``prefix`` (PEFT's ``base_model.model.``) removed. Never unpickles
-    code."""
-    path = directory / WEIGHTS_NAME
-    if path.exists():
-        try:
-            tensors = load_file(path)
-        except (SafetensorError, OSError, ValueError) as err:
-            raise ValueError(
-                f"load_adapter: {path} is not a valid safetensors file ({err}). If it is a pickle, it is refused: "
-                "a pickle can run code. Re-save the adapter with safetensors."
-            ) from None
-    elif (directory / LEGACY_WEIGHTS_NAME).exists():
-        legacy = directory / LEGACY_WEIGHTS_NAME
-        try:
-            tensors = torch.load(legacy, map_location="cpu", weights_only=True)
-        except Exception as err:  # the unpickler raises several types for a hostile or broken file
-            raise ValueError(
-                f"load_adapter: {legacy} could not be read with torch.load(weights_only=True) ({err}); "
-                "it is refused because it holds more than tensors."
-            ) from None
-        if not isinstance(tensors, dict) or not all(
-            isinstance(k, str) and isinstance(v, Tensor) for k, v in tensors.items()
-        ):
-            raise ValueError(
-                f"load_adapter: {legacy} holds a {type(tensors).__name__}, not a dict of tensor names to tensors; "
-                "it is not a PEFT adapter."
-            )
-    else:
-        raise FileNotFoundError(f"load_adapter: {directory} holds neither {WEIGHTS_NAME} nor {LEGACY_WEIGHTS_NAME}.")
-    return {k.removeprefix(prefix): v for k, v in tensors.items()}
-
-
-def _and_more(keys: list[str], prefix: str) -> str:
-    return f"{prefix}{keys[0]}" + (f" (and {len(keys) - 1} more)" if len(keys) > 1 else "")
-
-
 def _check_fit(
-    model: nn.Module, adapter: Adapter, tensors: dict[str, Tensor], source: Path, asker: str, named: dict
+    model: nn.Module, adapter: Adapter, tensors: dict[str, Tensor], files: AdapterFiles, asker: str, named: dict
 ) -> dict[str, Tensor]:
     """The model tensors that ``tensors`` will be copied into; raises, naming the key, if they do not fit."""
     expected = dict(adapter.peft_state(model, **named))
@@ -236,23 +152,21 @@ def _check_fit(
         key = f"{name}.base_layer.weight"
         if key in tensors:
             expected[key] = layer.base_layer.weight
+    model_name = type(unwrap(model)).__name__
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         raise ValueError(
-            f"load_adapter: {source} has key {_and_more(unexpected, adapter.peft_key_prefix)} that "
-            f"{type(unwrap(model)).__name__} has no place for. Was the adapter trained on another model?"
+            f"load_adapter: {files.weights.parent} has key {and_more(unexpected, files.prefix)} that {model_name} "
+            "has no place for. Was the adapter trained on another model?"
         )
     missing = sorted(set(expected) - set(tensors))
     if missing:
-        raise ValueError(
-            f"load_adapter: {source} lacks key {_and_more(missing, adapter.peft_key_prefix)} that {asker} on "
-            f"{type(unwrap(model)).__name__}."
-        )
+        raise files.lacking(missing, asker, model_name)
     for key, value in tensors.items():
         if value.shape != expected[key].shape:
             raise ValueError(
-                f"load_adapter: {source} key {adapter.peft_key_prefix}{key} has shape {tuple(value.shape)}, but the model "
-                f"needs {tuple(expected[key].shape)}. The adapter does not fit this model."
+                f"load_adapter: {files.weights.parent} key {files.prefix}{key} has shape {tuple(value.shape)}, but "
+                f"the model needs {tuple(expected[key].shape)}. The adapter does not fit this model."
             )
     return expected
 
@@ -262,12 +176,18 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike, adapter_name: s
 
     If ``model`` has no adapter of that technique, it is injected from the adapter's config first; if it has
     one (e.g. from the ``LoRA`` callback) the weights are loaded into it; a LoRA adapter under a name the model
-    lacks is added beside its others. On any error the model is left as it was.
+    lacks is added beside its others. All or nothing: every file of every part is read and checked before the model
+    is touched, and if a part still fails to fit, the parts loaded before it are taken out again, so on any error
+    the model is left as it was (its modules, values and ``requires_grad``).
 
     Layouts read back whole (what [`save_adapter`][lightning_peft.peft.save_adapter] and PEFT's ``save_pretrained``
     write): with ``adapter_name="default"``, LoRA adapters in ``directory/<name>/`` subfolders are loaded too, under
     their folder's name; a directory without ``adapter_config.json`` but with ``<kind>/`` subfolders (several
     techniques) or ``<name>/`` subfolders (PEFT's layout without a ``default``) loads each of them.
+
+    Files from a stranger are read defensively (`lightning_peft.peft._adapter_files`): floating-point tensors only,
+    nothing that resolves outside ``directory``, and tensor shapes checked against the file's own config before any
+    layer is allocated.
 
     Args:
         model: The base model (for a Hugging Face model, the ``PreTrainedModel``).
@@ -278,27 +198,48 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike, adapter_name: s
         ``model``.
 
     Raises:
-        ValueError: If the files are not an adapter that fits ``model`` (the message names the key).
+        ValueError: If the files are not an adapter that fits ``model`` (the message names the file and the key).
     """
     directory = Path(directory)
     check_export(directory, "load_adapter")  # a MergeOnSave export: adapter/ and merged/ are of one export
+    parts = []
+    for folder, name in _parts(directory, adapter_name):
+        parts.append(_read_part(directory, folder, name))
+    undo: list = []
+    try:
+        for index, part in enumerate(parts):
+            undo.append(_apply(model, part, keep_old=index < len(parts) - 1))
+    except BaseException:
+        for step in reversed(undo):
+            step()
+        raise
+    return model
+
+
+def _parts(directory: Path, adapter_name: str) -> list[tuple[Path, str]]:
+    """The (folder, adapter name) pairs ``directory`` holds, in loading order."""
     if (directory / CONFIG_NAME).is_file():
-        _load_one(model, directory, adapter_name)
-        if adapter_name == DEFAULT:
-            _load_named_subfolders(model, directory)
-        return model
-    parts = sorted(p.parent for p in directory.glob(f"*/{CONFIG_NAME}")) if directory.is_dir() else []
-    if not parts:
+        return [(directory, adapter_name), *(_named_subfolders(directory) if adapter_name == DEFAULT else [])]
+    folders = _subfolders(directory) if directory.is_dir() else []
+    if not folders:
         raise FileNotFoundError(
             f"load_adapter: {directory / CONFIG_NAME} does not exist; is {directory} an adapter directory?"
         )
-    for part in parts:
-        if _is_kind_folder(part):
-            _load_one(model, part, DEFAULT)
-            _load_named_subfolders(model, part)
+    parts = []
+    for folder in folders:
+        if _is_kind_folder(folder):
+            parts += [(folder, DEFAULT), *_named_subfolders(folder)]
         else:
-            _load_one(model, part, part.name)
-    return model
+            parts.append((folder, folder.name))
+    return parts
+
+
+def _subfolders(directory: Path) -> list[Path]:
+    """The subfolders of ``directory`` with an adapter config; one that resolves elsewhere (a link) is refused."""
+    folders = sorted(p.parent for p in directory.glob(f"*/{CONFIG_NAME}"))
+    for folder in folders:
+        refuse_outside(directory, folder)
+    return folders
 
 
 def _is_kind_folder(folder: Path) -> bool:
@@ -309,10 +250,9 @@ def _is_kind_folder(folder: Path) -> bool:
         return False
 
 
-def _load_named_subfolders(model: nn.Module, directory: Path) -> None:
-    for part in sorted(p.parent for p in directory.glob(f"*/{CONFIG_NAME}")):
-        if not _is_kind_folder(part) and _has_named_adapters(read_adapter_config(part).get("peft_type"), part):
-            _load_one(model, part, part.name)
+def _named_subfolders(directory: Path) -> list[tuple[Path, str]]:
+    return [(part, part.name) for part in _subfolders(directory)
+            if not _is_kind_folder(part) and _has_named_adapters(read_adapter_config(part).get("peft_type"), part)]
 
 
 def _has_named_adapters(peft_type: object, folder: Path) -> bool:
@@ -323,37 +263,87 @@ def _has_named_adapters(peft_type: object, folder: Path) -> bool:
         return False
 
 
-def _load_one(model: nn.Module, directory: Path, adapter_name: str) -> None:
-    config = read_adapter_config(directory)
-    recorded = read_record(directory / WEIGHTS_NAME)  # lightning-peft's record of the base, checked once the adapter fits
-    source = str(directory / CONFIG_NAME)
+@dataclass(frozen=True)
+class _Part:
+    """One adapter of a directory, read and checked on its own (nothing about the model yet)."""
+
+    files: AdapterFiles
+    name: str
+    config: dict
+    cls: type[Adapter]
+    tensors: dict[str, Tensor]
+    recorded: object  # lightning-peft's record of the base (the weights' header), checked once the adapter fits
+
+
+def _read_part(root: Path, folder: Path, name: str) -> _Part:
+    config = read_adapter_config(folder)
+    source = str(folder / CONFIG_NAME)
     cls = technique_for_peft_type(config.get("peft_type"), source)
     _check_fields(config, cls, source)
-    tensors = read_adapter_weights(directory, cls.peft_key_prefix)
-    _refuse_non_finite(tensors, directory, cls.peft_key_prefix)
+    if folder != root and hasattr(cls, "names"):
+        _check_folder_name(folder, name)
+    files = AdapterFiles(folder / CONFIG_NAME, weights_path(folder), cls.peft_key_prefix)
+    for path in (files.config, files.weights):
+        refuse_outside(root, path)
+    tensors = read_adapter_weights(folder, cls.peft_key_prefix)
+    refuse_non_finite(tensors, folder, cls.peft_key_prefix)
+    return _Part(files, name, config, cls, tensors, read_record(files.weights))
+
+
+def _check_folder_name(folder: Path, name: str) -> None:
+    """A named adapter's folder name becomes its adapter name, part of its parameter names."""
+    if not name.isidentifier():
+        raise ValueError(
+            f"load_adapter: subfolder {folder} would load as adapter {name!r}, which is not a usable adapter name "
+            "(it becomes part of the parameter names, lora_A.<name>.weight: a non-empty identifier without dots, "
+            "e.g. 'sports'). Nothing was loaded. Rename the folder, or load it on its own with "
+            "load_adapter(model, folder, adapter_name=...)."
+        )
+
+
+def _apply(model: nn.Module, part: _Part, keep_old: bool):
+    """Inject (or check) and fill ``part``'s adapter; returns what undoes it. ``keep_old``: keep the values it
+    overwrites, so that a later part's failure can put them back."""
+    cls, name, config, tensors = part.cls, part.name, part.config, part.tensors
+    source = str(part.files.config)
     adapter = attached(model).get(cls.kind)
     multi = hasattr(cls, "names")
-    named = {"adapter_name": adapter_name} if multi else {}
-    injected = adapter is None or (multi and adapter_name not in adapter.names)
+    named = {"adapter_name": name} if multi else {}
+    injected = adapter is None or (multi and name not in adapter.names)
+    # Before anything is allocated: a size the config decides must be the file's (a 3 KB file asking for r=2**24).
+    cls.check_peft_shapes(model, config, {k: tuple(v.shape) for k, v in tensors.items()}, part.files, injected,
+                          **named)
+    undo_injection = _no_undo
     if injected:
-        requires_grad = {name: p.requires_grad for name, p in unwrap(model).named_parameters()}
-        added_to = adapter
+        undo_injection = _undoer(model, cls.kind, name)
         adapter = cls.from_peft(model, config, source, **named)
         asker = "its adapter config asks for"
     else:
         adapter.check_peft_config(model, config, source, **named)
         asker = f"the model's existing {cls.kind} adapter has (it was injected before loading)"
     try:
-        expected = _check_fit(model, adapter, tensors, directory, asker, named)
-        check_loaded_values(model, adapter, tensors, expected, directory, named)
-    except Exception:
-        if injected:
-            _undo_injection(model, adapter, added_to, adapter_name, requires_grad)
+        expected = _check_fit(model, adapter, tensors, part.files, asker, named)
+        check_loaded_values(model, adapter, tensors, expected, part.files.weights.parent, named)
+    except BaseException:
+        undo_injection()
         raise
-    warn_if_other_base(model, adapter, config, recorded, tensors, source)
+    warn_if_other_base(model, adapter, config, part.recorded, tensors, source)
+    old = {k: expected[k].detach().clone() for k in tensors} if keep_old else {}
     with torch.no_grad():
         for key, value in tensors.items():
             expected[key].copy_(value)
+
+    def undo() -> None:
+        with torch.no_grad():
+            for key, value in old.items():
+                expected[key].copy_(value)
+        undo_injection()
+
+    return undo
+
+
+def _no_undo() -> None:
+    pass
 
 
 def _check_fields(config: dict, cls: type[Adapter], source: str) -> None:
@@ -384,21 +374,18 @@ def _check_fields(config: dict, cls: type[Adapter], source: str) -> None:
         )
 
 
-def _refuse_non_finite(tensors: dict[str, Tensor], directory: Path, prefix: str) -> None:
-    """An adapter with inf or NaN would poison every output: refused before the model is touched."""
-    bad = sorted(k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all())
-    if bad:
-        raise ValueError(
-            f"load_adapter: {directory} key {_and_more(bad, prefix)} holds inf or NaN; loading it would make every "
-            "output of the model non-finite. Nothing was loaded. The adapter was saved from a diverged training run "
-            "(save_adapter refuses to write such weights); retrain it, or load an earlier checkpoint."
-        )
+def _undoer(model: nn.Module, kind: str, adapter_name: str):
+    """What takes out an adapter about to be injected (``adapter_name`` of ``kind``), restoring ``requires_grad``."""
+    requires_grad = {name: p.requires_grad for name, p in unwrap(model).named_parameters()}
+    added_to = attached(model).get(kind)
 
+    def undo() -> None:
+        adapter = attached(model)[kind]
+        if added_to is None:
+            adapter.unload(model, merge=False)
+        else:
+            adapter.remove(model, adapter_name)
+        for name, param in unwrap(model).named_parameters():
+            param.requires_grad_(requires_grad[name])
 
-def _undo_injection(model, adapter, added_to, adapter_name: str, requires_grad: dict[str, bool]) -> None:
-    if added_to is None:
-        adapter.unload(model, merge=False)
-    else:
-        adapter.remove(model, adapter_name)
-    for name, param in unwrap(model).named_parameters():
-        param.requires_grad_(requires_grad[name])
+    return undo

@@ -32,8 +32,8 @@ from .adapter import Adapter, attach, attached, detach, register, remove_adapter
 from .layers import DEFAULT, LoRALayer, Routing, lora_layers, lora_spec, make_layer, require_spec
 from .lora_config import LoRAConfig, as_config, check_adapter_name
 from .lora_merge import merge_lora, unmerge_lora
-from .lora_peft import PEFT_FIELDS, check_peft_config, config_for_model, peft_config, peft_problems, peft_state
-from .lora_peft import value_problems
+from .lora_peft import PEFT_FIELDS, check_file_shapes, check_peft_config, config_for_model, peft_config
+from .lora_peft import peft_problems, peft_state, value_problems
 from .lora_targets import _select, _warn_about_settings
 from .modules_to_save import fold_modules_to_save, set_submodule, wrap_modules_to_save
 from .quantize import drop_quantizer_entries, plain_state, quantize_layers
@@ -242,6 +242,11 @@ class LoRAAdapter(Adapter):
 
     def check_peft_config(self, model: nn.Module, config: Any, source: str, adapter_name: str = DEFAULT) -> None:
         check_peft_config(self, model, config, source, adapter_name)
+
+    @classmethod
+    def check_peft_shapes(cls, model: nn.Module, config: dict[str, Any], shapes: dict[str, tuple[int, ...]], files,
+                          inject: bool, adapter_name: str = DEFAULT) -> None:
+        check_file_shapes(model, config, shapes, files, inject)
 
     @classmethod
     def from_peft(

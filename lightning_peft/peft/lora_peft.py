@@ -13,13 +13,13 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ._common import matched, name_matches, unmatched
+from ._common import matched, pattern_matches, unmatched
 from ._limits import factor_problem, scale_problem
 from .adapter import base_model_name, clean_key, unwrap
 from .layers import DEFAULT, LoRAConv2d, lora_layers
 from .lora_config import LoRAConfig, config_from_peft
-from .lora_targets import _adaptable_view, exact_targets
-from .modules_to_save import plain_key
+from .lora_targets import _adaptable_view, _select, exact_targets
+from .modules_to_save import plain_key, present_modules
 
 PEFT_FIELDS = frozenset((  # peft 0.21.2's LoraConfig
     "alora_invocation_tokens", "alpha_pattern", "arrow_config", "auto_mapping", "base_model_name_or_path", "bias",
@@ -148,8 +148,7 @@ def config_for_model(model: nn.Module, config: dict[str, Any], source: str) -> L
     view = _adaptable_view(unwrap(model))
     names = [n for n in view if n]
     # PEFT's SEQ_CLS task writes ["classifier", "score"] whatever the model calls its head: drop the absent.
-    present = [m for m in dict.fromkeys(ours.modules_to_save or []) if any(name_matches(n, [m]) for n in names)]
-    ours = dataclasses.replace(ours, modules_to_save=present)
+    ours = dataclasses.replace(ours, modules_to_save=present_modules(unwrap(model), ours.modules_to_save, source))
     missing = unmatched(ours.target_modules, names)
     if missing and len(missing) < len(ours.target_modules):
         # PEFT accepts entries that match nothing when others match; its files are read as it reads them.
@@ -160,3 +159,37 @@ def config_for_model(model: nn.Module, config: dict[str, Any], source: str) -> L
     if ours.exclude_modules is not None:  # PEFT ignores exclusions that match nothing: they change nothing it adapts
         ours = dataclasses.replace(ours, exclude_modules=matched(ours.exclude_modules, names))
     return ours
+
+
+# PEFT keys whose size along one dimension is the rank: lora_A (r, in, ...), lora_B (out, r, ...), as in PEFT.
+_RANK_DIMS = {"lora_A.weight": 0, "lora_B.weight": 1, "lora_embedding_A": 0, "lora_embedding_B": 1}
+
+
+def check_file_shapes(model: nn.Module, config: dict[str, Any], shapes: dict[str, tuple[int, ...]], files,
+                      inject: bool) -> None:
+    """LoRA's `Adapter.check_peft_shapes`: every factor in the file has the rank its own config gives its module,
+    and (``inject``) every factor the config would allocate on ``model`` is in the file; raises before allocating."""
+    ours = config_from_peft(config, str(files.config))
+    for key, shape in shapes.items():
+        path, _, leaf = key.rpartition(".lora_")
+        dim = _RANK_DIMS.get(f"lora_{leaf}") if path else None
+        if dim is None:
+            continue
+        rank = ours.rank_for(path)
+        if len(shape) <= dim or shape[dim] != rank:
+            field = next((f"rank_pattern[{k!r}]" for k in ours.rank_pattern if pattern_matches(k, path)), "r")
+            raise files.torn(key, shape, dim, field, rank)
+    if inject:
+        model = unwrap(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # from_peft reads the config next and warns then
+            targets, _ = _select(model, config_for_model(model, config, str(files.config)))
+        view = _adaptable_view(model)
+        required = []
+        for target in targets:
+            embedding = isinstance(view[target], nn.Embedding)
+            required += [f"{clean_key(target)}.{k}" for k in (
+                ("lora_embedding_A", "lora_embedding_B") if embedding else ("lora_A.weight", "lora_B.weight"))]
+        missing = [k for k in required if k not in shapes]
+        if missing:
+            raise files.lacking(missing, "its adapter config asks for", type(model).__name__)

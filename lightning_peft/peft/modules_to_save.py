@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
 
-from ._common import name_matches, task_heads, unmatched, wraps_a_layer
+from ._common import HEAD_NAMES, name_matches, task_heads, unmatched, wraps_a_layer
 from .adapter import clean_key
 
 log = logging.getLogger(__name__)
@@ -158,11 +159,39 @@ def select_modules_to_save(model: nn.Module, asked: list[str] | None, who: str,
     return chosen
 
 
-def present_modules(model: nn.Module, asked: Iterable[str] | None) -> list[str]:
-    """The entries of a PEFT config's ``modules_to_save`` that match a module of ``model``: PEFT's task types write
-    ``["classifier", "score"]`` whatever the model calls its head."""
+def present_modules(model: nn.Module, asked: object, source: str = "adapter_config.json") -> list[str]:
+    """The entries of a PEFT config's ``modules_to_save`` (read from ``source``) that match a module of ``model``.
+
+    PEFT's task types write ``["classifier", "score"]`` whatever the model calls its head, so an entry that matches
+    nothing is dropped, as PEFT drops it; with a warning unless it is one of those head names. An entry that cannot
+    be a module path (``"../x"``, ``""``, ``"a..b"``) is refused, naming it: it is not a name PEFT's task types write.
+    """
+    if asked is None:
+        return []
+    if isinstance(asked, str) or not isinstance(asked, (list, tuple)):
+        raise TypeError(f"load_adapter: {source} has modules_to_save={asked!r}; it must be a list of module names, "
+                        "e.g. ['classifier'].")
+    entries = list(dict.fromkeys(asked))
+    for entry in entries:
+        _check_module_path(entry, source)
     names = [n for n, _ in model.named_modules() if n]
-    return [m for m in dict.fromkeys(asked or []) if any(name_matches(n, [m]) for n in names)]
+    present = [m for m in entries if any(name_matches(n, [m]) for n in names)]
+    absent = [m for m in entries if m not in present and m not in HEAD_NAMES]
+    if absent:
+        warnings.warn(f"load_adapter: {source} lists modules_to_save {absent} that match no module of "
+                      f"{type(model).__name__}; they are ignored, as PEFT ignores them.", UserWarning, stacklevel=5)
+    return present
+
+
+def _check_module_path(entry: object, source: str) -> None:
+    """A module path is dot-separated module names: none empty, none with a path separator or white space."""
+    parts = entry.split(".") if isinstance(entry, str) else [""]
+    if not all(part and not any(c in part for c in "/\\") and not any(c.isspace() for c in part) for part in parts):
+        raise ValueError(
+            f"load_adapter: {source} lists modules_to_save entry {entry!r}, which cannot be a module path (module "
+            "names joined by dots, e.g. 'classifier' or 'bert.pooler.dense'); it would match nothing and be ignored "
+            "silently. Fix or remove the entry."
+        )
 
 
 def saved_state(model: nn.Module, names: Iterable[str]) -> dict[str, Tensor]:

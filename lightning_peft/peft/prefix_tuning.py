@@ -249,7 +249,7 @@ class PrefixTuningAdapter(PromptLearningAdapter):
     @classmethod
     def from_peft(cls, model: nn.Module, config: dict[str, Any], source: str) -> PrefixTuningAdapter:
         n = _peft_geometry(model, config, source)
-        present = present_modules(unwrap(model), config.get("modules_to_save"))
+        present = present_modules(unwrap(model), config.get("modules_to_save"), source)
         # The file holds the table (PEFT folds a projection when it saves), so the adapter is a plain table.
         inject_prefix_tuning(model, num_virtual_tokens=n, modules_to_save=present)
         return attached(model)[cls.kind]

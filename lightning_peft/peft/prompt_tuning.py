@@ -325,7 +325,8 @@ class PromptTuningAdapter(PromptLearningAdapter):
                 f"embeddings are {weight.shape[1]} wide. The adapter was trained on another model."
             )
         _check_model(model, n, "load_adapter")
-        to_save = select_modules_to_save(model, present_modules(model, config.get("modules_to_save")), "load_adapter")
+        present = present_modules(model, config.get("modules_to_save"), source)
+        to_save = select_modules_to_save(model, present, "load_adapter")
         peft_init = {v: k for k, v in _PEFT_INITS.items()}.get(str(config.get("prompt_tuning_init")), "random")
         text = peft_init == "text"
         record = {"init": peft_init, "init_text": config.get("prompt_tuning_init_text") if text else None,

@@ -457,6 +457,18 @@ def test_target_modules_config_round_trips_with_exact_names(tmp_path):
     assert torch.equal(_out(fresh), _out(adapted))
 
 
+def test_a_bottleneck_size_its_own_weights_do_not_have_is_refused_before_allocating(tmp_path):
+    base, _ = _saved(tmp_path, "llama", target_modules=["layers.0.mlp.up_proj"], bottleneck_size=3)
+    path = tmp_path / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "bottleneck_size": 16777216}))  # 2**24
+    fresh = _fresh(base, "llama")
+    key = r"base_model\.model\.model\.layers\.0\.mlp\.up_proj\.adapter\.down\.weight"
+    with pytest.raises(ValueError, match=rf"key {key} has shape \(3, 32\) .*says bottleneck_size=16777216: the file's "
+                                         "tensors disagree with its config"):
+        load_adapter(fresh, tmp_path)
+    assert not attached(fresh)
+
+
 def test_loading_into_a_model_with_the_same_adapter_copies_the_weights(tmp_path):
     base, adapted = _saved(tmp_path, placement="houlsby")
     fresh = _fresh(base, "bert")

@@ -932,7 +932,7 @@ def test_base_model_name_is_portable_and_peft_loads_the_adapter_given_the_base(t
 
 
 def test_safetensors_bytes_depend_on_the_tensors_and_metadata_alone(tmp_path):
-    from lightning_peft.peft.io import safetensors_bytes
+    from lightning_peft.peft._adapter_files import safetensors_bytes
 
     tensors = {"b": torch.arange(6.0).reshape(2, 3), "a": torch.ones(3, dtype=torch.float16)}
     metadata = {f"k{i}": f"v{i}" * i for i in range(12)}  # safetensors writes a map this long in hash order

@@ -597,6 +597,10 @@ def _peft_dir(tmp_path: Path, **changes) -> Path:
         ({"num_virtual_tokens": None}, r"has num_virtual_tokens=None; it is not a complete prompt tuning config"),
         ({"num_transformer_submodules": 2}, r"num_transformer_submodules=2 \(an encoder-decoder prompt\)"),
         ({"token_dim": 32}, r"has token_dim=32, but BertForSequenceClassification's input embeddings are 16 wide"),
+        # 2**24 rows: refused from the file's shapes before a table that size is allocated
+        ({"num_virtual_tokens": 16777216}, (
+            r"adapter_model\.safetensors key prompt_embeddings has shape \(4, 16\) \(size 4 along dimension 0\), "
+            r"but its own config .* says num_virtual_tokens=16777216: the file's tensors disagree with its config")),
     ],
 )
 def test_peft_configs_we_cannot_load_are_refused(tmp_path, changes, match):
