@@ -126,7 +126,8 @@ def test_merge_on_save_exports_every_adapter_and_the_chosen_merged_model(tiny_be
     module = Routed(tiny_bert_config)
     callbacks = [MultiLoRA(adapters=ADAPTERS), MergeOnSave(dirpath=str(tmp_path / "out"), adapter_name="sport")]
     trainer(tmp_path, max_steps=3, callbacks=callbacks).fit(module, loader())
-    assert sorted(p.name for p in (tmp_path / "out" / "adapter").iterdir()) == ["news", "sport"]
+    assert sorted(p.name for p in (tmp_path / "out" / "adapter").iterdir()) == [
+        "lightning_peft_export.json", "news", "sport"]  # the manifest that ties adapter/ to merged/
 
     from transformers import BertForSequenceClassification
 
