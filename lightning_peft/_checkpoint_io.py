@@ -24,6 +24,7 @@ from lightning.pytorch.strategies import Strategy
 from typing_extensions import override
 
 from lightning_peft._atomic import clean_stale, finish_dir, save_torch, swap, temporary_prefix
+from lightning_peft.parallel._checkpoint_files import check_file
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -45,6 +46,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         target.parent.mkdir(parents=True, exist_ok=True)
         save_torch(checkpoint, target, type(self).__name__)
         return None
+
+    @override
+    def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's load, after naming an empty or truncated local file (torch says ``EOFError`` or ``OSError:
+        [Errno 22] Invalid argument``, and nothing about the file)."""
+        if _is_local(path) and Path(path).is_file():
+            check_file(Path(path), f"{type(self).__name__}.load_checkpoint")
+        return super().load_checkpoint(path, *args, **kwargs)
 
 
 def _is_local(path: Any) -> bool:

@@ -111,3 +111,19 @@ def test_a_folder_checkpoint_replaces_a_file_or_a_link_of_its_name_not_what_the_
         assert not (tmp_path / name).is_symlink() and (tmp_path / name / "shard-0").read_text() == "new"
     assert (tmp_path / "epoch=0.ckpt" / "shard-0").read_text() == "epoch 0"
     assert sorted(os.listdir(tmp_path)) == ["epoch=0.ckpt", "last.ckpt", "other.ckpt"]
+
+
+@pytest.mark.parametrize(("how", "expected"), [
+    ("empty", r"is empty \(0 bytes\), not a checkpoint"),
+    ("truncated", r"is truncated: a checkpoint of 5000 bytes that stops before its end"),
+])
+def test_resuming_from_a_torn_file_names_it_and_the_cause(tmp_path, how, expected):
+    """torch said ``EOFError`` (no message) or ``OSError: [Errno 22] Invalid argument``, naming no file."""
+    fitted = _fitted(tmp_path)
+    torn = tmp_path / "torn.ckpt"
+    fitted.save_checkpoint(torn)
+    torn.write_bytes(b"" if how == "empty" else torn.read_bytes()[:5000])
+    again = trainer(tmp_path, max_steps=2, callbacks=[LoRA(**LORA_ARGS)])
+    with pytest.raises(ValueError, match=rf"AtomicCheckpointIO.load_checkpoint: '.*torn\.ckpt' {expected}.* Save the "
+                                         r"checkpoint again, or use another one\."):
+        again.fit(Classifier(bert_config()), loader(), ckpt_path=torn)

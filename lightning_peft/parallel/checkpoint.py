@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from lightning_peft._atomic import write_files
-from lightning_peft.parallel._checkpoint_files import FIX, inside, read_file
+from lightning_peft.parallel._checkpoint_files import FIX, check_file, inside, read_file
 from lightning_peft.parallel.pipeline_state import merge_stages, read_stages, stage_files
 
 __all__ = ["convert_checkpoint", "deepspeed_checkpoint", "load_optimizer_states"]
@@ -84,6 +84,7 @@ def convert_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike,
     if not source.exists():
         raise FileNotFoundError(f"convert_checkpoint: {str(source)!r} does not exist.")
     if source.is_file():
+        check_file(source, "convert_checkpoint")  # an empty or truncated file: say so, not "load it directly"
         raise ValueError(f"convert_checkpoint({str(source)!r}): this is one file already (a DDP or single-process "
                          "checkpoint); load it directly, there is nothing to convert.")
     if (source / "meta.pt").is_file():

@@ -80,7 +80,7 @@ def _save_pretrained(model: nn.Module, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError(
             f"{who}: the adapters are disabled, so the model computes its base output, but the merged model would hold "
             f"the active adapter {spec.routing.active!r}. Call enable_adapters() first, or save the base with "
-            "unload_lora(model, merge=False).save_pretrained(directory)."
+            "unload_lora(model, merge=False).save_pretrained(directory) (which removes the adapters from the model)."
         )
     options.pop("state_dict", None)
     directory = options.pop("save_directory")

@@ -237,6 +237,16 @@ TORN = {"empty": r"is empty \(0 bytes\), not a checkpoint: its save was cut off 
 
 
 @pytest.mark.parametrize("how", ["empty", "truncated"])
+def test_a_torn_single_file_is_named_not_sent_to_be_loaded_directly(how, tmp_path):
+    """It was told "this is one file already ... load it directly", and loading it then failed with torch's noise."""
+    single = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {"weight": torch.ones(64)}}, single)
+    damage(single, how)
+    with pytest.raises(ValueError, match=rf"convert_checkpoint: '.*last\.ckpt' {TORN[how]}"):
+        convert_checkpoint(single, tmp_path / "one.ckpt")
+
+
+@pytest.mark.parametrize("how", ["empty", "truncated"])
 @pytest.mark.parametrize(("layout", "name"), [("pipeline", "stage-1.ckpt"), ("native_run", "meta.pt"),
                                               ("deepspeed_run", "checkpoint/mp_rank_00_model_states.pt")])
 def test_a_torn_file_is_named_with_its_cause(layout, name, how, request, tmp_path):
