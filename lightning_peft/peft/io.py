@@ -327,7 +327,7 @@ def _apply(model: nn.Module, part: _Part, keep_old: bool):
     except BaseException:
         undo_injection()
         raise
-    warn_if_other_base(model, adapter, config, part.recorded, tensors, source)
+    warn_if_other_base(model, adapter, config, part.recorded, tensors, part.files.weights.parent)
     old = {k: expected[k].detach().clone() for k in tensors} if keep_old else {}
     with torch.no_grad():
         for key, value in tensors.items():

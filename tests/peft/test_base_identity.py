@@ -84,7 +84,7 @@ def test_a_qlora_adapter_warns_on_a_full_precision_base_and_equals_the_trained_m
     expected = _logits(trained)
 
     full = copy.deepcopy(base)
-    match = (r"adapter_config\.json was trained on a base whose adapted layers were quantized \(nf4 on 2 layers\); "
+    match = (rf"load_adapter: {tmp_path} was trained on a base whose adapted layers were quantized \(nf4 on 2 layers\); "
              r"the adapted layers of this LlamaForCausalLM are full precision\. Its outputs will not be the trained "
              r"model's .*quantize_base\(model, 'nf4', target_modules=\['model\.layers\.0\.self_attn\.q_proj', "
              r"'model\.layers\.0\.self_attn\.v_proj'\]\).* merged export")
@@ -114,6 +114,31 @@ def test_an_adapter_trained_on_bitsandbytes_nf4_warns_on_our_nf4_whose_blocks_di
                                          r"Sequential are nf4 on 1 layer\. .* \(load the base with bitsandbytes-nf4 "
                                          r"quantization, as for training\)"):
         load_adapter(ours, tmp_path)
+
+
+def test_a_base_quantized_beyond_the_adapted_layers_warns(tmp_path):
+    """quantize_base's default ('all-linear') quantizes layers the adapter never saw quantized: 7.8e-2 off, silently."""
+    base = _llama()
+    trained = copy.deepcopy(base)
+    _save(trained, tmp_path, target_modules=TARGETS, quantize="nf4")
+    everything = copy.deepcopy(base)
+    quantize_base(everything, "nf4")  # every linear layer
+    match = (r"was trained on a base whose other layers \(those it does not adapt\) were full precision; those of this "
+             r"LlamaForCausalLM are nf4 on \d+ layers, so its outputs are not the trained model's.*'all-linear'")
+    with pytest.warns(UserWarning, match=match):
+        load_adapter(everything, tmp_path)
+    assert not torch.allclose(_logits(everything), _logits(trained), atol=1e-4)  # what the warning is about
+
+
+def test_a_full_precision_adapter_on_a_quantized_base_warns(tmp_path):
+    base = _llama()
+    _save(copy.deepcopy(base), tmp_path, target_modules=TARGETS)
+    assert "quantization" not in _record(tmp_path)
+    quantized = copy.deepcopy(base)
+    quantize_base(quantized, "nf4", target_modules=TARGETS)
+    with pytest.warns(UserWarning, match=r"was trained on a full-precision base; the adapted layers of this "
+                                         r"LlamaForCausalLM are nf4 on 2 layers, so its outputs differ"):
+        load_adapter(quantized, tmp_path)
 
 
 def test_peft_loads_the_file_with_the_record_without_a_word(tmp_path):
