@@ -32,7 +32,7 @@ import lightning_peft.callbacks  # noqa: F401
 import lightning_peft.data  # noqa: F401
 import lightning_peft.modules  # noqa: F401
 import lightning_peft.strategies  # noqa: F401  (also registers zero1, zero3_native, ... by name)
-from lightning_peft.peft.lora_config import PEFT_NAMES
+from lightning_peft.peft.lora.config import PEFT_NAMES
 
 __all__ = ["PeftCLI", "main"]
 

@@ -239,7 +239,7 @@ def fit(technique: Technique, root: Path, epochs: int, adapter_only: bool, ckpt_
 
 
 # The DoRA row's Trainer fits (about 10 s) only run with the slow tests: DoRA changes the layer, not the protocol, and
-# its layer is checked against PEFT in tests/peft/test_dora.py.
+# its layer is checked against PEFT in tests/peft/lora/test_variants.py.
 @pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.slow) if n == "lora_dora" else n
                                         for n in TECHNIQUES])
 def runs(request, tmp_path_factory) -> tuple[str, Runs]:

@@ -29,7 +29,7 @@ MODULES = _modules_with_examples()
 
 
 def test_modules_are_found():
-    assert len(MODULES) >= 20 and "lightning_peft.peft.lora" in MODULES
+    assert len(MODULES) >= 20 and "lightning_peft.peft.lora.model" in MODULES
 
 
 @pytest.mark.parametrize("name", MODULES)

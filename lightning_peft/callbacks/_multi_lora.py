@@ -17,9 +17,7 @@ from typing_extensions import override
 
 from lightning_peft._seams import data_parallel, refuse, splits_layers, strategy_family, tensor_parallel_size
 from lightning_peft.callbacks._lightning import refuse_changed_settings
-from lightning_peft.peft.lora import LoRAAdapter
-from lightning_peft.peft.lora_config import LoRAConfig, as_config
-from lightning_peft.peft.multi_lora import route_adapters
+from lightning_peft.peft.lora import LoRAAdapter, LoRAConfig, as_config, route_adapters
 
 
 def adapter_configs(adapters: object, modules_to_save: list[str] | None,

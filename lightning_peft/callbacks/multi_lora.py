@@ -1,6 +1,6 @@
 """``MultiLoRA`` callback: several named LoRA adapters on one model, each batch routed per sample.
 
-The math lives in `lightning_peft.peft.multi_lora`. At ``setup`` [`inject_lora`][lightning_peft.peft.inject_lora] adds
+The math lives in `lightning_peft.peft.lora.multi`. At ``setup`` [`inject_lora`][lightning_peft.peft.inject_lora] adds
 the first adapter and [`add_adapter`][lightning_peft.peft.add_adapter] the others (before ``configure_optimizers``),
 then ``active`` (default: the first) becomes the active adapter; a model that already has exactly these adapters is used
 as it is. Every batch (training, validation, test, predict) runs with the adapters ``batch[routing_key]`` names, by name

@@ -15,20 +15,29 @@ from .bottleneck import (
 )
 from .._manifest import recover_export
 from .io import load_adapter, peft_config, save_adapter
-from .layers import LoRAConv2d, LoRAEmbedding, LoRALayer, LoRALinear, Routing, lora_layers
-from .lora import LoRAAdapter, add_adapter, inject_lora, unload_lora
-from .lora_config import LoRAConfig
-from .lora_merge import merge_lora, unmerge_lora
-from .modules_to_save import ModulesToSave
-from .quantize import quantize_base
-from .multi_lora import (
+from .lora import (
+    LoRAAdapter,
+    LoRAConfig,
+    LoRAConv2d,
+    LoRAEmbedding,
+    LoRALayer,
+    LoRALinear,
+    Routing,
     active_adapter,
+    add_adapter,
     combine_adapters,
     delete_adapter,
     disable_adapters,
+    inject_lora,
+    lora_layers,
+    merge_lora,
     route_adapters,
     set_adapter,
+    unload_lora,
+    unmerge_lora,
 )
+from .modules_to_save import ModulesToSave
+from .quantize import quantize_base
 from .prefix_tuning import (
     PrefixEncoder,
     PrefixTuningAdapter,

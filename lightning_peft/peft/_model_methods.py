@@ -28,8 +28,8 @@ from torch import nn
 
 from ._export import save_pretrained_merged
 from .adapter import attached, merged_state_dict, model_method
-from .layers import lora_spec, require_spec
-from .multi_lora import active_adapter, delete_adapter, set_adapter, switch_off
+from .lora.layer import lora_spec, require_spec
+from .lora.multi import active_adapter, delete_adapter, set_adapter, switch_off
 
 log = logging.getLogger(__name__)
 

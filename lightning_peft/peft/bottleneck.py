@@ -67,7 +67,7 @@ Examples:
     >>> import torch
     >>> from torch import nn
     >>> from lightning_peft.peft.bottleneck import inject_bottleneck_adapters
-    >>> from lightning_peft.peft.lora import trainable_parameters
+    >>> from lightning_peft.peft import trainable_parameters
     >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     >>> layers = inject_bottleneck_adapters(model, target_modules=["0"], reduction_factor=4)
     >>> sorted(layers), tuple(layers["0"].adapter.down.weight.shape)

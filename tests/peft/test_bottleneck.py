@@ -34,7 +34,7 @@ from lightning_peft.peft.bottleneck import (  # noqa: E402
     unload_bottleneck_adapters,
 )
 from lightning_peft.peft.io import load_adapter, save_adapter  # noqa: E402
-from lightning_peft.peft.lora import inject_lora, lora_layers, trainable_parameters  # noqa: E402
+from lightning_peft.peft import inject_lora, lora_layers, trainable_parameters  # noqa: E402
 from tests._models import bert_config, gpt2_config, llama_config, run_with_lightning_blocked  # noqa: E402
 
 VOCAB = 64

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._common import dense_weight
+from .._common import dense_weight
 
 
 def _as_out_in(weight: Tensor, fan_in_fan_out: bool) -> Tensor:

@@ -28,15 +28,22 @@ import warnings
 
 from torch import nn
 
-from ._common import (
-    Targets, chosen_by_name, inside, matched, name_matches, pattern_matches, refuse_no_target, refuse_unmatched,
+from .._common import (
+    Targets,
+    chosen_by_name,
+    inside,
+    matched,
+    name_matches,
+    pattern_matches,
+    refuse_no_target,
+    refuse_unmatched,
     task_heads,
 )
-from .adapter import attached
-from .layers import LoRALayer, conv1d_type
-from .lora_config import LoRAConfig
-from .lora_dora import refuse_unsupported as refuse_unsupported_dora
-from .modules_to_save import ModulesToSave
+from ..adapter import attached
+from ..modules_to_save import ModulesToSave
+from .config import LoRAConfig
+from .layer import LoRALayer, conv1d_type
+from .variants import refuse_unsupported as refuse_unsupported_dora
 
 log = logging.getLogger("lightning_peft.peft.lora")
 

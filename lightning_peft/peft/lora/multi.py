@@ -48,13 +48,13 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from .._checks import integer
-from .adapter import unwrap
-from .layers import LoRALayer, Routing, require_spec
-from .lora import LoRAAdapter, add_adapter
-from .lora_config import LoRAConfig
-from .lora_dora import refuse_routing
-from .lora_targets import _adaptable_view, exact_targets
+from ..._checks import integer
+from ..adapter import unwrap
+from .config import LoRAConfig
+from .layer import LoRALayer, Routing, require_spec
+from .model import LoRAAdapter, add_adapter
+from .targets import _adaptable_view, exact_targets
+from .variants import refuse_routing
 
 Method = Literal["linear", "cat", "svd"]
 

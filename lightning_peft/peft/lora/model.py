@@ -1,9 +1,9 @@
 """LoRA on a whole model: inject, add named adapters, merge, unload, and LoRA's side of the adapter protocol.
 
 Paper: Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", arXiv:2106.09685 (the layer math and shapes are
-in `lightning_peft.peft.layers`). The settings are in `lora_config`; which modules a config adapts (Hugging Face PEFT's
-rules) in `lora_targets`; merging in place in `lora_merge`; PEFT's file format in `lora_peft`; switching, routing and
-combining named adapters in `multi_lora`. Adding a named adapter ([`add_adapter`][lightning_peft.peft.add_adapter]) is
+in `lightning_peft.peft.lora.layer`). The settings are in `config`; which modules a config adapts (Hugging Face PEFT's
+rules) in `targets`; merging in place in `merge`; PEFT's file format in `peft_format`; switching, routing and
+combining named adapters in `multi`. Adding a named adapter ([`add_adapter`][lightning_peft.peft.add_adapter]) is
 the same operation as injecting the first one, so both live here.
 
 Examples:
@@ -17,7 +17,6 @@ Examples:
     32
 """
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -27,18 +26,35 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from ._limits import refuse_overflowing_scales
-from .adapter import Adapter, attach, attached, detach, register, remove_adapter, trainable_parameters, unwrap
-from .layers import DEFAULT, LoRALayer, Routing, lora_layers, lora_spec, make_layer, require_spec
-from .lora_config import LoRAConfig, as_config, check_adapter_name
-from .lora_merge import merge_lora, unmerge_lora
-from .lora_peft import PEFT_FIELDS, check_file_shapes, check_peft_config, config_for_model, peft_config
-from .lora_peft import peft_problems, peft_state, value_problems
-from .lora_targets import _select, _warn_about_settings
-from .modules_to_save import fold_modules_to_save, set_submodule, wrap_modules_to_save
-from .quantize import drop_quantizer_entries, plain_state, quantize_layers
+from .._limits import refuse_overflowing_scales
+from ..adapter import (
+    Adapter,
+    attach,
+    attached,
+    detach,
+    register,
+    remove_adapter,
+    trainable_parameters,
+    unwrap,
+)
+from ..modules_to_save import fold_modules_to_save, set_submodule, wrap_modules_to_save
+from ..quantize import drop_quantizer_entries, plain_state, quantize_layers
+from .config import LoRAConfig, as_config, check_adapter_name
+from .layer import DEFAULT, LoRALayer, Routing, lora_layers, lora_spec, make_layer, require_spec
+from .merge import merge_lora, unmerge_lora
+from .peft_format import (
+    PEFT_FIELDS,
+    check_file_shapes,
+    check_peft_config,
+    config_for_model,
+    peft_config,
+    peft_problems,
+    peft_state,
+    value_problems,
+)
+from .targets import _select, _warn_about_settings
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("lightning_peft.peft.lora")  # the package, as targets.py logs
 _ADDED_FIELDS = {"use_dora": False, "quantize": None}  # LoRAConfig fields newer than some checkpoints: their old value
 
 

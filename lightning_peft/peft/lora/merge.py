@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from .adapter import unwrap
-from .layers import LoRALayer, lora_layers, require_spec
+from ..adapter import unwrap
+from .layer import LoRALayer, lora_layers, require_spec
 
 
 def merge_lora(model: nn.Module, adapter_name: str | None = None, dequantize: bool = False) -> list[str]:

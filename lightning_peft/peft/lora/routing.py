@@ -15,7 +15,7 @@ model, so switching is one attribute write, whatever the number of layers:
   the others get no gradient (``grad`` stays None) and an optimizer step leaves them untouched.
 
 `RoutedPath` holds the mixed-batch update that every [`LoRALayer`][lightning_peft.peft.LoRALayer] inherits (shapes as in
-`lightning_peft.peft.layers`).
+`lightning_peft.peft.lora.layer`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .adapter import DEFAULT
+from ..adapter import DEFAULT
 
 
 class Routing:

@@ -13,13 +13,13 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ._common import matched, pattern_matches, unmatched
-from ._limits import factor_problem, scale_problem
-from .adapter import base_model_name, clean_key, unwrap
-from .layers import DEFAULT, LoRAConv2d, lora_layers
-from .lora_config import LoRAConfig, config_from_peft
-from .lora_targets import _adaptable_view, _select, exact_targets
-from .modules_to_save import plain_key, present_modules
+from .._common import matched, pattern_matches, unmatched
+from .._limits import factor_problem, scale_problem
+from ..adapter import base_model_name, clean_key, unwrap
+from ..modules_to_save import plain_key, present_modules
+from .config import LoRAConfig, config_from_peft
+from .layer import DEFAULT, LoRAConv2d, lora_layers
+from .targets import _adaptable_view, _select, exact_targets
 
 PEFT_FIELDS = frozenset((  # peft 0.21.2's LoraConfig
     "alora_invocation_tokens", "alpha_pattern", "arrow_config", "auto_mapping", "base_model_name_or_path", "bias",

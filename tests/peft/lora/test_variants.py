@@ -1,4 +1,4 @@
-"""DoRA (:mod:`lightning_peft.peft.lora_dora`) with Hugging Face PEFT 0.21 as the oracle, in float64.
+"""DoRA (:mod:`lightning_peft.peft.lora.variants`) with Hugging Face PEFT 0.21 as the oracle, in float64.
 
 The same tiny model (a Linear with bias, one without, a transformers ``Conv1D``) gets our DoRA and PEFT's with the
 same ``A``, ``B`` and magnitude (random, so that no check passes because ``B = 0``): same outputs (dropout on and
@@ -21,8 +21,7 @@ pytest.importorskip("transformers")
 from lightning_peft.peft import LoRAConfig, add_adapter, combine_adapters, delete_adapter, inject_lora  # noqa: E402
 from lightning_peft.peft import load_adapter, lora_layers, merge_lora, merged_state_dict, peft_config  # noqa: E402
 from lightning_peft.peft import route_adapters, save_adapter, set_adapter, unload_lora, unmerge_lora  # noqa: E402
-from lightning_peft.peft.layers import LoRAEmbedding  # noqa: E402
-from lightning_peft.peft.lora import LoRAAdapter  # noqa: E402
+from lightning_peft.peft.lora import LoRAAdapter, LoRAEmbedding  # noqa: E402
 from tests._models import conv1d  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to:UserWarning")  # PEFT fixes its flag per layer

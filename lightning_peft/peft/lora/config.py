@@ -14,11 +14,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .._checks import boolean, choice, integer, names as name_list, positive, probability, real, regex
-from ._common import pattern_matches
-from ._limits import FLOAT32_MAX
-from .lora_layer import Init
-from .quantize import check_method
+from ..._checks import boolean, choice, integer, positive, probability, real, regex
+from ..._checks import names as name_list
+from .._common import pattern_matches
+from .._limits import FLOAT32_MAX
+from ..quantize import check_method
+from .layer import Init
 
 Bias = Literal["none", "lora_only", "all"]
 Targets = list[str] | str
@@ -47,7 +48,7 @@ class LoRAConfig:
         quantize: Store the adapted ``nn.Linear`` layers' frozen weights quantized (QLoRA): ``"nf4"`` or
             ``"int8"`` (`lightning_peft.peft.quantize`); None: full precision. The adapters stay float32.
         use_dora: DoRA (Liu et al., arXiv:2402.09353): a trained magnitude per output feature on top of the LoRA
-            update, as Hugging Face PEFT's ``use_dora`` (`lightning_peft.peft.lora_dora`). Linear and Conv1D only.
+            update, as Hugging Face PEFT's ``use_dora`` (`lightning_peft.peft.lora.variants`). Linear and Conv1D only.
     """
 
     rank: int = 8

@@ -1,0 +1,740 @@
+"""LoRA layers: a frozen base module plus trainable low-rank updates, one per named adapter.
+
+This module is the whole hot path: the base class [`LoRALayer`][lightning_peft.peft.LoRALayer] (adapters, merge,
+the forward, the state-dict hooks) and the concrete layers (``LoRALinear``, ``LoRAEmbedding``, ``LoRAConv2d``); the
+per-sample routed path is in `lightning_peft.peft.lora.routing`, DoRA's math in `lightning_peft.peft.lora.variants`.
+
+Paper: Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", arXiv:2106.09685.
+rsLoRA scaling: Kalajdzievski, "A Rank Stabilization Scaling Factor for Fine-Tuning with LoRA", arXiv:2312.03732.
+Mixed-adapter batches: Chen et al., "Punica: Multi-Tenant LoRA Serving", arXiv:2310.18547 (the gathered batched
+matmul); Sheng et al., "S-LoRA: Serving Thousands of Concurrent LoRA Adapters", arXiv:2311.03285.
+
+Update rule. A frozen weight ``W`` (out, in) is adapted by adapter ``n`` as:
+
+```text
+W' = W + s_n * B_n @ A_n        A_n: (r_n, in), B_n: (out, r_n), s_n = alpha_n / r_n   (alpha_n / sqrt(r_n), rsLoRA)
+y  = W x + s_n * B_n (A_n dropout_n(x))
+```
+
+Only the ``A`` and ``B`` train. ``B`` starts at zero, so a new adapter starts equal to the base model.
+
+Shapes (parameters are named and laid out as Hugging Face PEFT names them in memory, ``lora_A.<adapter>.weight``;
+adapter files drop the adapter name, as PEFT's do):
+
+| base layer | base weight | parameters of adapter ``n`` |
+| --- | --- | --- |
+| ``nn.Linear(in, out)`` | (out, in) | ``lora_A.n.weight`` (r, in), ``lora_B.n.weight`` (out, r) |
+| ``Conv1D`` (transformers) | (in, out), transposed | same as Linear; the delta is transposed to merge |
+| DoRA (Linear, Conv1D) | as above | and ``lora_magnitude_vector.n`` (out,) (`lora.variants`) |
+| ``nn.Embedding(V, d)`` | (V, d) | ``lora_embedding_A.n`` (r, V), ``lora_embedding_B.n`` (d, r) |
+| ``nn.Conv2d(in, out, k)`` | (out, in, kh, kw) | ``lora_A.n``: Conv2d(in, r, k), ``lora_B.n``: Conv2d(r, out, 1) |
+
+Which adapter runs is decided by one [`Routing`][lightning_peft.peft.Routing] object shared by every LoRA layer of a
+model (one adapter for all samples, none, or one per sample: see `lightning_peft.peft.lora.routing`).
+
+Each layer wraps its base module (``self.base_layer``); nothing is copied, and attributes the layer does not define
+(``in_features``, ``padding_idx``, ``kernel_size``, ...) are read from the base. Merging is explicit
+([`LoRALayer.merge`][lightning_peft.peft.LoRALayer.merge] /
+[`LoRALayer.unmerge`][lightning_peft.peft.LoRALayer.unmerge], one adapter at a time), never a side effect of
+``train()``/``eval()``; a state dict is always taken unmerged (so a merged model's state dict loads anywhere), and
+loading into a merged layer re-merges the loaded adapter.
+
+Precision. Adapters of a float16/bfloat16 base are float32, and stay float32 when the module is cast to half
+precision afterwards (``model.half()``, ``Trainer(precision="bf16-true")``): only the base changes dtype. Under
+``torch.autocast`` the update is computed in the autocast dtype and added to the base output in the base
+output's own dtype, so a zero update leaves the base output bit-for-bit unchanged. Merging is computed in
+float32; ``unmerge(merge(W))`` restores ``W`` up to one rounding of the weight's dtype (exact only when the
+sum is representable, i.e. not in general for bfloat16).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .._common import LayerWrapper, adapter_dtype, dense_weight, is_quantized
+from ..adapter import attached, unwrap
+from . import variants
+from .routing import DEFAULT, RoutedPath, Routing
+
+__all__ = ["DEFAULT", "AdapterSpec", "Init", "LoRAConv2d", "LoRAEmbedding", "LoRALayer", "LoRALinear", "Routing",
+           "conv1d_type", "lora_layers", "lora_spec", "make_layer", "require_spec"]
+
+Init = Literal["kaiming", "gaussian"]
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Merges are computed in at least float32 and cast back.
+    return torch.promote_types(dtype, torch.float32)
+
+
+# --- state-dict hooks (LoRALayer registers them): a merged layer saves its unmerged base weight, and loads into the
+# unmerged layout before merging again (also reading the single-adapter layout of lightning-peft before named adapters)
+
+def unmerged_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """State-dict post-hook: a merged layer reports its unmerged base weight, so no state holds ``W + delta``."""
+    key = f"{prefix}base_layer.weight"
+    if module.merged and key in state_dict:
+        weight = module.base_layer.weight
+        with torch.no_grad():
+            restored = module._without_update(dense_weight(weight).to(_compute_dtype(weight.dtype)),
+                                              module.merged_adapter)
+            state_dict[key] = restored.to(weight.dtype)
+
+
+_LEGACY_KEYS = ("lora_A.weight", "lora_B.weight", "lora_embedding_A", "lora_embedding_B")
+
+
+def unmerge_before_load(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    # Load-state-dict pre-hook. A state dict of the single-adapter layout (lightning-peft before named adapters:
+    # ``lora_A.weight``) loads into the first adapter. Then: load into the unmerged layout, and merge the loaded
+    # adapter again afterwards.
+    first = next(iter(module.specs))
+    for key in _LEGACY_KEYS:
+        if f"{prefix}{key}" in state_dict:
+            container, _, rest = key.partition(".")
+            state_dict[f"{prefix}{container}.{first}" + (f".{rest}" if rest else "")] = state_dict.pop(f"{prefix}{key}")
+    if module.merged:
+        module._remerge_after_load = module.merged_adapter
+        module.unmerge()
+
+
+def remerge_after_load(module: nn.Module, incompatible_keys) -> None:
+    module._forget_cached_tensors()
+    if module._remerge_after_load is not None:
+        name, module._remerge_after_load = module._remerge_after_load, None
+        module.merge(name)
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """One adapter's settings on one layer; ``scaling`` is computed once (the forward reads it every call).
+    ``use_dora``: the adapter is DoRA's (`lightning_peft.peft.lora.variants`), with a trained magnitude."""
+
+    rank: int
+    alpha: float
+    use_rslora: bool
+    use_dora: bool = False
+    scaling: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "scaling", self.alpha / math.sqrt(self.rank) if self.use_rslora else self.alpha / self.rank
+        )
+
+
+class LoRALayer(RoutedPath, LayerWrapper):
+    """Base class: a frozen ``base_layer`` plus low-rank updates of its weight, one per named adapter.
+
+    As every `LayerWrapper`, it reads missing attributes (``in_features``, ``padding_idx``, ``kernel_size``) from the
+    base layer, and a half-precision cast reaches the base layer only. Subclasses define the adapter parameters
+    (`_create`), [`delta_weight`][lightning_peft.peft.LoRALayer.delta_weight] and the update paths.
+
+    Args:
+        base_layer: The module to adapt. It is kept, not copied.
+        rank: ``r``, the rank of the first adapter's update.
+        alpha: Scale numerator: the update is multiplied by ``alpha / rank`` (or ``alpha / sqrt(rank)``).
+        dropout: Dropout probability on the adapter's input.
+        use_rslora: Use the rank-stabilised scale ``alpha / sqrt(rank)``.
+        init: Initialisation of ``A`` (``"kaiming"`` or ``"gaussian"``); ``B`` starts at zero.
+        adapter_name: The first adapter's name.
+        use_dora: Make it a DoRA adapter (`lightning_peft.peft.lora.variants`); only where ``supports_dora``.
+    """
+
+    #: How tensor parallelism splits the layer's own tensors with its base (it reads its factors with ``F.linear``,
+    #: so the layer is placed as one unit): ``{style: container}``, the factor container whose weights split as the
+    #: base's weight does under that style; the rest is replicated. Empty: the layer cannot be split.
+    tensor_parallel_split: ClassVar[dict[str, str]] = {}
+    #: Whether the layer implements DoRA adapters (``use_dora=True``).
+    supports_dora: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        base_layer: nn.Module,
+        rank: int,
+        alpha: float,
+        dropout: float = 0.0,
+        use_rslora: bool = False,
+        init: Init = "kaiming",
+        adapter_name: str = DEFAULT,
+        use_dora: bool = False,
+    ) -> None:
+        super().__init__(base_layer)
+        self.specs: dict[str, AdapterSpec] = {}
+        self.lora_dropout = nn.ModuleDict()
+        self.routing = Routing(adapter_name)
+        self.merged_adapter: str | None = None
+        self._remerge_after_load: str | None = None
+        self._factor_cache: dict[str, tuple[tuple[dict, str], tuple[dict, str]]] = {}
+        self._init_containers()
+        self.add_adapter(adapter_name, rank, alpha, dropout, use_rslora, init, use_dora)
+        self.register_state_dict_post_hook(unmerged_state)
+        self.register_load_state_dict_pre_hook(unmerge_before_load)
+        self.register_load_state_dict_post_hook(remerge_after_load)
+
+    def _apply(self, fn, recurse: bool = True):
+        self._forget_cached_tensors()  # then LayerWrapper's: a half-precision cast reaches the base layer only
+        return super()._apply(fn, recurse)
+
+    def _forget_cached_tensors(self) -> None:
+        # After a move, a cast or a load (assign=True replaces the Parameter objects) the references would be stale.
+        self._factor_cache = {}
+
+    @property
+    def weight(self) -> Tensor:
+        """The base layer's weight: code that reads ``module.weight`` (dtype checks, T5) keeps working."""
+        return self.base_layer.weight
+
+    @property
+    def bias(self) -> Tensor | None:
+        return getattr(self.base_layer, "bias", None)
+
+    # --- adapters ----------------------------------------------------------------------------------------------
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return list(self.specs)
+
+    def _spec(self, name: str | None = None) -> AdapterSpec:
+        """The named adapter's spec; without a name, the active one (or the only one)."""
+        if name is None:
+            name = self.routing.active if self.routing.active in self.specs else next(iter(self.specs))
+        return self.specs[name]
+
+    # The active adapter's settings (read-only), as a single-adapter layer has them.
+    rank = property(lambda self: self._spec().rank, doc="The active adapter's rank ``r``.")
+    alpha = property(lambda self: self._spec().alpha, doc="The active adapter's scale numerator.")
+    use_rslora = property(lambda self: self._spec().use_rslora, doc="Whether its scale is ``alpha / sqrt(r)``.")
+    scaling = property(lambda self: self._spec().scaling, doc="The active adapter's scale ``s``.")
+
+    @property
+    def reads_base_weight(self) -> bool:
+        return any(spec.use_dora for spec in self.specs.values())  # DoRA's magnitude over ||W + s B A||
+
+    @property
+    def merged(self) -> bool:
+        return self.merged_adapter is not None
+
+    def add_adapter(
+        self, name: str, rank: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False,
+        init: Init = "kaiming", use_dora: bool = False,
+    ) -> None:
+        """Add adapter ``name`` (zero update) to this layer."""
+        if name in self.specs:
+            raise ValueError(f"{type(self).__name__}: adapter {name!r} already exists on this layer.")
+        if use_dora and not self.supports_dora:
+            raise TypeError(f"{type(self).__name__}(use_dora=True): DoRA is not implemented for a "
+                            f"{type(self.base_layer).__name__} base layer; DoRA supports Linear and Conv1D layers.")
+        self.specs[name] = AdapterSpec(rank, alpha, use_rslora, use_dora)
+        self.lora_dropout[name] = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        weight = self.base_layer.weight
+        self._create(name, rank, device=weight.device, dtype=adapter_dtype(weight))
+        self.reset_parameters(init, name)
+        # New submodules start in training mode; those of an eval layer must not (dropout would stay on).
+        for module in (self.lora_dropout[name], *(c[name] for c in self._containers())):
+            if isinstance(module, nn.Module):
+                module.train(self.training)
+
+    def delete_adapter(self, name: str) -> None:
+        """Remove adapter ``name``; its parameters are gone from the module."""
+        if self.merged_adapter == name:
+            raise RuntimeError(f"{type(self).__name__}: adapter {name!r} is merged; unmerge it before deleting it.")
+        del self.specs[name]
+        del self.lora_dropout[name]
+        self._factor_cache.pop(name, None)
+        for container in self._containers():
+            del container[name]
+
+    def _init_containers(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must define _init_containers()")
+
+    def _containers(self) -> list[nn.ModuleDict | nn.ParameterDict]:
+        raise NotImplementedError(f"{type(self).__name__} must define _containers()")
+
+    def _create(self, name: str, rank: int, device: torch.device, dtype: torch.dtype) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must define _create()")
+
+    def adapter_parameters(self, name: str | None = None) -> dict[str, nn.Parameter]:
+        """The trainable adapter parameters by their name relative to this layer (one adapter, or all)."""
+        names = self.adapter_names if name is None else [name]
+        return {k: p for n in names for k, p in self._parameters_of(n).items()}
+
+    def factors(self, name: str) -> tuple[nn.Parameter, nn.Parameter]:
+        """``(A, B)`` of adapter ``name``, read every forward.
+
+        The ``_parameters`` dicts that hold them are found once; the parameters themselves are read from those dicts
+        each time, so a parameter replaced in place (``register_parameter``, as FSDP2 and DTensor parallelism do) is
+        the one used.
+        """
+        refs = self._factor_cache.get(name)
+        if refs is None:
+            refs = self._factor_cache[name] = self._factor_refs(name)
+        (holder_a, key_a), (holder_b, key_b) = refs
+        return holder_a[key_a], holder_b[key_b]
+
+    def _factor_refs(self, name: str) -> tuple[tuple[dict, str], tuple[dict, str]]:
+        raise NotImplementedError(f"{type(self).__name__} must define _factor_refs()")
+
+    def _parameters_of(self, name: str) -> dict[str, nn.Parameter]:
+        raise NotImplementedError(f"{type(self).__name__} must define _parameters_of()")
+
+    def delta_weight(self, name: str | None = None) -> Tensor:
+        """``s * B @ A`` of one adapter (default: the merged one, else the active one) in the base weight's
+        layout and at least float32 precision."""
+        name = name or self.merged_adapter or self._active_name()
+        return self._delta(name)
+
+    def _active_name(self) -> str:
+        return self.routing.active if self.routing.active in self.specs else next(iter(self.specs))
+
+    def _delta(self, name: str) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must define _delta()")
+
+    def reset_parameters(self, init: Init = "kaiming", name: str | None = None) -> None:
+        """Initialise an adapter (default: every adapter) so that its update is zero."""
+        for n in self.adapter_names if name is None else [name]:
+            self._reset(n, init)
+
+    def _reset(self, name: str, init: Init) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must define _reset()")
+
+    # --- merging -----------------------------------------------------------------------------------------------
+
+    def merged_weight(self, name: str | None = None) -> Tensor:
+        """``W + delta`` of one adapter computed in float32 (or wider), cast to the base dtype; raises if
+        non-finite. On a merged layer: the weight as it is (the merged adapter's)."""
+        weight = self.base_layer.weight
+        if self.merged:
+            if name is not None and name != self.merged_adapter:
+                raise RuntimeError(
+                    f"{type(self).__name__}: adapter {self.merged_adapter!r} is merged, not {name!r}; "
+                    "unmerge_lora(model) first."
+                )
+            return weight.detach().clone()
+        with torch.no_grad():  # a quantized base is dequantized (to the dtype it had) first
+            dense = dense_weight(weight, self.base_layer)
+            merged = self._with_update(dense.to(_compute_dtype(dense.dtype)), name or self._active_name())
+        if not torch.isfinite(merged).all():
+            raise RuntimeError(
+                f"{type(self).__name__}: merging would write inf or NaN into the base weight "
+                f"(shape {tuple(weight.shape)}); the adapter or base weight holds non-finite or overflowing "
+                "values. Nothing was merged into this layer."
+            )
+        return merged.to(dense.dtype)
+
+    def _with_update(self, weight: Tensor, name: str) -> Tensor:
+        """The merged weight of adapter ``name`` from the dense base ``weight`` (compute dtype): ``W + delta``."""
+        return weight + self.delta_weight(name)
+
+    def _without_update(self, weight: Tensor, name: str) -> Tensor:
+        """The base weight back from ``weight``, which holds adapter ``name`` merged: ``W' - delta``."""
+        return weight - self.delta_weight(name)
+
+    @torch.no_grad()
+    def merge(self, name: str | None = None, dequantize: bool = False) -> None:
+        """Add one adapter's update (default: the active one) into the base weight. Merging the merged adapter
+        again changes nothing; merging a second one is refused.
+
+        A quantized base weight is never requantized: merging into it is refused unless ``dequantize``, which
+        replaces it by the merged weight in full precision (the dtype it had before quantization)."""
+        name = name or self._active_name()
+        if self.merged_adapter == name:
+            return
+        if self.merged:
+            raise RuntimeError(
+                f"{type(self).__name__}: adapter {self.merged_adapter!r} is merged; unmerge it before merging {name!r}."
+            )
+        if is_quantized(self.base_layer.weight):
+            if not dequantize:
+                raise RuntimeError(
+                    f"{type(self).__name__}: the base weight is quantized ({type(self.base_layer.weight).__name__}); "
+                    "merging in place would requantize it and lose most of the update. Use unload_lora(model, "
+                    "merge=True) for a plain full-precision model, or merged_state_dict(model) for an export."
+                )
+            self._dequantize_base(self.merged_weight(name))
+        else:
+            self.base_layer.weight.copy_(self.merged_weight(name))
+        self.merged_adapter = name
+        self.routing.merged[name] = self.routing.merged.get(name, 0) + 1
+
+    def _dequantize_base(self, weight: Tensor) -> None:
+        """Put ``weight`` (full precision) in place of the quantized base weight; a base layer of another class
+        (bitsandbytes' ``Linear4bit`` / ``Linear8bitLt``, whose forward needs its own weights) becomes a plain
+        ``nn.Linear`` with the same bias."""
+        base = self.base_layer
+        if type(base) is nn.Linear:
+            base.weight = nn.Parameter(weight, requires_grad=False)
+            return
+        plain = nn.Linear(base.in_features, base.out_features, bias=base.bias is not None, device=weight.device,
+                          dtype=weight.dtype)
+        plain.weight = nn.Parameter(weight, requires_grad=False)
+        if base.bias is not None:
+            plain.bias = nn.Parameter(base.bias.detach().to(weight.dtype), requires_grad=base.bias.requires_grad)
+        self.base_layer = plain.train(base.training)
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Subtract the merged update from the base weight (exact up to one rounding in the compute dtype).
+
+        Raises:
+            RuntimeError: If the layer is not merged.
+        """
+        if not self.merged:
+            raise RuntimeError(f"{type(self).__name__}.unmerge(): the layer is not merged; call merge() first.")
+        weight = self.base_layer.weight
+        restored = self._without_update(dense_weight(weight).to(_compute_dtype(weight.dtype)), self.merged_adapter)
+        weight.copy_(restored.to(weight.dtype))
+        self.routing.merged[self.merged_adapter] -= 1
+        self.merged_adapter = None
+
+    # --- forward -----------------------------------------------------------------------------------------------
+
+    def forward(self, x: Tensor) -> Tensor:
+        result = self.base_layer(x)
+        routing = self.routing
+        if self.merged_adapter is not None:
+            self._check_trainable_forward()
+            return result
+        if routing.disabled:
+            return result
+        if routing.names is not None:
+            if x.shape[0] != len(routing.names):
+                raise ValueError(
+                    f"route_adapters: a batch of {x.shape[0]} samples reached {type(self).__name__} "
+                    f"({self.base_layer}), but {len(routing.names)} adapter names were given; give one name per "
+                    f"sample (the batch dimension must come first).{_repeated(x.shape[0], len(routing.names))}"
+                )
+            # Only the adapters the batch uses are stacked (the others must get no gradient), every forward.
+            selected = routing.select(self.adapter_names, x.device)
+            return result if selected is None else self._routed(x, result, *selected)
+        name = routing.active
+        if name not in self.specs:
+            return result
+        return self._single(x, result, name)
+
+    def _single(self, x: Tensor, result: Tensor, name: str) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must define _single()")
+
+    def _may_overwrite(self, result: Tensor) -> bool:
+        """Whether the base output can take the update in place: without autograd, and when no hook on the base
+        layer may have kept a reference to it (a copy of the output then costs as much as the update itself)."""
+        return not torch.is_grad_enabled() and not self.base_layer._forward_hooks and result.is_contiguous()
+    def _check_trainable_forward(self) -> None:
+        # A merged layer's output does not depend on the adapter, so training it ends in autograd's cryptic
+        # "element 0 of tensors does not require grad"; say why first. A warning, not an error: a merged model
+        # run for inference in train mode with autograd on is legitimate.
+        if self.training and torch.is_grad_enabled() and any(
+            p.requires_grad for p in self.adapter_parameters(self.merged_adapter).values()
+        ):
+            warnings.warn(
+                f"{type(self).__name__}: the layer is merged, so its adapter gets no gradient from this forward. "
+                "To train, call unmerge_lora(model) first; for inference, use model.eval() or torch.no_grad().",
+                UserWarning, stacklevel=3,
+            )
+
+    def _add_update(self, result: Tensor, hidden: Tensor, lora_b: Tensor, scaling: float) -> Tensor:
+        """``result + scaling * hidden @ lora_b.T``; one fused GEMM when dtypes agree and autocast is off.
+
+        ``hidden`` is (..., r), ``lora_b`` is (out, r), ``result`` is (..., out). Under autocast the fused
+        GEMM would round the base output to the autocast dtype, so the update is added separately.
+        """
+        fuse = hidden.dtype == result.dtype == lora_b.dtype and not torch.is_autocast_enabled(result.device.type)
+        if fuse:
+            result2 = result.reshape(-1, result.shape[-1])  # (N, out)
+            hidden2 = hidden.reshape(-1, hidden.shape[-1])  # (N, r)
+            if self._may_overwrite(result):
+                return result2.addmm_(hidden2, lora_b.t(), alpha=scaling).view(result.shape)
+            return torch.addmm(result2, hidden2, lora_b.t(), alpha=scaling).view(result.shape)
+        update = F.linear(hidden.to(lora_b.dtype), lora_b) * scaling
+        return result + update.to(result.dtype)
+
+    def extra_repr(self) -> str:
+        adapters = ", ".join(
+            f"{n}: rank={s.rank}, alpha={s.alpha}, scaling={s.scaling:.4g}{', dora' if s.use_dora else ''}"
+            for n, s in self.specs.items()
+        )
+        return f"{adapters}, merged={self.merged_adapter!r}" if self.merged else f"{adapters}, merged=False"
+
+
+def _repeated(samples: int, names: int) -> str:
+    """The hint for a batch a whole number of times larger than the names: ``generate`` repeating samples."""
+    if samples <= names or samples % names:
+        return ""
+    k = samples // names
+    return (f" A batch {k} times larger is what generate(num_beams={k}) or num_return_sequences={k} makes: call "
+            "generate on the Hugging Face model the adapters were injected into (it repeats the names as it repeats "
+            f"the samples), or give each name {k} times in a row.")
+
+
+def conv1d_type() -> type | None:
+    """The ``transformers`` ``Conv1D`` class if ``transformers`` is already imported, else None.
+
+    A model can only contain a ``Conv1D`` once ``transformers`` is imported, so this never imports it.
+    """
+    module = sys.modules.get("transformers.pytorch_utils")
+    return getattr(module, "Conv1D", None)
+
+
+def lora_layers(model: nn.Module) -> dict[str, LoRALayer]:
+    """All LoRA layers of ``model`` by full module name."""
+    return {name: m for name, m in unwrap(model).named_modules() if isinstance(m, LoRALayer)}
+
+
+def lora_spec(model: nn.Module):
+    """The [`LoRAAdapter`][lightning_peft.peft.LoRAAdapter] [`inject_lora`][lightning_peft.peft.inject_lora] left on
+    ``model``, or None."""
+    return attached(model).get("lora")
+
+
+def require_spec(model: nn.Module, who: str):
+    """`lora_spec`, raising if ``model`` has no LoRA adapter."""
+    spec = lora_spec(model)
+    if spec is None:
+        raise RuntimeError(
+            f"{who}: {type(unwrap(model)).__name__} has no LoRA adapter; call inject_lora(model, ...) first."
+        )
+    return spec
+
+
+class _ABLayer(LoRALayer):
+    """A layer whose adapters are pairs of modules: ``lora_A[n]`` (input side) and ``lora_B[n]`` (output side)."""
+
+    lora_A: nn.ModuleDict
+    lora_B: nn.ModuleDict
+
+    def _init_containers(self) -> None:
+        self.lora_A = nn.ModuleDict()
+        self.lora_B = nn.ModuleDict()
+
+    def _containers(self) -> list[nn.ModuleDict]:
+        return [self.lora_A, self.lora_B]
+
+    def _parameters_of(self, name: str) -> dict[str, nn.Parameter]:
+        return {f"lora_A.{name}.weight": self.lora_A[name].weight, f"lora_B.{name}.weight": self.lora_B[name].weight}
+
+    def _factor_refs(self, name: str) -> tuple[tuple[dict, str], tuple[dict, str]]:
+        return (self.lora_A[name]._parameters, "weight"), (self.lora_B[name]._parameters, "weight")
+
+    @torch.no_grad()
+    def _reset(self, name: str, init: Init) -> None:
+        if init == "gaussian":
+            nn.init.normal_(self.lora_A[name].weight, std=1 / self.specs[name].rank)
+        else:
+            nn.init.kaiming_uniform_(self.lora_A[name].weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B[name].weight)
+
+
+class LoRALinear(_ABLayer):
+    """LoRA for ``nn.Linear`` and for ``transformers``' ``Conv1D`` (``fan_in_fan_out=True``: weight is (in, out)),
+    and DoRA for both (an adapter added with ``use_dora=True``: `lightning_peft.peft.lora.variants`)."""
+
+    supports_dora = True
+
+    # A column-wise base (output dim split): B (out, r) splits with it, A replicated; a row-wise base (input dim
+    # split): A (r, in) splits with it, B replicated (lightning_peft.parallel.tensor_parallel).
+    tensor_parallel_split = {"colwise": "lora_B", "rowwise": "lora_A"}
+
+    def __init__(self, base_layer: nn.Module, *args, **kwargs) -> None:
+        self.fan_in_fan_out = not isinstance(base_layer, nn.Linear)
+        self._dora_norms: dict[str, Tensor] = {}
+        super().__init__(base_layer, *args, **kwargs)
+
+    def _create_factors(self, name: str, rank: int, device: torch.device, dtype: torch.dtype) -> None:
+        base = self.base_layer
+        if isinstance(base, nn.Linear):  # (a bitsandbytes Linear4bit packs its weight: its shape is not (out, in))
+            in_features, out_features = base.in_features, base.out_features
+        else:
+            in_features, out_features = base.weight.shape
+        self.lora_A[name] = nn.Linear(in_features, rank, bias=False, device=device, dtype=dtype)
+        self.lora_B[name] = nn.Linear(rank, out_features, bias=False, device=device, dtype=dtype)
+
+    def _delta(self, name: str) -> Tensor:
+        a, b = self.lora_A[name].weight, self.lora_B[name].weight
+        dtype = _compute_dtype(a.dtype)
+        delta = (b.to(dtype) @ a.to(dtype)) * self.specs[name].scaling  # (out, in)
+        return delta.t() if self.fan_in_fan_out else delta
+
+    # --- DoRA (lightning_peft.peft.lora.variants): a magnitude (out,) per DoRA adapter --------------------------------
+
+    def _init_containers(self) -> None:
+        super()._init_containers()
+        self.lora_magnitude_vector = nn.ParameterDict()
+
+    def _create(self, name: str, rank: int, device: torch.device, dtype: torch.dtype) -> None:
+        self._create_factors(name, rank, device, dtype)
+        if self.specs[name].use_dora:
+            out_features = self.lora_B[name].weight.shape[0]
+            self.lora_magnitude_vector[name] = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+
+    def _parameters_of(self, name: str) -> dict[str, nn.Parameter]:
+        params = super()._parameters_of(name)
+        if name in self.lora_magnitude_vector:
+            params[f"lora_magnitude_vector.{name}"] = self.lora_magnitude_vector[name]
+        return params
+
+    @torch.no_grad()
+    def _reset(self, name: str, init: Init) -> None:
+        super()._reset(name, init)
+        if name in self.lora_magnitude_vector:  # ||W + s B A|| = ||W||: the layer starts equal to its base
+            a, b = self.factors(name)
+            weight = dense_weight(self.base_layer.weight, self.base_layer)
+            norm = variants.row_norm(weight, a, b, self.specs[name].scaling, self.fan_in_fan_out)
+            self.lora_magnitude_vector[name].copy_(norm)
+
+    def delete_adapter(self, name: str) -> None:
+        super().delete_adapter(name)
+        if name in self.lora_magnitude_vector:
+            del self.lora_magnitude_vector[name]
+
+    def _with_update(self, weight: Tensor, name: str) -> Tensor:
+        if not self.specs[name].use_dora:
+            return super()._with_update(weight, name)
+        merged, norm = variants.merged(weight, self.delta_weight(name), self.lora_magnitude_vector[name],
+                                        self.fan_in_fan_out)
+        self._dora_norms[name] = norm  # unmerging needs the n of the unmerged weight (PEFT records it too)
+        return merged
+
+    def _without_update(self, weight: Tensor, name: str) -> Tensor:
+        if not self.specs[name].use_dora:
+            return super()._without_update(weight, name)
+        return variants.unmerged(weight, self.delta_weight(name), self.lora_magnitude_vector[name],
+                                  self._dora_norms[name], self.fan_in_fan_out)
+
+    def _single(self, x: Tensor, result: Tensor, name: str) -> Tensor:
+        if self.specs[name].use_dora:
+            return variants.dora_forward(self, x, result, name)
+        lora_a, lora_b = self.factors(name)  # (r, in), (out, r)
+        hidden = F.linear(self.lora_dropout[name](x).to(lora_a.dtype), lora_a)  # (..., r)
+        return self._add_update(result, hidden, lora_b, self.specs[name].scaling)
+
+    def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor, host: list[int]) -> Tensor:
+        variants.refuse_routing([n for n in names if n is not None and self.specs[n].use_dora])
+        a_t, b_t = self._gathered(names, host)  # (B, in, r), (B, r, out)
+        x3 = self._routed_dropout(x, names, slots).to(a_t.dtype).reshape(x.shape[0], -1, x.shape[-1])  # (B, T, in)
+        hidden = torch.bmm(x3, a_t)  # (B, T, r)
+        return self._add_batched(result, hidden, b_t)
+
+
+class LoRAEmbedding(LoRALayer):
+    """LoRA for ``nn.Embedding``: the update looks up rows of ``A^T`` (V, r) and projects them with ``B``."""
+
+    def __init__(self, base_layer: nn.Embedding, rank: int, alpha: float, dropout: float = 0.0, *args, **kwargs) -> None:
+        # Dropout on token ids has no meaning; PEFT ignores it for embeddings too.
+        super().__init__(base_layer, rank, alpha, 0.0, *args, **kwargs)
+
+    def add_adapter(self, name: str, rank: int, alpha: float, dropout: float = 0.0, *args, **kwargs) -> None:
+        super().add_adapter(name, rank, alpha, 0.0, *args, **kwargs)
+
+    def _init_containers(self) -> None:
+        self.lora_embedding_A = nn.ParameterDict()
+        self.lora_embedding_B = nn.ParameterDict()
+
+    def _containers(self) -> list[nn.ParameterDict]:
+        return [self.lora_embedding_A, self.lora_embedding_B]
+
+    def _create(self, name: str, rank: int, device: torch.device, dtype: torch.dtype) -> None:
+        num_embeddings, dim = self.base_layer.weight.shape
+        self.lora_embedding_A[name] = nn.Parameter(torch.empty(rank, num_embeddings, device=device, dtype=dtype))
+        self.lora_embedding_B[name] = nn.Parameter(torch.empty(dim, rank, device=device, dtype=dtype))
+
+    def _parameters_of(self, name: str) -> dict[str, nn.Parameter]:
+        return {f"lora_embedding_A.{name}": self.lora_embedding_A[name],
+                f"lora_embedding_B.{name}": self.lora_embedding_B[name]}
+
+    def _factor_refs(self, name: str) -> tuple[tuple[dict, str], tuple[dict, str]]:
+        return (self.lora_embedding_A._parameters, name), (self.lora_embedding_B._parameters, name)
+
+    @torch.no_grad()
+    def _reset(self, name: str, init: Init) -> None:
+        # "kaiming" is PEFT's convention for embeddings: A = 0, B ~ N(0, 1). "gaussian" mirrors the linear
+        # layers: A ~ N(0, 1/r), B = 0. The update starts at zero either way.
+        a, b = self.lora_embedding_A[name], self.lora_embedding_B[name]
+        if init == "gaussian":
+            nn.init.normal_(a, std=1 / self.specs[name].rank)
+            nn.init.zeros_(b)
+        else:
+            nn.init.zeros_(a)
+            nn.init.normal_(b)
+
+    def _delta(self, name: str) -> Tensor:
+        a, b = self.lora_embedding_A[name], self.lora_embedding_B[name]
+        dtype = _compute_dtype(a.dtype)
+        return (b.to(dtype) @ a.to(dtype)).t() * self.specs[name].scaling  # (V, d)
+
+    def _lookup(self, x: Tensor, table: Tensor) -> Tensor:
+        base = self.base_layer
+        # The base's options apply to the adapter's lookup too, as in PEFT, except ``sparse``: a sparse gradient
+        # cannot flow back through the transpose of A (PEFT fails there), and A is small, so it gets a dense
+        # gradient, which every optimizer takes.
+        return F.embedding(
+            x, table, padding_idx=base.padding_idx, max_norm=base.max_norm, norm_type=base.norm_type,
+            scale_grad_by_freq=base.scale_grad_by_freq,
+        )
+
+    def _single(self, x: Tensor, result: Tensor, name: str) -> Tensor:
+        hidden = self._lookup(x, self.lora_embedding_A[name].t())  # (..., r)
+        return self._add_update(result, hidden, self.lora_embedding_B[name], self.specs[name].scaling)
+
+    def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor, host: list[int]) -> Tensor:
+        if self.base_layer.max_norm is not None:  # max_norm renormalises the looked-up rows in place
+            return super()._routed(x, result, names, slots, host)
+        a_t, b_t = self._stacked(names)  # (k+1, V, r), (k+1, r, d)
+        vocab = a_t.shape[1]
+        table = a_t.reshape(-1, a_t.shape[-1])  # ((k+1) V, r): adapter k's rows at [k V, (k+1) V)
+        ids = x + (slots * vocab).view(-1, *([1] * (x.dim() - 1)))  # (B, ...)
+        hidden = F.embedding(ids, table, scale_grad_by_freq=self.base_layer.scale_grad_by_freq)  # (B, ..., r)
+        padding = self.base_layer.padding_idx
+        if padding is not None:  # as padding_idx does: the row is read, but gets no gradient
+            hidden = torch.where((x == padding).unsqueeze(-1), hidden.detach(), hidden)
+        return self._add_batched(result, hidden.reshape(x.shape[0], -1, hidden.shape[-1]), b_t.index_select(0, slots))
+
+
+class LoRAConv2d(_ABLayer):
+    """LoRA for ``nn.Conv2d`` (groups=1): ``A`` has the base kernel, stride and padding; ``B`` is 1x1.
+
+    A mixed batch runs one segment per adapter it uses (convolutions have no batched-weight form in PyTorch).
+    """
+
+    def _create(self, name: str, rank: int, device: torch.device, dtype: torch.dtype) -> None:
+        base = self.base_layer
+        self.lora_A[name] = nn.Conv2d(
+            base.in_channels, rank, base.kernel_size, base.stride, base.padding, base.dilation, bias=False,
+            padding_mode=base.padding_mode, device=device, dtype=dtype,
+        )
+        self.lora_B[name] = nn.Conv2d(rank, base.out_channels, 1, bias=False, device=device, dtype=dtype)
+
+    def _delta(self, name: str) -> Tensor:
+        a, b = self.lora_A[name].weight, self.lora_B[name].weight
+        dtype = _compute_dtype(a.dtype)
+        a, b = a.to(dtype), b.to(dtype).flatten(1)  # (r, in, kh, kw), (out, r)
+        return (b @ a.flatten(1)).view(b.shape[0], *a.shape[1:]) * self.specs[name].scaling  # (out, in, kh, kw)
+
+    def _single(self, x: Tensor, result: Tensor, name: str) -> Tensor:
+        lora_a = self.lora_A[name]
+        update = self.lora_B[name](lora_a(self.lora_dropout[name](x).to(lora_a.weight.dtype)))  # (B, out, H', W')
+        return result + (update * self.specs[name].scaling).to(result.dtype)
+
+
+def make_layer(module: nn.Module, name: str, config, adapter_name: str) -> LoRALayer:
+    """The LoRA layer for ``module`` (named ``name`` in the model) with ``config``'s settings (a ``LoRAConfig``)."""
+    kwargs = {
+        "rank": config.rank_for(name),
+        "alpha": config.alpha_for(name),
+        "dropout": config.dropout,
+        "use_rslora": config.use_rslora,
+        "init": config.init,
+        "adapter_name": adapter_name,
+        "use_dora": config.use_dora,
+    }
+    if isinstance(module, nn.Embedding):
+        return LoRAEmbedding(module, **kwargs)
+    if isinstance(module, nn.Conv2d):
+        return LoRAConv2d(module, **kwargs)
+    return LoRALinear(module, **kwargs)
