@@ -51,8 +51,9 @@ class AdapterCallback(Callback):
 
     A subclass sets ``who`` (its name in messages), ``kind`` (its [`Adapter`][lightning_peft.peft.Adapter]'s) and
     ``what`` (the adapter in words: ``"a LoRA adapter"``), keeps its settings in ``self.config`` (an object with
-    ``to_dict()``; several named adapters: ``self.configs``, ``{name: config}``) or overrides `settings`, and defines
-    `inject`.
+    ``to_dict()``) or overrides `settings`, and defines `inject`. What else this class asks of a technique, each with
+    a default a subclass overrides where its technique differs: `request`, `shown`, `check`, `quantize`,
+    `own_dropout`; of its [`Adapter`][lightning_peft.peft.Adapter], ``modules_to_save`` and ``training_only``.
     """
 
     who: ClassVar[str]
@@ -79,32 +80,29 @@ class AdapterCallback(Callback):
         return self.settings()
 
     def shown(self, adapter: Adapter) -> Any:
-        """The model's adapter as a refusal message shows it."""
-        return getattr(adapter, "config", None) or adapter.config_dict()
+        """The model's adapter as a refusal message shows it (default: its
+        [`config_dict`][lightning_peft.peft.Adapter.config_dict])."""
+        return adapter.config_dict()
 
     def check(self, trainer: pl.Trainer) -> None:
         """Refuse a strategy the technique cannot run under (called first in ``setup``; default: none)."""
 
-    def adapter_configs(self) -> list[Any]:
-        """The configs of this callback's adapters: ``self.configs``' values (several named adapters), else
-        ``[self.config]`` (``[None]`` for a callback that keeps its settings otherwise)."""
-        configs = getattr(self, "configs", None)
-        return list(configs.values()) if configs else [getattr(self, "config", None)]
-
     @property
     def quantize(self) -> str | None:
-        """How the adapted layers' frozen base is quantized (``"nf4"``, ``"int8"``; None: full precision): the
-        configs' ``quantize``, one setting for all adapters."""
-        return getattr(self.adapter_configs()[0], "quantize", None)
+        """How the adapted layers' frozen base is quantized (``"nf4"``, ``"int8"``), one setting for all adapters;
+        None (the default): full precision. A technique that quantizes its base returns its config's."""
+        return None
+
+    def own_dropout(self) -> float:
+        """The dropout probability this callback's adapter uses (the largest, for several adapters); default 0.0 (a
+        technique without dropout of its own)."""
+        return 0.0
 
     def saving(self, model: nn.Module) -> str:
         """``", saving <modules> in full"`` for the info line (empty if the adapter saves no module in full)."""
-        saved = getattr(attached(model).get(self.kind), "modules_to_save", ())
+        adapter = attached(model).get(self.kind)
+        saved = adapter.modules_to_save if adapter is not None else ()
         return f", saving {', '.join(saved)} in full" if saved else ""
-
-    def own_dropout(self) -> float:
-        """The dropout probability this callback's adapter uses (the largest, for several adapters)."""
-        return max(float(getattr(config, "dropout", 0.0) or 0.0) for config in self.adapter_configs())
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

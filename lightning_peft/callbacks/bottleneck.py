@@ -29,7 +29,7 @@ import lightning.pytorch as pl
 from torch import nn
 
 from lightning_peft.callbacks._adapter import AdapterCallback
-from lightning_peft.peft.bottleneck import BottleneckConfig, inject_bottleneck_adapters
+from lightning_peft.peft.bottleneck import BottleneckAdapter, BottleneckConfig, inject_bottleneck_adapters
 
 
 class BottleneckAdapters(AdapterCallback):
@@ -78,6 +78,12 @@ class BottleneckAdapters(AdapterCallback):
 
     def request(self) -> dict[str, Any]:  # targets and modules_to_save are not resolved yet
         return {"config": self.config.to_dict()}
+
+    def shown(self, adapter: BottleneckAdapter) -> Any:
+        return adapter.config
+
+    def own_dropout(self) -> float:
+        return float(self.config.dropout)
 
     def inject(self, trainer: pl.Trainer, model: nn.Module) -> str:
         layers = inject_bottleneck_adapters(model, self.config)

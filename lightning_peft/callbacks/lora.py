@@ -25,11 +25,12 @@ from torch import nn
 
 from lightning_peft.callbacks._adapter import AdapterCallback
 from lightning_peft.callbacks._lightning import warn_emulated_bf16
+from lightning_peft.callbacks._lora_settings import LoRASettings
 from lightning_peft.peft.adapter import DEFAULT
 from lightning_peft.peft.lora import as_config, inject_lora
 
 
-class LoRA(AdapterCallback):
+class LoRA(LoRASettings, AdapterCallback):
     """Inject LoRA adapters into the model at ``setup`` and freeze the rest.
 
     Args:

@@ -111,7 +111,7 @@ class MergeOnSave(Callback):
                 f"MergeOnSave: the {unmergeable[0]} adapter cannot be merged into the base weights, so there is no "
                 "merged model to write. Export the adapter only: MergeOnSave(save_merged=False)."
             )
-        names = [name for adapter in attached(model).values() for name in getattr(adapter, "names", ())]
+        names = [name for adapter in attached(model).values() if adapter.named for name in adapter.names]
         if self.adapter_name is not None and self.adapter_name not in names:
             raise ValueError(f"MergeOnSave(adapter_name={self.adapter_name!r}): the model has no named adapter of that "
                              f"name; its named adapters: {names}.")

@@ -31,11 +31,12 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_peft.callbacks._adapter import AdapterCallback
+from lightning_peft.callbacks._lora_settings import NamedLoRASettings
 from lightning_peft.callbacks._multi_lora import RoutesBatches, adapter_configs, check_strategy, refuse_changed_adapters
-from lightning_peft.peft import LoRAAdapter, add_adapter, inject_lora, set_adapter
+from lightning_peft.peft import add_adapter, inject_lora, set_adapter
 
 
-class MultiLoRA(RoutesBatches, AdapterCallback):
+class MultiLoRA(RoutesBatches, NamedLoRASettings, AdapterCallback):
     """Inject several named LoRA adapters at ``setup`` and route every batch per sample.
 
     Args:
@@ -75,9 +76,6 @@ class MultiLoRA(RoutesBatches, AdapterCallback):
 
     def request(self) -> dict[str, Any]:
         return {"adapters": {name: {"config": config} for name, config in self.settings().items()}}
-
-    def shown(self, adapter: LoRAAdapter) -> Any:
-        return {name: config for name, (config, _) in adapter.adapters.items()}
 
     def check(self, trainer: pl.Trainer) -> None:
         check_strategy(trainer.strategy)

@@ -32,6 +32,7 @@ from typing_extensions import override
 from lightning_peft._seams import refuse, tensor_parallel_size
 from lightning_peft.callbacks._adapter import AdapterCallback
 from lightning_peft.callbacks._target import resolve_target
+from lightning_peft.peft import PrefixTuningAdapter
 from lightning_peft.peft.prefix_tuning import PrefixTuningConfig, fold_prefix_projection, inject_prefix_tuning
 
 
@@ -66,6 +67,9 @@ class PrefixTuning(AdapterCallback):
 
     def request(self) -> dict[str, Any]:  # a folded projection counts as the projection it came from
         return {"config": self.config.to_dict()}
+
+    def shown(self, adapter: PrefixTuningAdapter) -> Any:
+        return adapter.config
 
     def check(self, trainer: pl.Trainer) -> None:
         if tensor_parallel_size(trainer.strategy) > 1:

@@ -32,7 +32,8 @@ What an [`Adapter`][lightning_peft.peft.Adapter] answers:
 | ``matches(config)`` | whether the adapter is what a config describes (a callback asking again goes on) |
 | ``wrapped(model)`` | the wrapper modules it put in place of base layers (each has ``base_layer``) |
 | ``remove(model, name)`` | delete one named adapter (techniques with several named adapters) |
-| ``names`` (optional) | a technique with several named adapters on one model (LoRA) lists them; its ``peft_config`` / ``peft_state`` / ``check_peft_config`` / ``from_peft`` then take ``adapter_name``, and each adapter is saved in PEFT's multi-adapter layout |
+| ``modules_to_save`` | full names of the modules it trains and saves in full (default: none) |
+| ``named`` | whether the technique keeps several named adapters on one model (LoRA; default False). Such an adapter has ``names`` (them, in the order they were added); its ``merged_state`` takes ``name``, its ``peft_config`` / ``peft_state`` / ``check_peft_config`` / ``check_peft_shapes`` / ``from_peft`` take ``adapter_name``, and each adapter is saved in PEFT's multi-adapter layout. Generic code asks ``named``, never whether ``names`` exists |
 
 Names: a model compiled with ``torch.compile`` keeps its modules under ``_orig_mod``; every name that is
 written (adapter keys, targets, merged state dicts) has that segment removed (`clean_key`).
@@ -67,6 +68,10 @@ class Adapter(ABC):
     peft_fields: ClassVar[frozenset[str] | None] = None
     format_version: ClassVar[int | None] = None
     training_only: ClassVar[tuple[str, ...]] = ()  # config_dict() keys that only steer training: a resume may change them
+    #: Several named adapters on one model: the instance then has ``names`` and its PEFT-format methods take
+    #: ``adapter_name`` (see the module docstring).
+    named: ClassVar[bool] = False
+    modules_to_save: tuple[str, ...] = ()  # full names of the modules trained and saved in full
 
     @abstractmethod
     def state(self, model: nn.Module) -> dict[str, Tensor]:
@@ -356,7 +361,7 @@ def merged_state_dict(model: nn.Module, adapter_name: str | None = None) -> dict
     model = unwrap(model)
     state = model.state_dict()
     for adapter in adapters.values():
-        named = {"name": adapter_name} if adapter_name is not None and hasattr(adapter, "names") else {}
+        named = {"name": adapter_name} if adapter_name is not None and adapter.named else {}
         state = adapter.merged_state(model, state, **named)
     return {clean_key(k): v for k, v in state.items()}
 

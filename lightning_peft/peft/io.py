@@ -97,9 +97,9 @@ def _all_files(model: nn.Module, directory: Path, adapter_names: Sequence[str] |
 
 
 def _names_to_save(adapter: Adapter, adapter_names: Sequence[str] | None) -> list[str | None]:
-    names = getattr(adapter, "names", None)
-    if names is None:
+    if not adapter.named:
         return [None]
+    names = adapter.names
     if adapter_names is None:
         return list(names)
     if isinstance(adapter_names, str):
@@ -258,7 +258,7 @@ def _named_subfolders(directory: Path) -> list[tuple[Path, str]]:
 def _has_named_adapters(peft_type: object, folder: Path) -> bool:
     """Whether adapters of ``peft_type`` can sit beside others under their own names (PEFT's multi-adapter layout)."""
     try:
-        return hasattr(technique_for_peft_type(peft_type, str(folder)), "names")
+        return technique_for_peft_type(peft_type, str(folder)).named
     except ValueError:
         return False
 
@@ -280,7 +280,7 @@ def _read_part(root: Path, folder: Path, name: str) -> _Part:
     source = str(folder / CONFIG_NAME)
     cls = technique_for_peft_type(config.get("peft_type"), source)
     _check_fields(config, cls, source)
-    if folder != root and hasattr(cls, "names"):
+    if folder != root and cls.named:
         _check_folder_name(folder, name)
     files = AdapterFiles(folder / CONFIG_NAME, weights_path(folder), cls.peft_key_prefix)
     for path in (files.config, files.weights):
@@ -307,7 +307,7 @@ def _apply(model: nn.Module, part: _Part, keep_old: bool):
     cls, name, config, tensors = part.cls, part.name, part.config, part.tensors
     source = str(part.files.config)
     adapter = attached(model).get(cls.kind)
-    multi = hasattr(cls, "names")
+    multi = cls.named
     named = {"adapter_name": name} if multi else {}
     injected = adapter is None or (multi and name not in adapter.names)
     # Before anything is allocated: a size the config decides must be the file's (a 3 KB file asking for r=2**24).

@@ -172,6 +172,20 @@ def test_static_arguments_are_checked_in_init():
         LoRA(rank=-1)
 
 
+def test_what_adapter_callback_asks_of_each_technique_s_callback_is_declared():
+    """``quantize`` and ``own_dropout`` are members of `AdapterCallback` (None and 0.0 by default); the LoRA callbacks
+    answer from their configs (MultiLoRA: one quantize for all, the largest dropout), BottleneckAdapters its dropout."""
+    from lightning_peft.callbacks import BottleneckAdapters, MultiLoRA, PrefixTuning, PromptTuning
+
+    def asked(callback):
+        return callback.quantize, callback.own_dropout()
+
+    assert asked(LoRA(dropout=0.1, quantize="int8")) == ("int8", 0.1)
+    assert asked(MultiLoRA(adapters={"a": {"dropout": 0.1}, "b": {"dropout": 0.3}}, quantize="nf4")) == ("nf4", 0.3)
+    assert asked(BottleneckAdapters(dropout=0.2)) == (None, 0.2)
+    assert asked(PrefixTuning()) == asked(PromptTuning()) == (None, 0.0)
+
+
 def test_peft_argument_names_on_the_callback_are_answered_with_ours():
     with pytest.raises(TypeError, match=r"LoRA\(lora_alpha=16\): lightning-peft calls this argument 'alpha'; pass "
                                         r"alpha=16 \(Hugging Face PEFT's names map as r -> rank, .*init\)\.$"):

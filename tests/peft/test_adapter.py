@@ -196,3 +196,20 @@ def test_a_technique_without_named_adapters_refuses_remove_and_keeps_the_default
     assert scale.resume_fields(scale.config_dict()) == {"targets": ["blocks.0.value"]}
     with pytest.raises(RuntimeError, match="has no named adapters to remove"):
         scale.remove(model, "x")
+
+
+def test_every_registered_technique_declares_named_adapters_consistently():
+    """Generic code asks ``Adapter.named``, never whether ``names`` exists: a technique that keeps several named
+    adapters declares it and provides what that promises (``names``; ``adapter_name`` on its PEFT-format methods,
+    ``name`` on ``merged_state``), and one that declares nothing has no ``names``."""
+    import inspect
+
+    from lightning_peft.peft.adapter import _REGISTRY
+
+    for cls in _REGISTRY.values():
+        assert cls.named == hasattr(cls, "names"), cls.kind
+        if cls.named:
+            for method in ("peft_config", "peft_state", "check_peft_config", "check_peft_shapes", "from_peft"):
+                assert "adapter_name" in inspect.signature(getattr(cls, method)).parameters, (cls.kind, method)
+            assert "name" in inspect.signature(cls.merged_state).parameters, cls.kind
+    assert {kind for kind, cls in _REGISTRY.items() if cls.named} == {"lora"}

@@ -73,6 +73,7 @@ class LoRAAdapter(Adapter):
     peft_fields: ClassVar[frozenset[str]] = PEFT_FIELDS
     mergeable: ClassVar[bool] = True
     training_only: ClassVar[tuple[str, ...]] = ("dropout", "init")
+    named: ClassVar[bool] = True
 
     def __init__(
         self,
