@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save
+from safetensors.torch import save
 from torch import Tensor
 
 CONFIG_NAME = "adapter_config.json"
@@ -102,12 +102,14 @@ def weights_path(directory: Path) -> Path:
     return directory / LEGACY_WEIGHTS_NAME
 
 
-def read_adapter_weights(directory: Path, prefix: str = KEY_PREFIX) -> dict[str, Tensor]:
+def read_adapter_weights(directory: Path, prefix: str = KEY_PREFIX) -> tuple[dict[str, Tensor], dict[str, str]]:
     """Adapter tensors from ``directory``, with ``prefix`` (PEFT's ``base_model.model.``) removed; floating point only
-    (float8 widened to float32). Never unpickles code."""
+    (float8 widened to float32); and the safetensors header's metadata (empty for a legacy ``.bin``). Never unpickles
+    code."""
     path = weights_path(directory)
+    metadata: dict[str, str] = {}
     if path.name == WEIGHTS_NAME and path.exists():
-        tensors = _read_safetensors(path)
+        tensors, metadata = _read_safetensors(path)
     elif path.exists():
         tensors = _read_legacy(path)
         for key, value in tensors.items():
@@ -115,16 +117,17 @@ def read_adapter_weights(directory: Path, prefix: str = KEY_PREFIX) -> dict[str,
             _check_dtype(path, key, name, name)
     else:
         raise FileNotFoundError(f"load_adapter: {directory} holds neither {WEIGHTS_NAME} nor {LEGACY_WEIGHTS_NAME}.")
-    return {k.removeprefix(prefix): _widened(v) for k, v in tensors.items()}
+    return {k.removeprefix(prefix): _widened(v) for k, v in tensors.items()}, metadata
 
 
-def _read_safetensors(path: Path) -> dict[str, Tensor]:
+def _read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     try:
         with safe_open(path, framework="pt") as header:  # dtypes from the header, before any data is read
-            for key in header.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+            keys = list(header.keys())
+            for key in keys:
                 code = header.get_slice(key).get_dtype()
                 _check_dtype(path, key, code, _TORCH_NAMES.get(code, code))
-        return load_file(path)
+            return {key: header.get_tensor(key) for key in keys}, header.metadata() or {}
     except (SafetensorError, OSError, ValueError, TypeError) as err:
         if isinstance(err, ValueError) and str(err).startswith("load_adapter:"):
             raise

@@ -38,10 +38,8 @@ import hashlib
 import json
 import warnings
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
-from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from ._common import is_quantized
@@ -83,17 +81,11 @@ def header(model: nn.Module, adapter: Any, keys: Iterable[str]) -> dict[str, str
     return {FIELD: json.dumps(record(model, adapter, keys), sort_keys=True)}
 
 
-def read_record(weights: Path) -> object:
-    """What the weights file ``weights`` records of its base: the parsed ``lightning_peft`` header entry; None when
+def read_record(metadata: dict[str, str]) -> object:
+    """What a weights file's header ``metadata`` records of its base: the parsed ``lightning_peft`` entry; None when
     there is none (PEFT's files, legacy ``.bin`` files); a string (which `warn_if_other_base` reports as malformed)
     when the entry is not JSON."""
-    if weights.suffix != ".safetensors" or not weights.is_file():
-        return None
-    try:
-        with safe_open(str(weights), "pt") as handle:
-            entry = (handle.metadata() or {}).get(FIELD)
-    except (SafetensorError, OSError):
-        return None  # the weights' own reader names the file and the cause
+    entry = metadata.get(FIELD)
     if entry is None:
         return None
     try:

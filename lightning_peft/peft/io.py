@@ -124,9 +124,9 @@ def _adapter_files(model: nn.Module, adapter: Adapter, directory: Path, name: st
     tensors = _writable(state, adapter.peft_key_prefix)
     refuse_overflow(adapter.value_problems(model, state, **named), "save_adapter", _OVERFLOW_ON_SAVE)
     text = json.dumps(adapter.peft_config(model, **named), indent=2, sort_keys=True) + "\n"
-    metadata = {"format": "pt", **header(model, adapter, state)}
-    return {
-        directory / WEIGHTS_NAME: lambda tmp: Path(tmp).write_bytes(safetensors_bytes(tensors, metadata)),
+    return {  # the header (the base's record) is built only when the file is written, not for check_saveable
+        directory / WEIGHTS_NAME: lambda tmp: Path(tmp).write_bytes(
+            safetensors_bytes(tensors, {"format": "pt", **header(model, adapter, state)})),
         directory / CONFIG_NAME: lambda tmp: Path(tmp).write_text(text),
     }
 
@@ -285,9 +285,9 @@ def _read_part(root: Path, folder: Path, name: str) -> _Part:
     files = AdapterFiles(folder / CONFIG_NAME, weights_path(folder), cls.peft_key_prefix)
     for path in (files.config, files.weights):
         refuse_outside(root, path)
-    tensors = read_adapter_weights(folder, cls.peft_key_prefix)
+    tensors, metadata = read_adapter_weights(folder, cls.peft_key_prefix)
     refuse_non_finite(tensors, folder, cls.peft_key_prefix)
-    return _Part(files, name, config, cls, tensors, read_record(files.weights))
+    return _Part(files, name, config, cls, tensors, read_record(metadata))
 
 
 def _check_folder_name(folder: Path, name: str) -> None:

@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._common import LayerWrapper, adapter_dtype, dense_weight, is_quantized
+from .._limits import scale
 from ..adapter import attached, unwrap
 from . import variants
 from .routing import DEFAULT, RoutedPath, Routing
@@ -125,9 +126,7 @@ class AdapterSpec:
     scaling: float = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "scaling", self.alpha / math.sqrt(self.rank) if self.use_rslora else self.alpha / self.rank
-        )
+        object.__setattr__(self, "scaling", scale(self.alpha, self.rank, self.use_rslora))
 
 
 class LoRALayer(RoutedPath, LayerWrapper):
