@@ -123,7 +123,8 @@ def write_dirs(writers: dict[Path, Callable[[Path], object]]) -> None:
         for final in writers:
             refuse_link(final, "write_dir")
             final.parent.mkdir(parents=True, exist_ok=True)
-            clean_stale(final.parent)
+        for folder in {final.parent for final in writers}:  # the pair of an export shares one folder
+            clean_stale(folder)
         for final, write in writers.items():
             made[final] = Path(tempfile.mkdtemp(prefix=temporary_prefix(final.name, "new"), dir=final.parent))
             write(made[final])

@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import Strategy
 from typing_extensions import override
 
 from lightning_peft._atomic import clean_stale, finish_dir, save_torch, swap, temporary_prefix
-from lightning_peft.parallel._checkpoint_files import check_file
+from lightning_peft._checkpoint_files import check_file
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

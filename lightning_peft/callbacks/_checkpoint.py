@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 
-from lightning_peft.parallel._checkpoint_files import check_file
+from lightning_peft._checkpoint_files import check_file
 from lightning_peft.peft.checkpoint import restore_adapters
 
 _PATCH_LOCK = threading.Lock()

@@ -118,8 +118,8 @@ class MergeOnSave(Callback):
         if self.save_adapter:
             with _gathered(trainer, model, adapter_parameters(model)):
                 check_saveable(model)
-        needed = export_bytes(model, self.save_merged, self.save_adapter)
-        check = lambda: check_target(f"MergeOnSave(dirpath={str(self.dirpath)!r})", self.dirpath, needed)  # noqa: E731
+        check = lambda: check_target(f"MergeOnSave(dirpath={str(self.dirpath)!r})", self.dirpath,  # noqa: E731
+                                     export_bytes(model, self.save_merged, self.save_adapter))  # on rank 0 only
         on_rank_zero(trainer, check, "MergeOnSave", "the check of dirpath")
 
     @override

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from lightning_peft.parallel._checkpoint_files import FIX, UNREADABLE, inside, refused, untrusted
+from lightning_peft._checkpoint_files import FIX, UNREADABLE, inside, refused, untrusted
 
 _WHO = "convert_checkpoint"
 _METADATA_CLASSES = {

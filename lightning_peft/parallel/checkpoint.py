@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from lightning_peft._atomic import write_files
-from lightning_peft.parallel._checkpoint_files import FIX, check_file, inside, read_file
+from lightning_peft._checkpoint_files import FIX, check_file, inside, read_file
 from lightning_peft.parallel.pipeline_state import merge_stages, read_stages, stage_files
 
 __all__ = ["convert_checkpoint", "deepspeed_checkpoint", "load_optimizer_states"]

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_peft.parallel._checkpoint_files import FIX, inside, read_file
+from lightning_peft._checkpoint_files import FIX, inside, read_file
 from lightning_peft.parallel.pipeline import Piece
 
 __all__ = [

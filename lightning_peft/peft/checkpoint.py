@@ -21,6 +21,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from .._grads import full_shape
 from .adapter import ADAPTERS_ATTRIBUTE, adapter_tensors, attached, technique, unwrap
 from .quantize import flatten_quantized
 
@@ -103,7 +104,7 @@ def check_shapes(pl_module: nn.Module, state_dict: dict[str, Any], who: str) -> 
     """
     own = dict(pl_module.named_parameters(remove_duplicate=False))
     own.update(pl_module.named_buffers(remove_duplicate=False))
-    wrong = [(key, tuple(value.shape), _shape(own[key])) for key, value in state_dict.items()
+    wrong = [(key, tuple(value.shape), tuple(full_shape(own[key]))) for key, value in state_dict.items()
              if key in own and isinstance(value, Tensor) and not _fits(value, own[key])]
     if wrong:
         key, saved, now = wrong[0]
@@ -115,18 +116,13 @@ def check_shapes(pl_module: nn.Module, state_dict: dict[str, Any], who: str) -> 
         )
 
 
-def _shape(tensor: Tensor) -> tuple[int, ...]:
-    """The full shape of a model tensor (DeepSpeed stage 3 keeps it in ``ds_shape``)."""
-    return tuple(getattr(tensor, "ds_shape", tensor.shape))
-
-
 def _fits(saved: Tensor, own: Tensor) -> bool:
     """Whether ``saved`` can load into the model's ``own``: the same full shape, or the same placeholder (DeepSpeed
     stage 3 writes and loads its partitioned parameters as the empty tensors the module holds), or ``own`` is still
     uninitialised (a lazy module)."""
     if isinstance(own, nn.parameter.UninitializedTensorMixin):
         return True
-    return tuple(saved.shape) in (_shape(own), tuple(own.shape))
+    return tuple(saved.shape) in (tuple(full_shape(own)), tuple(own.shape))
 
 
 def check_same_adapters(saved: dict[str, Any], pl_module: nn.Module, who: str) -> None:

@@ -55,7 +55,8 @@ def check_file(file: Path, who: str) -> bool:
                          f"it wrote anything. {FIX}")
     with file.open("rb") as handle:
         zipped = handle.read(4) == b"PK\x03\x04"
-    if zipped and not zipfile.is_zipfile(file):
+        whole = not zipped or zipfile.is_zipfile(handle)
+    if not whole:
         raise ValueError(f"{who}: {str(file)!r} is truncated: a checkpoint of {size} bytes that stops before its end "
                          f"(a save, copy or download cut off part-way). {FIX}")
     return zipped
