@@ -49,6 +49,8 @@ class LoRAConfig:
             ``"int8"`` (`lightning_peft.peft.quantize`); None: full precision. The adapters stay float32.
         use_dora: DoRA (Liu et al., arXiv:2402.09353): a trained magnitude per output feature on top of the LoRA
             update, as Hugging Face PEFT's ``use_dora`` (`lightning_peft.peft.lora.variants`). Linear and Conv1D only.
+        lora_bias: ``B`` gets a trained bias (starting at zero), merged into the base bias, as PEFT's ``lora_bias``:
+            for an update extracted from a full fine-tune. Not on embeddings, with DoRA, or with ``init="gaussian"``.
     """
 
     rank: int = 8
@@ -64,6 +66,7 @@ class LoRAConfig:
     use_rslora: bool = False
     quantize: Literal["nf4", "int8"] | None = None
     use_dora: bool = False
+    lora_bias: bool = False
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalised values are set with object.__setattr__; the caller's objects are not mutated.
@@ -89,6 +92,11 @@ class LoRAConfig:
         if self.quantize is not None:
             check_method(self.quantize, "LoRA")
         boolean("LoRA", "use_dora", self.use_dora)
+        boolean("LoRA", "lora_bias", self.lora_bias)
+        clash = "use_dora=True" if self.use_dora else "init='gaussian'" if self.init == "gaussian" else None
+        if self.lora_bias and clash:  # PEFT's LoraConfig refuses both, so PEFT could not load the adapter
+            raise ValueError(f"LoRA(lora_bias=True, {clash}): PEFT supports lora_bias only for plain LoRA initialised "
+                             f"as init='kaiming'; drop {clash.split('=')[0]} or lora_bias.")
 
     def rank_for(self, name: str) -> int:
         return _pattern_value(self.rank_pattern, name, self.rank)
@@ -199,7 +207,6 @@ _UNSUPPORTED = {
     "layers_to_transform": None,
     "layers_pattern": None,
     "target_parameters": None,
-    "lora_bias": False,
     "layer_replication": None,
     "trainable_token_indices": None,
     "alora_invocation_tokens": None,
@@ -271,4 +278,5 @@ def _from_fields(config: dict, targets: Any, init: Any) -> LoRAConfig:
         init="gaussian" if init == "gaussian" else "kaiming",
         use_rslora=config.get("use_rslora", False),
         use_dora=config.get("use_dora") or False,
+        lora_bias=config.get("lora_bias") or False,
     )
