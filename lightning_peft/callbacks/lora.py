@@ -44,8 +44,7 @@ class LoRA(LoRASettings, AdapterCallback):
         rank_pattern: Per-module rank overrides ``{regex: rank}``.
         alpha_pattern: Per-module alpha overrides ``{regex: alpha}``.
         bias: ``"none"``, ``"lora_only"`` or ``"all"``: which biases train.
-        init: ``"kaiming"``/``"gaussian"`` (``A``; ``B = 0``), or a start that rewrites the base weight: ``"pissa"``,
-            ``"pissa_niter_K"``, ``"olora"``, ``"loftq"`` (with ``quantize``) (`lightning_peft.peft.lora.init`).
+        init: ``"kaiming"``, ``"gaussian"``, or ``"pissa"``, ``"olora"``, ... (`lightning_peft.peft.lora.init`).
         use_rslora: Rank-stabilised scaling.
         quantize: ``"nf4"`` or ``"int8"``: the adapted linear layers' frozen weights stored quantized (QLoRA,
             `lightning_peft.peft.quantize`); None: full precision.
