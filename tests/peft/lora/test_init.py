@@ -15,7 +15,14 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.testing import assert_close
 
-from lightning_peft.peft import LoRAConfig, add_adapter, inject_lora, load_adapter, merged_state_dict, save_adapter
+from lightning_peft.peft import (
+    LoRAConfig,
+    add_adapter,
+    inject_lora,
+    load_adapter,
+    merged_state_dict,
+    save_adapter,
+)
 from lightning_peft.peft._common import dense_weight, is_quantized
 from lightning_peft.peft.quantize import quantized
 
