@@ -42,7 +42,7 @@ class LoRA(LoRASettings, AdapterCallback):
         rank_pattern: Per-module rank overrides ``{regex: rank}``.
         alpha_pattern: Per-module alpha overrides ``{regex: alpha}``.
         bias: ``"none"``, ``"lora_only"`` or ``"all"``: which biases train.
-        init: ``"kaiming"`` or ``"gaussian"`` initialisation of ``A`` (``B`` starts at zero).
+        init: ``"kaiming"``, ``"gaussian"``, or ``"pissa"``, ``"olora"``, ... (`lightning_peft.peft.lora.init`).
         use_rslora: Rank-stabilised scaling.
         quantize: ``"nf4"`` or ``"int8"``: the adapted linear layers' frozen weights stored quantized (QLoRA,
             `lightning_peft.peft.quantize`); None: full precision.
@@ -68,7 +68,7 @@ class LoRA(LoRASettings, AdapterCallback):
         rank_pattern: dict[str, int] | None = None,
         alpha_pattern: dict[str, float] | None = None,
         bias: Literal["none", "lora_only", "all"] = "none",
-        init: Literal["kaiming", "gaussian"] = "kaiming",
+        init: str = "kaiming",
         use_rslora: bool = False,
         quantize: Literal["nf4", "int8"] | None = None,
         use_dora: bool = False,

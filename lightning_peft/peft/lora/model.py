@@ -40,7 +40,8 @@ from ..adapter import (
 from ..modules_to_save import fold_modules_to_save, set_submodule, wrap_modules_to_save
 from ..quantize import drop_quantizer_entries, plain_state, quantize_layers
 from .config import LoRAConfig, as_config, check_adapter_name
-from .layer import DEFAULT, LoRALayer, Routing, lora_layers, lora_spec, make_layer, require_spec
+from . import init as starts
+from .layer import DEFAULT, LoRALayer, Routing, conv1d_type, lora_layers, lora_spec, make_layer, require_spec
 from .merge import merge_lora, unmerge_lora
 from .peft_format import (
     PEFT_FIELDS,
@@ -74,6 +75,7 @@ class LoRAAdapter(Adapter):
     mergeable: ClassVar[bool] = True
     training_only: ClassVar[tuple[str, ...]] = ("dropout", "init")
     named: ClassVar[bool] = True
+    converts_to_lora: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -248,11 +250,13 @@ class LoRAAdapter(Adapter):
             raise ValueError(f"LoRA: no adapter named {name!r}; the model has {list(self.adapters)}.")
         return name
 
-    def peft_state(self, model: nn.Module, adapter_name: str | None = None) -> dict[str, Tensor]:
-        return peft_state(self, model, self._name(adapter_name))
+    def peft_state(self, model: nn.Module, adapter_name: str | None = None,
+                   convert_to_lora: bool = False) -> dict[str, Tensor]:
+        return peft_state(self, model, self._name(adapter_name), convert_to_lora)
 
-    def peft_config(self, model: nn.Module, adapter_name: str | None = None) -> dict[str, Any]:
-        return peft_config(self, model, self._name(adapter_name))
+    def peft_config(self, model: nn.Module, adapter_name: str | None = None,
+                    convert_to_lora: bool = False) -> dict[str, Any]:
+        return peft_config(self, model, self._name(adapter_name), convert_to_lora)
 
     def peft_problems(self, model: nn.Module) -> list[str]:
         return peft_problems(self, model)
@@ -332,7 +336,11 @@ def _inject(
 ) -> dict[str, LoRALayer]:
     """Add adapter ``adapter_name`` to exactly ``targets`` and wrap ``to_save`` (full names, already checked)."""
     refuse_overflowing_scales(model, config, targets)  # before any change
-    quantize_layers(model, targets, config.quantize, "LoRA", isinstance(config.target_modules, list))  # first
+    linear = (nn.Linear,) if conv1d_type() is None else (nn.Linear, conv1d_type())
+    starts.refuse(model, config, targets, linear, "LoRA")
+    rewrites = starts.rewrites_base(config.init)  # then the base is quantized after the start: its residual
+    quantize_layers(model, targets, None if rewrites else config.quantize, "LoRA",
+                    isinstance(config.target_modules, list))  # first
     spec = lora_spec(model)
     routing = spec.routing if spec is not None else Routing(adapter_name)
     for wrapper in wrap_modules_to_save(model, to_save).values():
@@ -351,6 +359,11 @@ def _inject(
         layer.routing = routing
         set_submodule(model, name, layer)
         replaced[name] = layer
+    if rewrites and config.quantize is not None:
+        if starts.loftq_iterations(config.init):
+            for layer in replaced.values():
+                starts.initialise(layer, adapter_name, config.init, starts.round_trip_for(config.quantize))
+        quantize_layers(model, targets, config.quantize, "LoRA", isinstance(config.target_modules, list))
     if spec is None:
         spec = LoRAAdapter({}, to_save, routing)
     spec.adapters[adapter_name] = (config, tuple(targets))
