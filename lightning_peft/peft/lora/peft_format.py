@@ -59,6 +59,7 @@ def peft_config(adapter, model: nn.Module, name: str) -> dict[str, Any]:
     config, targets = adapter.adapters[name]
     layers = {clean_key(n): unwrap(model).get_submodule(n) for n in targets}
     specs = {n: layer.specs[name] for n, layer in layers.items()}
+    targets = exact_targets(list(layers), [n for n in _adaptable_view(unwrap(model))])
     return {
         "peft_type": "LORA",
         "task_type": None,
@@ -67,7 +68,10 @@ def peft_config(adapter, model: nn.Module, name: str) -> dict[str, Any]:
         "r": config.rank,
         "lora_alpha": config.alpha,
         "lora_dropout": config.dropout,
-        "target_modules": exact_targets(list(layers), [n for n in _adaptable_view(unwrap(model))]),
+        "target_modules": targets,
+        # the names are exact, so these change nothing PEFT adapts; PEFT refuses them beside a regular expression
+        "layers_to_transform": config.layers_to_transform if isinstance(targets, list) else None,
+        "layers_pattern": config.layers_pattern if isinstance(targets, list) else None,
         "exclude_modules": None,
         "modules_to_save": [clean_key(n) for n in adapter.modules_to_save] or None,
         "rank_pattern": {re.escape(n): s.rank for n, s in specs.items() if s.rank != config.rank},
