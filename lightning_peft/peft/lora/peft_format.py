@@ -15,7 +15,8 @@ from torch import Tensor, nn
 
 from .._common import matched, pattern_matches, unmatched
 from .._limits import factor_problem, scale_problem
-from ..adapter import base_model_name, clean_key, unwrap
+from .._base_identity import base_model_name
+from ..adapter import clean_key, unwrap
 from ..modules_to_save import plain_key, present_modules
 from .config import LoRAConfig, config_from_peft
 from .layer import DEFAULT, LoRAConv2d, lora_layers
