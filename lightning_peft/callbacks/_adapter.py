@@ -59,6 +59,7 @@ class AdapterCallback(Callback):
     who: ClassVar[str]
     kind: ClassVar[str]
     what: ClassVar[str] = "an adapter"
+    takes_named_adapters: ClassVar[bool] = False  # several named adapters of one technique (MultiLoRA)
     model_attribute: str | None = None
     adapter_only_checkpoint: bool = False
 

@@ -37,6 +37,7 @@ class NamedLoRASettings(LoRASettings):
     ``self.configs``."""
 
     configs: dict[str, LoRAConfig]
+    takes_named_adapters = True
 
     def adapter_configs(self) -> list[LoRAConfig]:
         return list(self.configs.values())

@@ -63,7 +63,7 @@ def refuse_two_callbacks_on_one_model(callbacks: list, callback, pl_module: nn.M
         if theirs is not model:
             continue
         fix = "Keep one of them."
-        named = [c for c in (callback, other) if hasattr(c, "configs")]  # the one that takes several named adapters
+        named = [c for c in (callback, other) if c.takes_named_adapters]
         if len(named) == 1:
             single = other if named[0] is callback else callback
             fix = (f"Keep one: {named[0].who} alone, with {single.who}'s settings as one of its adapters (with one "

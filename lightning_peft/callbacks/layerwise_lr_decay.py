@@ -25,8 +25,7 @@ YAML:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -36,10 +35,17 @@ from typing_extensions import override
 
 from lightning_peft._checks import real
 from lightning_peft.callbacks._lightning import Patches, PatchingCallback, refuse_changed_settings
+from lightning_peft.callbacks._regroup import regroup_configure_optimizers
 from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.callbacks._target import resolve_target
-from lightning_peft.training.layerwise_lr import GROUP_KEY, broken_decay, check_decay, decayed_groups, layer_depths
-from lightning_peft.training.layerwise_lr import optimizers_and_schedulers, scale_plateau_floors
+from lightning_peft.training.layerwise_lr import (
+    GROUP_KEY,
+    broken_decay,
+    check_decay,
+    decayed_groups,
+    layer_depths,
+    scale_plateau_floors,
+)
 
 # Set on a ReduceLROnPlateau whose min_lrs the callback has scaled (saved with the scheduler's state: a resumed run
 # must not scale them again).
@@ -86,17 +92,8 @@ class LayerwiseLRDecay(PatchingCallback):
             return
         self._depths(pl_module)  # wrong patterns fail now, before any optimizer exists
         self._patches.undo()  # an earlier fit's wrapper, if its teardown did not run: wrap the user's method
-        original = pl_module.configure_optimizers
-
-        @functools.wraps(original)
-        def configure_optimizers(*args: Any, **kwargs: Any) -> Any:
-            with self._splitting(pl_module) as split_add:
-                result = original(*args, **kwargs)
-                self._split_prebuilt(result, split_add)
-            return result
-
-        # An instance attribute, undone in teardown (one LightningCLI set on the instance comes back).
-        self._patches.set(pl_module, "configure_optimizers", configure_optimizers)
+        regroup_configure_optimizers(pl_module, self._patches, lambda: self._split(pl_module), "LayerwiseLRDecay",
+                                     "split by depth")
 
     def _depths(self, pl_module: pl.LightningModule) -> tuple[dict[int, str], dict[str, int], int]:
         prefix, model = resolve_target(pl_module, self.model_attribute, "LayerwiseLRDecay")
@@ -104,55 +101,15 @@ class LayerwiseLRDecay(PatchingCallback):
         names = {id(p): name for name, p in model.named_parameters()}
         return names, depths, num_layers
 
-    @contextmanager
-    def _splitting(self, pl_module: pl.LightningModule) -> Iterator[Callable[[Optimizer, dict[str, Any]], None]]:
-        """While active, ``Optimizer.add_param_group`` receives each group split by depth (``split_add.origins``:
-        how many of the user's groups each optimizer, by id, has taken)."""
+    def _split(self, pl_module: pl.LightningModule) -> Callable[[Optimizer, dict[str, Any], int], list[dict[str, Any]]]:
+        """Each param group split by depth (`decayed_groups`)."""
         names, depths, num_layers = self._depths(pl_module)
-        add_param_group = Optimizer.add_param_group
-        callback = self
-        origins: dict[int, int] = {}  # id(optimizer) -> how many of the user's groups it has taken
-
-        def split_add(optimizer: Optimizer, group: dict[str, Any]) -> None:
-            origin = origins.setdefault(id(optimizer), 0)
-            origins[id(optimizer)] += 1
-            for part in decayed_groups(group, optimizer, names, depths, num_layers, callback.decay,
-                                       callback.bias_and_norm_weight_decay, origin, "LayerwiseLRDecay"):
-                add_param_group(optimizer, part)
-
-        split_add.origins = origins  # type: ignore[attr-defined]
-        with Patches() as patches:
-            patches.set(Optimizer, "add_param_group", split_add)
-            yield split_add
-
-    def _split_prebuilt(self, result: Any, split_add: Callable[[Optimizer, dict[str, Any]], None]) -> None:
-        """Splits, in place, an optimizer that ``configure_optimizers`` returned but did not build.
-
-        LightningCLI's ``optimizer:`` section builds the optimizer before the Trainer exists. With no state and no
-        scheduler attached yet, its groups can still be split; a scheduler made for the old groups cannot be
-        mended (its per-group state is stale), which is an error.
-        """
-        optimizers, schedulers = optimizers_and_schedulers(result)
-        for optimizer in optimizers:
-            if id(optimizer) in split_add.origins:  # type: ignore[attr-defined]
-                continue
-            users = [type(s).__name__ for s in schedulers if getattr(s, "optimizer", None) is optimizer]
-            if users or optimizer.state:
-                made = f"with the scheduler {', '.join(users)} " if users else "and already stepped "
-                raise RuntimeError(
-                    f"LayerwiseLRDecay: configure_optimizers returned a {type(optimizer).__name__} built before the "
-                    f"run {made}(LightningCLI's optimizer: and lr_scheduler: sections do that), so its groups can no "
-                    "longer be split by depth. Build the optimizer and scheduler in the LightningModule's "
-                    "configure_optimizers (HFSequenceClassifier has one: drop the optimizer: and lr_scheduler: "
-                    "sections), or use the optimizer: section without a scheduler."
-                )
-            groups, optimizer.param_groups = optimizer.param_groups, []
-            for group in groups:
-                split_add(optimizer, group)
+        return functools.partial(_decayed, names=names, depths=depths, num_layers=num_layers, decay=self.decay,
+                                 weight_decay=self.bias_and_norm_weight_decay)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not any(_split(optimizer) for optimizer in trainer.optimizers):
+        if not any(_was_split(optimizer) for optimizer in trainer.optimizers):
             raise RuntimeError(
                 "LayerwiseLRDecay: no optimizer of this run was built inside the LightningModule's "
                 "configure_optimizers, so no learning rate was decayed; build the optimizer there (or in "
@@ -221,6 +178,11 @@ def _broken_message(trainer: pl.Trainer, optimizer: Optimizer, first: tuple[floa
     )
 
 
-def _split(optimizer: Any) -> bool:
+def _decayed(optimizer: Optimizer, group: dict[str, Any], origin: int, **how: Any) -> list[dict[str, Any]]:
+    return decayed_groups(group, optimizer, how["names"], how["depths"], how["num_layers"], how["decay"],
+                          how["weight_decay"], origin, "LayerwiseLRDecay")
+
+
+def _was_split(optimizer: Any) -> bool:
     """Whether the callback split ``optimizer``'s groups (also through a strategy's wrapper of it)."""
     return any(GROUP_KEY in group for group in optimizer.param_groups)

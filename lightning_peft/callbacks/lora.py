@@ -24,11 +24,12 @@ from torch import nn
 from lightning_peft.callbacks._adapter import AdapterCallback
 from lightning_peft.callbacks._lightning import warn_emulated_bf16
 from lightning_peft.callbacks._lora_settings import LoRASettings
+from lightning_peft.callbacks._loraplus import LoRAPlusOption
 from lightning_peft.peft.adapter import DEFAULT
 from lightning_peft.peft.lora import as_config, inject_lora
 
 
-class LoRA(LoRASettings, AdapterCallback):
+class LoRA(LoRASettings, LoRAPlusOption, AdapterCallback):
     """Inject LoRA adapters into the model at ``setup`` and freeze the rest.
 
     Args:
@@ -48,6 +49,10 @@ class LoRA(LoRASettings, AdapterCallback):
             `lightning_peft.peft.quantize`); None: full precision.
         use_dora: DoRA (arXiv:2402.09353), as PEFT's ``use_dora``: a trained magnitude per output feature.
         lora_bias: A trained bias on ``B``, merged into the base bias, as PEFT's ``lora_bias``.
+        layers_to_transform: Only the ``target_modules`` (a list) in these layers (``layers_pattern``: the name of
+            their ``nn.ModuleList``, e.g. ``"layers"``; None: any), as PEFT's.
+        loraplus_lr_ratio: LoRA+ (arXiv:2402.12354, `lightning_peft.callbacks._loraplus`): ``B`` trains at this many
+            times each optimizer group's lr, embedding adapters at ``loraplus_lr_embedding`` (PEFT's). None: off.
         adapter_only_checkpoint: Checkpoints hold only what trains (and buffers); loading takes the frozen base
             from the model as constructed.
         model_attribute: Dotted path of the model inside the LightningModule (adapter key paths are relative to it);
@@ -73,6 +78,8 @@ class LoRA(LoRASettings, AdapterCallback):
         quantize: Literal["nf4", "int8"] | None = None,
         use_dora: bool = False,
         lora_bias: bool = False,
+        layers_to_transform: list[int] | int | None = None, layers_pattern: list[str] | str | None = None,
+        loraplus_lr_ratio: float | None = None, loraplus_lr_embedding: float = 1e-6,
         adapter_only_checkpoint: bool = False,
         model_attribute: str | None = None,
         **peft_names: Any,
@@ -83,7 +90,9 @@ class LoRA(LoRASettings, AdapterCallback):
             "exclude_modules": exclude_modules, "modules_to_save": modules_to_save,
             "rank_pattern": dict(rank_pattern or {}), "alpha_pattern": dict(alpha_pattern or {}),
             "bias": bias, "init": init, "use_rslora": use_rslora, "quantize": quantize, "use_dora": use_dora,
-            "lora_bias": lora_bias, **peft_names}, "LoRA")
+            "lora_bias": lora_bias,
+            "layers_to_transform": layers_to_transform, "layers_pattern": layers_pattern, **peft_names}, "LoRA")
+        self.use_loraplus(loraplus_lr_ratio, loraplus_lr_embedding)
 
     def request(self) -> dict[str, Any]:  # the model's first adapter must be this one, whatever its name
         return {"adapters": {DEFAULT: {"config": self.config.to_dict()}}, "first_only": True}

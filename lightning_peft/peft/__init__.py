@@ -15,6 +15,7 @@ from .bottleneck import (
 )
 from .._manifest import recover_export
 from .io import load_adapter, peft_config, save_adapter
+from .loraplus import loraplus_groups
 from .lora import (
     LoRAAdapter,
     LoRAConfig,
@@ -89,6 +90,7 @@ __all__ = [
     "inject_prefix_tuning",
     "inject_prompt_tuning",
     "load_adapter",
+    "loraplus_groups",
     "lora_layers",
     "merge_lora",
     "merged_state_dict",

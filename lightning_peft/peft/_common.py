@@ -90,6 +90,53 @@ def chosen_by_name(who: str, targets: Targets, names: list[str], model: nn.Modul
     return chosen
 
 
+def layer_of(name: str, patterns: str | list[str] | None) -> tuple[str, int] | None:
+    """(the layer list's path, the layer's index) of module ``name``, read as Hugging Face PEFT reads it for
+    ``layers_to_transform``: the first number segment after an entry of ``patterns`` (regular expressions naming the
+    ``nn.ModuleList``, first match wins), or, with no pattern, after any named segment but the first
+    (``model.layers.3.mlp.up`` -> ``("model.layers", 3)``). None: not inside a numbered layer.
+
+    >>> layer_of("model.layers.3.experts.0.up", None), layer_of("h.1.attn", "h"), layer_of("h.1.attn", None)
+    (('model.layers', 3), ('h', 1), None)
+    """
+    if not patterns:  # lazy: the first index, not an expert's inside it (PEFT's rule)
+        match = re.match(r"(?P<path>.*?\.[^.]*)\.(?P<idx>\d+)\.", name)
+    else:
+        for pattern in [patterns] if isinstance(patterns, str) else patterns:
+            match = re.match(rf"(?P<path>(?:^|.*?\.){pattern})\.(?P<idx>\d+)\.", name)
+            if match is not None:
+                break
+    return None if match is None else (match["path"], int(match["idx"]))
+
+
+def in_layers(who: str, chosen: list[str], targets: list[str], layers: int | list[int],
+              patterns: str | list[str] | None, model: nn.Module) -> list[str]:
+    """The ``chosen`` modules inside the layers ``layers`` (``layers_to_transform``; `layer_of` finds a module's
+    layer), and those a ``targets`` entry names in full (PEFT keeps them wherever they are). Raises if a pattern or
+    an index finds no layer among ``chosen``: a typo would adapt other layers, or none."""
+    wanted = [layers] if isinstance(layers, int) else list(layers)
+    given = f"{who}(layers_to_transform={layers!r}{'' if patterns is None else f', layers_pattern={patterns!r}'})"
+    fix = "Give the name of the ModuleList holding the layers (e.g. 'layers', 'h'), or leave layers_pattern out."
+    if patterns and all(layer_of(name, patterns) is None for name in chosen):  # a list: any entry may match
+        _refuse_layers(given, f"layers_pattern {patterns!r} names no", chosen, targets, None, model, fix)
+    index = {name: layer_of(name, patterns) for name in chosen}
+    missing = [i for i in wanted if all(where is None or where[1] != i for where in index.values())]
+    if missing:
+        _refuse_layers(given, f"there is no layer {', '.join(map(str, missing))} in any", chosen, targets, patterns,
+                       model, "Give indices of layers that exist.")
+    return [n for n in chosen if n in targets or (index[n] is not None and index[n][1] in wanted)]
+
+
+def _refuse_layers(given: str, problem: str, chosen: list[str], targets: list[str], patterns, model: nn.Module,
+                   fix: str) -> None:
+    found: dict[str, set[int]] = {}
+    for where in filter(None, (layer_of(name, patterns) for name in chosen)):
+        found.setdefault(where[0], set()).add(where[1])
+    lists = "; ".join(f"{path!r} (layers {', '.join(map(str, sorted(i)))})" for path, i in found.items()) or "none"
+    raise ValueError(f"{given}: {problem} layer list holding a module that target_modules={targets!r} matched in "
+                     f"{type(model).__name__}. Numbered layer lists found there: {lists}. {fix}")
+
+
 def inside(name: str, modules: Iterable[str]) -> bool:
     """Whether module ``name`` is one of ``modules`` or inside one of them (a ``modules_to_save`` entry)."""
     return any(name == m or name.startswith(f"{m}.") for m in modules)

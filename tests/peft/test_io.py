@@ -584,8 +584,6 @@ def test_legacy_bin_that_is_not_a_tensor_dict_is_refused(content, tmp_path):
 @pytest.mark.parametrize(
     ("key", "value"),
     [
-        ("layers_to_transform", [0]),
-        ("layers_pattern", "layer"),
         ("target_parameters", ["intermediate.dense.weight"]),
         ("layer_replication", [[0, 1]]),
         ("trainable_token_indices", [3]),

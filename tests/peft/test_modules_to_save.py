@@ -138,3 +138,23 @@ def test_a_head_that_holds_a_module_another_technique_saves_is_left_to_it(family
     inject(model)
     assert model.classifier.out_proj is saved and attached(model)[family].modules_to_save == ()
     assert not any(isinstance(m, ModulesToSave) for m in saved.trained_module.modules())
+
+
+def test_a_wrapper_follows_any_technique_that_says_which_samples_get_the_base():
+    """The wrapper asks a neutral question (`BaseSamples.base_samples`), not LoRA's routing internals."""
+
+    class Switch:
+        def __init__(self, answer):
+            self.answer = answer
+
+        def base_samples(self):
+            return self.answer
+
+    torch.manual_seed(0)
+    original = torch.nn.Linear(3, 2)
+    wrapper = ModulesToSave(original, torch.nn.Linear(3, 2))
+    x = torch.randn(3, 3)  # (B, 3)
+    for answer, rows in ((True, [True] * 3), (False, [False] * 3), ([True, False, True], [True, False, True])):
+        wrapper.routing = Switch(answer)
+        expected = torch.where(torch.tensor(rows).view(3, 1), original(x), wrapper.trained_module(x))
+        torch.testing.assert_close(wrapper(x), expected, rtol=0, atol=0)

@@ -97,9 +97,10 @@ from .config import (
 )
 from .layer import NON_LINEARITIES, Bottleneck, BottleneckLayer, Projection, output_size
 from .select import check_targets, select
+from .._base_identity import base_model_name
 from .._common import adapter_dtype, refuse_absent, refuse_second_injection, require
 from ..adapter import (
-    Adapter, attach, attached, base_model_name, clean_key, detach, register, remove_adapter, trainable_parameters,
+    Adapter, attach, attached, clean_key, detach, register, remove_adapter, trainable_parameters,
     unwrap,
 )
 from ..modules_to_save import plain_key, restore_modules, saved_state, set_submodule, wrap_modules_to_save

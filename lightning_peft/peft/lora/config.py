@@ -54,6 +54,12 @@ class LoRAConfig:
             update, as Hugging Face PEFT's ``use_dora`` (`lightning_peft.peft.lora.variants`). Linear and Conv1D only.
         lora_bias: ``B`` gets a trained bias (starting at zero), merged into the base bias, as PEFT's ``lora_bias``:
             for an update extracted from a full fine-tune. Not on embeddings, with DoRA, or with ``init="gaussian"``.
+        layers_to_transform: Adapt only the ``target_modules`` inside these layers (an index or a list), as PEFT's:
+            a layer's index is the first number in a module's name after a ``layers_pattern`` entry (default: after
+            any named part, ``model.layers.3.mlp`` -> 3); an entry naming a module in full is kept wherever it is.
+            Needs a list ``target_modules``.
+        layers_pattern: The name (a regular expression, or a list of them) of the ``nn.ModuleList`` holding the
+            layers, e.g. ``"layers"`` or ``"h"``; None: any. Only with ``layers_to_transform``.
     """
 
     rank: int = 8
@@ -70,6 +76,8 @@ class LoRAConfig:
     quantize: Literal["nf4", "int8"] | None = None
     use_dora: bool = False
     lora_bias: bool = False
+    layers_to_transform: list[int] | int | None = None
+    layers_pattern: list[str] | str | None = None
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalised values are set with object.__setattr__; the caller's objects are not mutated.
@@ -100,6 +108,7 @@ class LoRAConfig:
         if self.lora_bias and clash:  # PEFT's LoraConfig refuses both, so PEFT could not load the adapter
             raise ValueError(f"LoRA(lora_bias=True, {clash}): PEFT supports lora_bias only for plain LoRA initialised "
                              f"as init='kaiming'; drop {clash.split('=')[0]} or lora_bias.")
+        _check_layers(self)
 
     def rank_for(self, name: str) -> int:
         return _pattern_value(self.rank_pattern, name, self.rank)
@@ -139,6 +148,37 @@ def _as_alpha(value: object, what: str) -> float:
 
 def _check_pattern(key: object, what: str) -> None:
     regex("LoRA", f"{what} key", key)
+
+
+def _check_layers(config: LoRAConfig) -> None:
+    """PEFT's rules for ``layers_to_transform`` / ``layers_pattern``; it refuses the same combinations."""
+    layers, pattern = config.layers_to_transform, config.layers_pattern
+    for what, value in (("layers_to_transform", layers), ("layers_pattern", pattern)):
+        if value is not None and isinstance(config.target_modules, str):
+            raise ValueError(
+                f"LoRA({what}={value!r}, target_modules={config.target_modules!r}): {what} needs target_modules as "
+                "a list of names, e.g. ['q_proj', 'v_proj'] (PEFT refuses the same); a regular expression can name "
+                r"the layers itself, e.g. r'.*\.layers\.(0|1)\.self_attn\.q_proj'."
+            )
+    if isinstance(layers, (list, tuple)) and layers:
+        object.__setattr__(config, "layers_to_transform", [
+            integer("LoRA", "layers_to_transform", i, minimum=0, example="[0, 1]") for i in layers])
+    elif layers is not None:
+        integer("LoRA", "layers_to_transform", layers, minimum=0, example="[0, 1] or 0")
+    if pattern is None:
+        return
+    if layers is None:
+        raise ValueError(f"LoRA(layers_pattern={pattern!r}): layers_pattern only says where layers_to_transform "
+                         "counts layers; give layers_to_transform too, e.g. [0, 1].")
+    entries = [pattern] if isinstance(pattern, str) else name_list("LoRA", "layers_pattern", pattern,
+                                                                   example="'layers'")
+    if not entries or "" in entries:
+        raise ValueError(f"LoRA(layers_pattern={pattern!r}): give the name of the ModuleList holding the layers, "
+                         "e.g. 'layers' or 'h', or None for any.")
+    for entry in entries:
+        regex("LoRA", "layers_pattern", entry)
+    if not isinstance(pattern, str):
+        object.__setattr__(config, "layers_pattern", entries)
 
 
 def _as_targets(value: object, what: str) -> Targets:
@@ -208,8 +248,6 @@ _REWRITING = ("corda", "lora_ga", "loftq")  # PEFT starts that rewrite the base 
 
 # PEFT features this library does not implement: loading such an adapter would silently change its meaning.
 _UNSUPPORTED = {
-    "layers_to_transform": None,
-    "layers_pattern": None,
     "target_parameters": None,
     "layer_replication": None,
     "trainable_token_indices": None,
@@ -272,6 +310,9 @@ def _from_fields(config: dict, targets: Any, init: Any) -> LoRAConfig:
         use_dora=config.get("use_dora") or False,
         lora_bias=config.get("lora_bias") or False,
         quantize=_LOFTQ_BITS.get((config.get("loftq_config") or {}).get("loftq_bits")) if init.startswith("loftq") else None,
+        # PEFT reads an empty list or pattern as none given
+        layers_to_transform=None if config.get("layers_to_transform") == [] else config.get("layers_to_transform"),
+        layers_pattern=config.get("layers_pattern") or None,
     )
 
 

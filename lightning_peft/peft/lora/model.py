@@ -56,7 +56,9 @@ from .peft_format import (
 from .targets import _select, _warn_about_settings
 
 log = logging.getLogger("lightning_peft.peft.lora")  # the package, as targets.py logs
-_ADDED_FIELDS = {"use_dora": False, "quantize": None, "lora_bias": False}  # LoRAConfig fields newer than some checkpoints: their old value
+# LoRAConfig fields newer than some checkpoints: their old value
+_ADDED_FIELDS = {"use_dora": False, "quantize": None, "lora_bias": False, "layers_to_transform": None,
+                 "layers_pattern": None}
 
 
 @register

@@ -16,7 +16,8 @@ from torch import Tensor, nn
 
 from .._common import matched, pattern_matches, unmatched
 from .._limits import factor_problem, scale_problem
-from ..adapter import base_model_name, clean_key, unwrap
+from .._base_identity import base_model_name
+from ..adapter import clean_key, unwrap
 from ..modules_to_save import plain_key, present_modules
 from . import init as starts
 from .config import LoRAConfig, config_from_peft
@@ -69,6 +70,7 @@ def peft_config(adapter, model: nn.Module, name: str, convert_to_lora: bool = Fa
     specs = {n: layer.specs[name] for n, layer in layers.items()}
     if starts.rewrites_base(config.init):
         config, specs = _converted_settings(config, specs, name, convert_to_lora)
+    targets = exact_targets(list(layers), [n for n in _adaptable_view(unwrap(model))])
     return {
         "peft_type": "LORA",
         "task_type": None,
@@ -77,7 +79,10 @@ def peft_config(adapter, model: nn.Module, name: str, convert_to_lora: bool = Fa
         "r": config.rank,
         "lora_alpha": config.alpha,
         "lora_dropout": config.dropout,
-        "target_modules": exact_targets(list(layers), [n for n in _adaptable_view(unwrap(model))]),
+        "target_modules": targets,
+        # the names are exact, so these change nothing PEFT adapts; PEFT refuses them beside a regular expression
+        "layers_to_transform": config.layers_to_transform if isinstance(targets, list) else None,
+        "layers_pattern": config.layers_pattern if isinstance(targets, list) else None,
         "exclude_modules": None,
         "modules_to_save": [clean_key(n) for n in adapter.modules_to_save] or None,
         "rank_pattern": {re.escape(n): s.rank for n, s in specs.items() if s.rank != config.rank},

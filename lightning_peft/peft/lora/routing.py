@@ -66,6 +66,12 @@ class Routing:
         self._positions = [position.get(n, len(self._used)) for n in self.names]  # (B,) as a list
         self._slots = torch.tensor(self._positions, dtype=torch.long)
 
+    def base_samples(self) -> bool | list[bool]:
+        """`modules_to_save.BaseSamples`: disabled, every sample gets the base output; routed, those routed to None."""
+        if self.disabled or self.names is None or None not in self.names:
+            return self.disabled
+        return [n is None for n in self.names]
+
     def select(
         self, adapters: Sequence[str], device: torch.device
     ) -> tuple[list[str], Tensor, list[int]] | None:

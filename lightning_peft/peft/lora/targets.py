@@ -11,6 +11,8 @@ Target selection follows Hugging Face PEFT so that configs mean the same thing i
 - the children of ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` are never adapted: those
   modules read their children's weights directly (the fused inference fast path), so an adapter there would
   be silently ignored;
+- ``layers_to_transform`` (with ``layers_pattern``) keeps the list-matched modules of those layers
+  (`lightning_peft.peft._common.layer_of` reads a module's layer as PEFT does);
 - ``exclude_modules`` uses the same rules and wins over ``target_modules``;
 - ``modules_to_save`` left at None on a Hugging Face task model (``*ForSequenceClassification``,
   ``*ForTokenClassification``, ``*ForQuestionAnswering``, ``*ForMultipleChoice``) saves its task head
@@ -31,6 +33,7 @@ from torch import nn
 from .._common import (
     Targets,
     chosen_by_name,
+    in_layers,
     inside,
     matched,
     name_matches,
@@ -103,6 +106,9 @@ def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]
         chosen = [n for n in names if isinstance(modules[n], linear) and n != head and n not in inside_fused]
     else:
         chosen = chosen_by_name("LoRA", config.target_modules, names, model, _describe_modules)
+        if config.layers_to_transform is not None and chosen:
+            chosen = in_layers("LoRA", chosen, config.target_modules, config.layers_to_transform,
+                               config.layers_pattern, model)
     chosen = [n for n in chosen if not inside(n, to_save)]
     if not chosen:
         refuse_no_target("LoRA", config.target_modules, model, "adapt", _describe_modules(model),

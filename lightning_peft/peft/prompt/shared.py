@@ -15,7 +15,8 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from ..adapter import Adapter, base_model_name, clean_key, detach, unwrap
+from .._base_identity import base_model_name
+from ..adapter import Adapter, clean_key, detach, unwrap
 from ..modules_to_save import peft_saved_state, restore_modules, saved_state
 
 #: The key of the prompt (prompt tuning) or prefix table (prefix tuning) in PEFT's ``adapter_model.safetensors``.
