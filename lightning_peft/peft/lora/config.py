@@ -49,6 +49,9 @@ class LoRAConfig:
             ``"int8"`` (`lightning_peft.peft.quantize`); None: full precision. The adapters stay float32.
         use_dora: DoRA (Liu et al., arXiv:2402.09353): a trained magnitude per output feature on top of the LoRA
             update, as Hugging Face PEFT's ``use_dora`` (`lightning_peft.peft.lora.variants`). Linear and Conv1D only.
+        target_parameters: Parameters adapted in place (PEFT's ``target_parameters``, `lightning_peft.peft.lora.param`):
+            full names or dotted suffixes, e.g. ``["mlp.experts.gate_up_proj"]`` (the 3-D experts of transformers 5
+            MoE models); ``target_modules`` still applies, ``[]`` adapts the parameters only.
     """
 
     rank: int = 8
@@ -64,6 +67,7 @@ class LoRAConfig:
     use_rslora: bool = False
     quantize: Literal["nf4", "int8"] | None = None
     use_dora: bool = False
+    target_parameters: list[str] | None = None
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalised values are set with object.__setattr__; the caller's objects are not mutated.
@@ -71,7 +75,8 @@ class LoRAConfig:
         normal(self, "rank", _as_rank(self.rank, "rank"))
         normal(self, "alpha", _as_alpha(self.alpha, "alpha"))
         normal(self, "dropout", probability("LoRA", "dropout", self.dropout))
-        normal(self, "target_modules", _as_targets(self.target_modules, "target_modules"))
+        if not (self.target_modules == [] and self.target_parameters):  # [] with parameters: those only, as PEFT
+            normal(self, "target_modules", _as_targets(self.target_modules, "target_modules"))
         if self.exclude_modules is not None:
             normal(self, "exclude_modules", _as_targets(self.exclude_modules, "exclude_modules"))
         if self.modules_to_save is not None:
@@ -89,6 +94,8 @@ class LoRAConfig:
         if self.quantize is not None:
             check_method(self.quantize, "LoRA")
         boolean("LoRA", "use_dora", self.use_dora)
+        if self.target_parameters is not None:
+            normal(self, "target_parameters", _as_parameters(self))
 
     def rank_for(self, name: str) -> int:
         return _pattern_value(self.rank_pattern, name, self.rank)
@@ -124,6 +131,22 @@ def _as_alpha(value: object, what: str) -> float:
     real("LoRA", what, value, maximum=FLOAT32_MAX, example="16",
          meaning="float32's largest value; an alpha beyond it makes every output inf or NaN")
     return value if isinstance(value, int) else alpha  # an int alpha stays an int (PEFT's files write it so)
+
+
+def _as_parameters(config: LoRAConfig) -> list[str]:
+    chosen = name_list("LoRA", "target_parameters", config.target_parameters, example="['mlp.experts.gate_up_proj']")
+    if not chosen or not all(chosen):
+        raise ValueError(f"LoRA(target_parameters={config.target_parameters!r}): give parameter names, e.g. "
+                         "['mlp.experts.gate_up_proj'], or leave it None.")
+    # PEFT's ParamWrapper refuses these as well: the update is formed on the parameter, not on an input.
+    for what, value in (("use_dora", config.use_dora), ("dropout", config.dropout)):
+        if value:
+            raise ValueError(
+                f"LoRA(target_parameters={chosen!r}, {what}={value!r}): an adapted parameter is updated as a whole "
+                f"(W + s B A), so it has no {'input to drop' if what == 'dropout' else 'DoRA magnitude'}; PEFT "
+                f"refuses the pair too. Leave {what} out, or adapt modules (target_modules) instead."
+            )
+    return chosen
 
 
 def _check_pattern(key: object, what: str) -> None:
@@ -198,7 +221,6 @@ _BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "eva")
 _UNSUPPORTED = {
     "layers_to_transform": None,
     "layers_pattern": None,
-    "target_parameters": None,
     "lora_bias": False,
     "layer_replication": None,
     "trainable_token_indices": None,
@@ -242,6 +264,8 @@ def config_from_peft(config: dict, source: str = "adapter_config.json", who: str
             "Kaiming-uniform) or 'gaussian' (A normal) only, so this adapter would start elsewhere than asked; pass "
             "init_lora_weights=True or 'gaussian', or use Hugging Face PEFT for it."
         )
+    if config.get("target_parameters") and config.get("target_modules") is None:  # PEFT: the parameters only
+        config = {**config, "target_modules": []}
     if who != "load_adapter" and config.get("target_modules") is None:
         raise ValueError(
             f"{who}: {source} has target_modules=None; lightning-peft does not guess PEFT's per-architecture "
@@ -271,4 +295,5 @@ def _from_fields(config: dict, targets: Any, init: Any) -> LoRAConfig:
         init="gaussian" if init == "gaussian" else "kaiming",
         use_rslora=config.get("use_rslora", False),
         use_dora=config.get("use_dora") or False,
+        target_parameters=config.get("target_parameters") or None,
     )

@@ -81,9 +81,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def unmerged_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
     """State-dict post-hook: a merged layer reports its unmerged base weight, so no state holds ``W + delta``."""
-    key = f"{prefix}base_layer.weight"
+    key = f"{prefix}{module.adapted_key}"
     if module.merged and key in state_dict:
-        weight = module.base_layer.weight
+        weight = module._adapted()
         with torch.no_grad():
             restored = module._without_update(dense_weight(weight).to(_compute_dtype(weight.dtype)),
                                               module.merged_adapter)
@@ -191,6 +191,14 @@ class LoRALayer(RoutedPath, LayerWrapper):
         """The base layer's weight: code that reads ``module.weight`` (dtype checks, T5) keeps working."""
         return self.base_layer.weight
 
+    #: Where the tensor the adapters update sits in the layer's state dict (`_adapted`).
+    adapted_key: ClassVar[str] = "base_layer.weight"
+
+    def _adapted(self) -> Tensor:
+        """The base tensor the adapters update and a merge writes: the base layer's weight (a parameter of
+        another module for `lightning_peft.peft.lora.param`)."""
+        return self.base_layer.weight
+
     @property
     def bias(self) -> Tensor | None:
         return getattr(self.base_layer, "bias", None)
@@ -233,7 +241,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
                             f"{type(self.base_layer).__name__} base layer; DoRA supports Linear and Conv1D layers.")
         self.specs[name] = AdapterSpec(rank, alpha, use_rslora, use_dora)
         self.lora_dropout[name] = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        weight = self.base_layer.weight
+        weight = self._adapted()
         self._create(name, rank, device=weight.device, dtype=adapter_dtype(weight))
         self.reset_parameters(init, name)
         # New submodules start in training mode; those of an eval layer must not (dropout would stay on).
@@ -309,7 +317,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
     def merged_weight(self, name: str | None = None) -> Tensor:
         """``W + delta`` of one adapter computed in float32 (or wider), cast to the base dtype; raises if
         non-finite. On a merged layer: the weight as it is (the merged adapter's)."""
-        weight = self.base_layer.weight
+        weight = self._adapted()
         if self.merged:
             if name is not None and name != self.merged_adapter:
                 raise RuntimeError(
@@ -350,7 +358,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
             raise RuntimeError(
                 f"{type(self).__name__}: adapter {self.merged_adapter!r} is merged; unmerge it before merging {name!r}."
             )
-        if is_quantized(self.base_layer.weight):
+        if is_quantized(self._adapted()):
             if not dequantize:
                 raise RuntimeError(
                     f"{type(self).__name__}: the base weight is quantized ({type(self.base_layer.weight).__name__}); "
@@ -359,7 +367,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
                 )
             self._dequantize_base(self.merged_weight(name))
         else:
-            self.base_layer.weight.copy_(self.merged_weight(name))
+            self._adapted().copy_(self.merged_weight(name))
         self.merged_adapter = name
         self.routing.merged[name] = self.routing.merged.get(name, 0) + 1
 
@@ -387,7 +395,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
         """
         if not self.merged:
             raise RuntimeError(f"{type(self).__name__}.unmerge(): the layer is not merged; call merge() first.")
-        weight = self.base_layer.weight
+        weight = self._adapted()
         restored = self._without_update(dense_weight(weight).to(_compute_dtype(weight.dtype)), self.merged_adapter)
         weight.copy_(restored.to(weight.dtype))
         self.routing.merged[self.merged_adapter] -= 1

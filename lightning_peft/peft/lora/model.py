@@ -52,10 +52,11 @@ from .peft_format import (
     peft_state,
     value_problems,
 )
-from .targets import _select, _warn_about_settings
+from .param import plan_parameters, wrap_parameters
+from .targets import _select, _warn_about_settings, select_parameters
 
 log = logging.getLogger("lightning_peft.peft.lora")  # the package, as targets.py logs
-_ADDED_FIELDS = {"use_dora": False, "quantize": None}  # LoRAConfig fields newer than some checkpoints: their old value
+_ADDED_FIELDS = {"use_dora": False, "quantize": None, "target_parameters": None}  # LoRAConfig fields newer than some checkpoints: their old value
 
 
 @register
@@ -139,7 +140,8 @@ class LoRAAdapter(Adapter):
                       "modules_to_save": config["modules_to_save"], "active": DEFAULT}
         names = {n for n, _ in model.named_modules()}
         recorded = [t for entry in config["adapters"].values() for t in entry["targets"]]
-        absent = [n for n in [*recorded, *config["modules_to_save"]] if n not in names]
+        # A nested parameter wrapper's path (``<module>.base_layer``) exists once its config's rules wrap it again.
+        absent = [n for n in [*recorded, *config["modules_to_save"]] if n not in names and ".base_layer" not in n]
         if absent:
             raise ValueError(
                 f"LoRA: the recorded adapter names module {absent[0]!r}, which {type(model).__name__} does not have; "
@@ -169,7 +171,7 @@ class LoRAAdapter(Adapter):
                 continue
             drop_quantizer_entries(state, name, layer.base_layer)
             try:
-                state[f"{name}.weight"] = layer.merged_weight(chosen)
+                state[f"{name}.{layer.adapted_key.rpartition('.')[2]}"] = layer.merged_weight(chosen)
             except RuntimeError as err:
                 raise RuntimeError(f"merged_state_dict: layer {name!r}: {err}") from None
         return plain_state(fold_modules_to_save(model, state))
@@ -327,8 +329,11 @@ def _refuse_second_injection(model: nn.Module) -> None:
 def _inject(
     model: nn.Module, config: LoRAConfig, targets: list[str], to_save: list[str], adapter_name: str
 ) -> dict[str, LoRALayer]:
-    """Add adapter ``adapter_name`` to exactly ``targets`` and wrap ``to_save`` (full names, already checked)."""
-    refuse_overflowing_scales(model, config, targets)  # before any change
+    """Add adapter ``adapter_name`` to exactly ``targets`` and wrap ``to_save`` (full names, already checked); the
+    parameters ``config.target_parameters`` names are found by its rules (`lora.param`)."""
+    planned = plan_parameters(model, select_parameters(model, config))  # raises before any change
+    targets = [t for t in targets if t not in planned]  # a checkpoint's record names the parameter layers too
+    refuse_overflowing_scales(model, config, targets)
     quantize_layers(model, targets, config.quantize, "LoRA", isinstance(config.target_modules, list))  # first
     spec = lora_spec(model)
     routing = spec.routing if spec is not None else Routing(adapter_name)
@@ -348,9 +353,10 @@ def _inject(
         layer.routing = routing
         set_submodule(model, name, layer)
         replaced[name] = layer
+    replaced.update(wrap_parameters(model, planned, config, adapter_name, routing))
     if spec is None:
         spec = LoRAAdapter({}, to_save, routing)
-    spec.adapters[adapter_name] = (config, tuple(targets))
+    spec.adapters[adapter_name] = (config, (*targets, *planned))
     attach(model, spec)
     log.info("LoRA: adapter %r on %d modules of %s; %s", adapter_name, len(replaced), type(model).__name__,
              trainable_parameters(model))

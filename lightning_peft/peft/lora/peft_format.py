@@ -19,7 +19,8 @@ from ..adapter import base_model_name, clean_key, unwrap
 from ..modules_to_save import plain_key, present_modules
 from .config import LoRAConfig, config_from_peft
 from .layer import DEFAULT, LoRAConv2d, lora_layers
-from .targets import _adaptable_view, _select, exact_targets
+from .param import LoRAParameter, plan_parameters
+from .targets import _adaptable_view, _parameters, _select, exact_targets, select_parameters
 
 PEFT_FIELDS = frozenset((  # peft 0.21.2's LoraConfig
     "alora_invocation_tokens", "alpha_pattern", "arrow_config", "auto_mapping", "base_model_name_or_path", "bias",
@@ -57,8 +58,10 @@ def peft_state(adapter, model: nn.Module, name: str) -> dict[str, Tensor]:
 def peft_config(adapter, model: nn.Module, name: str) -> dict[str, Any]:
     """Adapter ``name``'s ``adapter_config.json`` content."""
     config, targets = adapter.adapters[name]
-    layers = {clean_key(n): unwrap(model).get_submodule(n) for n in targets}
-    specs = {n: layer.specs[name] for n, layer in layers.items()}
+    every = {clean_key(_pattern_name(model, n)): unwrap(model).get_submodule(n) for n in targets}
+    layers = {n: layer for n, layer in every.items() if not isinstance(layer, LoRAParameter)}
+    parameters = sorted(set(every) - set(layers))  # PEFT's target_parameters: the full names
+    specs = {n: layer.specs[name] for n, layer in every.items()}
     return {
         "peft_type": "LORA",
         "task_type": None,
@@ -77,7 +80,15 @@ def peft_config(adapter, model: nn.Module, name: str) -> dict[str, Any]:
         "init_lora_weights": "gaussian" if config.init == "gaussian" else True,
         "use_rslora": config.use_rslora,
         "use_dora": config.use_dora,
+        **({"target_parameters": parameters} if parameters else {}),
     }
+
+
+def _pattern_name(model: nn.Module, target: str) -> str:
+    """The name ``rank_pattern`` and ``alpha_pattern`` match for adapted ``target``: its path, or for a parameter
+    wrapper the parameter's full name (PEFT's)."""
+    layer = unwrap(model).get_submodule(target)
+    return layer.target_name if isinstance(layer, LoRAParameter) else target
 
 
 def peft_problems(adapter, model: nn.Module) -> list[str]:
@@ -100,7 +111,7 @@ def value_problems(adapter, model: nn.Module, state: dict[str, Tensor], name: st
     problems = []
     for target in adapter.adapters[name][1]:
         layer = unwrap(model).get_submodule(target)
-        spec, dtype = layer.specs[name], layer.base_layer.weight.dtype
+        spec, dtype = layer.specs[name], layer._adapted().dtype
         problem = scale_problem(clean_key(target), spec.alpha, spec.rank, spec.use_rslora, dtype)
         if problem is None:
             a, b = (clean_key(plain_key(f"{target}.{_peft_key(key, name)}")) for key in _factor_keys(layer, name))
@@ -125,7 +136,7 @@ def check_peft_config(adapter, model: nn.Module, config: Any, source: str, adapt
     ours = config_from_peft(config, source)
     for name in adapter.adapters[adapter_name][1]:
         spec = unwrap(model).get_submodule(name).specs[adapter_name]
-        alpha = ours.alpha_for(name)
+        alpha = ours.alpha_for(_pattern_name(model, name))
         if (spec.alpha, spec.use_rslora) != (alpha, ours.use_rslora):
             raise ValueError(
                 f"load_adapter: {source} gives {name!r} alpha={alpha}, use_rslora={ours.use_rslora}, but the "
@@ -158,6 +169,9 @@ def config_for_model(model: nn.Module, config: dict[str, Any], source: str) -> L
         ours = dataclasses.replace(ours, target_modules=[t for t in ours.target_modules if t not in missing])
     if ours.exclude_modules is not None:  # PEFT ignores exclusions that match nothing: they change nothing it adapts
         ours = dataclasses.replace(ours, exclude_modules=matched(ours.exclude_modules, names))
+    if ours.target_parameters:  # so are parameter entries, while one matches
+        found = matched(ours.target_parameters, _parameters(view))
+        ours = dataclasses.replace(ours, target_parameters=found or ours.target_parameters)
     return ours
 
 
@@ -170,17 +184,23 @@ def check_file_shapes(model: nn.Module, config: dict[str, Any], shapes: dict[str
     """LoRA's `Adapter.check_peft_shapes`: every factor in the file has the rank its own config gives its module,
     and (``inject``) every factor the config would allocate on ``model`` is in the file; raises before allocating."""
     ours = config_from_peft(config, str(files.config))
+    model = unwrap(model)
+    planned = {} if not ours.target_parameters else plan_parameters(
+        model, select_parameters(model, config_for_model(model, config, str(files.config))))
     for key, shape in shapes.items():
         path, _, leaf = key.rpartition(".lora_")
         dim = _RANK_DIMS.get(f"lora_{leaf}") if path else None
         if dim is None:
             continue
         rank = ours.rank_for(path)
+        if path in planned:  # an expert stack's factors hold the rank once per expert
+            module, parameter = planned[path]
+            weight = getattr(model.get_submodule(module), parameter)
+            rank = ours.rank_for(f"{module}.{parameter}") * (weight.shape[0] if weight.dim() == 3 else 1)
         if len(shape) <= dim or shape[dim] != rank:
             field = next((f"rank_pattern[{k!r}]" for k in ours.rank_pattern if pattern_matches(k, path)), "r")
             raise files.torn(key, shape, dim, field, rank)
     if inject:
-        model = unwrap(model)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # from_peft reads the config next and warns then
             targets, _ = _select(model, config_for_model(model, config, str(files.config)))
@@ -190,6 +210,7 @@ def check_file_shapes(model: nn.Module, config: dict[str, Any], shapes: dict[str
             embedding = isinstance(view[target], nn.Embedding)
             required += [f"{clean_key(target)}.{k}" for k in (
                 ("lora_embedding_A", "lora_embedding_B") if embedding else ("lora_A.weight", "lora_B.weight"))]
+        required += [f"{clean_key(path)}.lora_{k}.weight" for path in planned for k in "AB"]
         missing = [k for k in required if k not in shapes]
         if missing:
             raise files.lacking(missing, "its adapter config asks for", type(model).__name__)
