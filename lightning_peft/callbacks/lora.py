@@ -49,6 +49,7 @@ class LoRA(LoRASettings, AdapterCallback):
         quantize: ``"nf4"`` or ``"int8"``: the adapted linear layers' frozen weights stored quantized (QLoRA,
             `lightning_peft.peft.quantize`); None: full precision.
         use_dora: DoRA (arXiv:2402.09353), as PEFT's ``use_dora``: a trained magnitude per output feature.
+        target_parameters: Parameters adapted in place (PEFT's): e.g. ``[mlp.experts.gate_up_proj]`` (MoE experts).
         adapter_only_checkpoint: Checkpoints hold only what trains (and buffers); loading takes the frozen base
             from the model as constructed.
         model_attribute: Dotted path of the model inside the LightningModule (adapter key paths are relative to it);
@@ -73,6 +74,7 @@ class LoRA(LoRASettings, AdapterCallback):
         use_rslora: bool = False,
         quantize: Literal["nf4", "int8"] | None = None,
         use_dora: bool = False,
+        target_parameters: list[str] | None = None,
         adapter_only_checkpoint: bool = False,
         model_attribute: str | None = None,
         **peft_names: Any,
@@ -83,7 +85,7 @@ class LoRA(LoRASettings, AdapterCallback):
             "exclude_modules": exclude_modules, "modules_to_save": modules_to_save,
             "rank_pattern": dict(rank_pattern or {}), "alpha_pattern": dict(alpha_pattern or {}),
             "bias": bias, "init": init, "use_rslora": use_rslora, "quantize": quantize, "use_dora": use_dora,
-            **peft_names}, "LoRA")
+            "target_parameters": target_parameters, **peft_names}, "LoRA")
 
     def request(self) -> dict[str, Any]:  # the model's first adapter must be this one, whatever its name
         return {"adapters": {DEFAULT: {"config": self.config.to_dict()}}, "first_only": True}

@@ -586,7 +586,6 @@ def test_legacy_bin_that_is_not_a_tensor_dict_is_refused(content, tmp_path):
     [
         ("layers_to_transform", [0]),
         ("layers_pattern", "layer"),
-        ("target_parameters", ["intermediate.dense.weight"]),
         ("lora_bias", True),
         ("layer_replication", [[0, 1]]),
         ("trainable_token_indices", [3]),

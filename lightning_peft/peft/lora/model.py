@@ -42,6 +42,7 @@ from ..quantize import drop_quantizer_entries, plain_state, quantize_layers
 from .config import LoRAConfig, as_config, check_adapter_name
 from .layer import DEFAULT, LoRALayer, Routing, lora_layers, lora_spec, make_layer, require_spec
 from .merge import merge_lora, unmerge_lora
+from .param import plan_parameters, wrap_parameters
 from .peft_format import (
     PEFT_FIELDS,
     check_file_shapes,
@@ -52,11 +53,11 @@ from .peft_format import (
     peft_state,
     value_problems,
 )
-from .param import plan_parameters, wrap_parameters
 from .targets import _select, _warn_about_settings, select_parameters
 
 log = logging.getLogger("lightning_peft.peft.lora")  # the package, as targets.py logs
-_ADDED_FIELDS = {"use_dora": False, "quantize": None, "target_parameters": None}  # LoRAConfig fields newer than some checkpoints: their old value
+# LoRAConfig fields newer than some checkpoints: their old value
+_ADDED_FIELDS = {"use_dora": False, "quantize": None, "target_parameters": None}
 
 
 @register

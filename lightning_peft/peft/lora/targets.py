@@ -34,11 +34,11 @@ from .._common import (
     inside,
     matched,
     name_matches,
-    unmatched,
     pattern_matches,
     refuse_no_target,
     refuse_unmatched,
     task_heads,
+    unmatched,
 )
 from ..adapter import attached
 from ..modules_to_save import ModulesToSave
@@ -141,7 +141,7 @@ def select_parameters(model: nn.Module, config: LoRAConfig, modules: list[str] |
     missing = unmatched(wanted, chosen)
     if missing:
         counts: dict[str, int] = {}
-        for name, (_, parameter) in candidates.items():
+        for name in candidates:
             leaf = ".".join(name.split(".")[-2:])
             counts[leaf] = counts.get(leaf, 0) + 1
         listed = ", ".join(f"{leaf} (x{n})" if n > 1 else leaf for leaf, n in list(counts.items())[:24])
@@ -284,12 +284,13 @@ def _check_aliases(chosen: list[str], names: list[str], modules: dict[str, nn.Mo
 
 def _warn_about_settings(model: nn.Module, config: LoRAConfig, targets: list[str]) -> None:
     """Settings that are valid but almost surely not what the user meant."""
+    named = targets + [f"{m}.{p}" for m, p in select_parameters(model, config)]  # patterns match parameters' names
     for what, patterns in (("rank_pattern", config.rank_pattern), ("alpha_pattern", config.alpha_pattern)):
         for key in patterns:
-            if not any(pattern_matches(key, n) for n in targets):
+            if not any(pattern_matches(key, n) for n in named):
                 warnings.warn(
-                    f"LoRA({what}={{{key!r}: ...}}) matches none of the {len(targets)} adapted modules "
-                    f"(e.g. {_preview(targets)}), so it changes nothing. Keys match the end of a module name.",
+                    f"LoRA({what}={{{key!r}: ...}}) matches none of the {len(named)} adapted modules "
+                    f"(e.g. {_preview(named)}), so it changes nothing. Keys match the end of a module name.",
                     UserWarning, stacklevel=4,
                 )
     too_big = []

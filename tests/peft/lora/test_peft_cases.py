@@ -25,7 +25,6 @@ DORA_EMB = _refused("DoRA on embeddings: issue 29")
 CONV_ND = _refused("Conv1d / Conv3d / grouped Conv2d: issue 29")
 BIAS = _refused("lora_bias: issue 29")
 MHA = _refused("nn.MultiheadAttention: issue 29")
-PARAM = _refused("target_parameters: issue 29")
 TOKENS = _refused("trainable_token_indices: issue 29")
 
 CASES = [
@@ -79,10 +78,8 @@ CASES = [
                  {"target_modules": ["conv3d"], "lora_bias": True, "lora_alpha": 32}, marks=BIAS),
     pytest.param("MHA 1 LoRA", "MHA", {"target_modules": ["mha"]}, marks=MHA),
     pytest.param("MHA 2 LoRA", "MHA", {"target_modules": ["mha", "lin0"]}, marks=MHA),
-    pytest.param("MLP 1 using nn.Parameter LoRA", "MlpUsingParameters", {"target_parameters": ["lin0.weight"]},
-                 marks=PARAM),
-    pytest.param("MLP 2 using nn.Parameter LoRA", "MLP", {"target_modules": ["lin0"], "target_parameters": ["lin1.weight"]},
-                 marks=PARAM),
+    ("MLP 1 using nn.Parameter LoRA", "MlpUsingParameters", {"target_parameters": ["lin0.weight"]}),
+    ("MLP 2 using nn.Parameter LoRA", "MLP", {"target_modules": ["lin0"], "target_parameters": ["lin1.weight"]}),
 ]
 
 
