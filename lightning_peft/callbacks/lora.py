@@ -1,10 +1,8 @@
 """``LoRA`` callback: low-rank adapters on a LightningModule's model, injected before the optimizer exists.
 
-The math lives in [`lightning_peft.peft`][lightning_peft.peft]; `AdapterCallback` calls it:
-[`inject_lora`][lightning_peft.peft.inject_lora] at ``setup`` (before ``configure_optimizers``); a model that already
-has this adapter is used as it is if the config agrees. Checkpoints record the adapters; ``adapter_only_checkpoint=True``
-drops the frozen base parameters (those no adapter owns) and keeps the adapters, trained biases, ``modules_to_save``,
-any other trainable parameter and the buffers. Resuming with another rank, alpha or target set is refused.
+`AdapterCallback` calls [`inject_lora`][lightning_peft.peft.inject_lora] at ``setup`` (before ``configure_optimizers``);
+a model that has this adapter is used as it is if the config agrees. ``adapter_only_checkpoint=True`` keeps what
+trains (adapters, biases, ``modules_to_save``) and buffers. Resuming with another rank, alpha or targets is refused.
 
 YAML (LightningCLI):
 
@@ -44,12 +42,13 @@ class LoRA(LoRASettings, AdapterCallback):
         rank_pattern: Per-module rank overrides ``{regex: rank}``.
         alpha_pattern: Per-module alpha overrides ``{regex: alpha}``.
         bias: ``"none"``, ``"lora_only"`` or ``"all"``: which biases train.
-        init: ``"kaiming"`` or ``"gaussian"`` initialisation of ``A`` (``B`` starts at zero).
+        init: ``"kaiming"``, ``"gaussian"``, or ``"pissa"``, ``"olora"``, ... (`lightning_peft.peft.lora.init`).
         use_rslora: Rank-stabilised scaling.
         quantize: ``"nf4"`` or ``"int8"``: the adapted linear layers' frozen weights stored quantized (QLoRA,
             `lightning_peft.peft.quantize`); None: full precision.
         use_dora: DoRA (arXiv:2402.09353), as PEFT's ``use_dora``: a trained magnitude per output feature.
         target_parameters: Parameters adapted in place (PEFT's): e.g. ``[mlp.experts.gate_up_proj]`` (MoE experts).
+        lora_bias: A trained bias on ``B``, merged into the base bias, as PEFT's ``lora_bias``.
         adapter_only_checkpoint: Checkpoints hold only what trains (and buffers); loading takes the frozen base
             from the model as constructed.
         model_attribute: Dotted path of the model inside the LightningModule (adapter key paths are relative to it);
@@ -70,11 +69,12 @@ class LoRA(LoRASettings, AdapterCallback):
         rank_pattern: dict[str, int] | None = None,
         alpha_pattern: dict[str, float] | None = None,
         bias: Literal["none", "lora_only", "all"] = "none",
-        init: Literal["kaiming", "gaussian"] = "kaiming",
+        init: str = "kaiming",
         use_rslora: bool = False,
         quantize: Literal["nf4", "int8"] | None = None,
         use_dora: bool = False,
         target_parameters: list[str] | None = None,
+        lora_bias: bool = False,
         adapter_only_checkpoint: bool = False,
         model_attribute: str | None = None,
         **peft_names: Any,
@@ -85,7 +85,8 @@ class LoRA(LoRASettings, AdapterCallback):
             "exclude_modules": exclude_modules, "modules_to_save": modules_to_save,
             "rank_pattern": dict(rank_pattern or {}), "alpha_pattern": dict(alpha_pattern or {}),
             "bias": bias, "init": init, "use_rslora": use_rslora, "quantize": quantize, "use_dora": use_dora,
-            "target_parameters": target_parameters, **peft_names}, "LoRA")
+            "target_parameters": target_parameters, "lora_bias": lora_bias,
+            **peft_names}, "LoRA")
 
     def request(self) -> dict[str, Any]:  # the model's first adapter must be this one, whatever its name
         return {"adapters": {DEFAULT: {"config": self.config.to_dict()}}, "first_only": True}

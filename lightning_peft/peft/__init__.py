@@ -18,6 +18,7 @@ from .io import load_adapter, peft_config, save_adapter
 from .lora import (
     LoRAAdapter,
     LoRAConfig,
+    LoRAConv,
     LoRAConv2d,
     LoRAEmbedding,
     LoRALayer,
@@ -61,6 +62,7 @@ __all__ = [
     "BottleneckLayer",
     "LoRAAdapter",
     "LoRAConfig",
+    "LoRAConv",
     "LoRAConv2d",
     "LoRAEmbedding",
     "LoRALayer",

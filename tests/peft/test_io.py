@@ -586,7 +586,6 @@ def test_legacy_bin_that_is_not_a_tensor_dict_is_refused(content, tmp_path):
     [
         ("layers_to_transform", [0]),
         ("layers_pattern", "layer"),
-        ("lora_bias", True),
         ("layer_replication", [[0, 1]]),
         ("trainable_token_indices", [3]),
     ],
@@ -678,8 +677,9 @@ def test_load_into_injected_model_checks_the_config(tmp_path):
         load_adapter(model, tmp_path)
 
 
-@pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora", "corda", "loftq"])
-def test_initialisations_that_rewrite_the_base_are_refused(init, tmp_path):
+@pytest.mark.parametrize("init", ["corda", "loftq", "lora_ga"])
+def test_initialisations_that_rewrite_a_base_we_cannot_rebuild_are_refused(init, tmp_path):
+    """PiSSA and OLoRA files load (tests/peft/lora/test_init.py); CorDA, LoRA-GA and bitsandbytes' LoftQ do not."""
     _write_adapter(tmp_path)
     _edit_config(tmp_path, init_lora_weights=init)
     with pytest.raises(ValueError, match=rf"sets init_lora_weights='{init}', an initialisation that also rewrites"):
@@ -751,8 +751,10 @@ def _copy(model: nn.Module) -> nn.Module:
 @pytest.mark.parametrize(("conv", "problem"), [
     (lambda: nn.Conv2d(3, 4, 3, dilation=2, padding=2), r"'0' is a Conv2d with dilation=\(2, 2\)"),
     (lambda: nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), r"'0' is a Conv2d with padding_mode='reflect'"),
+    (lambda: nn.Conv1d(3, 4, 3, dilation=3), r"'0' is a Conv1d with dilation=\(3,\)"),
+    (lambda: nn.Conv3d(3, 4, 1, padding=1, padding_mode="circular"), r"'0' is a Conv3d with padding_mode='circular'"),
 ])
-def test_conv2d_that_peft_would_run_differently_is_refused_when_saving(conv, problem, tmp_path):
+def test_a_conv_that_peft_would_run_differently_is_refused_when_saving(conv, problem, tmp_path):
     model = nn.Sequential(conv())
     inject_lora(model, rank=2, target_modules=["0"])
     with pytest.raises(ValueError, match=r"save_adapter: Hugging Face PEFT would run this lora adapter differently: "
@@ -803,15 +805,16 @@ def test_a_peft_lora_config_object_is_accepted_and_means_the_same(tmp_path):
 
 
 def test_a_peft_lora_config_with_an_unsupported_feature_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"peft\.LoraConfig sets lora_bias=True, which lightning-peft does not support"):
-        inject_lora(_fresh(_base("bert"), "bert"), LoraConfig(r=4, target_modules=["query"], lora_bias=True))
+    with pytest.raises(ValueError, match=r"peft\.LoraConfig sets layer_replication=\[\[0, 1\]\], which lightning-peft "
+                                         "does not support"):
+        inject_lora(_fresh(_base("bert"), "bert"), LoraConfig(r=4, target_modules=["query"], layer_replication=[[0, 1]]))
 
 
 @pytest.mark.parametrize("init", [False, "orthogonal"])
 def test_a_peft_lora_config_with_another_start_is_refused_and_a_saved_one_loads(tmp_path, init):
     # Injecting from it would start elsewhere than PEFT does; a saved adapter's weights replace the start anyway.
     with pytest.raises(ValueError, match=rf"inject_lora: peft\.LoraConfig sets init_lora_weights={init!r}; "
-                                         r"lightning-peft starts LoRA as PEFT's True .* or 'gaussian'"):
+                                         r"lightning-peft starts LoRA as PEFT's True, 'gaussian', 'pissa', .* only"):
         inject_lora(_fresh(_base("bert"), "bert"), LoraConfig(r=4, target_modules=["query"], init_lora_weights=init))
     model = _fresh(_base("bert"), "bert")
     inject_lora(model, rank=4, target_modules=["query"])

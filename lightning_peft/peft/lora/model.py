@@ -40,7 +40,8 @@ from ..adapter import (
 from ..modules_to_save import fold_modules_to_save, set_submodule, wrap_modules_to_save
 from ..quantize import drop_quantizer_entries, plain_state, quantize_layers
 from .config import LoRAConfig, as_config, check_adapter_name
-from .layer import DEFAULT, LoRALayer, Routing, lora_layers, lora_spec, make_layer, require_spec
+from . import init as starts
+from .layer import DEFAULT, LoRALayer, Routing, conv1d_type, lora_layers, lora_spec, make_layer, require_spec
 from .merge import merge_lora, unmerge_lora
 from .param import plan_parameters, wrap_parameters
 from .peft_format import (
@@ -57,7 +58,7 @@ from .targets import _select, _warn_about_settings, select_parameters
 
 log = logging.getLogger("lightning_peft.peft.lora")  # the package, as targets.py logs
 # LoRAConfig fields newer than some checkpoints: their old value
-_ADDED_FIELDS = {"use_dora": False, "quantize": None, "target_parameters": None}
+_ADDED_FIELDS = {"use_dora": False, "quantize": None, "lora_bias": False, "target_parameters": None}
 
 
 @register
@@ -76,6 +77,7 @@ class LoRAAdapter(Adapter):
     mergeable: ClassVar[bool] = True
     training_only: ClassVar[tuple[str, ...]] = ("dropout", "init")
     named: ClassVar[bool] = True
+    converts_to_lora: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -173,6 +175,9 @@ class LoRAAdapter(Adapter):
             drop_quantizer_entries(state, name, layer.base_layer)
             try:
                 state[f"{name}.{layer.adapted_key.rpartition('.')[2]}"] = layer.merged_weight(chosen)
+                bias = layer.merged_bias(chosen)
+                if bias is not None:
+                    state[f"{name}.bias"] = bias
             except RuntimeError as err:
                 raise RuntimeError(f"merged_state_dict: layer {name!r}: {err}") from None
         return plain_state(fold_modules_to_save(model, state))
@@ -248,11 +253,13 @@ class LoRAAdapter(Adapter):
             raise ValueError(f"LoRA: no adapter named {name!r}; the model has {list(self.adapters)}.")
         return name
 
-    def peft_state(self, model: nn.Module, adapter_name: str | None = None) -> dict[str, Tensor]:
-        return peft_state(self, model, self._name(adapter_name))
+    def peft_state(self, model: nn.Module, adapter_name: str | None = None,
+                   convert_to_lora: bool = False) -> dict[str, Tensor]:
+        return peft_state(self, model, self._name(adapter_name), convert_to_lora)
 
-    def peft_config(self, model: nn.Module, adapter_name: str | None = None) -> dict[str, Any]:
-        return peft_config(self, model, self._name(adapter_name))
+    def peft_config(self, model: nn.Module, adapter_name: str | None = None,
+                    convert_to_lora: bool = False) -> dict[str, Any]:
+        return peft_config(self, model, self._name(adapter_name), convert_to_lora)
 
     def peft_problems(self, model: nn.Module) -> list[str]:
         return peft_problems(self, model)
@@ -334,8 +341,12 @@ def _inject(
     parameters ``config.target_parameters`` names are found by its rules (`lora.param`)."""
     planned = plan_parameters(model, select_parameters(model, config))  # raises before any change
     targets = [t for t in targets if t not in planned]  # a checkpoint's record names the parameter layers too
-    refuse_overflowing_scales(model, config, targets)
-    quantize_layers(model, targets, config.quantize, "LoRA", isinstance(config.target_modules, list))  # first
+    refuse_overflowing_scales(model, config, targets)  # before any change
+    linear = (nn.Linear,) if conv1d_type() is None else (nn.Linear, conv1d_type())
+    starts.refuse(model, config, targets, linear, "LoRA")
+    rewrites = starts.rewrites_base(config.init)  # then the base is quantized after the start: its residual
+    quantize_layers(model, targets, None if rewrites else config.quantize, "LoRA",
+                    isinstance(config.target_modules, list))  # first
     spec = lora_spec(model)
     routing = spec.routing if spec is not None else Routing(adapter_name)
     for wrapper in wrap_modules_to_save(model, to_save).values():
@@ -346,7 +357,7 @@ def _inject(
         if isinstance(module, LoRALayer):
             module.add_adapter(
                 adapter_name, config.rank_for(name), config.alpha_for(name), config.dropout, config.use_rslora,
-                config.init, config.use_dora,
+                config.init, config.use_dora, config.lora_bias,
             )
             replaced[name] = module
             continue
@@ -354,6 +365,11 @@ def _inject(
         layer.routing = routing
         set_submodule(model, name, layer)
         replaced[name] = layer
+    if rewrites and config.quantize is not None:
+        if starts.loftq_iterations(config.init):
+            for layer in replaced.values():
+                starts.initialise(layer, adapter_name, config.init, starts.round_trip_for(config.quantize))
+        quantize_layers(model, targets, config.quantize, "LoRA", isinstance(config.target_modules, list))
     replaced.update(wrap_parameters(model, planned, config, adapter_name, routing))
     if spec is None:
         spec = LoRAAdapter({}, to_save, routing)

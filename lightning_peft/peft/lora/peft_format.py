@@ -7,6 +7,7 @@ and the checks before loading PEFT's files.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import warnings
 from typing import Any
@@ -17,8 +18,10 @@ from .._common import matched, pattern_matches, unmatched
 from .._limits import factor_problem, scale_problem
 from ..adapter import base_model_name, clean_key, unwrap
 from ..modules_to_save import plain_key, present_modules
+from . import init as starts
 from .config import LoRAConfig, config_from_peft
-from .layer import DEFAULT, LoRAConv2d, lora_layers
+from .conv import LoRAConv
+from .layer import DEFAULT, lora_layers
 from .param import LoRAParameter, plan_parameters
 from .targets import _adaptable_view, _parameters, _select, exact_targets, select_parameters
 
@@ -39,29 +42,36 @@ def _peft_key(key: str, adapter_name: str) -> str:
     return container + rest
 
 
-def peft_state(adapter, model: nn.Module, name: str) -> dict[str, Tensor]:
+def peft_state(adapter, model: nn.Module, name: str, convert_to_lora: bool = False) -> dict[str, Tensor]:
     """Adapter ``name``'s tensors (not detached) under the keys of PEFT's adapter files, without the prefix.
 
     The trained biases and ``modules_to_save`` are shared by every adapter, so each adapter's file has them.
+    ``convert_to_lora``: an adapter whose start rewrote the base is written as a plain LoRA of rank ``2r`` on the
+    original base (`lightning_peft.peft.lora.init`).
     """
     model = unwrap(model)
     state: dict[str, Tensor] = {}
     for target in adapter.adapters[name][1]:
         layer = model.get_submodule(target)
         state.update({f"{target}.{_peft_key(k, name)}": p for k, p in layer.adapter_parameters(name).items()})
+        initial = layer.__dict__.get("initial_factors", {}).get(name)
+        if convert_to_lora and initial is not None:
+            starts.converted(state, tuple(f"{target}.{_peft_key(k, name)}" for k in _factor_keys(layer, name)), initial)
     own = {id(p) for layer in lora_layers(model).values() for p in layer.adapter_parameters().values()}
     shared = {k: v for k, v in adapter.state(model).items() if id(v) not in own}
     state.update(shared)
     return {clean_key(plain_key(k)): v for k, v in state.items()}
 
 
-def peft_config(adapter, model: nn.Module, name: str) -> dict[str, Any]:
-    """Adapter ``name``'s ``adapter_config.json`` content."""
+def peft_config(adapter, model: nn.Module, name: str, convert_to_lora: bool = False) -> dict[str, Any]:
+    """Adapter ``name``'s ``adapter_config.json`` content (``convert_to_lora``: see `peft_state`)."""
     config, targets = adapter.adapters[name]
     every = {clean_key(_pattern_name(model, n)): unwrap(model).get_submodule(n) for n in targets}
     layers = {n: layer for n, layer in every.items() if not isinstance(layer, LoRAParameter)}
     parameters = sorted(set(every) - set(layers))  # PEFT's target_parameters: the full names
     specs = {n: layer.specs[name] for n, layer in every.items()}
+    if starts.rewrites_base(config.init):
+        config, specs = _converted_settings(config, specs, name, convert_to_lora)
     return {
         "peft_type": "LORA",
         "task_type": None,
@@ -77,9 +87,10 @@ def peft_config(adapter, model: nn.Module, name: str) -> dict[str, Any]:
         "alpha_pattern": {re.escape(n): s.alpha for n, s in specs.items() if s.alpha != config.alpha},
         "bias": config.bias,
         "fan_in_fan_out": any(getattr(m, "fan_in_fan_out", False) for m in layers.values()),
-        "init_lora_weights": "gaussian" if config.init == "gaussian" else True,
+        "init_lora_weights": "gaussian" if config.init == "gaussian" else True,  # (a converted start is plain)
         "use_rslora": config.use_rslora,
         "use_dora": config.use_dora,
+        "lora_bias": config.lora_bias,
         **({"target_parameters": parameters} if parameters else {}),
     }
 
@@ -91,17 +102,33 @@ def _pattern_name(model: nn.Module, target: str) -> str:
     return layer.target_name if isinstance(layer, LoRAParameter) else target
 
 
+def _converted_settings(config: LoRAConfig, specs: dict, name: str, convert: bool) -> tuple[LoRAConfig, dict]:
+    """The settings of the rank-2r conversion of an adapter whose start rewrote the base; refused unconverted."""
+    if not convert or starts.loftq_iterations(config.init):
+        fix = ("only its merged export (merged_state_dict, unload_lora(model, merge=True), MergeOnSave) represents the "
+               "trained model" if starts.loftq_iterations(config.init) else
+               "pass save_adapter(..., convert_to_lora=True) to write it as a plain LoRA of rank 2r on the original "
+               "base (PEFT's path_initial_model_for_weight_conversion), or export the merged model")
+        raise ValueError(f"save_adapter: adapter {name!r} started with init={config.init!r}, which rewrote the base "
+                         "weights; its factors mean the trained model only on that rewritten base, and a PEFT file is "
+                         f"loaded onto the original one. Nothing was written; {fix}.")
+    factor = math.sqrt(2) if config.use_rslora else 2  # rank 2r with the same scale
+    doubled = {n: dataclasses.replace(s, rank=2 * s.rank, alpha=s.alpha * factor) for n, s in specs.items()}
+    return dataclasses.replace(config, rank=2 * config.rank, alpha=config.alpha * factor, init="kaiming"), doubled
+
+
 def peft_problems(adapter, model: nn.Module) -> list[str]:
-    """Reasons PEFT would run the adapter differently (its Conv2d layer knows no dilation or padding mode)."""
+    """Reasons PEFT would run the adapter differently (its convolution layers build ``A`` without the base's
+    dilation and padding mode)."""
     problems = []
     for name in adapter.targets:
         layer = unwrap(model).get_submodule(name)
-        if isinstance(layer, LoRAConv2d):
-            base = layer.base_layer
+        if isinstance(layer, LoRAConv):
+            base, kind = layer.base_layer, type(layer.base_layer).__name__
             if any(d != 1 for d in base.dilation):
-                problems.append(f"{name!r} is a Conv2d with dilation={base.dilation}")
+                problems.append(f"{name!r} is a {kind} with dilation={base.dilation}")
             if base.padding_mode != "zeros":
-                problems.append(f"{name!r} is a Conv2d with padding_mode={base.padding_mode!r}")
+                problems.append(f"{name!r} is a {kind} with padding_mode={base.padding_mode!r}")
     return problems
 
 
@@ -144,12 +171,13 @@ def check_peft_config(adapter, model: nn.Module, config: Any, source: str, adapt
                 "the adapter would be scaled differently. Load it into a model without LoRA layers, or under "
                 "another adapter_name."
             )
-        if spec.use_dora != ours.use_dora:
-            raise ValueError(
-                f"load_adapter: {source} sets use_dora={ours.use_dora}, but the model's LoRA adapter {adapter_name!r} "
-                f"at {name!r} has use_dora={spec.use_dora}. Load it into a model without LoRA layers, or inject "
-                f"with use_dora={ours.use_dora}."
-            )
+        for field in ("use_dora", "lora_bias"):
+            if getattr(spec, field) != getattr(ours, field):
+                raise ValueError(
+                    f"load_adapter: {source} sets {field}={getattr(ours, field)}, but the model's LoRA adapter "
+                    f"{adapter_name!r} at {name!r} has {field}={getattr(spec, field)}. Load it into a model without "
+                    f"LoRA layers, or inject with {field}={getattr(ours, field)}."
+                )
 
 
 def config_for_model(model: nn.Module, config: dict[str, Any], source: str) -> LoRAConfig:
@@ -187,6 +215,7 @@ def check_file_shapes(model: nn.Module, config: dict[str, Any], shapes: dict[str
     model = unwrap(model)
     planned = {} if not ours.target_parameters else plan_parameters(
         model, select_parameters(model, config_for_model(model, config, str(files.config))))
+    view = _adaptable_view(model)
     for key, shape in shapes.items():
         path, _, leaf = key.rpartition(".lora_")
         dim = _RANK_DIMS.get(f"lora_{leaf}") if path else None
@@ -197,19 +226,20 @@ def check_file_shapes(model: nn.Module, config: dict[str, Any], shapes: dict[str
             module, parameter = planned[path]
             weight = getattr(model.get_submodule(module), parameter)
             rank = ours.rank_for(f"{module}.{parameter}") * (weight.shape[0] if weight.dim() == 3 else 1)
-        if len(shape) <= dim or shape[dim] != rank:
+        groups = getattr(view.get(path), "groups", 1) if leaf == "B.weight" else 1  # a grouped B: (out, r / g, ...)
+        if len(shape) <= dim or shape[dim] * groups != rank:
             field = next((f"rank_pattern[{k!r}]" for k in ours.rank_pattern if pattern_matches(k, path)), "r")
             raise files.torn(key, shape, dim, field, rank)
     if inject:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # from_peft reads the config next and warns then
             targets, _ = _select(model, config_for_model(model, config, str(files.config)))
-        view = _adaptable_view(model)
         required = []
         for target in targets:
             embedding = isinstance(view[target], nn.Embedding)
             required += [f"{clean_key(target)}.{k}" for k in (
                 ("lora_embedding_A", "lora_embedding_B") if embedding else ("lora_A.weight", "lora_B.weight"))]
+            required += [f"{clean_key(target)}.lora_B.bias"] if ours.lora_bias else []
         required += [f"{clean_key(path)}.lora_{k}.weight" for path in planned for k in "AB"]
         missing = [k for k in required if k not in shapes]
         if missing:

@@ -212,8 +212,11 @@ def test_a_merged_layer_saves_its_unmerged_parameter():
 def test_dora_and_dropout_with_parameters_are_refused():
     with pytest.raises(ValueError, match=r"LoRA\(target_parameters=\['w'\], use_dora=True\): .*PEFT refuses"):
         LoRAConfig(target_parameters=["w"], use_dora=True)
-    with pytest.raises(ValueError, match=r"LoRA\(target_parameters=\['w'\], dropout=0.1\): .*no input to drop"):
+    with pytest.raises(ValueError, match=r"LoRA\(target_parameters=\[.w.\], dropout=0.1\): .*PEFT refuses the pair"):
         LoRAConfig(target_parameters=["w"], dropout=0.1)
+    for other in ({"lora_bias": True}, {"init": "olora"}):
+        with pytest.raises(ValueError, match=rf"LoRA\(target_parameters=\['w'\], {next(iter(other))}="):
+            LoRAConfig(target_parameters=["w"], **other)
     with pytest.raises(TypeError, match=r"target_parameters must be a list of names"):
         LoRAConfig(target_parameters="mlp.experts.gate_up_proj")
     with pytest.raises(TypeError, match=r"target_modules="):  # [] alone adapts nothing
