@@ -39,8 +39,8 @@ from ..adapter import (
 )
 from ..modules_to_save import fold_modules_to_save, set_submodule, wrap_modules_to_save
 from ..quantize import drop_quantizer_entries, plain_state, quantize_layers
-from .config import LoRAConfig, as_config, check_adapter_name
 from . import init as starts
+from .config import LoRAConfig, as_config, check_adapter_name
 from .layer import DEFAULT, LoRALayer, Routing, conv1d_type, lora_layers, lora_spec, make_layer, require_spec
 from .merge import merge_lora, unmerge_lora
 from .param import plan_parameters, wrap_parameters
