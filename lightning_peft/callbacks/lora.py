@@ -48,6 +48,7 @@ class LoRA(LoRASettings, LoRAPlusOption, AdapterCallback):
         quantize: ``"nf4"`` or ``"int8"``: the adapted linear layers' frozen weights stored quantized (QLoRA,
             `lightning_peft.peft.quantize`); None: full precision.
         use_dora: DoRA (arXiv:2402.09353), as PEFT's ``use_dora``: a trained magnitude per output feature.
+        target_parameters: Parameters adapted in place (PEFT's): e.g. ``[mlp.experts.gate_up_proj]`` (MoE experts).
         lora_bias: A trained bias on ``B``, merged into the base bias, as PEFT's ``lora_bias``.
         layers_to_transform: Only the ``target_modules`` (a list) in these layers (``layers_pattern``: the name of
             their ``nn.ModuleList``, e.g. ``"layers"``; None: any), as PEFT's.
@@ -77,6 +78,7 @@ class LoRA(LoRASettings, LoRAPlusOption, AdapterCallback):
         use_rslora: bool = False,
         quantize: Literal["nf4", "int8"] | None = None,
         use_dora: bool = False,
+        target_parameters: list[str] | None = None,
         lora_bias: bool = False,
         layers_to_transform: list[int] | int | None = None, layers_pattern: list[str] | str | None = None,
         loraplus_lr_ratio: float | None = None, loraplus_lr_embedding: float = 1e-6,
@@ -90,7 +92,7 @@ class LoRA(LoRASettings, LoRAPlusOption, AdapterCallback):
             "exclude_modules": exclude_modules, "modules_to_save": modules_to_save,
             "rank_pattern": dict(rank_pattern or {}), "alpha_pattern": dict(alpha_pattern or {}),
             "bias": bias, "init": init, "use_rslora": use_rslora, "quantize": quantize, "use_dora": use_dora,
-            "lora_bias": lora_bias,
+            "target_parameters": target_parameters, "lora_bias": lora_bias,
             "layers_to_transform": layers_to_transform, "layers_pattern": layers_pattern, **peft_names}, "LoRA")
         self.use_loraplus(loraplus_lr_ratio, loraplus_lr_embedding)
 

@@ -313,7 +313,7 @@ def shard_problems(model: nn.Module, shards: int) -> list[str]:
 def drop_quantizer_entries(state: dict[str, Tensor], name: str, base: nn.Module) -> None:
     """Remove from ``state`` what a quantizer added beside module ``name``'s ``weight`` and ``bias`` (bitsandbytes'
     scales and quantization state): a merged export of the layer replaces the quantized weight by a plain one."""
-    if is_quantized(base.weight):
+    if is_quantized(getattr(base, "weight", None)):
         for key in [k for k in state if k.startswith(f"{name}.") and k[len(name) + 1:] not in ("weight", "bias")]:
             del state[key]
 

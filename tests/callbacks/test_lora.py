@@ -264,3 +264,18 @@ def test_a_mid_epoch_resume_with_the_warm_up_total_equals_the_straight_run(tiny_
     assert resumed.keys() == straight.keys()
     for key in straight:
         assert torch.equal(resumed[key], straight[key]), (key, (resumed[key] - straight[key]).abs().max())
+
+
+def test_target_parameters_from_the_callback_and_a_yaml_config():
+    """LightningCLI builds the callback through jsonargparse from the typed signature: target_parameters reaches the
+    config, which adapts the named parameter."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(LoRA, "lora")
+    parsed = parser.parse_string("lora: {rank: 2, target_modules: [], target_parameters: [lin0.weight]}")
+    callback = parser.instantiate_classes(parsed).lora
+    assert callback.config == LoRAConfig(rank=2, target_modules=[], target_parameters=["lin0.weight"])
+    model = nn.Sequential()
+    model.lin0 = nn.Linear(4, 3)
+    assert list(inject_lora(model, callback.config)) == ["lin0"]

@@ -584,7 +584,6 @@ def test_legacy_bin_that_is_not_a_tensor_dict_is_refused(content, tmp_path):
 @pytest.mark.parametrize(
     ("key", "value"),
     [
-        ("target_parameters", ["intermediate.dense.weight"]),
         ("layer_replication", [[0, 1]]),
         ("trainable_token_indices", [3]),
     ],

@@ -52,6 +52,9 @@ class LoRAConfig:
             ``"int8"`` (`lightning_peft.peft.quantize`); None: full precision. The adapters stay float32.
         use_dora: DoRA (Liu et al., arXiv:2402.09353): a trained magnitude per output feature on top of the LoRA
             update, as Hugging Face PEFT's ``use_dora`` (`lightning_peft.peft.lora.variants`). Linear and Conv1D only.
+        target_parameters: Parameters adapted in place (PEFT's ``target_parameters``, `lightning_peft.peft.lora.param`):
+            full names or dotted suffixes, e.g. ``["mlp.experts.gate_up_proj"]`` (the 3-D experts of transformers 5
+            MoE models); ``target_modules`` still applies, ``[]`` adapts the parameters only.
         lora_bias: ``B`` gets a trained bias (starting at zero), merged into the base bias, as PEFT's ``lora_bias``:
             for an update extracted from a full fine-tune. Not on embeddings, with DoRA, or with ``init="gaussian"``.
         layers_to_transform: Adapt only the ``target_modules`` inside these layers (an index or a list), as PEFT's:
@@ -75,6 +78,7 @@ class LoRAConfig:
     use_rslora: bool = False
     quantize: Literal["nf4", "int8"] | None = None
     use_dora: bool = False
+    target_parameters: list[str] | None = None
     lora_bias: bool = False
     layers_to_transform: list[int] | int | None = None
     layers_pattern: list[str] | str | None = None
@@ -85,7 +89,8 @@ class LoRAConfig:
         normal(self, "rank", _as_rank(self.rank, "rank"))
         normal(self, "alpha", _as_alpha(self.alpha, "alpha"))
         normal(self, "dropout", probability("LoRA", "dropout", self.dropout))
-        normal(self, "target_modules", _as_targets(self.target_modules, "target_modules"))
+        if not (self.target_modules == [] and self.target_parameters):  # [] with parameters: those only, as PEFT
+            normal(self, "target_modules", _as_targets(self.target_modules, "target_modules"))
         if self.exclude_modules is not None:
             normal(self, "exclude_modules", _as_targets(self.exclude_modules, "exclude_modules"))
         if self.modules_to_save is not None:
@@ -109,6 +114,8 @@ class LoRAConfig:
             raise ValueError(f"LoRA(lora_bias=True, {clash}): PEFT supports lora_bias only for plain LoRA initialised "
                              f"as init='kaiming'; drop {clash.split('=')[0]} or lora_bias.")
         _check_layers(self)
+        if self.target_parameters is not None:
+            normal(self, "target_parameters", _as_parameters(self))
 
     def rank_for(self, name: str) -> int:
         return _pattern_value(self.rank_pattern, name, self.rank)
@@ -144,6 +151,23 @@ def _as_alpha(value: object, what: str) -> float:
     real("LoRA", what, value, maximum=FLOAT32_MAX, example="16",
          meaning="float32's largest value; an alpha beyond it makes every output inf or NaN")
     return value if isinstance(value, int) else alpha  # an int alpha stays an int (PEFT's files write it so)
+
+
+def _as_parameters(config: LoRAConfig) -> list[str]:
+    chosen = name_list("LoRA", "target_parameters", config.target_parameters, example="['mlp.experts.gate_up_proj']")
+    if not chosen or not all(chosen):
+        raise ValueError(f"LoRA(target_parameters={config.target_parameters!r}): give parameter names, e.g. "
+                         "['mlp.experts.gate_up_proj'], or leave it None.")
+    # PEFT's ParamWrapper refuses these as well: the update is formed on the parameter, not on an input.
+    for what, value in (("use_dora", config.use_dora), ("dropout", config.dropout), ("lora_bias", config.lora_bias),
+                        ("init", config.init if config.init not in ("kaiming", "gaussian") else None)):
+        if value:
+            raise ValueError(
+                f"LoRA(target_parameters={chosen!r}, {what}={value!r}): an adapted parameter is updated as a whole "
+                f"(W + s B A) by one factor pair per expert, which {what} has no form for; PEFT refuses the pair "
+                f"too. Leave {what} out, or adapt modules (target_modules) instead."
+            )
+    return chosen
 
 
 def _check_pattern(key: object, what: str) -> None:
@@ -248,7 +272,6 @@ _REWRITING = ("corda", "lora_ga", "loftq")  # PEFT starts that rewrite the base 
 
 # PEFT features this library does not implement: loading such an adapter would silently change its meaning.
 _UNSUPPORTED = {
-    "target_parameters": None,
     "layer_replication": None,
     "trainable_token_indices": None,
     "alora_invocation_tokens": None,
@@ -279,6 +302,8 @@ def config_from_peft(config: dict, source: str = "adapter_config.json", who: str
         if value not in (neutral, None, False, [], {}):
             raise ValueError(f"{who}: {source} sets {key}={value!r}, which lightning-peft does not support; {instead}.")
     init = _peft_init(config, source, who, instead)
+    if config.get("target_parameters") and config.get("target_modules") is None:  # PEFT: the parameters only
+        config = {**config, "target_modules": []}
     if who != "load_adapter" and config.get("target_modules") is None:
         raise ValueError(
             f"{who}: {source} has target_modules=None; lightning-peft does not guess PEFT's per-architecture "
@@ -308,6 +333,7 @@ def _from_fields(config: dict, targets: Any, init: Any) -> LoRAConfig:
         init=init,
         use_rslora=config.get("use_rslora", False),
         use_dora=config.get("use_dora") or False,
+        target_parameters=config.get("target_parameters") or None,
         lora_bias=config.get("lora_bias") or False,
         quantize=_LOFTQ_BITS.get((config.get("loftq_config") or {}).get("loftq_bits")) if init.startswith("loftq") else None,
         # PEFT reads an empty list or pattern as none given

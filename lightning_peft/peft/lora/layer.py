@@ -84,9 +84,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def unmerged_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
     """State-dict post-hook: a merged layer reports its unmerged base weight, so no state holds ``W + delta``."""
-    key = f"{prefix}base_layer.weight"
+    key = f"{prefix}{module.adapted_key}"
     if module.merged and key in state_dict:
-        weight = module.base_layer.weight
+        weight = module._adapted()
         with torch.no_grad():
             restored = module._without_update(dense_weight(weight).to(_compute_dtype(weight.dtype)),
                                               module.merged_adapter)
@@ -202,6 +202,14 @@ class LoRALayer(RoutedPath, LayerWrapper):
         """The base layer's weight: code that reads ``module.weight`` (dtype checks, T5) keeps working."""
         return self.base_layer.weight
 
+    #: Where the tensor the adapters update sits in the layer's state dict (`_adapted`).
+    adapted_key: ClassVar[str] = "base_layer.weight"
+
+    def _adapted(self) -> Tensor:
+        """The base tensor the adapters update and a merge writes: the base layer's weight (a parameter of
+        another module for `lightning_peft.peft.lora.param`)."""
+        return self.base_layer.weight
+
     @property
     def bias(self) -> Tensor | None:
         return getattr(self.base_layer, "bias", None)
@@ -247,7 +255,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
                              f"{'with DoRA' if use_dora else 'on an Embedding'}; set lora_bias=False.")
         self.specs[name] = AdapterSpec(rank, alpha, use_rslora, use_dora, lora_bias)
         self.lora_dropout[name] = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        weight = self.base_layer.weight
+        weight = self._adapted()
         self._create(name, rank, device=weight.device, dtype=adapter_dtype(weight))
         self.reset_parameters(init, name)
         # New submodules start in training mode; those of an eval layer must not (dropout would stay on).
@@ -323,7 +331,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
     def merged_weight(self, name: str | None = None) -> Tensor:
         """``W + delta`` of one adapter computed in float32 (or wider), cast to the base dtype; raises if
         non-finite. On a merged layer: the weight as it is (the merged adapter's)."""
-        weight = self.base_layer.weight
+        weight = self._adapted()
         if self.merged:
             if name is not None and name != self.merged_adapter:
                 raise RuntimeError(
@@ -388,7 +396,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
                 f"{type(self).__name__}: adapter {self.merged_adapter!r} is merged; unmerge it before merging {name!r}."
             )
         bias = self.merged_bias(name)  # a refusal comes before any write
-        if is_quantized(self.base_layer.weight):
+        if is_quantized(self._adapted()):
             if not dequantize:
                 raise RuntimeError(
                     f"{type(self).__name__}: the base weight is quantized ({type(self.base_layer.weight).__name__}); "
@@ -397,7 +405,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
                 )
             self._dequantize_base(self.merged_weight(name))
         else:
-            self.base_layer.weight.copy_(self.merged_weight(name))
+            self._adapted().copy_(self.merged_weight(name))
         if bias is not None:
             self.base_layer.bias.copy_(bias)
         self.merged_adapter = name
@@ -427,7 +435,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
         """
         if not self.merged:
             raise RuntimeError(f"{type(self).__name__}.unmerge(): the layer is not merged; call merge() first.")
-        weight = self.base_layer.weight
+        weight = self._adapted()
         restored = self._without_update(dense_weight(weight).to(_compute_dtype(weight.dtype)), self.merged_adapter)
         weight.copy_(restored.to(weight.dtype))
         bias_delta = self._bias_delta(self.merged_adapter)

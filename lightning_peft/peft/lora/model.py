@@ -39,10 +39,11 @@ from ..adapter import (
 )
 from ..modules_to_save import fold_modules_to_save, set_submodule, wrap_modules_to_save
 from ..quantize import drop_quantizer_entries, plain_state, quantize_layers
-from .config import LoRAConfig, as_config, check_adapter_name
 from . import init as starts
+from .config import LoRAConfig, as_config, check_adapter_name
 from .layer import DEFAULT, LoRALayer, Routing, conv1d_type, lora_layers, lora_spec, make_layer, require_spec
 from .merge import merge_lora, unmerge_lora
+from .param import plan_parameters, wrap_parameters
 from .peft_format import (
     PEFT_FIELDS,
     check_file_shapes,
@@ -53,12 +54,12 @@ from .peft_format import (
     peft_state,
     value_problems,
 )
-from .targets import _select, _warn_about_settings
+from .targets import _select, _warn_about_settings, select_parameters
 
 log = logging.getLogger("lightning_peft.peft.lora")  # the package, as targets.py logs
 # LoRAConfig fields newer than some checkpoints: their old value
 _ADDED_FIELDS = {"use_dora": False, "quantize": None, "lora_bias": False, "layers_to_transform": None,
-                 "layers_pattern": None}
+                 "layers_pattern": None, "target_parameters": None}
 
 
 @register
@@ -143,7 +144,8 @@ class LoRAAdapter(Adapter):
                       "modules_to_save": config["modules_to_save"], "active": DEFAULT}
         names = {n for n, _ in model.named_modules()}
         recorded = [t for entry in config["adapters"].values() for t in entry["targets"]]
-        absent = [n for n in [*recorded, *config["modules_to_save"]] if n not in names]
+        # A nested parameter wrapper's path (``<module>.base_layer``) exists once its config's rules wrap it again.
+        absent = [n for n in [*recorded, *config["modules_to_save"]] if n not in names and ".base_layer" not in n]
         if absent:
             raise ValueError(
                 f"LoRA: the recorded adapter names module {absent[0]!r}, which {type(model).__name__} does not have; "
@@ -173,7 +175,7 @@ class LoRAAdapter(Adapter):
                 continue
             drop_quantizer_entries(state, name, layer.base_layer)
             try:
-                state[f"{name}.weight"] = layer.merged_weight(chosen)
+                state[f"{name}.{layer.adapted_key.rpartition('.')[2]}"] = layer.merged_weight(chosen)
                 bias = layer.merged_bias(chosen)
                 if bias is not None:
                     state[f"{name}.bias"] = bias
@@ -336,7 +338,10 @@ def _refuse_second_injection(model: nn.Module) -> None:
 def _inject(
     model: nn.Module, config: LoRAConfig, targets: list[str], to_save: list[str], adapter_name: str
 ) -> dict[str, LoRALayer]:
-    """Add adapter ``adapter_name`` to exactly ``targets`` and wrap ``to_save`` (full names, already checked)."""
+    """Add adapter ``adapter_name`` to exactly ``targets`` and wrap ``to_save`` (full names, already checked); the
+    parameters ``config.target_parameters`` names are found by its rules (`lora.param`)."""
+    planned = plan_parameters(model, select_parameters(model, config))  # raises before any change
+    targets = [t for t in targets if t not in planned]  # a checkpoint's record names the parameter layers too
     refuse_overflowing_scales(model, config, targets)  # before any change
     linear = (nn.Linear,) if conv1d_type() is None else (nn.Linear, conv1d_type())
     starts.refuse(model, config, targets, linear, "LoRA")
@@ -366,9 +371,10 @@ def _inject(
             for layer in replaced.values():
                 starts.initialise(layer, adapter_name, config.init, starts.round_trip_for(config.quantize))
         quantize_layers(model, targets, config.quantize, "LoRA", isinstance(config.target_modules, list))
+    replaced.update(wrap_parameters(model, planned, config, adapter_name, routing))
     if spec is None:
         spec = LoRAAdapter({}, to_save, routing)
-    spec.adapters[adapter_name] = (config, tuple(targets))
+    spec.adapters[adapter_name] = (config, (*targets, *planned))
     attach(model, spec)
     log.info("LoRA: adapter %r on %d modules of %s; %s", adapter_name, len(replaced), type(model).__name__,
              trainable_parameters(model))

@@ -150,6 +150,13 @@ def route_adapters(model: nn.Module, names: Sequence[str | None]) -> Iterator[No
         raise ValueError(f"route_adapters: unknown adapter name {unknown[0]} in the batch; the model has "
                          f"{list(spec.adapters)} (None means the base model).")
     refuse_routing([n for n in dict.fromkeys(names) if n is not None and spec.adapters[n][0].use_dora])
+    whole = [n for n in dict.fromkeys(names) if n is not None and spec.adapters[n][0].target_parameters]
+    if whole and len(set(names)) > 1:
+        raise ValueError(
+            f"route_adapters: adapter {whole[0]!r} adapts parameters (target_parameters), which their module reads "
+            f"once for the whole batch, so the batch cannot mix it with {sorted(set(names) - {whole[0]}, key=str)} "
+            "(PEFT refuses such mixed batches too). Route the batch to one adapter, or split it by adapter."
+        )
     merged = _merged(unwrap(model))
     if merged is not None:
         raise RuntimeError(f"route_adapters: adapter {merged!r} is merged into the base weights; call "
@@ -189,6 +196,10 @@ def combine_adapters(
         raise ValueError(f"combine_adapters(method={method!r}): method must be 'linear', 'cat' or 'svd'.")
     if rank is not None and method != "svd":
         raise ValueError(f"combine_adapters(rank={rank}): rank is chosen by method={method!r}; only 'svd' takes rank.")
+    whole = [s for s in weights if spec.adapters[s][0].target_parameters]
+    if whole:
+        raise ValueError(f"combine_adapters: source {whole[0]!r} adapts parameters (target_parameters); their "
+                         "factors hold one update per expert, which this does not combine (PEFT refuses too).")
     dora = [s for s in weights if spec.adapters[s][0].use_dora]
     if dora:
         raise ValueError(f"combine_adapters: source {dora[0]!r} is a DoRA adapter (use_dora=True); its magnitudes do "

@@ -23,7 +23,8 @@ from . import init as starts
 from .config import LoRAConfig, config_from_peft
 from .conv import LoRAConv
 from .layer import DEFAULT, lora_layers
-from .targets import _adaptable_view, _select, exact_targets
+from .param import LoRAParameter, plan_parameters
+from .targets import _adaptable_view, _parameters, _select, exact_targets, select_parameters
 
 PEFT_FIELDS = frozenset((  # peft 0.21.2's LoraConfig
     "alora_invocation_tokens", "alpha_pattern", "arrow_config", "auto_mapping", "base_model_name_or_path", "bias",
@@ -66,8 +67,10 @@ def peft_state(adapter, model: nn.Module, name: str, convert_to_lora: bool = Fal
 def peft_config(adapter, model: nn.Module, name: str, convert_to_lora: bool = False) -> dict[str, Any]:
     """Adapter ``name``'s ``adapter_config.json`` content (``convert_to_lora``: see `peft_state`)."""
     config, targets = adapter.adapters[name]
-    layers = {clean_key(n): unwrap(model).get_submodule(n) for n in targets}
-    specs = {n: layer.specs[name] for n, layer in layers.items()}
+    every = {clean_key(_pattern_name(model, n)): unwrap(model).get_submodule(n) for n in targets}
+    layers = {n: layer for n, layer in every.items() if not isinstance(layer, LoRAParameter)}
+    parameters = sorted(set(every) - set(layers))  # PEFT's target_parameters: the full names
+    specs = {n: layer.specs[name] for n, layer in every.items()}
     if starts.rewrites_base(config.init):
         config, specs = _converted_settings(config, specs, name, convert_to_lora)
     targets = exact_targets(list(layers), [n for n in _adaptable_view(unwrap(model))])
@@ -93,7 +96,15 @@ def peft_config(adapter, model: nn.Module, name: str, convert_to_lora: bool = Fa
         "use_rslora": config.use_rslora,
         "use_dora": config.use_dora,
         "lora_bias": config.lora_bias,
+        **({"target_parameters": parameters} if parameters else {}),
     }
+
+
+def _pattern_name(model: nn.Module, target: str) -> str:
+    """The name ``rank_pattern`` and ``alpha_pattern`` match for adapted ``target``: its path, or for a parameter
+    wrapper the parameter's full name (PEFT's)."""
+    layer = unwrap(model).get_submodule(target)
+    return layer.target_name if isinstance(layer, LoRAParameter) else target
 
 
 def _converted_settings(config: LoRAConfig, specs: dict, name: str, convert: bool) -> tuple[LoRAConfig, dict]:
@@ -132,7 +143,7 @@ def value_problems(adapter, model: nn.Module, state: dict[str, Tensor], name: st
     problems = []
     for target in adapter.adapters[name][1]:
         layer = unwrap(model).get_submodule(target)
-        spec, dtype = layer.specs[name], layer.base_layer.weight.dtype
+        spec, dtype = layer.specs[name], layer._adapted().dtype
         problem = scale_problem(clean_key(target), spec.alpha, spec.rank, spec.use_rslora, dtype)
         if problem is None:
             a, b = (clean_key(plain_key(f"{target}.{_peft_key(key, name)}")) for key in _factor_keys(layer, name))
@@ -157,7 +168,7 @@ def check_peft_config(adapter, model: nn.Module, config: Any, source: str, adapt
     ours = config_from_peft(config, source)
     for name in adapter.adapters[adapter_name][1]:
         spec = unwrap(model).get_submodule(name).specs[adapter_name]
-        alpha = ours.alpha_for(name)
+        alpha = ours.alpha_for(_pattern_name(model, name))
         if (spec.alpha, spec.use_rslora) != (alpha, ours.use_rslora):
             raise ValueError(
                 f"load_adapter: {source} gives {name!r} alpha={alpha}, use_rslora={ours.use_rslora}, but the "
@@ -191,6 +202,9 @@ def config_for_model(model: nn.Module, config: dict[str, Any], source: str) -> L
         ours = dataclasses.replace(ours, target_modules=[t for t in ours.target_modules if t not in missing])
     if ours.exclude_modules is not None:  # PEFT ignores exclusions that match nothing: they change nothing it adapts
         ours = dataclasses.replace(ours, exclude_modules=matched(ours.exclude_modules, names))
+    if ours.target_parameters:  # so are parameter entries, while one matches
+        found = matched(ours.target_parameters, _parameters(view))
+        ours = dataclasses.replace(ours, target_parameters=found or ours.target_parameters)
     return ours
 
 
@@ -203,19 +217,25 @@ def check_file_shapes(model: nn.Module, config: dict[str, Any], shapes: dict[str
     """LoRA's `Adapter.check_peft_shapes`: every factor in the file has the rank its own config gives its module,
     and (``inject``) every factor the config would allocate on ``model`` is in the file; raises before allocating."""
     ours = config_from_peft(config, str(files.config))
-    view = _adaptable_view(unwrap(model))
+    model = unwrap(model)
+    planned = {} if not ours.target_parameters else plan_parameters(
+        model, select_parameters(model, config_for_model(model, config, str(files.config))))
+    view = _adaptable_view(model)
     for key, shape in shapes.items():
         path, _, leaf = key.rpartition(".lora_")
         dim = _RANK_DIMS.get(f"lora_{leaf}") if path else None
         if dim is None:
             continue
         rank = ours.rank_for(path)
+        if path in planned:  # an expert stack's factors hold the rank once per expert
+            module, parameter = planned[path]
+            weight = getattr(model.get_submodule(module), parameter)
+            rank = ours.rank_for(f"{module}.{parameter}") * (weight.shape[0] if weight.dim() == 3 else 1)
         groups = getattr(view.get(path), "groups", 1) if leaf == "B.weight" else 1  # a grouped B: (out, r / g, ...)
         if len(shape) <= dim or shape[dim] * groups != rank:
             field = next((f"rank_pattern[{k!r}]" for k in ours.rank_pattern if pattern_matches(k, path)), "r")
             raise files.torn(key, shape, dim, field, rank)
     if inject:
-        model = unwrap(model)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # from_peft reads the config next and warns then
             targets, _ = _select(model, config_for_model(model, config, str(files.config)))
@@ -225,6 +245,7 @@ def check_file_shapes(model: nn.Module, config: dict[str, Any], shapes: dict[str
             required += [f"{clean_key(target)}.{k}" for k in (
                 ("lora_embedding_A", "lora_embedding_B") if embedding else ("lora_A.weight", "lora_B.weight"))]
             required += [f"{clean_key(target)}.lora_B.bias"] if ours.lora_bias else []
+        required += [f"{clean_key(path)}.lora_{k}.weight" for path in planned for k in "AB"]
         missing = [k for k in required if k not in shapes]
         if missing:
             raise files.lacking(missing, "its adapter config asks for", type(model).__name__)

@@ -41,12 +41,14 @@ from .._common import (
     refuse_no_target,
     refuse_unmatched,
     task_heads,
+    unmatched,
 )
 from ..adapter import attached
 from ..modules_to_save import ModulesToSave
 from .config import LoRAConfig
 from .conv import refuse_rank
-from .layer import LAYER_TYPES, LoRALayer, conv1d_type
+from .layer import LAYER_TYPES, LoRALayer, conv1d_type, lora_layers
+from .param import LoRAParameter
 from .variants import refuse_unsupported as refuse_unsupported_dora
 
 log = logging.getLogger("lightning_peft.peft.lora")
@@ -110,7 +112,8 @@ def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]
             chosen = in_layers("LoRA", chosen, config.target_modules, config.layers_to_transform,
                                config.layers_pattern, model)
     chosen = [n for n in chosen if not inside(n, to_save)]
-    if not chosen:
+    select_parameters(model, config, chosen)
+    if not chosen and not config.target_parameters:
         refuse_no_target("LoRA", config.target_modules, model, "adapt", _describe_modules(model),
                          "bert.encoder.layer.0.attention.self.query")
     if config.exclude_modules is not None:
@@ -126,6 +129,62 @@ def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]
     _check_types(model, config, chosen, modules, inside_fused)
     _check_aliases(chosen, names, modules)
     return chosen, to_save
+
+
+def _parameters(view: dict[str, nn.Module]) -> dict[str, tuple[str, str]]:
+    """Every parameter of the modules of ``view`` (`_adaptable_view`): ``{full name: (module, parameter)}``."""
+    return {f"{n}.{p}" if n else p: (n, p) for n, m in view.items() for p, v in m._parameters.items() if v is not None}
+
+
+def select_parameters(model: nn.Module, config: LoRAConfig, modules: list[str] | None = None) -> list[tuple[str, str]]:
+    """The ``(module, parameter)`` pairs ``config.target_parameters`` adapts, in the model's order (PEFT's rule: a
+    parameter's full name equals an entry or ends with ``"." + entry``); raises before anything changes. ``modules``:
+    the modules ``target_modules`` chose, which may not hold one of them."""
+    wanted = config.target_parameters
+    if not wanted:
+        return []
+    candidates = _parameters(_adaptable_view(model))
+    chosen = {n: pair for n, pair in candidates.items() if name_matches(n, wanted)}
+    missing = unmatched(wanted, chosen)
+    if missing:
+        counts: dict[str, int] = {}
+        for name in candidates:
+            leaf = ".".join(name.split(".")[-2:])
+            counts[leaf] = counts.get(leaf, 0) + 1
+        listed = ", ".join(f"{leaf} (x{n})" if n > 1 else leaf for leaf, n in list(counts.items())[:24])
+        raise ValueError(
+            f"LoRA(target_parameters={wanted!r}): {', '.join(map(repr, missing))} matched no parameter of "
+            f"{type(model).__name__} (an entry matches a parameter whose full name equals it or ends with '.' + it). "
+            f"Parameters it has: {listed or 'none'}."
+        )
+    for name, (module, _) in chosen.items():
+        _check_parameter(model, config, name, module, modules or [])
+    existing = {layer.target_name for layer in lora_layers(model).values() if isinstance(layer, LoRAParameter)}
+    if existing and existing != set(chosen):
+        raise ValueError(
+            f"LoRA(target_parameters={wanted!r}) adapts {sorted(chosen)}, but the model's other adapters adapt "
+            f"{sorted(existing)}; as in PEFT, every named adapter that sets target_parameters must adapt the same "
+            "parameters (they share the wrappers). Give this adapter the same target_parameters."
+        )
+    return list(chosen.values())
+
+
+def _check_parameter(model: nn.Module, config: LoRAConfig, name: str, module: str, modules: list[str]) -> None:
+    holder = model.get_submodule(module) if module else model
+    dims = getattr(holder, name.rpartition(".")[2]).dim()
+    if not module:
+        raise ValueError(f"LoRA(target_parameters={config.target_parameters!r}): {name!r} belongs to "
+                         f"{type(model).__name__} itself; only a submodule's parameter can be wrapped (PEFT refuses "
+                         "too). Move it into a submodule.")
+    if dims not in (2, 3):
+        raise TypeError(f"LoRA(target_parameters={config.target_parameters!r}): {name!r} has {dims} dimension(s); "
+                        "LoRA adapts 2-D (out, in) and 3-D (experts, ...) parameters, as PEFT.")
+    if module in modules or (isinstance(holder, LoRALayer) and not isinstance(holder, LoRAParameter)):
+        raise ValueError(
+            f"LoRA(target_modules={config.target_modules!r}, target_parameters={config.target_parameters!r}): "
+            f"{module!r} would be adapted twice, as a module and through its parameter {name!r}. Adapt it one way: "
+            "leave it out of target_modules (target_modules=[] adapts the parameters only) or of target_parameters."
+        )
 
 
 def _refuse_unmatched_exclusion(model: nn.Module, exclude: Targets, names: list[str]) -> None:
@@ -149,7 +208,9 @@ def _adaptable_view(model: nn.Module) -> dict[str, nn.Module]:
         if any(name.startswith(h) for h in hidden):
             continue
         if isinstance(module, LoRALayer):
-            view[name] = module.base_layer
+            while isinstance(module, LoRALayer):  # parameter wrappers nest (lora.param)
+                module = module.base_layer
+            view[name] = module
             hidden.append(f"{name}.")
         else:
             view[name] = module
@@ -233,12 +294,13 @@ def _check_aliases(chosen: list[str], names: list[str], modules: dict[str, nn.Mo
 
 def _warn_about_settings(model: nn.Module, config: LoRAConfig, targets: list[str]) -> None:
     """Settings that are valid but almost surely not what the user meant."""
+    named = targets + [f"{m}.{p}" for m, p in select_parameters(model, config)]  # patterns match parameters' names
     for what, patterns in (("rank_pattern", config.rank_pattern), ("alpha_pattern", config.alpha_pattern)):
         for key in patterns:
-            if not any(pattern_matches(key, n) for n in targets):
+            if not any(pattern_matches(key, n) for n in named):
                 warnings.warn(
-                    f"LoRA({what}={{{key!r}: ...}}) matches none of the {len(targets)} adapted modules "
-                    f"(e.g. {_preview(targets)}), so it changes nothing. Keys match the end of a module name.",
+                    f"LoRA({what}={{{key!r}: ...}}) matches none of the {len(named)} adapted modules "
+                    f"(e.g. {_preview(named)}), so it changes nothing. Keys match the end of a module name.",
                     UserWarning, stacklevel=4,
                 )
     too_big = []

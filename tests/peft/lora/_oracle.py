@@ -101,20 +101,50 @@ class MHA(nn.Module):
         return self.lin0(self.mha(x, x, x, need_weights=False)[0]).sum(1)
 
 
+class LinearUsingParameter(nn.Module):
+    """PEFT's ``_LinearUsingParameter``: a linear layer whose own forward reads its parameters (weight (in, out))."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(in_features, out_features) / in_features**0.5)
+        self.bias = nn.Parameter(torch.rand(out_features) - 0.5)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, in) -> (B, out)
+        return x @ self.weight + self.bias
+
+
 class MlpUsingParameters(nn.Module):
-    """``lin0`` is a bare module whose forward reads its parameters directly (no ``nn.Linear``)."""
+    """PEFT's model of that name: layers without ``nn.Linear``, reached only through ``target_parameters``."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin0 = nn.Module()
-        self.lin0.weight = nn.Parameter(torch.empty(20, 10))
-        self.lin0.bias = nn.Parameter(torch.empty(20))
-        nn.init.kaiming_uniform_(self.lin0.weight, a=5**0.5)
-        nn.init.uniform_(self.lin0.bias, -0.3, 0.3)
-        self.lin1 = nn.Linear(20, 2)
+        self.lin0 = LinearUsingParameter(10, 20)
+        self.lin1 = LinearUsingParameter(20, 2)
 
     def forward(self, x: Tensor) -> Tensor:  # (B, 10) -> (B, 2)
-        return self.lin1(torch.nn.functional.linear(x, self.lin0.weight, self.lin0.bias).relu())
+        return self.lin1(self.lin0(x).relu())
+
+
+class MoE(nn.Module):
+    """A one-layer transformers 5 mixture-of-experts model (``"mixtral"``: experts (E, out, in); ``"gpt_oss"``:
+    (E, in, out), ``is_transposed``) built from a config, fed ``(B, 10)`` through a linear embedding of 2 tokens."""
+
+    def __init__(self, kind: str, experts: str = "eager", intermediate: int = 6) -> None:
+        super().__init__()
+        import transformers
+
+        config_type, model_type = {"mixtral": ("MixtralConfig", "MixtralModel"),
+                                   "gpt_oss": ("GptOssConfig", "GptOssModel")}[kind]
+        config = getattr(transformers, config_type)(
+            vocab_size=4, hidden_size=8, intermediate_size=intermediate, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=4, num_local_experts=3, num_experts_per_tok=2,
+            **({"layer_types": ["full_attention"]} if kind == "gpt_oss" else {}))
+        config._experts_implementation = experts  # "grouped_mm", the default, has no float64 kernel
+        self.embed = nn.Linear(10, 16)
+        self.model = getattr(transformers, model_type)(config)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, 10) -> (B, 2, 8)
+        return self.model(inputs_embeds=self.embed(x).view(x.shape[0], 2, 8)).last_hidden_state
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
@@ -129,6 +159,8 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "Conv3d1x1": lambda: ConvModel(3, kernel=1),
     "MHA": MHA,
     "MlpUsingParameters": MlpUsingParameters,
+    "Mixtral": lambda: MoE("mixtral"),
+    "GptOss": lambda: MoE("gpt_oss"),
 }
 
 

@@ -23,7 +23,6 @@ def _refused(why: str):
 DORA_CONV = _refused("DoRA on convolutions: issue 29")
 DORA_EMB = _refused("DoRA on embeddings: issue 29")
 MHA = _refused("nn.MultiheadAttention: issue 29")
-PARAM = _refused("target_parameters: issue 29")
 TOKENS = _refused("trainable_token_indices: issue 29")
 
 CASES = [
@@ -77,10 +76,8 @@ CASES = [
      {"target_modules": ["conv3d"], "lora_bias": True, "lora_alpha": 32}),
     pytest.param("MHA 1 LoRA", "MHA", {"target_modules": ["mha"]}, marks=MHA),
     pytest.param("MHA 2 LoRA", "MHA", {"target_modules": ["mha", "lin0"]}, marks=MHA),
-    pytest.param("MLP 1 using nn.Parameter LoRA", "MlpUsingParameters", {"target_parameters": ["lin0.weight"]},
-                 marks=PARAM),
-    pytest.param("MLP 2 using nn.Parameter LoRA", "MLP", {"target_modules": ["lin0"], "target_parameters": ["lin1.weight"]},
-                 marks=PARAM),
+    ("MLP 1 using nn.Parameter LoRA", "MlpUsingParameters", {"target_parameters": ["lin0.weight"]}),
+    ("MLP 2 using nn.Parameter LoRA", "MLP", {"target_modules": ["lin0"], "target_parameters": ["lin1.weight"]}),
 ]
 
 
