@@ -6,6 +6,7 @@ One module per concept, as Hugging Face PEFT's ``tuners/lora/``:
 | --- | --- |
 | `config` | [`LoRAConfig`][lightning_peft.peft.LoRAConfig], keyword arguments and PEFT's ``LoraConfig`` translated to it |
 | `layer` | the layers: the base class (adapters, merge, the forward) and the Linear / Conv1D, Embedding and Conv2d layers |
+| `mha` | the layer for ``nn.MultiheadAttention`` (its in- and out-projection, as PEFT adapts it) |
 | `variants` | DoRA (a trained magnitude per output row) |
 | `routing` | which adapter each sample uses, and the per-sample (mixed-batch) update |
 | `targets` | which modules a config adapts (PEFT's matching rules), checked before anything changes |
@@ -18,6 +19,7 @@ One module per concept, as Hugging Face PEFT's ``tuners/lora/``:
 from .config import LoRAConfig, as_config
 from .layer import DEFAULT, LoRAConv2d, LoRAEmbedding, LoRALayer, LoRALinear, Routing, lora_layers, lora_spec
 from .merge import merge_lora, unmerge_lora
+from .mha import LoRAMultiheadAttention
 from .model import LoRAAdapter, add_adapter, inject_lora, unload_lora
 from .multi import (
     active_adapter,
@@ -36,6 +38,7 @@ __all__ = [
     "LoRAEmbedding",
     "LoRALayer",
     "LoRALinear",
+    "LoRAMultiheadAttention",
     "Routing",
     "active_adapter",
     "add_adapter",

@@ -65,7 +65,7 @@ from ..adapter import attached, unwrap
 from . import variants
 from .routing import DEFAULT, RoutedPath, Routing
 
-__all__ = ["DEFAULT", "AdapterSpec", "Init", "LoRAConv2d", "LoRAEmbedding", "LoRALayer", "LoRALinear", "Routing",
+__all__ = ["DEFAULT", "LAYER_TYPES", "AdapterSpec", "Init", "LoRAConv2d", "LoRAEmbedding", "LoRALayer", "LoRALinear", "Routing",
            "conv1d_type", "lora_layers", "lora_spec", "make_layer", "require_spec"]
 
 Init = Literal["kaiming", "gaussian"]
@@ -81,13 +81,11 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def unmerged_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
     """State-dict post-hook: a merged layer reports its unmerged base weight, so no state holds ``W + delta``."""
-    key = f"{prefix}base_layer.weight"
-    if module.merged and key in state_dict:
-        weight = module.base_layer.weight
+    if module.merged:
         with torch.no_grad():
-            restored = module._without_update(dense_weight(weight).to(_compute_dtype(weight.dtype)),
-                                              module.merged_adapter)
-            state_dict[key] = restored.to(weight.dtype)
+            for key, restored in module._restored().items():
+                if f"{prefix}base_layer.{key}" in state_dict:
+                    state_dict[f"{prefix}base_layer.{key}"] = restored
 
 
 _LEGACY_KEYS = ("lora_A.weight", "lora_B.weight", "lora_embedding_A", "lora_embedding_B")
@@ -233,7 +231,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
                             f"{type(self.base_layer).__name__} base layer; DoRA supports Linear and Conv1D layers.")
         self.specs[name] = AdapterSpec(rank, alpha, use_rslora, use_dora)
         self.lora_dropout[name] = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        weight = self.base_layer.weight
+        weight = self.weight
         self._create(name, rank, device=weight.device, dtype=adapter_dtype(weight))
         self.reset_parameters(init, name)
         # New submodules start in training mode; those of an eval layer must not (dropout would stay on).
@@ -328,6 +326,16 @@ class LoRALayer(RoutedPath, LayerWrapper):
             )
         return merged.to(dense.dtype)
 
+    def merged_weights(self, name: str | None = None) -> dict[str, Tensor]:
+        """`merged_weight` by the name of the tensor in the base layer (a merged export's keys)."""
+        return {"weight": self.merged_weight(name)}
+
+    def _restored(self) -> dict[str, Tensor]:
+        """The base tensors without the merged adapter's update, by their name in the base layer."""
+        weight = self.base_layer.weight
+        restored = self._without_update(dense_weight(weight).to(_compute_dtype(weight.dtype)), self.merged_adapter)
+        return {"weight": restored.to(weight.dtype)}
+
     def _with_update(self, weight: Tensor, name: str) -> Tensor:
         """The merged weight of adapter ``name`` from the dense base ``weight`` (compute dtype): ``W + delta``."""
         return weight + self.delta_weight(name)
@@ -350,7 +358,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
             raise RuntimeError(
                 f"{type(self).__name__}: adapter {self.merged_adapter!r} is merged; unmerge it before merging {name!r}."
             )
-        if is_quantized(self.base_layer.weight):
+        if is_quantized(self.weight):
             if not dequantize:
                 raise RuntimeError(
                     f"{type(self).__name__}: the base weight is quantized ({type(self.base_layer.weight).__name__}); "
@@ -359,7 +367,8 @@ class LoRALayer(RoutedPath, LayerWrapper):
                 )
             self._dequantize_base(self.merged_weight(name))
         else:
-            self.base_layer.weight.copy_(self.merged_weight(name))
+            for key, merged in self.merged_weights(name).items():
+                self.base_layer.get_parameter(key).copy_(merged)
         self.merged_adapter = name
         self.routing.merged[name] = self.routing.merged.get(name, 0) + 1
 
@@ -387,9 +396,8 @@ class LoRALayer(RoutedPath, LayerWrapper):
         """
         if not self.merged:
             raise RuntimeError(f"{type(self).__name__}.unmerge(): the layer is not merged; call merge() first.")
-        weight = self.base_layer.weight
-        restored = self._without_update(dense_weight(weight).to(_compute_dtype(weight.dtype)), self.merged_adapter)
-        weight.copy_(restored.to(weight.dtype))
+        for key, restored in self._restored().items():
+            self.base_layer.get_parameter(key).copy_(restored)
         self.routing.merged[self.merged_adapter] -= 1
         self.merged_adapter = None
 
@@ -721,6 +729,10 @@ class LoRAConv2d(_ABLayer):
         return result + (update * self.specs[name].scaling).to(result.dtype)
 
 
+#: LoRA layers defined in modules of their own, by the base type they adapt (``lora.mha`` adds its own).
+LAYER_TYPES: dict[type, type[LoRALayer]] = {}
+
+
 def make_layer(module: nn.Module, name: str, config, adapter_name: str) -> LoRALayer:
     """The LoRA layer for ``module`` (named ``name`` in the model) with ``config``'s settings (a ``LoRAConfig``)."""
     kwargs = {
@@ -732,6 +744,9 @@ def make_layer(module: nn.Module, name: str, config, adapter_name: str) -> LoRAL
         "adapter_name": adapter_name,
         "use_dora": config.use_dora,
     }
+    for base_type, layer_type in LAYER_TYPES.items():
+        if isinstance(module, base_type):
+            return layer_type(module, **kwargs)
     if isinstance(module, nn.Embedding):
         return LoRAEmbedding(module, **kwargs)
     if isinstance(module, nn.Conv2d):

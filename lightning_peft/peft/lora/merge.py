@@ -69,7 +69,7 @@ def _refuse_tied(model: nn.Module, layers: dict[str, LoRALayer]) -> None:
     for name, layer in layers.items():
         if layer.merged:
             continue
-        others = [o for o in owners.get(id(layer.base_layer.weight), []) if not o.startswith(f"{name}.")]
+        others = [o for o in owners.get(id(layer.weight), []) if not o.startswith(f"{name}.")]
         if others:
             raise RuntimeError(
                 f"merge_lora: the weight of {name!r} is tied to {others[0]!r}; merging in place would change both. "

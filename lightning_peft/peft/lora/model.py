@@ -167,11 +167,13 @@ class LoRAAdapter(Adapter):
             chosen = layer.merged_adapter or wanted or self.routing.active
             if chosen not in layer.specs:
                 continue
-            drop_quantizer_entries(state, name, layer.base_layer)
             try:
-                state[f"{name}.weight"] = layer.merged_weight(chosen)
+                merged = layer.merged_weights(chosen)
             except RuntimeError as err:
                 raise RuntimeError(f"merged_state_dict: layer {name!r}: {err}") from None
+            if "weight" in merged:  # (an attention module's weights are never quantized)
+                drop_quantizer_entries(state, name, layer.base_layer)
+            state.update({f"{name}.{key}": weight for key, weight in merged.items()})
         return plain_state(fold_modules_to_save(model, state))
 
     def unload(self, model: nn.Module, merge: bool) -> None:

@@ -52,6 +52,7 @@ from ..._checks import integer
 from ..adapter import unwrap
 from .config import LoRAConfig
 from .layer import LoRALayer, Routing, require_spec
+from .mha import LoRAMultiheadAttention
 from .model import LoRAAdapter, add_adapter
 from .targets import _adaptable_view, exact_targets
 from .variants import refuse_routing
@@ -195,6 +196,10 @@ def combine_adapters(
                          "not combine linearly, so only LoRA adapters can be combined.")
     model = unwrap(model)
     layers = {t: model.get_submodule(t) for t in spec.targets if any(s in model.get_submodule(t).specs for s in weights)}
+    attention = [t for t, layer in layers.items() if isinstance(layer, LoRAMultiheadAttention)]
+    if attention:
+        raise TypeError(f"combine_adapters: {attention[0]!r} is an nn.MultiheadAttention layer, whose two factor pairs "
+                        "are not combined; combine adapters that leave the attention modules out.")
     ranks = {t: _combined_rank(t, layer, weights, method, rank) for t, layer in layers.items()}
     common = max(set(ranks.values()), key=list(ranks.values()).count)
     pattern = {re.escape(t): r for t, r in ranks.items() if r != common}

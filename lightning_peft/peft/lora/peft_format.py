@@ -19,6 +19,7 @@ from ..adapter import base_model_name, clean_key, unwrap
 from ..modules_to_save import plain_key, present_modules
 from .config import LoRAConfig, config_from_peft
 from .layer import DEFAULT, LoRAConv2d, lora_layers
+from .mha import PEFT_CONTAINERS, PEFT_OUT_PROJ
 from .targets import _adaptable_view, _select, exact_targets
 
 PEFT_FIELDS = frozenset((  # peft 0.21.2's LoraConfig
@@ -33,9 +34,10 @@ PEFT_FIELDS = frozenset((  # peft 0.21.2's LoraConfig
 
 
 def _peft_key(key: str, adapter_name: str) -> str:
-    """A layer-relative key of one adapter without its adapter segment: ``lora_A.x.weight`` -> ``lora_A.weight``."""
+    """A layer-relative key of one adapter without its adapter segment, in PEFT's layout: ``lora_A.x.weight`` ->
+    ``lora_A.weight``, ``out_proj_lora_A.x.weight`` -> ``base_layer.out_proj.lora_A.weight``."""
     container, _, rest = key.partition(f".{adapter_name}")
-    return container + rest
+    return PEFT_CONTAINERS.get(container, container) + rest
 
 
 def peft_state(adapter, model: nn.Module, name: str) -> dict[str, Tensor]:
@@ -100,7 +102,7 @@ def value_problems(adapter, model: nn.Module, state: dict[str, Tensor], name: st
     problems = []
     for target in adapter.adapters[name][1]:
         layer = unwrap(model).get_submodule(target)
-        spec, dtype = layer.specs[name], layer.base_layer.weight.dtype
+        spec, dtype = layer.specs[name], layer.weight.dtype
         problem = scale_problem(clean_key(target), spec.alpha, spec.rank, spec.use_rslora, dtype)
         if problem is None:
             a, b = (clean_key(plain_key(f"{target}.{_peft_key(key, name)}")) for key in _factor_keys(layer, name))
@@ -172,6 +174,7 @@ def check_file_shapes(model: nn.Module, config: dict[str, Any], shapes: dict[str
     ours = config_from_peft(config, str(files.config))
     for key, shape in shapes.items():
         path, _, leaf = key.rpartition(".lora_")
+        path = path.removesuffix(PEFT_OUT_PROJ)  # an attention module's out-projection has the module's rank
         dim = _RANK_DIMS.get(f"lora_{leaf}") if path else None
         if dim is None:
             continue
@@ -188,8 +191,10 @@ def check_file_shapes(model: nn.Module, config: dict[str, Any], shapes: dict[str
         required = []
         for target in targets:
             embedding = isinstance(view[target], nn.Embedding)
-            required += [f"{clean_key(target)}.{k}" for k in (
-                ("lora_embedding_A", "lora_embedding_B") if embedding else ("lora_A.weight", "lora_B.weight"))]
+            keys = ("lora_embedding_A", "lora_embedding_B") if embedding else ("lora_A.weight", "lora_B.weight")
+            if isinstance(view[target], nn.MultiheadAttention):
+                keys += tuple(f"{path}.weight" for path in PEFT_CONTAINERS.values())
+            required += [f"{clean_key(target)}.{k}" for k in keys]
         missing = [k for k in required if k not in shapes]
         if missing:
             raise files.lacking(missing, "its adapter config asks for", type(model).__name__)

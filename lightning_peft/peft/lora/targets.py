@@ -8,9 +8,9 @@ Target selection follows Hugging Face PEFT so that configs mean the same thing i
   it has them, else its last linear layer) and ``modules_to_save``. This differs from PEFT, which keeps a
   classifier head or a pooler in when no ``task_type`` is given; adapters are saved with the exact module
   names, so PEFT still adapts the same modules when it loads them;
-- the children of ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` are never adapted: those
-  modules read their children's weights directly (the fused inference fast path), so an adapter there would
-  be silently ignored;
+- an ``nn.MultiheadAttention`` is adapted as a whole, as PEFT adapts it (`lightning_peft.peft.lora.mha`); the other
+  children of ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` are never adapted: those modules read
+  their children's weights directly (the fused inference fast path), so an adapter there would be silently ignored;
 - ``exclude_modules`` uses the same rules and wins over ``target_modules``;
 - ``modules_to_save`` left at None on a Hugging Face task model (``*ForSequenceClassification``,
   ``*ForTokenClassification``, ``*ForQuestionAnswering``, ``*ForMultipleChoice``) saves its task head
@@ -43,6 +43,7 @@ from ..adapter import attached
 from ..modules_to_save import ModulesToSave
 from .config import LoRAConfig
 from .layer import LoRALayer, conv1d_type
+from .mha import refuse_unsupported as refuse_unsupported_attention
 from .variants import refuse_unsupported as refuse_unsupported_dora
 
 log = logging.getLogger("lightning_peft.peft.lora")
@@ -58,7 +59,7 @@ def _linear_types() -> tuple[type, ...]:
 
 def supported_types() -> tuple[type, ...]:
     """Module types [`inject_lora`][lightning_peft.peft.inject_lora] can adapt."""
-    return (*_linear_types(), nn.Embedding, nn.Conv2d)
+    return (*_linear_types(), nn.Embedding, nn.Conv2d, nn.MultiheadAttention)
 
 
 def _supported_names() -> str:
@@ -77,11 +78,20 @@ def _output_head(model: nn.Module) -> str | None:
     return linears[-1] if linears else None
 
 
+def _inside_fused(modules: dict[str, nn.Module]) -> dict[str, str]:
+    """``{child name: parent type name}``: the children a fused module reads the weights of (an attention module
+    inside a TransformerEncoderLayer is adapted as a whole, so it is not one of them)."""
+    return {f"{n}.{c}" if n else c: type(m).__name__ for n, m in modules.items() if isinstance(m, _READS_CHILD_WEIGHTS)
+            for c, child in m.named_children() if not isinstance(child, nn.MultiheadAttention)}
+
+
 def _describe_modules(model: nn.Module) -> str:
     """'query, key, value (x6 each), ...' for error messages: leaf names of the adaptable modules."""
     counts: dict[str, int] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, supported_types()):
+    modules = dict(model.named_modules())
+    inside_fused = _inside_fused(modules)
+    for name, module in modules.items():
+        if isinstance(module, supported_types()) and name not in inside_fused:
             leaf = name.rsplit(".", 1)[-1]
             counts[leaf] = counts.get(leaf, 0) + 1
     if not counts:
@@ -94,8 +104,7 @@ def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]
     modules = _adaptable_view(model)
     names = [n for n in modules if n]
     to_save = _select_modules_to_save(model, config, names)
-    inside_fused = {f"{n}.{c}" if n else c: type(m).__name__ for n, m in modules.items()
-                    if isinstance(m, _READS_CHILD_WEIGHTS) for c, _ in m.named_children()}
+    inside_fused = _inside_fused(modules)
     if config.target_modules == "all-linear":
         head = _output_head(model)
         linear = _linear_types()
@@ -196,13 +205,17 @@ def _check_types(model, config, chosen, modules, inside_fused) -> None:
     for name in chosen:
         module = modules[name]
         if name in inside_fused:
+            parent = name.rpartition(".")[0]
+            fix = (f"Target the attention module itself ({parent!r}): LoRA adapts its in- "
+                   "and out-projections together, as PEFT does" if inside_fused[name] == "MultiheadAttention" else
+                   "Exclude it (exclude_modules), or build the block from separate Linear layers")
             raise TypeError(
                 f"LoRA: {name!r} belongs to an nn.{inside_fused[name]}, which reads its children's weights directly "
-                "(fused fast path), so an adapter there would be silently ignored. Exclude it (exclude_modules), "
-                "or build the block from separate Linear layers."
+                f"(fused fast path), so an adapter there would be silently ignored. {fix}."
             )
         if isinstance(module, nn.Conv2d) and module.groups != 1:
             raise TypeError(f"LoRA: {name!r} is a grouped Conv2d (groups={module.groups}); only groups=1 is supported.")
+    refuse_unsupported_attention(chosen, modules, config)
     if config.use_dora:
         refuse_unsupported_dora("LoRA", chosen, modules, _linear_types())
 
@@ -248,6 +261,8 @@ def _warn_about_settings(model: nn.Module, config: LoRAConfig, targets: list[str
 def _max_rank(module: nn.Module) -> int:
     if isinstance(module, LoRALayer):
         module = module.base_layer
+    if isinstance(module, nn.MultiheadAttention):  # both projections take (E,) inputs
+        return module.embed_dim
     if isinstance(module, nn.Linear):  # its sizes: a quantized weight may be packed (bitsandbytes' 4-bit)
         return min(module.in_features, module.out_features)
     weight = module.weight  # Conv1D (in, out), Embedding (V, d), Conv2d (out, in, kh, kw)

@@ -163,6 +163,7 @@ def peft_name(name: str) -> str:
     in a module (``.weight``), and a saved module's trained copy under ``modules_to_save.<adapter>``."""
     if ".lora_magnitude_vector." in name:
         return f"{name}.weight"
+    name = name.replace(".out_proj_lora_", ".base_layer.out_proj.lora_")  # an nn.MultiheadAttention's out-projection
     return name.replace(".trained_module.", ".modules_to_save.default.")
 
 

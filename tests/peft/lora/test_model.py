@@ -723,7 +723,7 @@ def test_an_exclusion_that_removes_every_target_blames_exclude_modules():
 def test_a_model_without_adaptable_modules_says_what_lora_supports():
     model = nn.Sequential(nn.Conv1d(2, 2, 3), nn.Conv1d(2, 2, 1))
     with pytest.raises(TypeError, match=r"LoRA\(target_modules=\['0'\]\) matched '0' of type Conv1d; LoRA supports "
-                                        r"Linear, .*Embedding, Conv2d\. Name modules of those types instead; Sequential "
+                                        r"Linear, .*Embedding, Conv2d, MultiheadAttention\. Name modules of those types instead; Sequential "
                                         r"has: none \(LoRA supports .*, and Sequential has no such module\)"):
         inject_lora(model, target_modules=["0"])
 

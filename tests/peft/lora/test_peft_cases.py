@@ -24,7 +24,6 @@ DORA_CONV = _refused("DoRA on convolutions: issue 29")
 DORA_EMB = _refused("DoRA on embeddings: issue 29")
 CONV_ND = _refused("Conv1d / Conv3d / grouped Conv2d: issue 29")
 BIAS = _refused("lora_bias: issue 29")
-MHA = _refused("nn.MultiheadAttention: issue 29")
 PARAM = _refused("target_parameters: issue 29")
 TOKENS = _refused("trainable_token_indices: issue 29")
 
@@ -77,8 +76,8 @@ CASES = [
                  {"target_modules": ["conv2d"], "lora_bias": True, "lora_alpha": 32}, marks=BIAS),
     pytest.param("Conv3d 1 LoRA with lora_b bias", "Conv3d",
                  {"target_modules": ["conv3d"], "lora_bias": True, "lora_alpha": 32}, marks=BIAS),
-    pytest.param("MHA 1 LoRA", "MHA", {"target_modules": ["mha"]}, marks=MHA),
-    pytest.param("MHA 2 LoRA", "MHA", {"target_modules": ["mha", "lin0"]}, marks=MHA),
+    ("MHA 1 LoRA", "MHA", {"target_modules": ["mha"]}),
+    ("MHA 2 LoRA", "MHA", {"target_modules": ["mha", "lin0"]}),
     pytest.param("MLP 1 using nn.Parameter LoRA", "MlpUsingParameters", {"target_parameters": ["lin0.weight"]},
                  marks=PARAM),
     pytest.param("MLP 2 using nn.Parameter LoRA", "MLP", {"target_modules": ["lin0"], "target_parameters": ["lin1.weight"]},
