@@ -12,10 +12,11 @@ y = MultiheadAttention(query, key, value, ...) computed with the two adapted wei
 ```
 
 The forward runs the base module with the adapted weights in place of its own (`torch.func.functional_call`): the
-base's parameters are never written, and ``W + s B A`` is the tensor PEFT's forward merges in, so the outputs and
-gradients are PEFT's. Parameters: ``lora_A.<n>.weight`` / ``lora_B.<n>.weight`` (in-projection) and
-``out_proj_lora_A.<n>.weight`` / ``out_proj_lora_B.<n>.weight`` (out-projection); in PEFT's files
-``<path>.lora_A.weight`` and ``<path>.base_layer.out_proj.lora_A.weight``, where PEFT keeps the latter.
+base's parameters are never written. Each update counts once, as LoRA defines it; Hugging Face PEFT 0.21 adds the
+out-projection's twice (huggingface/peft#3774, `warn_doubled_out_proj`), so its outputs differ. Parameters:
+``lora_A.<n>.weight`` / ``lora_B.<n>.weight`` (in-projection) and ``out_proj_lora_A.<n>.weight`` /
+``out_proj_lora_B.<n>.weight`` (out-projection); in PEFT's files ``<path>.lora_A.weight`` and
+``<path>.base_layer.out_proj.lora_A.weight``, where PEFT keeps the latter.
 
 Limits, as in PEFT: the query, key and value sizes must be equal (``kdim = vdim = embed_dim``: one fused
 in-projection); no DoRA; LoRA dropout is not applied (the update enters through the weights, not through a layer
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -58,13 +60,26 @@ def refuse_unsupported(chosen: list[str], modules: dict[str, nn.Module], config)
         )
 
 
-def _updated(key: str, weight: Tensor, delta: Tensor) -> Tensor:
-    """``weight + delta``; the out-projection's delta is added twice, the second time without gradient, as Hugging
-    Face PEFT 0.21 does (its ``MultiheadAttention.merge`` adds it, then merges its out_proj LoRA layer, which adds it
-    again through ``.data``; huggingface/peft#3774). So PEFT's adapter files mean the same here, outputs, merged
-    weights and gradients included."""
-    weight = weight + delta
-    return weight + delta.detach() if key == "out_proj.weight" else weight
+def warn_doubled_out_proj(config: dict, keys: Iterable[str], source: str, adapter_name: str) -> None:
+    """Warn, once per file, when a file Hugging Face PEFT wrote (it sets ``peft_version``) adapts an
+    ``nn.MultiheadAttention``: PEFT 0.21.2 (and earlier) merges the out-projection's update twice, ``W + 2 s B A``,
+    in its forward too (huggingface/peft#3774); this layer adds it once. ``2 B`` here gives PEFT's outputs
+    (``s (2B) A = 2 s B A`` exactly, doubling being exact in floating point; PEFT adds ``s B A`` twice, which rounds
+    the sum once more)."""
+    marker = f"{PEFT_OUT_PROJ}.lora_B"
+    layers = sorted({key.partition(marker)[0] for key in keys if marker in key})
+    version = config.get("peft_version")
+    if version is None or not layers:  # our files have no peft_version, and mean what this layer computes
+        return
+    warnings.warn(
+        f"load_adapter: {source} (peft_version={version!r}) adapts the nn.MultiheadAttention layer(s) "
+        f"{', '.join(map(repr, layers))}. Hugging Face PEFT through 0.21.2 applies their out-projection's LoRA update "
+        "twice (out_proj.weight + 2*s*B*A, in its forward and merged weights; huggingface/peft#3774); lightning-peft "
+        "applies it once, as LoRA defines it (+ s*B*A), so the outputs differ from that PEFT's. To get that PEFT's "
+        "outputs, scale each such layer's out-projection B factor by 2 after loading: with torch.no_grad(): "
+        f"model.get_submodule(name).out_proj_lora_B[{adapter_name!r}].weight.mul_(2).",
+        UserWarning, stacklevel=5,  # load_adapter's caller
+    )
 
 
 def _no_fused_path(module: nn.Module, args: tuple) -> None:
@@ -154,7 +169,7 @@ class LoRAMultiheadAttention(_ABLayer):
             return {key: w.detach().clone() for key, w in self._bases().items()}
         with torch.no_grad():
             deltas = self._deltas(name or self._active_name())
-            merged = {key: _updated(key, w.to(deltas[key].dtype), deltas[key]) for key, w in self._bases().items()}
+            merged = {key: w.to(deltas[key].dtype) + deltas[key] for key, w in self._bases().items()}
         if not all(torch.isfinite(w).all() for w in merged.values()):
             raise RuntimeError(
                 f"{type(self).__name__}: merging would write inf or NaN into the base weights; the adapter or base "
@@ -164,7 +179,7 @@ class LoRAMultiheadAttention(_ABLayer):
 
     def _restored(self) -> dict[str, Tensor]:
         deltas = self._deltas(self.merged_adapter)
-        return {key: _updated(key, w.to(deltas[key].dtype), -deltas[key]).to(w.dtype) for key, w in self._bases().items()}
+        return {key: (w.to(deltas[key].dtype) - deltas[key]).to(w.dtype) for key, w in self._bases().items()}
 
     # --- forward -----------------------------------------------------------------------------------------------
 
@@ -174,7 +189,7 @@ class LoRAMultiheadAttention(_ABLayer):
         if name is None:
             return self.base_layer(query, *args, **kwargs)
         deltas = self._deltas(name)
-        weights = {key: _updated(key, w, deltas[key].to(w.dtype)) for key, w in self._bases().items()}  # as PEFT's
+        weights = {key: w + deltas[key].to(w.dtype) for key, w in self._bases().items()}
         return torch.func.functional_call(self.base_layer, weights, (query, *args), kwargs)
 
     def _forward_adapter(self, query: Tensor) -> str | None:

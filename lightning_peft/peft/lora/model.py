@@ -42,6 +42,7 @@ from ..quantize import drop_quantizer_entries, plain_state, quantize_layers
 from .config import LoRAConfig, as_config, check_adapter_name
 from .layer import DEFAULT, LoRALayer, Routing, lora_layers, lora_spec, make_layer, require_spec
 from .merge import merge_lora, unmerge_lora
+from .mha import warn_doubled_out_proj
 from .peft_format import (
     PEFT_FIELDS,
     check_file_shapes,
@@ -266,6 +267,7 @@ class LoRAAdapter(Adapter):
     def check_peft_shapes(cls, model: nn.Module, config: dict[str, Any], shapes: dict[str, tuple[int, ...]], files,
                           inject: bool, adapter_name: str = DEFAULT) -> None:
         check_file_shapes(model, config, shapes, files, inject)
+        warn_doubled_out_proj(config, shapes, str(files.config), adapter_name)
 
     @classmethod
     def from_peft(

@@ -1,8 +1,12 @@
-"""LoRA on nn.MultiheadAttention against Hugging Face PEFT 0.21 (the oracle), and what is refused."""
+"""LoRA on nn.MultiheadAttention against Hugging Face PEFT 0.21 with huggingface/peft#3774 fixed (the oracle:
+`fixed_peft_mha`, each update once, as LoRA defines it), PEFT 0.21.2's own double out-projection update, and what is
+refused."""
 
 from __future__ import annotations
 
 import copy
+import re
+import warnings
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from lightning_peft.peft import (
     merge_lora,
     merged_state_dict,
     route_adapters,
+    save_adapter,
     set_adapter,
     unload_lora,
     unmerge_lora,
@@ -24,16 +29,28 @@ from lightning_peft.peft.lora import LoRAMultiheadAttention
 from tests.peft.lora._oracle import (
     MHA,
     MODELS,
+    PEFT_MHA,
     PREFIX,
     assert_equal_to_peft,
     close,
+    fixed_peft_mha,
     inputs,
     peft,
     peft_name,
     trainable,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore:(All adapters are already merged|Already unmerged):UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:(All adapters are already merged|Already unmerged):UserWarning"),
+    pytest.mark.filterwarnings("ignore:load_adapter.*adapts the nn.MultiheadAttention layer:UserWarning"),
+]
+
+
+@pytest.fixture
+def fixed_peft():
+    """PEFT 0.21.2 with huggingface/peft#3774 fixed, the oracle."""
+    with fixed_peft_mha():
+        yield
 
 
 class Attention(MHA):
@@ -68,12 +85,14 @@ VARIANTS = {
 }
 
 
+@pytest.mark.usefixtures("fixed_peft")
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_attention_options_equal_peft(variant, tmp_path, monkeypatch):
     monkeypatch.setitem(MODELS, "Attention", lambda: Attention(**VARIANTS[variant]))
     assert_equal_to_peft("Attention", {"target_modules": ["mha"], "lora_alpha": 4}, tmp_path)
 
 
+@pytest.mark.usefixtures("fixed_peft")
 def test_rank_pattern_and_gaussian_init_equal_peft(tmp_path):
     assert_equal_to_peft("MHA", {"target_modules": ["mha", "lin0"], "r": 2, "rank_pattern": {"mha": 4},
                                  "init_lora_weights": "gaussian", "use_rslora": True}, tmp_path)
@@ -92,6 +111,7 @@ def _encoder() -> nn.Module:
     return nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).double()
 
 
+@pytest.mark.usefixtures("fixed_peft")
 def test_transformer_encoder_trains_as_peft_and_its_fused_inference_keeps_the_adapter(tmp_path):
     base = _encoder()
     ours = copy.deepcopy(base)
@@ -127,12 +147,14 @@ def test_transformer_encoder_trains_as_peft_and_its_fused_inference_keeps_the_ad
         close(ours(x), adapted, "inference, merged")
 
 
+@pytest.mark.usefixtures("fixed_peft")
 def test_dropout_is_not_applied_to_attention_as_in_peft(tmp_path):
     with pytest.warns(UserWarning, match=r"LoRA\(dropout=0.5\): not applied to nn.MultiheadAttention layers, whose "
                                          r"adapter enters the attention through its weights"):
         assert_equal_to_peft("MHA", {"target_modules": ["mha", "lin0"], "lora_dropout": 0.5}, tmp_path)
 
 
+@pytest.mark.usefixtures("fixed_peft")
 def test_named_adapters_switch_as_in_peft():
     torch.manual_seed(0)
     base = MODELS["MHA"]().double()
@@ -167,10 +189,13 @@ def test_merged_state_dict_and_unload_give_a_plain_attention_with_merged_weights
     with torch.no_grad():
         adapted = ours(x)
     layer = ours.mha
-    deltas = layer._deltas("default")
+    scaling = layer.specs["default"].scaling
+    deltas = {"in_proj_weight": scaling * layer.lora_B["default"].weight @ layer.lora_A["default"].weight,
+              "out_proj.weight": scaling * layer.out_proj_lora_B["default"].weight
+              @ layer.out_proj_lora_A["default"].weight}
     expected = dict(base.state_dict())
     expected["mha.in_proj_weight"] = base.mha.in_proj_weight + deltas["in_proj_weight"]
-    expected["mha.out_proj.weight"] = base.mha.out_proj.weight + 2 * deltas["out_proj.weight"]  # as PEFT 0.21
+    expected["mha.out_proj.weight"] = base.mha.out_proj.weight + deltas["out_proj.weight"]  # once, as LoRA
     exported = merged_state_dict(ours)
     assert set(exported) == set(expected)
     for key, value in expected.items():
@@ -188,6 +213,7 @@ def test_merged_state_dict_and_unload_give_a_plain_attention_with_merged_weights
         close(plain(x), adapted, "the unloaded model")
 
 
+@pytest.mark.usefixtures("fixed_peft")
 def test_peft_files_with_a_rank_pattern_load(tmp_path):
     torch.manual_seed(0)
     base = MODELS["MHA"]().double().eval()
@@ -235,3 +261,68 @@ def test_routing_and_combining_refuse_attention_layers():
     with pytest.raises(TypeError, match=r"combine_adapters: 'mha' is an nn.MultiheadAttention layer"):
         combine_adapters(model, {"a": 1.0}, "c")
     assert isinstance(model.mha, LoRAMultiheadAttention) and list(model.mha.specs) == ["a"]
+
+
+def _peft_0_21_encoder(tmp_path) -> tuple[nn.Module, nn.Module]:
+    """(the base encoder, PEFT 0.21.2 as released on its two self_attn layers), seeded; PEFT's files in tmp_path."""
+    base = _encoder()
+    theirs = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(target_modules=["self_attn"], r=2, lora_alpha=4))
+    _seeded(theirs)
+    theirs.save_pretrained(tmp_path)
+    return base, theirs
+
+
+def test_peft_0_21_merges_the_out_projection_update_twice(tmp_path):
+    base, theirs = _peft_0_21_encoder(tmp_path)
+    layer = theirs.base_model.model.layers[0].self_attn
+    with torch.no_grad():
+        once = {"in_proj_weight": base.layers[0].self_attn.in_proj_weight + layer.get_delta_weight("default"),
+                "out_proj": base.layers[0].self_attn.out_proj.weight
+                + layer.base_layer.out_proj.get_delta_weight("default")}
+        PEFT_MHA["merge"](layer)  # PEFT's own MultiheadAttention.merge, not the oracle's fixed one
+        close(layer.base_layer.in_proj_weight, once["in_proj_weight"], "PEFT's merged in_proj_weight")
+        twice = once["out_proj"] + layer.base_layer.out_proj.get_delta_weight("default")
+        merged = layer.base_layer.out_proj.get_base_layer().weight
+        assert torch.allclose(merged, twice, rtol=0, atol=1e-12) and not torch.allclose(merged, once["out_proj"]), (
+            f"peft {peft.__version__} merges the out-projection update of nn.MultiheadAttention once "
+            "(huggingface/peft#3774 is fixed in it): remove fixed_peft_mha from tests/peft/lora/_oracle.py and this "
+            "test, limit lora.mha.warn_doubled_out_proj to files of the PEFT versions before it, and update "
+            "docs/lora.md."
+        )
+
+
+def test_peft_0_21_files_load_with_a_warning_and_twice_the_out_projection_b_gives_peft_0_21_outputs(tmp_path):
+    base, theirs = _peft_0_21_encoder(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = load_adapter(copy.deepcopy(base), tmp_path)
+    told = [w for w in caught if "nn.MultiheadAttention layer" in str(w.message)]
+    assert len(told) == 1 and told[0].category is UserWarning and told[0].filename == __file__, told  # once, here
+    assert re.fullmatch(
+        rf"load_adapter: {re.escape(str(tmp_path / 'adapter_config.json'))} \(peft_version='{peft.__version__}'\) "
+        r"adapts the nn.MultiheadAttention layer\(s\) 'layers.0.self_attn', 'layers.1.self_attn'. Hugging Face PEFT "
+        r"through 0.21.2 applies their out-projection's LoRA update twice \(out_proj.weight \+ 2\*s\*B\*A, in its "
+        r"forward and merged weights; huggingface/peft#3774\); lightning-peft applies it once, as LoRA defines it "
+        r"\(\+ s\*B\*A\), so the outputs differ from that PEFT's. To get that PEFT's outputs, scale each such "
+        r"layer's out-projection B factor by 2 after loading: with torch.no_grad\(\): "
+        r"model.get_submodule\(name\).out_proj_lora_B\['default'\].weight.mul_\(2\).", str(told[0].message))
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    ours.train(), theirs.train()  # (the encoder's fused inference kernel drops PEFT's unmerged adapter)
+    with torch.no_grad():
+        peft_0_21 = theirs(x)  # PEFT as released: W_out + 2 s B A
+        assert (ours(x) - peft_0_21).abs().max() > 1e-3, "once and twice do not differ: nothing is compared"
+        with fixed_peft_mha():
+            close(ours(x), theirs(x), "PEFT with #3774 fixed")
+        once = ours(x)
+    save_adapter(ours, tmp_path / "ours")  # our own files (no peft_version) mean what they compute: no warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_adapter(copy.deepcopy(base), tmp_path / "ours")
+    assert not [w for w in caught if "nn.MultiheadAttention layer" in str(w.message)]
+    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "ours").train()
+    with torch.no_grad():
+        for name in ("layers.0.self_attn", "layers.1.self_attn"):  # what the docs say: half B in PEFT 0.21.2
+            loaded.base_model.model.get_submodule(name).base_layer.out_proj.lora_B["default"].weight.mul_(0.5)
+            ours.get_submodule(name).out_proj_lora_B["default"].weight.mul_(2)  # what the warning says to do
+        close(loaded(x), once, "our files in PEFT 0.21.2, its out-projection B factors halved")
+        close(ours(x), peft_0_21, "the out-projection B factors doubled: PEFT 0.21.2's outputs")

@@ -6,13 +6,17 @@ match and are not listed. A row still refused carries ``xfail(strict=True)``, so
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
-from tests.peft.lora._oracle import assert_equal_to_peft
+from tests.peft.lora._oracle import assert_equal_to_peft, fixed_peft_mha
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to:UserWarning"),  # PEFT fixes its flag per layer
     pytest.mark.filterwarnings("ignore:LoRA. the rank exceeds:UserWarning"),  # PEFT's rows keep r=8 on tiny layers
+    pytest.mark.filterwarnings("ignore:(All adapters are already merged|Already unmerged):UserWarning"),  # MHA's
+    pytest.mark.filterwarnings("ignore:load_adapter.*adapts the nn.MultiheadAttention layer:UserWarning"),  # #3774
 ]
 
 
@@ -87,4 +91,6 @@ CASES = [
 
 @pytest.mark.parametrize(("case", "model_id", "peft_kwargs"), CASES)
 def test_peft_custom_model_row_equals_peft(case, model_id, peft_kwargs, tmp_path):
-    assert_equal_to_peft(model_id, peft_kwargs, tmp_path)
+    # PEFT 0.21.2 adds an nn.MultiheadAttention's out-projection update twice; the oracle is PEFT with that fixed.
+    with fixed_peft_mha() if model_id == "MHA" else contextlib.nullcontext():
+        assert_equal_to_peft(model_id, peft_kwargs, tmp_path)
