@@ -7,6 +7,7 @@ One module per concept, as Hugging Face PEFT's ``tuners/lora/``:
 | `config` | [`LoRAConfig`][lightning_peft.peft.LoRAConfig], keyword arguments and PEFT's ``LoraConfig`` translated to it |
 | `layer` | the layers: the base class (adapters, merge, the forward) and the Linear / Conv1D and Embedding layers |
 | `conv` | the convolution layer: ``nn.Conv1d``, ``Conv2d``, ``Conv3d``, grouped ones included |
+| `mha` | the layer for ``nn.MultiheadAttention`` (its in- and out-projection, as PEFT adapts it) |
 | `variants` | DoRA (a trained magnitude per output row) |
 | `routing` | which adapter each sample uses, and the per-sample (mixed-batch) update |
 | `targets` | which modules a config adapts (PEFT's matching rules), checked before anything changes |
@@ -20,6 +21,7 @@ from .config import LoRAConfig, as_config
 from .conv import LoRAConv, LoRAConv2d
 from .layer import DEFAULT, LoRAEmbedding, LoRALayer, LoRALinear, Routing, lora_layers, lora_spec
 from .merge import merge_lora, unmerge_lora
+from .mha import LoRAMultiheadAttention
 from .model import LoRAAdapter, add_adapter, inject_lora, unload_lora
 from .multi import (
     active_adapter,
@@ -39,6 +41,7 @@ __all__ = [
     "LoRAEmbedding",
     "LoRALayer",
     "LoRALinear",
+    "LoRAMultiheadAttention",
     "Routing",
     "active_adapter",
     "add_adapter",

@@ -84,17 +84,11 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def unmerged_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
     """State-dict post-hook: a merged layer reports its unmerged base weight, so no state holds ``W + delta``."""
-    key = f"{prefix}{module.adapted_key}"
-    if module.merged and key in state_dict:
-        weight = module._adapted()
+    if module.merged:
         with torch.no_grad():
-            restored = module._without_update(dense_weight(weight).to(_compute_dtype(weight.dtype)),
-                                              module.merged_adapter)
-            state_dict[key] = restored.to(weight.dtype)
-        bias_delta = module._bias_delta(module.merged_adapter)
-        if bias_delta is not None and f"{prefix}base_layer.bias" in state_dict:
-            state_dict[f"{prefix}base_layer.bias"] = (module.bias.detach().to(bias_delta.dtype) - bias_delta).to(
-                module.bias.dtype)
+            for key, restored in module._restored().items():
+                if f"{prefix}{key}" in state_dict:
+                    state_dict[f"{prefix}{key}"] = restored
 
 
 _LEGACY_KEYS = ("lora_A.weight", "lora_B.weight", "lora_embedding_A", "lora_embedding_B")
@@ -350,6 +344,25 @@ class LoRALayer(RoutedPath, LayerWrapper):
             )
         return merged.to(dense.dtype)
 
+    def merged_weights(self, name: str | None = None) -> dict[str, Tensor]:
+        """Every base tensor a merge of adapter ``name`` writes, by its key in this layer's state dict: the adapted
+        weight (`merged_weight`) and, with ``lora_bias``, the bias (`merged_bias`)."""
+        merged = {self.adapted_key: self.merged_weight(name)}
+        bias = self.merged_bias(name)
+        if bias is not None:
+            merged["base_layer.bias"] = bias
+        return merged
+
+    def _restored(self) -> dict[str, Tensor]:
+        """The base tensors without the merged adapter's update, by their key in this layer's state dict."""
+        weight, name = self._adapted(), self.merged_adapter
+        restored = self._without_update(dense_weight(weight).to(_compute_dtype(weight.dtype)), name)
+        tensors = {self.adapted_key: restored.to(weight.dtype)}
+        bias_delta = self._bias_delta(name)
+        if bias_delta is not None:
+            tensors["base_layer.bias"] = (self.bias.to(bias_delta.dtype) - bias_delta).to(self.bias.dtype)
+        return tensors
+
     def _with_update(self, weight: Tensor, name: str) -> Tensor:
         """The merged weight of adapter ``name`` from the dense base ``weight`` (compute dtype): ``W + delta``."""
         return weight + self.delta_weight(name)
@@ -395,7 +408,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
             raise RuntimeError(
                 f"{type(self).__name__}: adapter {self.merged_adapter!r} is merged; unmerge it before merging {name!r}."
             )
-        bias = self.merged_bias(name)  # a refusal comes before any write
+        merged = self.merged_weights(name)  # every refusal comes before any write
         if is_quantized(self._adapted()):
             if not dequantize:
                 raise RuntimeError(
@@ -403,11 +416,9 @@ class LoRALayer(RoutedPath, LayerWrapper):
                     "merging in place would requantize it and lose most of the update. Use unload_lora(model, "
                     "merge=True) for a plain full-precision model, or merged_state_dict(model) for an export."
                 )
-            self._dequantize_base(self.merged_weight(name))
-        else:
-            self._adapted().copy_(self.merged_weight(name))
-        if bias is not None:
-            self.base_layer.bias.copy_(bias)
+            self._dequantize_base(merged.pop(self.adapted_key))
+        for key, value in merged.items():
+            self.get_parameter(key).copy_(value)
         self.merged_adapter = name
         self.routing.merged[name] = self.routing.merged.get(name, 0) + 1
 
@@ -435,12 +446,8 @@ class LoRALayer(RoutedPath, LayerWrapper):
         """
         if not self.merged:
             raise RuntimeError(f"{type(self).__name__}.unmerge(): the layer is not merged; call merge() first.")
-        weight = self._adapted()
-        restored = self._without_update(dense_weight(weight).to(_compute_dtype(weight.dtype)), self.merged_adapter)
-        weight.copy_(restored.to(weight.dtype))
-        bias_delta = self._bias_delta(self.merged_adapter)
-        if bias_delta is not None:
-            self.bias.copy_((self.bias.to(bias_delta.dtype) - bias_delta).to(self.bias.dtype))
+        for key, restored in self._restored().items():
+            self.get_parameter(key).copy_(restored)
         self.routing.merged[self.merged_adapter] -= 1
         self.merged_adapter = None
 
@@ -764,7 +771,8 @@ class LoRAEmbedding(LoRALayer):
 
 
 #: LoRA layer classes by base module type, beside Linear / Conv1D (the default) and Embedding; each layer module
-#: adds its own when the package is imported (`lightning_peft.peft.lora.conv`: ``nn.Conv1d``, ``Conv2d``, ``Conv3d``).
+#: adds its own when the package is imported (`lightning_peft.peft.lora.conv`: ``nn.Conv1d``, ``Conv2d``, ``Conv3d``;
+#: `lightning_peft.peft.lora.mha`: ``nn.MultiheadAttention``).
 LAYER_TYPES: dict[type, type[LoRALayer]] = {}
 
 

@@ -44,6 +44,7 @@ from .config import LoRAConfig, as_config, check_adapter_name
 from .layer import DEFAULT, LoRALayer, Routing, conv1d_type, lora_layers, lora_spec, make_layer, require_spec
 from .merge import merge_lora, unmerge_lora
 from .param import plan_parameters, wrap_parameters
+from .mha import warn_doubled_out_proj
 from .peft_format import (
     PEFT_FIELDS,
     check_file_shapes,
@@ -173,14 +174,13 @@ class LoRAAdapter(Adapter):
             chosen = layer.merged_adapter or wanted or self.routing.active
             if chosen not in layer.specs:
                 continue
-            drop_quantizer_entries(state, name, layer.base_layer)
             try:
-                state[f"{name}.{layer.adapted_key.rpartition('.')[2]}"] = layer.merged_weight(chosen)
-                bias = layer.merged_bias(chosen)
-                if bias is not None:
-                    state[f"{name}.bias"] = bias
+                merged = {_plain(key): value for key, value in layer.merged_weights(chosen).items()}
             except RuntimeError as err:
                 raise RuntimeError(f"merged_state_dict: layer {name!r}: {err}") from None
+            if "weight" in merged:  # (an attention module's weights are never quantized)
+                drop_quantizer_entries(state, name, layer.base_layer)
+            state.update({f"{name}.{key}": weight for key, weight in merged.items()})
         return plain_state(fold_modules_to_save(model, state))
 
     def unload(self, model: nn.Module, merge: bool) -> None:
@@ -275,6 +275,7 @@ class LoRAAdapter(Adapter):
     def check_peft_shapes(cls, model: nn.Module, config: dict[str, Any], shapes: dict[str, tuple[int, ...]], files,
                           inject: bool, adapter_name: str = DEFAULT) -> None:
         check_file_shapes(model, config, shapes, files, inject)
+        warn_doubled_out_proj(config, shapes, str(files.config), adapter_name)
 
     @classmethod
     def from_peft(
@@ -289,6 +290,13 @@ class LoRAAdapter(Adapter):
         except ValueError as err:  # the settings do not fit this model (e.g. a scale its dtype cannot hold)
             raise ValueError(f"load_adapter: {source}: {err}") from None
         return attached(model)["lora"]
+
+
+def _plain(key: str) -> str:
+    """A layer's state-dict key as a merged export names it: without the wrappers' ``base_layer.`` levels."""
+    while key.startswith("base_layer."):
+        key = key[len("base_layer."):]
+    return key
 
 
 def inject_lora(

@@ -52,6 +52,7 @@ from ..._checks import integer
 from ..adapter import unwrap
 from .config import LoRAConfig
 from .layer import LoRALayer, Routing, require_spec
+from .mha import LoRAMultiheadAttention
 from .model import LoRAAdapter, add_adapter
 from .targets import _adaptable_view, exact_targets
 from .variants import refuse_routing
@@ -210,6 +211,10 @@ def combine_adapters(
                          "combination, so only adapters without lora_bias can be combined.")
     model = unwrap(model)
     layers = {t: model.get_submodule(t) for t in spec.targets if any(s in model.get_submodule(t).specs for s in weights)}
+    attention = [t for t, layer in layers.items() if isinstance(layer, LoRAMultiheadAttention)]
+    if attention:
+        raise TypeError(f"combine_adapters: {attention[0]!r} is an nn.MultiheadAttention layer, whose two factor pairs "
+                        "are not combined; combine adapters that leave the attention modules out.")
     grouped = [t for t, layer in layers.items() if getattr(layer.base_layer, "groups", 1) > 1]
     if grouped and method != "linear":
         raise ValueError(f"combine_adapters(method={method!r}): {grouped[0]!r} is a grouped convolution, whose B "

@@ -23,6 +23,7 @@ from . import init as starts
 from .config import LoRAConfig, config_from_peft
 from .conv import LoRAConv
 from .layer import DEFAULT, lora_layers
+from .mha import PEFT_CONTAINERS, PEFT_OUT_PROJ
 from .param import LoRAParameter, plan_parameters
 from .targets import _adaptable_view, _parameters, _select, exact_targets, select_parameters
 
@@ -38,9 +39,10 @@ PEFT_FIELDS = frozenset((  # peft 0.21.2's LoraConfig
 
 
 def _peft_key(key: str, adapter_name: str) -> str:
-    """A layer-relative key of one adapter without its adapter segment: ``lora_A.x.weight`` -> ``lora_A.weight``."""
+    """A layer-relative key of one adapter without its adapter segment, in PEFT's layout: ``lora_A.x.weight`` ->
+    ``lora_A.weight``, ``out_proj_lora_A.x.weight`` -> ``base_layer.out_proj.lora_A.weight``."""
     container, _, rest = key.partition(f".{adapter_name}")
-    return container + rest
+    return PEFT_CONTAINERS.get(container, container) + rest
 
 
 def peft_state(adapter, model: nn.Module, name: str, convert_to_lora: bool = False) -> dict[str, Tensor]:
@@ -223,6 +225,7 @@ def check_file_shapes(model: nn.Module, config: dict[str, Any], shapes: dict[str
     view = _adaptable_view(model)
     for key, shape in shapes.items():
         path, _, leaf = key.rpartition(".lora_")
+        path = path.removesuffix(PEFT_OUT_PROJ)  # an attention module's out-projection has the module's rank
         dim = _RANK_DIMS.get(f"lora_{leaf}") if path else None
         if dim is None:
             continue
@@ -242,8 +245,10 @@ def check_file_shapes(model: nn.Module, config: dict[str, Any], shapes: dict[str
         required = []
         for target in targets:
             embedding = isinstance(view[target], nn.Embedding)
-            required += [f"{clean_key(target)}.{k}" for k in (
-                ("lora_embedding_A", "lora_embedding_B") if embedding else ("lora_A.weight", "lora_B.weight"))]
+            keys = ("lora_embedding_A", "lora_embedding_B") if embedding else ("lora_A.weight", "lora_B.weight")
+            if isinstance(view[target], nn.MultiheadAttention):
+                keys += tuple(f"{path}.weight" for path in PEFT_CONTAINERS.values())
+            required += [f"{clean_key(target)}.{k}" for k in keys]
             required += [f"{clean_key(target)}.lora_B.bias"] if ours.lora_bias else []
         required += [f"{clean_key(path)}.lora_{k}.weight" for path in planned for k in "AB"]
         missing = [k for k in required if k not in shapes]

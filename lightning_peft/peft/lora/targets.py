@@ -8,9 +8,9 @@ Target selection follows Hugging Face PEFT so that configs mean the same thing i
   it has them, else its last linear layer) and ``modules_to_save``. This differs from PEFT, which keeps a
   classifier head or a pooler in when no ``task_type`` is given; adapters are saved with the exact module
   names, so PEFT still adapts the same modules when it loads them;
-- the children of ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` are never adapted: those
-  modules read their children's weights directly (the fused inference fast path), so an adapter there would
-  be silently ignored;
+- an ``nn.MultiheadAttention`` is adapted as a whole, as PEFT adapts it (`lightning_peft.peft.lora.mha`); the other
+  children of ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` are never adapted: those modules read
+  their children's weights directly (the fused inference fast path), so an adapter there would be silently ignored;
 - ``layers_to_transform`` (with ``layers_pattern``) keeps the list-matched modules of those layers
   (`lightning_peft.peft._common.layer_of` reads a module's layer as PEFT does);
 - ``exclude_modules`` uses the same rules and wins over ``target_modules``;
@@ -48,6 +48,7 @@ from ..modules_to_save import ModulesToSave
 from .config import LoRAConfig
 from .conv import refuse_rank
 from .layer import LAYER_TYPES, LoRALayer, conv1d_type, lora_layers
+from .mha import refuse_unsupported as refuse_unsupported_attention
 from .param import LoRAParameter
 from .variants import refuse_unsupported as refuse_unsupported_dora
 
@@ -83,11 +84,20 @@ def _output_head(model: nn.Module) -> str | None:
     return linears[-1] if linears else None
 
 
+def _inside_fused(modules: dict[str, nn.Module]) -> dict[str, str]:
+    """``{child name: parent type name}``: the children a fused module reads the weights of (an attention module
+    inside a TransformerEncoderLayer is adapted as a whole, so it is not one of them)."""
+    return {f"{n}.{c}" if n else c: type(m).__name__ for n, m in modules.items() if isinstance(m, _READS_CHILD_WEIGHTS)
+            for c, child in m.named_children() if not isinstance(child, nn.MultiheadAttention)}
+
+
 def _describe_modules(model: nn.Module) -> str:
     """'query, key, value (x6 each), ...' for error messages: leaf names of the adaptable modules."""
     counts: dict[str, int] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, supported_types()):
+    modules = dict(model.named_modules())
+    inside_fused = _inside_fused(modules)
+    for name, module in modules.items():
+        if isinstance(module, supported_types()) and name not in inside_fused:
             leaf = name.rsplit(".", 1)[-1]
             counts[leaf] = counts.get(leaf, 0) + 1
     if not counts:
@@ -100,8 +110,7 @@ def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]
     modules = _adaptable_view(model)
     names = [n for n in modules if n]
     to_save = _select_modules_to_save(model, config, names)
-    inside_fused = {f"{n}.{c}" if n else c: type(m).__name__ for n, m in modules.items()
-                    if isinstance(m, _READS_CHILD_WEIGHTS) for c, _ in m.named_children()}
+    inside_fused = _inside_fused(modules)
     if config.target_modules == "all-linear":
         head = _output_head(model)
         linear = _linear_types()
@@ -264,16 +273,20 @@ def _check_types(model, config, chosen, modules, inside_fused) -> None:
     for name in chosen:
         module = modules[name]
         if name in inside_fused:
+            parent = name.rpartition(".")[0]
+            fix = (f"Target the attention module itself ({parent!r}): LoRA adapts its in- "
+                   "and out-projections together, as PEFT does" if inside_fused[name] == "MultiheadAttention" else
+                   "Exclude it (exclude_modules), or build the block from separate Linear layers")
             raise TypeError(
                 f"LoRA: {name!r} belongs to an nn.{inside_fused[name]}, which reads its children's weights directly "
-                "(fused fast path), so an adapter there would be silently ignored. Exclude it (exclude_modules), "
-                "or build the block from separate Linear layers."
+                f"(fused fast path), so an adapter there would be silently ignored. {fix}."
             )
         if getattr(module, "groups", 1) > 1:
             refuse_rank("LoRA", name, module, config.rank_for(name))
         if config.lora_bias and isinstance(module, nn.Embedding):
             raise TypeError(f"LoRA(lora_bias=True): {name!r} is an Embedding, which PEFT's lora_bias does not "
                             f"support; exclude it (exclude_modules=[{name!r}]) or set lora_bias=False.")
+    refuse_unsupported_attention(chosen, modules, config)
     if config.use_dora:
         refuse_unsupported_dora("LoRA", chosen, modules, _linear_types())
 
@@ -327,6 +340,8 @@ def _base(module: nn.Module) -> nn.Module:
 
 def _max_rank(module: nn.Module) -> int:
     module = _base(module)
+    if isinstance(module, nn.MultiheadAttention):  # both projections take (E,) inputs
+        return module.embed_dim
     if isinstance(module, nn.Linear):  # its sizes: a quantized weight may be packed (bitsandbytes' 4-bit)
         return min(module.in_features, module.out_features)
     weight = module.weight  # Conv1D (in, out), Embedding (V, d), ConvNd (out, in / groups, *kernel)

@@ -20,7 +20,9 @@ roundings of sums, which differ between kernels and CPUs).
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,8 @@ import torch
 from torch import Tensor, nn
 
 peft = pytest.importorskip("peft")
+from peft.tuners.lora.layer import MultiheadAttention as PeftMHA
+from peft.tuners.tuners_utils import check_adapters_to_merge
 
 from lightning_peft.peft import (
     LoRAConfig,
@@ -195,6 +199,7 @@ def peft_name(name: str) -> str:
     in a module (``.weight``), and a saved module's trained copy under ``modules_to_save.<adapter>``."""
     if ".lora_magnitude_vector." in name:
         return f"{name}.weight"
+    name = name.replace(".out_proj_lora_", ".base_layer.out_proj.lora_")  # an nn.MultiheadAttention's out-projection
     return name.replace(".trained_module.", ".modules_to_save.default.")
 
 
@@ -321,3 +326,68 @@ def _one_step(ours: nn.Module, theirs: nn.Module, x: Tensor, rename: Callable[[s
     for name, p in trainable(ours).items():
         close(p, after[PREFIX + rename(name)], f"{name} after one step")
     assert any(g.abs().max() > 0 for g in grads[0].values()), "no adapter gradient: nothing is compared"
+
+
+# ------------------------------------------------------------------------------------------------ PEFT's MHA, fixed
+# PEFT 0.21.2's lora.MultiheadAttention.merge adds the out-projection's update twice: by hand, then again through
+# out_proj.merge() (huggingface/peft#3774, open). Its forward merges per call, so its outputs mean W + 2 s B A. The
+# oracle for nn.MultiheadAttention is PEFT with that fixed (`fixed_peft_mha`); test_mha.py checks the bug is still
+# there.
+
+PEFT_MHA = {"merge": PeftMHA.merge, "unmerge": PeftMHA.unmerge}  # PEFT's own, unpatched
+
+
+def _fixed_merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+    """PEFT 0.21.2's ``MultiheadAttention.merge`` with each update added once. The in-projection as PEFT merges it;
+    the out-projection the same way (``W.detach() + s B A``, which keeps the factors' gradient in PEFT's forward, as
+    0.21.2's first addition does), and its LoRA layer marked merged instead of merged a second time. (#3774 calls
+    ``out_proj.merge()`` instead, which writes through ``.data``: the out-projection's factors would get no
+    gradient.)"""
+    for name in check_adapters_to_merge(self, adapter_names):
+        if name not in self.lora_A:
+            continue
+        base = self.get_base_layer()
+        out_proj = base.out_proj
+        dtype = out_proj.weight.dtype
+        merged = {
+            (base, "in_proj_weight"): base.in_proj_weight.data.detach() + self.get_delta_weight(name).to(dtype),
+            (out_proj.get_base_layer(), "weight"): out_proj.weight.data.detach()
+            + out_proj.get_delta_weight(name).to(dtype),
+        }
+        if safe_merge and not all(torch.isfinite(w).all() for w in merged.values()):
+            raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems to be broken")
+        for (module, key), weight in merged.items():
+            delattr(module, key)  # as PEFT: a tensor in the parameter's place, restored by unmerge
+            setattr(module, key, weight)
+        out_proj.merged_adapters.append(name)
+        self.merged_adapters.append(name)
+
+
+def _fixed_unmerge(self) -> None:
+    """PEFT 0.21.2's ``MultiheadAttention.unmerge`` with each update subtracted once (`_fixed_merge`'s inverse)."""
+    if not self.merged:
+        warnings.warn("Already unmerged. Nothing to do.")
+        return
+    base = self.get_base_layer()
+    out_proj = base.out_proj
+    dtype = out_proj.get_base_layer().weight.dtype
+    while self.merged_adapters:
+        name = self.merged_adapters.pop()
+        if name not in self.lora_A:
+            continue
+        for module, key, delta in ((base, "in_proj_weight", self.get_delta_weight(name)),
+                                   (out_proj.get_base_layer(), "weight", out_proj.get_delta_weight(name))):
+            restored = getattr(module, key).data - delta.to(dtype)
+            delattr(module, key)
+            module.register_parameter(key, nn.Parameter(restored, requires_grad=False))
+        out_proj.merged_adapters.remove(name)
+
+
+@contextmanager
+def fixed_peft_mha():
+    """PEFT's ``lora.MultiheadAttention`` with huggingface/peft#3774 fixed (each update once), while in the block."""
+    PeftMHA.merge, PeftMHA.unmerge = _fixed_merge, _fixed_unmerge
+    try:
+        yield
+    finally:
+        PeftMHA.merge, PeftMHA.unmerge = PEFT_MHA["merge"], PEFT_MHA["unmerge"]

@@ -718,7 +718,7 @@ def test_an_exclusion_that_removes_every_target_blames_exclude_modules():
 def test_a_model_without_adaptable_modules_says_what_lora_supports():
     model = nn.Sequential(nn.LayerNorm(2), nn.ReLU())
     with pytest.raises(TypeError, match=r"LoRA\(target_modules=\['0'\]\) matched '0' of type LayerNorm; LoRA supports "
-                                        r"Linear, .*Embedding, Conv1d, Conv2d, Conv3d\. Name modules of those types instead; Sequential "
+                                        r"Linear, .*Embedding, Conv1d, Conv2d, Conv3d, MultiheadAttention\. Name modules of those types instead; Sequential "
                                         r"has: none \(LoRA supports .*, and Sequential has no such module\)"):
         inject_lora(model, target_modules=["0"])
 

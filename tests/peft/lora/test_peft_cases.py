@@ -6,13 +6,17 @@ match and are not listed. A row still refused carries ``xfail(strict=True)``, so
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
-from tests.peft.lora._oracle import assert_equal_to_peft
+from tests.peft.lora._oracle import assert_equal_to_peft, fixed_peft_mha
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to:UserWarning"),  # PEFT fixes its flag per layer
     pytest.mark.filterwarnings("ignore:LoRA. the rank exceeds:UserWarning"),  # PEFT's rows keep r=8 on tiny layers
+    pytest.mark.filterwarnings("ignore:(All adapters are already merged|Already unmerged):UserWarning"),  # MHA's
+    pytest.mark.filterwarnings("ignore:load_adapter.*adapts the nn.MultiheadAttention layer:UserWarning"),  # #3774
 ]
 
 
@@ -22,7 +26,6 @@ def _refused(why: str):
 
 DORA_CONV = _refused("DoRA on convolutions: issue 29")
 DORA_EMB = _refused("DoRA on embeddings: issue 29")
-MHA = _refused("nn.MultiheadAttention: issue 29")
 TOKENS = _refused("trainable_token_indices: issue 29")
 
 CASES = [
@@ -74,8 +77,8 @@ CASES = [
      {"target_modules": ["conv2d"], "lora_bias": True, "lora_alpha": 32}),
     ("Conv3d 1 LoRA with lora_b bias", "Conv3d",
      {"target_modules": ["conv3d"], "lora_bias": True, "lora_alpha": 32}),
-    pytest.param("MHA 1 LoRA", "MHA", {"target_modules": ["mha"]}, marks=MHA),
-    pytest.param("MHA 2 LoRA", "MHA", {"target_modules": ["mha", "lin0"]}, marks=MHA),
+    ("MHA 1 LoRA", "MHA", {"target_modules": ["mha"]}),
+    ("MHA 2 LoRA", "MHA", {"target_modules": ["mha", "lin0"]}),
     ("MLP 1 using nn.Parameter LoRA", "MlpUsingParameters", {"target_parameters": ["lin0.weight"]}),
     ("MLP 2 using nn.Parameter LoRA", "MLP", {"target_modules": ["lin0"], "target_parameters": ["lin1.weight"]}),
 ]
@@ -83,4 +86,6 @@ CASES = [
 
 @pytest.mark.parametrize(("case", "model_id", "peft_kwargs"), CASES)
 def test_peft_custom_model_row_equals_peft(case, model_id, peft_kwargs, tmp_path):
-    assert_equal_to_peft(model_id, peft_kwargs, tmp_path)
+    # PEFT 0.21.2 adds an nn.MultiheadAttention's out-projection update twice; the oracle is PEFT with that fixed.
+    with fixed_peft_mha() if model_id == "MHA" else contextlib.nullcontext():
+        assert_equal_to_peft(model_id, peft_kwargs, tmp_path)
