@@ -46,9 +46,9 @@ class LoRA(LoRASettings, AdapterCallback):
         bias: ``"none"``, ``"lora_only"`` or ``"all"``: which biases train.
         init: ``"kaiming"`` or ``"gaussian"`` initialisation of ``A`` (``B`` starts at zero).
         use_rslora: Rank-stabilised scaling.
-        quantize: ``"nf4"`` or ``"int8"``: the adapted linear layers' frozen weights stored quantized (QLoRA,
-            `lightning_peft.peft.quantize`); None: full precision.
+        quantize: ``"nf4"`` / ``"int8"``: adapted linear weights stored quantized (QLoRA, `peft.quantize`); None: not.
         use_dora: DoRA (arXiv:2402.09353), as PEFT's ``use_dora``: a trained magnitude per output feature.
+        trainable_token_indices: Token ids whose embedding rows train (new special tokens), or ``{module: ids}``.
         adapter_only_checkpoint: Checkpoints hold only what trains (and buffers); loading takes the frozen base
             from the model as constructed.
         model_attribute: Dotted path of the model inside the LightningModule (adapter key paths are relative to it);
@@ -73,6 +73,7 @@ class LoRA(LoRASettings, AdapterCallback):
         use_rslora: bool = False,
         quantize: Literal["nf4", "int8"] | None = None,
         use_dora: bool = False,
+        trainable_token_indices: list[int] | dict[str, list[int]] | None = None,
         adapter_only_checkpoint: bool = False,
         model_attribute: str | None = None,
         **peft_names: Any,
@@ -83,7 +84,7 @@ class LoRA(LoRASettings, AdapterCallback):
             "exclude_modules": exclude_modules, "modules_to_save": modules_to_save,
             "rank_pattern": dict(rank_pattern or {}), "alpha_pattern": dict(alpha_pattern or {}),
             "bias": bias, "init": init, "use_rslora": use_rslora, "quantize": quantize, "use_dora": use_dora,
-            **peft_names}, "LoRA")
+            "trainable_token_indices": trainable_token_indices, **peft_names}, "LoRA")
 
     def request(self) -> dict[str, Any]:  # the model's first adapter must be this one, whatever its name
         return {"adapters": {DEFAULT: {"config": self.config.to_dict()}}, "first_only": True}
@@ -92,8 +93,7 @@ class LoRA(LoRASettings, AdapterCallback):
         warn_emulated_bf16("LoRA", trainer)
 
     def inject(self, trainer: pl.Trainer, model: nn.Module) -> str:
-        layers = inject_lora(model, self.config)
-        dora = "DoRA, " if self.config.use_dora else ""
+        layers, dora = inject_lora(model, self.config), "DoRA, " if self.config.use_dora else ""
         return (f"adapted {len(layers)} modules of {type(model).__name__} ({dora}rank {self.config.rank}, alpha "
                 f"{self.config.alpha}{self.saving(model)})")
 

@@ -19,6 +19,7 @@ from ..._checks import names as name_list
 from .._common import pattern_matches
 from .._limits import FLOAT32_MAX
 from ..quantize import check_method
+from ..trainable_tokens import Indices, check_indices
 from .layer import Init
 
 Bias = Literal["none", "lora_only", "all"]
@@ -49,6 +50,9 @@ class LoRAConfig:
             ``"int8"`` (`lightning_peft.peft.quantize`); None: full precision. The adapters stay float32.
         use_dora: DoRA (Liu et al., arXiv:2402.09353): a trained magnitude per output feature on top of the LoRA
             update, as Hugging Face PEFT's ``use_dora`` (`lightning_peft.peft.lora.variants`). Linear and Conv1D only.
+        trainable_token_indices: Train only these rows of an embedding (new special tokens), as PEFT's field of the
+            same name (`lightning_peft.peft.trainable_tokens`): a list of token ids of the input embedding (and of
+            the output head tied to it), or ``{embedding module name: ids}``.
     """
 
     rank: int = 8
@@ -64,6 +68,7 @@ class LoRAConfig:
     use_rslora: bool = False
     quantize: Literal["nf4", "int8"] | None = None
     use_dora: bool = False
+    trainable_token_indices: Indices | None = None
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalised values are set with object.__setattr__; the caller's objects are not mutated.
@@ -89,6 +94,8 @@ class LoRAConfig:
         if self.quantize is not None:
             check_method(self.quantize, "LoRA")
         boolean("LoRA", "use_dora", self.use_dora)
+        if self.trainable_token_indices is not None:
+            normal(self, "trainable_token_indices", check_indices(self.trainable_token_indices))
 
     def rank_for(self, name: str) -> int:
         return _pattern_value(self.rank_pattern, name, self.rank)
@@ -201,7 +208,6 @@ _UNSUPPORTED = {
     "target_parameters": None,
     "lora_bias": False,
     "layer_replication": None,
-    "trainable_token_indices": None,
     "alora_invocation_tokens": None,
     "use_qalora": False,
     "use_bdlora": None,
@@ -271,4 +277,5 @@ def _from_fields(config: dict, targets: Any, init: Any) -> LoRAConfig:
         init="gaussian" if init == "gaussian" else "kaiming",
         use_rslora=config.get("use_rslora", False),
         use_dora=config.get("use_dora") or False,
+        trainable_token_indices=config.get("trainable_token_indices"),
     )

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
+from .. import trainable_tokens as tokens
 from .._limits import refuse_overflowing_scales
 from ..adapter import (
     Adapter,
@@ -55,7 +56,7 @@ from .peft_format import (
 from .targets import _select, _warn_about_settings
 
 log = logging.getLogger("lightning_peft.peft.lora")  # the package, as targets.py logs
-_ADDED_FIELDS = {"use_dora": False, "quantize": None}  # LoRAConfig fields newer than some checkpoints: their old value
+_ADDED_FIELDS = {"use_dora": False, "quantize": None, "trainable_token_indices": None}  # LoRAConfig fields newer than some checkpoints: their old value
 
 
 @register
@@ -120,6 +121,7 @@ class LoRAAdapter(Adapter):
         for name in self.modules_to_save:
             trained = model.get_submodule(name).trained_module
             state.update(trained.state_dict(prefix=f"{name}.trained_module.", keep_vars=True))
+        state.update(tokens.token_parameters(model))
         return state
 
     def config_dict(self) -> dict[str, Any]:
@@ -172,6 +174,7 @@ class LoRAAdapter(Adapter):
                 state[f"{name}.weight"] = layer.merged_weight(chosen)
             except RuntimeError as err:
                 raise RuntimeError(f"merged_state_dict: layer {name!r}: {err}") from None
+        state = tokens.merged_token_state(model, state, lambda owner: wanted or self.routing.active)
         return plain_state(fold_modules_to_save(model, state))
 
     def unload(self, model: nn.Module, merge: bool) -> None:
@@ -182,6 +185,7 @@ class LoRAAdapter(Adapter):
             unmerge_lora(model)
         for name in self.targets:
             set_submodule(model, name, model.get_submodule(name).base_layer)
+        tokens.unload_tokens(model)
         for name in self.modules_to_save:
             wrapper = model.get_submodule(name)
             set_submodule(model, name, wrapper.trained_module if merge else wrapper.original_module)
@@ -236,6 +240,7 @@ class LoRAAdapter(Adapter):
             layer.delete_adapter(name)
             if not layer.specs:
                 set_submodule(model, target, layer.base_layer)
+        tokens.delete_tokens(model, name)
         del self.adapters[name]
         attach(model, self)
 
@@ -329,11 +334,14 @@ def _inject(
 ) -> dict[str, LoRALayer]:
     """Add adapter ``adapter_name`` to exactly ``targets`` and wrap ``to_save`` (full names, already checked)."""
     refuse_overflowing_scales(model, config, targets)  # before any change
+    rows = {} if config.trainable_token_indices is None else \
+        tokens.select_tokens(model, config.trainable_token_indices, [*targets, *to_save])
     quantize_layers(model, targets, config.quantize, "LoRA", isinstance(config.target_modules, list))  # first
     spec = lora_spec(model)
     routing = spec.routing if spec is not None else Routing(adapter_name)
     for wrapper in wrap_modules_to_save(model, to_save).values():
         wrapper.routing = routing  # disabled adapters and base samples use the original module
+    tokens.wrap_tokens(model, rows, adapter_name, routing)
     replaced = {}
     for name in targets:
         module = model.get_submodule(name)

@@ -193,6 +193,11 @@ def combine_adapters(
     if dora:
         raise ValueError(f"combine_adapters: source {dora[0]!r} is a DoRA adapter (use_dora=True); its magnitudes do "
                          "not combine linearly, so only LoRA adapters can be combined.")
+    tokens = [s for s in weights if spec.adapters[s][0].trainable_token_indices is not None]
+    if tokens:
+        raise ValueError(f"combine_adapters: source {tokens[0]!r} trains token rows (trainable_token_indices); rows "
+                         "replace the base's rather than add to it, so they do not combine. Combine adapters "
+                         "without trainable tokens.")
     model = unwrap(model)
     layers = {t: model.get_submodule(t) for t in spec.targets if any(s in model.get_submodule(t).specs for s in weights)}
     ranks = {t: _combined_rank(t, layer, weights, method, rank) for t, layer in layers.items()}

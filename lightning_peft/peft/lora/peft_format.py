@@ -17,6 +17,7 @@ from .._common import matched, pattern_matches, unmatched
 from .._limits import factor_problem, scale_problem
 from ..adapter import base_model_name, clean_key, unwrap
 from ..modules_to_save import plain_key, present_modules
+from ..trainable_tokens import token_parameters
 from .config import LoRAConfig, config_from_peft
 from .layer import DEFAULT, LoRAConv2d, lora_layers
 from .targets import _adaptable_view, _select, exact_targets
@@ -49,6 +50,8 @@ def peft_state(adapter, model: nn.Module, name: str) -> dict[str, Tensor]:
         layer = model.get_submodule(target)
         state.update({f"{target}.{_peft_key(k, name)}": p for k, p in layer.adapter_parameters(name).items()})
     own = {id(p) for layer in lora_layers(model).values() for p in layer.adapter_parameters().values()}
+    own |= {id(p) for p in token_parameters(model).values()}  # each adapter's own rows, under PEFT's key:
+    state.update({k.removesuffix(f".{name}"): p for k, p in token_parameters(model, name).items()})
     shared = {k: v for k, v in adapter.state(model).items() if id(v) not in own}
     state.update(shared)
     return {clean_key(plain_key(k)): v for k, v in state.items()}
@@ -77,6 +80,7 @@ def peft_config(adapter, model: nn.Module, name: str) -> dict[str, Any]:
         "init_lora_weights": "gaussian" if config.init == "gaussian" else True,
         "use_rslora": config.use_rslora,
         "use_dora": config.use_dora,
+        "trainable_token_indices": config.trainable_token_indices,
     }
 
 
@@ -123,6 +127,11 @@ def check_peft_config(adapter, model: nn.Module, config: Any, source: str, adapt
     if merged:
         raise RuntimeError(f"load_adapter: layer {merged[0]!r} is merged; call unmerge_lora(model) before loading.")
     ours = config_from_peft(config, source)
+    have = adapter.adapters[adapter_name][0].trainable_token_indices
+    if ours.trainable_token_indices != have:  # rows of other tokens would load into these silently
+        raise ValueError(f"load_adapter: {source} sets trainable_token_indices={ours.trainable_token_indices!r}, but the "
+                         f"model's LoRA adapter {adapter_name!r} trains {have!r}. Load it into a model without LoRA "
+                         "layers, or inject with the file's trainable_token_indices.")
     for name in adapter.adapters[adapter_name][1]:
         spec = unwrap(model).get_submodule(name).specs[adapter_name]
         alpha = ours.alpha_for(name)
