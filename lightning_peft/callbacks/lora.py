@@ -1,10 +1,8 @@
 """``LoRA`` callback: low-rank adapters on a LightningModule's model, injected before the optimizer exists.
 
-The math lives in [`lightning_peft.peft`][lightning_peft.peft]; `AdapterCallback` calls it:
-[`inject_lora`][lightning_peft.peft.inject_lora] at ``setup`` (before ``configure_optimizers``); a model that already
-has this adapter is used as it is if the config agrees. Checkpoints record the adapters; ``adapter_only_checkpoint=True``
-drops the frozen base parameters (those no adapter owns) and keeps the adapters, trained biases, ``modules_to_save``,
-any other trainable parameter and the buffers. Resuming with another rank, alpha or target set is refused.
+`AdapterCallback` calls [`inject_lora`][lightning_peft.peft.inject_lora] at ``setup`` (before ``configure_optimizers``);
+a model that has this adapter is used as it is if the config agrees. ``adapter_only_checkpoint=True`` keeps what
+trains (adapters, biases, ``modules_to_save``) and buffers. Resuming with another rank, alpha or targets is refused.
 
 YAML (LightningCLI):
 
@@ -49,6 +47,7 @@ class LoRA(LoRASettings, AdapterCallback):
         quantize: ``"nf4"`` / ``"int8"``: adapted linear weights stored quantized (QLoRA, `peft.quantize`); None: not.
         use_dora: DoRA (arXiv:2402.09353), as PEFT's ``use_dora``: a trained magnitude per output feature.
         trainable_token_indices: Token ids whose embedding rows train (new special tokens), or ``{module: ids}``.
+        lora_bias: A trained bias on ``B``, merged into the base bias, as PEFT's ``lora_bias``.
         adapter_only_checkpoint: Checkpoints hold only what trains (and buffers); loading takes the frozen base
             from the model as constructed.
         model_attribute: Dotted path of the model inside the LightningModule (adapter key paths are relative to it);
@@ -74,6 +73,7 @@ class LoRA(LoRASettings, AdapterCallback):
         quantize: Literal["nf4", "int8"] | None = None,
         use_dora: bool = False,
         trainable_token_indices: list[int] | dict[str, list[int]] | None = None,
+        lora_bias: bool = False,
         adapter_only_checkpoint: bool = False,
         model_attribute: str | None = None,
         **peft_names: Any,
@@ -84,7 +84,7 @@ class LoRA(LoRASettings, AdapterCallback):
             "exclude_modules": exclude_modules, "modules_to_save": modules_to_save,
             "rank_pattern": dict(rank_pattern or {}), "alpha_pattern": dict(alpha_pattern or {}),
             "bias": bias, "init": init, "use_rslora": use_rslora, "quantize": quantize, "use_dora": use_dora,
-            "trainable_token_indices": trainable_token_indices, **peft_names}, "LoRA")
+            "lora_bias": lora_bias, "trainable_token_indices": trainable_token_indices, **peft_names}, "LoRA")
 
     def request(self) -> dict[str, Any]:  # the model's first adapter must be this one, whatever its name
         return {"adapters": {DEFAULT: {"config": self.config.to_dict()}}, "first_only": True}

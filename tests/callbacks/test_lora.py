@@ -172,6 +172,20 @@ def test_static_arguments_are_checked_in_init():
         LoRA(rank=-1)
 
 
+def test_lora_bias_reaches_the_config_from_yaml_and_trains_under_the_trainer(tiny_bert_config, tmp_path):
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_argument("--callback", type=LoRA)
+    yaml = "callback:\n  class_path: lightning_peft.callbacks.LoRA\n  init_args: {rank: 2, lora_bias: true}\n"
+    callback = parser.instantiate_classes(parser.parse_string(yaml)).callback
+    assert callback.config == LoRAConfig(rank=2, lora_bias=True)
+    module = Classifier(tiny_bert_config)
+    trainer(tmp_path, max_steps=2, callbacks=[LoRA(lora_bias=True, **LORA_ARGS)]).fit(module, loader())
+    biases = [layer.lora_B["default"].bias for layer in lora_layers(module.model).values()]
+    assert biases and all(b.requires_grad and b.abs().sum() > 0 for b in biases)  # trained from zero
+
+
 def test_what_adapter_callback_asks_of_each_technique_s_callback_is_declared():
     """``quantize`` and ``own_dropout`` are members of `AdapterCallback` (None and 0.0 by default); the LoRA callbacks
     answer from their configs (MultiLoRA: one quantize for all, the largest dropout), BottleneckAdapters its dropout."""

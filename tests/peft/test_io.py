@@ -587,7 +587,6 @@ def test_legacy_bin_that_is_not_a_tensor_dict_is_refused(content, tmp_path):
         ("layers_to_transform", [0]),
         ("layers_pattern", "layer"),
         ("target_parameters", ["intermediate.dense.weight"]),
-        ("lora_bias", True),
         ("layer_replication", [[0, 1]]),
     ],
 )
@@ -751,8 +750,10 @@ def _copy(model: nn.Module) -> nn.Module:
 @pytest.mark.parametrize(("conv", "problem"), [
     (lambda: nn.Conv2d(3, 4, 3, dilation=2, padding=2), r"'0' is a Conv2d with dilation=\(2, 2\)"),
     (lambda: nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), r"'0' is a Conv2d with padding_mode='reflect'"),
+    (lambda: nn.Conv1d(3, 4, 3, dilation=3), r"'0' is a Conv1d with dilation=\(3,\)"),
+    (lambda: nn.Conv3d(3, 4, 1, padding=1, padding_mode="circular"), r"'0' is a Conv3d with padding_mode='circular'"),
 ])
-def test_conv2d_that_peft_would_run_differently_is_refused_when_saving(conv, problem, tmp_path):
+def test_a_conv_that_peft_would_run_differently_is_refused_when_saving(conv, problem, tmp_path):
     model = nn.Sequential(conv())
     inject_lora(model, rank=2, target_modules=["0"])
     with pytest.raises(ValueError, match=r"save_adapter: Hugging Face PEFT would run this lora adapter differently: "
@@ -803,8 +804,9 @@ def test_a_peft_lora_config_object_is_accepted_and_means_the_same(tmp_path):
 
 
 def test_a_peft_lora_config_with_an_unsupported_feature_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"peft\.LoraConfig sets lora_bias=True, which lightning-peft does not support"):
-        inject_lora(_fresh(_base("bert"), "bert"), LoraConfig(r=4, target_modules=["query"], lora_bias=True))
+    with pytest.raises(ValueError, match=r"peft\.LoraConfig sets layer_replication=\[\[0, 1\]\], which lightning-peft "
+                                         "does not support"):
+        inject_lora(_fresh(_base("bert"), "bert"), LoraConfig(r=4, target_modules=["query"], layer_replication=[[0, 1]]))
 
 
 @pytest.mark.parametrize("init", [False, "orthogonal"])
@@ -900,8 +902,8 @@ def test_known_peft_fields_are_the_installed_peft_s():
     import dataclasses as dc
 
     from lightning_peft.peft.lora import LoRAAdapter
-    from lightning_peft.peft.prefix_tuning import PrefixTuningAdapter
-    from lightning_peft.peft.prompt_tuning import PromptTuningAdapter
+    from lightning_peft.peft.prompt.prefix_tuning import PrefixTuningAdapter
+    from lightning_peft.peft.prompt.prompt_tuning import PromptTuningAdapter
 
     for ours, theirs in ((LoRAAdapter, peft.LoraConfig), (PrefixTuningAdapter, peft.PrefixTuningConfig),
                          (PromptTuningAdapter, peft.PromptTuningConfig)):

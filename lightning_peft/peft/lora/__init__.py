@@ -5,7 +5,8 @@ One module per concept, as Hugging Face PEFT's ``tuners/lora/``:
 | module | what it holds |
 | --- | --- |
 | `config` | [`LoRAConfig`][lightning_peft.peft.LoRAConfig], keyword arguments and PEFT's ``LoraConfig`` translated to it |
-| `layer` | the layers: the base class (adapters, merge, the forward) and the Linear / Conv1D, Embedding and Conv2d layers |
+| `layer` | the layers: the base class (adapters, merge, the forward) and the Linear / Conv1D and Embedding layers |
+| `conv` | the convolution layer: ``nn.Conv1d``, ``Conv2d``, ``Conv3d``, grouped ones included |
 | `variants` | DoRA (a trained magnitude per output row) |
 | `routing` | which adapter each sample uses, and the per-sample (mixed-batch) update |
 | `targets` | which modules a config adapts (PEFT's matching rules), checked before anything changes |
@@ -16,7 +17,8 @@ One module per concept, as Hugging Face PEFT's ``tuners/lora/``:
 """
 
 from .config import LoRAConfig, as_config
-from .layer import DEFAULT, LoRAConv2d, LoRAEmbedding, LoRALayer, LoRALinear, Routing, lora_layers, lora_spec
+from .conv import LoRAConv, LoRAConv2d
+from .layer import DEFAULT, LoRAEmbedding, LoRALayer, LoRALinear, Routing, lora_layers, lora_spec
 from .merge import merge_lora, unmerge_lora
 from .model import LoRAAdapter, add_adapter, inject_lora, unload_lora
 from .multi import (
@@ -32,6 +34,7 @@ __all__ = [
     "DEFAULT",
     "LoRAAdapter",
     "LoRAConfig",
+    "LoRAConv",
     "LoRAConv2d",
     "LoRAEmbedding",
     "LoRALayer",

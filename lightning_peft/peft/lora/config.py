@@ -53,6 +53,8 @@ class LoRAConfig:
         trainable_token_indices: Train only these rows of an embedding (new special tokens), as PEFT's field of the
             same name (`lightning_peft.peft.trainable_tokens`): a list of token ids of the input embedding (and of
             the output head tied to it), or ``{embedding module name: ids}``.
+        lora_bias: ``B`` gets a trained bias (starting at zero), merged into the base bias, as PEFT's ``lora_bias``:
+            for an update extracted from a full fine-tune. Not on embeddings, with DoRA, or with ``init="gaussian"``.
     """
 
     rank: int = 8
@@ -69,6 +71,7 @@ class LoRAConfig:
     quantize: Literal["nf4", "int8"] | None = None
     use_dora: bool = False
     trainable_token_indices: Indices | None = None
+    lora_bias: bool = False
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalised values are set with object.__setattr__; the caller's objects are not mutated.
@@ -96,6 +99,11 @@ class LoRAConfig:
         boolean("LoRA", "use_dora", self.use_dora)
         if self.trainable_token_indices is not None:
             normal(self, "trainable_token_indices", check_indices(self.trainable_token_indices))
+        boolean("LoRA", "lora_bias", self.lora_bias)
+        clash = "use_dora=True" if self.use_dora else "init='gaussian'" if self.init == "gaussian" else None
+        if self.lora_bias and clash:  # PEFT's LoraConfig refuses both, so PEFT could not load the adapter
+            raise ValueError(f"LoRA(lora_bias=True, {clash}): PEFT supports lora_bias only for plain LoRA initialised "
+                             f"as init='kaiming'; drop {clash.split('=')[0]} or lora_bias.")
 
     def rank_for(self, name: str) -> int:
         return _pattern_value(self.rank_pattern, name, self.rank)
@@ -206,7 +214,6 @@ _UNSUPPORTED = {
     "layers_to_transform": None,
     "layers_pattern": None,
     "target_parameters": None,
-    "lora_bias": False,
     "layer_replication": None,
     "alora_invocation_tokens": None,
     "use_qalora": False,
@@ -278,4 +285,5 @@ def _from_fields(config: dict, targets: Any, init: Any) -> LoRAConfig:
         use_rslora=config.get("use_rslora", False),
         use_dora=config.get("use_dora") or False,
         trainable_token_indices=config.get("trainable_token_indices"),
+        lora_bias=config.get("lora_bias") or False,
     )

@@ -1,8 +1,9 @@
 """LoRA layers: a frozen base module plus trainable low-rank updates, one per named adapter.
 
 This module is the whole hot path: the base class [`LoRALayer`][lightning_peft.peft.LoRALayer] (adapters, merge,
-the forward, the state-dict hooks) and the concrete layers (``LoRALinear``, ``LoRAEmbedding``, ``LoRAConv2d``); the
-per-sample routed path is in `lightning_peft.peft.lora.routing`, DoRA's math in `lightning_peft.peft.lora.variants`.
+the forward, the state-dict hooks) and the concrete layers (``LoRALinear``, ``LoRAEmbedding``); the convolution layer
+is in `lightning_peft.peft.lora.conv`, the per-sample routed path in `lightning_peft.peft.lora.routing`, DoRA's math in
+`lightning_peft.peft.lora.variants`.
 
 Paper: Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", arXiv:2106.09685.
 rsLoRA scaling: Kalajdzievski, "A Rank Stabilization Scaling Factor for Fine-Tuning with LoRA", arXiv:2312.03732.
@@ -27,7 +28,8 @@ adapter files drop the adapter name, as PEFT's do):
 | ``Conv1D`` (transformers) | (in, out), transposed | same as Linear; the delta is transposed to merge |
 | DoRA (Linear, Conv1D) | as above | and ``lora_magnitude_vector.n`` (out,) (`lora.variants`) |
 | ``nn.Embedding(V, d)`` | (V, d) | ``lora_embedding_A.n`` (r, V), ``lora_embedding_B.n`` (d, r) |
-| ``nn.Conv2d(in, out, k)`` | (out, in, kh, kw) | ``lora_A.n``: Conv2d(in, r, k), ``lora_B.n``: Conv2d(r, out, 1) |
+| ``nn.Conv1d/2d/3d(in, out, k)`` | (out, in / g, *k) | ``lora_A.n``: Conv(in, r, k), ``lora_B.n``: Conv(r, out, 1, groups=g) |
+| ``lora_bias=True`` (not Embedding) | | and ``lora_B.n.bias`` (out,): ``y += s_n * b_n``, merged into the base bias |
 
 Which adapter runs is decided by one [`Routing`][lightning_peft.peft.Routing] object shared by every LoRA layer of a
 model (one adapter for all samples, none, or one per sample: see `lightning_peft.peft.lora.routing`).
@@ -65,7 +67,7 @@ from ..adapter import attached, unwrap
 from . import variants
 from .routing import DEFAULT, RoutedPath, Routing
 
-__all__ = ["DEFAULT", "AdapterSpec", "Init", "LoRAConv2d", "LoRAEmbedding", "LoRALayer", "LoRALinear", "Routing",
+__all__ = ["DEFAULT", "LAYER_TYPES", "AdapterSpec", "Init", "LoRAEmbedding", "LoRALayer", "LoRALinear", "Routing",
            "conv1d_type", "lora_layers", "lora_spec", "make_layer", "require_spec"]
 
 Init = Literal["kaiming", "gaussian"]
@@ -88,6 +90,10 @@ def unmerged_state(module: nn.Module, state_dict: dict, prefix: str, local_metad
             restored = module._without_update(dense_weight(weight).to(_compute_dtype(weight.dtype)),
                                               module.merged_adapter)
             state_dict[key] = restored.to(weight.dtype)
+        bias_delta = module._bias_delta(module.merged_adapter)
+        if bias_delta is not None and f"{prefix}base_layer.bias" in state_dict:
+            state_dict[f"{prefix}base_layer.bias"] = (module.bias.detach().to(bias_delta.dtype) - bias_delta).to(
+                module.bias.dtype)
 
 
 _LEGACY_KEYS = ("lora_A.weight", "lora_B.weight", "lora_embedding_A", "lora_embedding_B")
@@ -117,12 +123,14 @@ def remerge_after_load(module: nn.Module, incompatible_keys) -> None:
 @dataclass(frozen=True)
 class AdapterSpec:
     """One adapter's settings on one layer; ``scaling`` is computed once (the forward reads it every call).
-    ``use_dora``: the adapter is DoRA's (`lightning_peft.peft.lora.variants`), with a trained magnitude."""
+    ``use_dora``: the adapter is DoRA's (`lightning_peft.peft.lora.variants`), with a trained magnitude;
+    ``lora_bias``: ``B`` has a trained bias (PEFT's ``lora_bias``)."""
 
     rank: int
     alpha: float
     use_rslora: bool
     use_dora: bool = False
+    lora_bias: bool = False
     scaling: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -145,6 +153,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
         init: Initialisation of ``A`` (``"kaiming"`` or ``"gaussian"``); ``B`` starts at zero.
         adapter_name: The first adapter's name.
         use_dora: Make it a DoRA adapter (`lightning_peft.peft.lora.variants`); only where ``supports_dora``.
+        lora_bias: Give ``B`` a trained bias (PEFT's ``lora_bias``); not on embeddings, not with DoRA.
     """
 
     #: How tensor parallelism splits the layer's own tensors with its base (it reads its factors with ``F.linear``,
@@ -164,6 +173,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
         init: Init = "kaiming",
         adapter_name: str = DEFAULT,
         use_dora: bool = False,
+        lora_bias: bool = False,
     ) -> None:
         super().__init__(base_layer)
         self.specs: dict[str, AdapterSpec] = {}
@@ -173,7 +183,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
         self._remerge_after_load: str | None = None
         self._factor_cache: dict[str, tuple[tuple[dict, str], tuple[dict, str]]] = {}
         self._init_containers()
-        self.add_adapter(adapter_name, rank, alpha, dropout, use_rslora, init, use_dora)
+        self.add_adapter(adapter_name, rank, alpha, dropout, use_rslora, init, use_dora, lora_bias)
         self.register_state_dict_post_hook(unmerged_state)
         self.register_load_state_dict_pre_hook(unmerge_before_load)
         self.register_load_state_dict_post_hook(remerge_after_load)
@@ -223,7 +233,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
 
     def add_adapter(
         self, name: str, rank: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False,
-        init: Init = "kaiming", use_dora: bool = False,
+        init: Init = "kaiming", use_dora: bool = False, lora_bias: bool = False,
     ) -> None:
         """Add adapter ``name`` (zero update) to this layer."""
         if name in self.specs:
@@ -231,7 +241,10 @@ class LoRALayer(RoutedPath, LayerWrapper):
         if use_dora and not self.supports_dora:
             raise TypeError(f"{type(self).__name__}(use_dora=True): DoRA is not implemented for a "
                             f"{type(self.base_layer).__name__} base layer; DoRA supports Linear and Conv1D layers.")
-        self.specs[name] = AdapterSpec(rank, alpha, use_rslora, use_dora)
+        if lora_bias and (use_dora or isinstance(self.base_layer, nn.Embedding)):  # as PEFT refuses them
+            raise ValueError(f"{type(self).__name__}(lora_bias=True): lora_bias is not supported "
+                             f"{'with DoRA' if use_dora else 'on an Embedding'}; set lora_bias=False.")
+        self.specs[name] = AdapterSpec(rank, alpha, use_rslora, use_dora, lora_bias)
         self.lora_dropout[name] = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         weight = self.base_layer.weight
         self._create(name, rank, device=weight.device, dtype=adapter_dtype(weight))
@@ -336,6 +349,29 @@ class LoRALayer(RoutedPath, LayerWrapper):
         """The base weight back from ``weight``, which holds adapter ``name`` merged: ``W' - delta``."""
         return weight - self.delta_weight(name)
 
+    def _bias_delta(self, name: str) -> Tensor | None:
+        """``s * b`` of an adapter with ``lora_bias`` (what merging adds to the base bias), else None."""
+        return None
+
+    def merged_bias(self, name: str | None = None) -> Tensor | None:
+        """The base bias plus adapter ``name``'s ``s * b`` (``lora_bias``), computed in float32 (or wider) and cast
+        to the bias dtype; None for an adapter without ``lora_bias``. On a merged layer: the bias as it is."""
+        name = name or self.merged_adapter or self._active_name()
+        delta = self._bias_delta(name)
+        if delta is None or self.merged:
+            return None if delta is None else self.bias.detach().clone()
+        if self.bias is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: adapter {name!r} has lora_bias=True, but the base "
+                f"{type(self.base_layer).__name__} has no bias to merge it into (PEFT refuses this merge too). Keep "
+                "the adapter unmerged (save_adapter), or train it with lora_bias=False."
+            )
+        merged = self.bias.detach().to(delta.dtype) + delta
+        if not torch.isfinite(merged).all():
+            raise RuntimeError(f"{type(self).__name__}: merging lora_bias would write inf or NaN into the base bias; "
+                               "nothing was merged into this layer.")
+        return merged.to(self.bias.dtype)
+
     @torch.no_grad()
     def merge(self, name: str | None = None, dequantize: bool = False) -> None:
         """Add one adapter's update (default: the active one) into the base weight. Merging the merged adapter
@@ -350,6 +386,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
             raise RuntimeError(
                 f"{type(self).__name__}: adapter {self.merged_adapter!r} is merged; unmerge it before merging {name!r}."
             )
+        bias = self.merged_bias(name)  # a refusal comes before any write
         if is_quantized(self.base_layer.weight):
             if not dequantize:
                 raise RuntimeError(
@@ -360,6 +397,8 @@ class LoRALayer(RoutedPath, LayerWrapper):
             self._dequantize_base(self.merged_weight(name))
         else:
             self.base_layer.weight.copy_(self.merged_weight(name))
+        if bias is not None:
+            self.base_layer.bias.copy_(bias)
         self.merged_adapter = name
         self.routing.merged[name] = self.routing.merged.get(name, 0) + 1
 
@@ -390,6 +429,9 @@ class LoRALayer(RoutedPath, LayerWrapper):
         weight = self.base_layer.weight
         restored = self._without_update(dense_weight(weight).to(_compute_dtype(weight.dtype)), self.merged_adapter)
         weight.copy_(restored.to(weight.dtype))
+        bias_delta = self._bias_delta(self.merged_adapter)
+        if bias_delta is not None:
+            self.bias.copy_((self.bias.to(bias_delta.dtype) - bias_delta).to(self.bias.dtype))
         self.routing.merged[self.merged_adapter] -= 1
         self.merged_adapter = None
 
@@ -438,20 +480,23 @@ class LoRALayer(RoutedPath, LayerWrapper):
                 UserWarning, stacklevel=3,
             )
 
-    def _add_update(self, result: Tensor, hidden: Tensor, lora_b: Tensor, scaling: float) -> Tensor:
-        """``result + scaling * hidden @ lora_b.T``; one fused GEMM when dtypes agree and autocast is off.
+    def _add_update(self, result: Tensor, hidden: Tensor, lora_b: Tensor, scaling: float,
+                    bias: Tensor | None = None) -> Tensor:
+        """``result + scaling * (hidden @ lora_b.T + bias)``; one fused GEMM when dtypes agree and autocast is off.
 
-        ``hidden`` is (..., r), ``lora_b`` is (out, r), ``result`` is (..., out). Under autocast the fused
-        GEMM would round the base output to the autocast dtype, so the update is added separately.
+        ``hidden`` is (..., r), ``lora_b`` is (out, r), ``bias`` (out,) or None, ``result`` is (..., out). Under
+        autocast the fused GEMM would round the base output to the autocast dtype, so the update is added separately.
         """
         fuse = hidden.dtype == result.dtype == lora_b.dtype and not torch.is_autocast_enabled(result.device.type)
         if fuse:
             result2 = result.reshape(-1, result.shape[-1])  # (N, out)
             hidden2 = hidden.reshape(-1, hidden.shape[-1])  # (N, r)
             if self._may_overwrite(result):
-                return result2.addmm_(hidden2, lora_b.t(), alpha=scaling).view(result.shape)
-            return torch.addmm(result2, hidden2, lora_b.t(), alpha=scaling).view(result.shape)
-        update = F.linear(hidden.to(lora_b.dtype), lora_b) * scaling
+                out = result2.addmm_(hidden2, lora_b.t(), alpha=scaling)
+            else:
+                out = torch.addmm(result2, hidden2, lora_b.t(), alpha=scaling)
+            return (out if bias is None else out.add_(bias, alpha=scaling)).view(result.shape)
+        update = F.linear(hidden.to(lora_b.dtype), lora_b, bias) * scaling
         return result + update.to(result.dtype)
 
     def extra_repr(self) -> str:
@@ -516,7 +561,14 @@ class _ABLayer(LoRALayer):
         return [self.lora_A, self.lora_B]
 
     def _parameters_of(self, name: str) -> dict[str, nn.Parameter]:
-        return {f"lora_A.{name}.weight": self.lora_A[name].weight, f"lora_B.{name}.weight": self.lora_B[name].weight}
+        params = {f"lora_A.{name}.weight": self.lora_A[name].weight, f"lora_B.{name}.weight": self.lora_B[name].weight}
+        if self.lora_B[name].bias is not None:  # lora_bias
+            params[f"lora_B.{name}.bias"] = self.lora_B[name].bias
+        return params
+
+    def _bias_delta(self, name: str) -> Tensor | None:
+        bias = self.lora_B[name].bias  # (out,) with lora_bias
+        return None if bias is None else bias.detach().to(_compute_dtype(bias.dtype)) * self.specs[name].scaling
 
     def _factor_refs(self, name: str) -> tuple[tuple[dict, str], tuple[dict, str]]:
         return (self.lora_A[name]._parameters, "weight"), (self.lora_B[name]._parameters, "weight")
@@ -528,6 +580,8 @@ class _ABLayer(LoRALayer):
         else:
             nn.init.kaiming_uniform_(self.lora_A[name].weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B[name].weight)
+        if self.lora_B[name].bias is not None:
+            nn.init.zeros_(self.lora_B[name].bias)
 
 
 class LoRALinear(_ABLayer):
@@ -552,7 +606,7 @@ class LoRALinear(_ABLayer):
         else:
             in_features, out_features = base.weight.shape
         self.lora_A[name] = nn.Linear(in_features, rank, bias=False, device=device, dtype=dtype)
-        self.lora_B[name] = nn.Linear(rank, out_features, bias=False, device=device, dtype=dtype)
+        self.lora_B[name] = nn.Linear(rank, out_features, bias=self.specs[name].lora_bias, device=device, dtype=dtype)
 
     def _delta(self, name: str) -> Tensor:
         a, b = self.lora_A[name].weight, self.lora_B[name].weight
@@ -611,10 +665,12 @@ class LoRALinear(_ABLayer):
             return variants.dora_forward(self, x, result, name)
         lora_a, lora_b = self.factors(name)  # (r, in), (out, r)
         hidden = F.linear(self.lora_dropout[name](x).to(lora_a.dtype), lora_a)  # (..., r)
-        return self._add_update(result, hidden, lora_b, self.specs[name].scaling)
+        return self._add_update(result, hidden, lora_b, self.specs[name].scaling, self.lora_B[name].bias)
 
     def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor, host: list[int]) -> Tensor:
         variants.refuse_routing([n for n in names if n is not None and self.specs[n].use_dora])
+        if any(self.specs[n].lora_bias for n in names):  # a bias per sample: one segment per adapter
+            return super()._routed(x, result, names, slots, host)
         a_t, b_t = self._gathered(names, host)  # (B, in, r), (B, r, out)
         x3 = self._routed_dropout(x, names, slots).to(a_t.dtype).reshape(x.shape[0], -1, x.shape[-1])  # (B, T, in)
         hidden = torch.bmm(x3, a_t)  # (B, T, r)
@@ -695,30 +751,9 @@ class LoRAEmbedding(LoRALayer):
         return self._add_batched(result, hidden.reshape(x.shape[0], -1, hidden.shape[-1]), b_t.index_select(0, slots))
 
 
-class LoRAConv2d(_ABLayer):
-    """LoRA for ``nn.Conv2d`` (groups=1): ``A`` has the base kernel, stride and padding; ``B`` is 1x1.
-
-    A mixed batch runs one segment per adapter it uses (convolutions have no batched-weight form in PyTorch).
-    """
-
-    def _create(self, name: str, rank: int, device: torch.device, dtype: torch.dtype) -> None:
-        base = self.base_layer
-        self.lora_A[name] = nn.Conv2d(
-            base.in_channels, rank, base.kernel_size, base.stride, base.padding, base.dilation, bias=False,
-            padding_mode=base.padding_mode, device=device, dtype=dtype,
-        )
-        self.lora_B[name] = nn.Conv2d(rank, base.out_channels, 1, bias=False, device=device, dtype=dtype)
-
-    def _delta(self, name: str) -> Tensor:
-        a, b = self.lora_A[name].weight, self.lora_B[name].weight
-        dtype = _compute_dtype(a.dtype)
-        a, b = a.to(dtype), b.to(dtype).flatten(1)  # (r, in, kh, kw), (out, r)
-        return (b @ a.flatten(1)).view(b.shape[0], *a.shape[1:]) * self.specs[name].scaling  # (out, in, kh, kw)
-
-    def _single(self, x: Tensor, result: Tensor, name: str) -> Tensor:
-        lora_a = self.lora_A[name]
-        update = self.lora_B[name](lora_a(self.lora_dropout[name](x).to(lora_a.weight.dtype)))  # (B, out, H', W')
-        return result + (update * self.specs[name].scaling).to(result.dtype)
+#: LoRA layer classes by base module type, beside Linear / Conv1D (the default) and Embedding; each layer module
+#: adds its own when the package is imported (`lightning_peft.peft.lora.conv`: ``nn.Conv1d``, ``Conv2d``, ``Conv3d``).
+LAYER_TYPES: dict[type, type[LoRALayer]] = {}
 
 
 def make_layer(module: nn.Module, name: str, config, adapter_name: str) -> LoRALayer:
@@ -731,9 +766,9 @@ def make_layer(module: nn.Module, name: str, config, adapter_name: str) -> LoRAL
         "init": config.init,
         "adapter_name": adapter_name,
         "use_dora": config.use_dora,
+        "lora_bias": config.lora_bias,
     }
     if isinstance(module, nn.Embedding):
         return LoRAEmbedding(module, **kwargs)
-    if isinstance(module, nn.Conv2d):
-        return LoRAConv2d(module, **kwargs)
-    return LoRALinear(module, **kwargs)
+    layer_type = next((t for base, t in LAYER_TYPES.items() if isinstance(module, base)), LoRALinear)
+    return layer_type(module, **kwargs)

@@ -56,7 +56,8 @@ from .peft_format import (
 from .targets import _select, _warn_about_settings
 
 log = logging.getLogger("lightning_peft.peft.lora")  # the package, as targets.py logs
-_ADDED_FIELDS = {"use_dora": False, "quantize": None, "trainable_token_indices": None}  # LoRAConfig fields newer than some checkpoints: their old value
+_ADDED_FIELDS = {"use_dora": False, "quantize": None, "lora_bias": False,
+                 "trainable_token_indices": None}  # LoRAConfig fields newer than some checkpoints: their old value
 
 
 @register
@@ -172,6 +173,9 @@ class LoRAAdapter(Adapter):
             drop_quantizer_entries(state, name, layer.base_layer)
             try:
                 state[f"{name}.weight"] = layer.merged_weight(chosen)
+                bias = layer.merged_bias(chosen)
+                if bias is not None:
+                    state[f"{name}.bias"] = bias
             except RuntimeError as err:
                 raise RuntimeError(f"merged_state_dict: layer {name!r}: {err}") from None
         state = tokens.merged_token_state(model, state, lambda owner: wanted or self.routing.active)
@@ -348,7 +352,7 @@ def _inject(
         if isinstance(module, LoRALayer):
             module.add_adapter(
                 adapter_name, config.rank_for(name), config.alpha_for(name), config.dropout, config.use_rslora,
-                config.init, config.use_dora,
+                config.init, config.use_dora, config.lora_bias,
             )
             replaced[name] = module
             continue

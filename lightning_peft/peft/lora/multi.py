@@ -198,8 +198,17 @@ def combine_adapters(
         raise ValueError(f"combine_adapters: source {tokens[0]!r} trains token rows (trainable_token_indices); rows "
                          "replace the base's rather than add to it, so they do not combine. Combine adapters "
                          "without trainable tokens.")
+    biased = [s for s in weights if spec.adapters[s][0].lora_bias]
+    if biased:
+        raise ValueError(f"combine_adapters: source {biased[0]!r} has lora_bias=True; B's biases have no low-rank "
+                         "combination, so only adapters without lora_bias can be combined.")
     model = unwrap(model)
     layers = {t: model.get_submodule(t) for t in spec.targets if any(s in model.get_submodule(t).specs for s in weights)}
+    grouped = [t for t, layer in layers.items() if getattr(layer.base_layer, "groups", 1) > 1]
+    if grouped and method != "linear":
+        raise ValueError(f"combine_adapters(method={method!r}): {grouped[0]!r} is a grouped convolution, whose B "
+                         "splits the rank into groups, so the ranks cannot be concatenated or re-factored there; use "
+                         "method='linear', or combine adapters that leave it out.")
     ranks = {t: _combined_rank(t, layer, weights, method, rank) for t, layer in layers.items()}
     common = max(set(ranks.values()), key=list(ranks.values()).count)
     pattern = {re.escape(t): r for t, r in ranks.items() if r != common}
@@ -273,7 +282,7 @@ def _delta_matrix(layer: LoRALayer, name: str) -> Tensor:
 
 def _set_factors(layer: LoRALayer, name: str, a: Tensor, b: Tensor) -> None:
     """Write (r, in_flat) ``a`` and (out, r) ``b`` into adapter ``name`` of ``layer``, in its own layout
-    (Linear and Embedding factors are these matrices; Conv2d's are their reshapes)."""
+    (Linear and Embedding factors are these matrices; convolutions' are their reshapes)."""
     pa, pb = list(layer.adapter_parameters(name).values())
     pa.copy_(a.reshape(pa.shape).to(pa.dtype))
     pb.copy_(b.reshape(pb.shape).to(pb.dtype))

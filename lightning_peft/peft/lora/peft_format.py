@@ -19,7 +19,8 @@ from ..adapter import base_model_name, clean_key, unwrap
 from ..modules_to_save import plain_key, present_modules
 from ..trainable_tokens import token_parameters
 from .config import LoRAConfig, config_from_peft
-from .layer import DEFAULT, LoRAConv2d, lora_layers
+from .conv import LoRAConv
+from .layer import DEFAULT, lora_layers
 from .targets import _adaptable_view, _select, exact_targets
 
 PEFT_FIELDS = frozenset((  # peft 0.21.2's LoraConfig
@@ -81,20 +82,22 @@ def peft_config(adapter, model: nn.Module, name: str) -> dict[str, Any]:
         "use_rslora": config.use_rslora,
         "use_dora": config.use_dora,
         "trainable_token_indices": config.trainable_token_indices,
+        "lora_bias": config.lora_bias,
     }
 
 
 def peft_problems(adapter, model: nn.Module) -> list[str]:
-    """Reasons PEFT would run the adapter differently (its Conv2d layer knows no dilation or padding mode)."""
+    """Reasons PEFT would run the adapter differently (its convolution layers build ``A`` without the base's
+    dilation and padding mode)."""
     problems = []
     for name in adapter.targets:
         layer = unwrap(model).get_submodule(name)
-        if isinstance(layer, LoRAConv2d):
-            base = layer.base_layer
+        if isinstance(layer, LoRAConv):
+            base, kind = layer.base_layer, type(layer.base_layer).__name__
             if any(d != 1 for d in base.dilation):
-                problems.append(f"{name!r} is a Conv2d with dilation={base.dilation}")
+                problems.append(f"{name!r} is a {kind} with dilation={base.dilation}")
             if base.padding_mode != "zeros":
-                problems.append(f"{name!r} is a Conv2d with padding_mode={base.padding_mode!r}")
+                problems.append(f"{name!r} is a {kind} with padding_mode={base.padding_mode!r}")
     return problems
 
 
@@ -142,12 +145,13 @@ def check_peft_config(adapter, model: nn.Module, config: Any, source: str, adapt
                 "the adapter would be scaled differently. Load it into a model without LoRA layers, or under "
                 "another adapter_name."
             )
-        if spec.use_dora != ours.use_dora:
-            raise ValueError(
-                f"load_adapter: {source} sets use_dora={ours.use_dora}, but the model's LoRA adapter {adapter_name!r} "
-                f"at {name!r} has use_dora={spec.use_dora}. Load it into a model without LoRA layers, or inject "
-                f"with use_dora={ours.use_dora}."
-            )
+        for field in ("use_dora", "lora_bias"):
+            if getattr(spec, field) != getattr(ours, field):
+                raise ValueError(
+                    f"load_adapter: {source} sets {field}={getattr(ours, field)}, but the model's LoRA adapter "
+                    f"{adapter_name!r} at {name!r} has {field}={getattr(spec, field)}. Load it into a model without "
+                    f"LoRA layers, or inject with {field}={getattr(ours, field)}."
+                )
 
 
 def config_for_model(model: nn.Module, config: dict[str, Any], source: str) -> LoRAConfig:
@@ -179,13 +183,15 @@ def check_file_shapes(model: nn.Module, config: dict[str, Any], shapes: dict[str
     """LoRA's `Adapter.check_peft_shapes`: every factor in the file has the rank its own config gives its module,
     and (``inject``) every factor the config would allocate on ``model`` is in the file; raises before allocating."""
     ours = config_from_peft(config, str(files.config))
+    view = _adaptable_view(unwrap(model))
     for key, shape in shapes.items():
         path, _, leaf = key.rpartition(".lora_")
         dim = _RANK_DIMS.get(f"lora_{leaf}") if path else None
         if dim is None:
             continue
         rank = ours.rank_for(path)
-        if len(shape) <= dim or shape[dim] != rank:
+        groups = getattr(view.get(path), "groups", 1) if leaf == "B.weight" else 1  # a grouped B: (out, r / g, ...)
+        if len(shape) <= dim or shape[dim] * groups != rank:
             field = next((f"rank_pattern[{k!r}]" for k in ours.rank_pattern if pattern_matches(k, path)), "r")
             raise files.torn(key, shape, dim, field, rank)
     if inject:
@@ -193,12 +199,12 @@ def check_file_shapes(model: nn.Module, config: dict[str, Any], shapes: dict[str
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # from_peft reads the config next and warns then
             targets, _ = _select(model, config_for_model(model, config, str(files.config)))
-        view = _adaptable_view(model)
         required = []
         for target in targets:
             embedding = isinstance(view[target], nn.Embedding)
             required += [f"{clean_key(target)}.{k}" for k in (
                 ("lora_embedding_A", "lora_embedding_B") if embedding else ("lora_A.weight", "lora_B.weight"))]
+            required += [f"{clean_key(target)}.lora_B.bias"] if ours.lora_bias else []
         missing = [k for k in required if k not in shapes]
         if missing:
             raise files.lacking(missing, "its adapter config asks for", type(model).__name__)

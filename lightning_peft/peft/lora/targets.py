@@ -43,7 +43,8 @@ from ..adapter import attached
 from ..modules_to_save import ModulesToSave
 from ..trainable_tokens import TrainableTokensWrapper
 from .config import LoRAConfig
-from .layer import LoRALayer, conv1d_type
+from .conv import refuse_rank
+from .layer import LAYER_TYPES, LoRALayer, conv1d_type
 from .variants import refuse_unsupported as refuse_unsupported_dora
 
 log = logging.getLogger("lightning_peft.peft.lora")
@@ -59,7 +60,7 @@ def _linear_types() -> tuple[type, ...]:
 
 def supported_types() -> tuple[type, ...]:
     """Module types [`inject_lora`][lightning_peft.peft.inject_lora] can adapt."""
-    return (*_linear_types(), nn.Embedding, nn.Conv2d)
+    return (*_linear_types(), nn.Embedding, *LAYER_TYPES)
 
 
 def _supported_names() -> str:
@@ -203,8 +204,11 @@ def _check_types(model, config, chosen, modules, inside_fused) -> None:
                 "(fused fast path), so an adapter there would be silently ignored. Exclude it (exclude_modules), "
                 "or build the block from separate Linear layers."
             )
-        if isinstance(module, nn.Conv2d) and module.groups != 1:
-            raise TypeError(f"LoRA: {name!r} is a grouped Conv2d (groups={module.groups}); only groups=1 is supported.")
+        if getattr(module, "groups", 1) > 1:
+            refuse_rank("LoRA", name, module, config.rank_for(name))
+        if config.lora_bias and isinstance(module, nn.Embedding):
+            raise TypeError(f"LoRA(lora_bias=True): {name!r} is an Embedding, which PEFT's lora_bias does not "
+                            f"support; exclude it (exclude_modules=[{name!r}]) or set lora_bias=False.")
     if config.use_dora:
         refuse_unsupported_dora("LoRA", chosen, modules, _linear_types())
 
@@ -245,14 +249,21 @@ def _warn_about_settings(model: nn.Module, config: LoRAConfig, targets: list[str
             "extra rank costs memory and time for nothing; lower rank or use rank_pattern.",
             UserWarning, stacklevel=4,
         )
+    biasless = [n for n in targets if config.lora_bias and _base(model.get_submodule(n)).bias is None]
+    if biasless:  # as PEFT warns
+        warnings.warn(f"LoRA(lora_bias=True): {_preview(biasless)} have no bias, so merging this adapter into them "
+                      "will be refused (the base has no bias to take B's).", UserWarning, stacklevel=4)
+
+
+def _base(module: nn.Module) -> nn.Module:
+    return module.base_layer if isinstance(module, LoRALayer) else module
 
 
 def _max_rank(module: nn.Module) -> int:
-    if isinstance(module, LoRALayer):
-        module = module.base_layer
+    module = _base(module)
     if isinstance(module, nn.Linear):  # its sizes: a quantized weight may be packed (bitsandbytes' 4-bit)
         return min(module.in_features, module.out_features)
-    weight = module.weight  # Conv1D (in, out), Embedding (V, d), Conv2d (out, in, kh, kw)
+    weight = module.weight  # Conv1D (in, out), Embedding (V, d), ConvNd (out, in / groups, *kernel)
     return min(weight.shape[0], weight[0].numel())
 
 
