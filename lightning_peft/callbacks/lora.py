@@ -42,7 +42,7 @@ class LoRA(LoRASettings, AdapterCallback):
         rank_pattern: Per-module rank overrides ``{regex: rank}``.
         alpha_pattern: Per-module alpha overrides ``{regex: alpha}``.
         bias: ``"none"``, ``"lora_only"`` or ``"all"``: which biases train.
-        init: ``"kaiming"`` or ``"gaussian"`` initialisation of ``A`` (``B`` starts at zero).
+        init: ``"kaiming"``, ``"gaussian"``, or ``"pissa"``, ``"olora"``, ... (`lightning_peft.peft.lora.init`).
         use_rslora: Rank-stabilised scaling.
         quantize: ``"nf4"`` / ``"int8"``: adapted linear weights stored quantized (QLoRA, `peft.quantize`); None: not.
         use_dora: DoRA (arXiv:2402.09353), as PEFT's ``use_dora``: a trained magnitude per output feature.
@@ -68,7 +68,7 @@ class LoRA(LoRASettings, AdapterCallback):
         rank_pattern: dict[str, int] | None = None,
         alpha_pattern: dict[str, float] | None = None,
         bias: Literal["none", "lora_only", "all"] = "none",
-        init: Literal["kaiming", "gaussian"] = "kaiming",
+        init: str = "kaiming",
         use_rslora: bool = False,
         quantize: Literal["nf4", "int8"] | None = None,
         use_dora: bool = False,

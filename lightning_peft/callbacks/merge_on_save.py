@@ -117,7 +117,7 @@ class MergeOnSave(Callback):
                              f"name; its named adapters: {names}.")
         if self.save_adapter:
             with _gathered(trainer, model, adapter_parameters(model)):
-                check_saveable(model)
+                check_saveable(model, convert_to_lora=True)  # adapter/ loads onto the original base
         check = lambda: check_target(f"MergeOnSave(dirpath={str(self.dirpath)!r})", self.dirpath,  # noqa: E731
                                      export_bytes(model, self.save_merged, self.save_adapter))  # on rank 0 only
         on_rank_zero(trainer, check, "MergeOnSave", "the check of dirpath")
@@ -152,8 +152,8 @@ class MergeOnSave(Callback):
             state = merged_state_dict(model, self.adapter_name)  # raises before anything is written if non-finite
             writers["merged"] = lambda tmp: _save_merged(model, state, tmp, trainer)
         if self.save_adapter:
-            check_saveable(model)  # likewise for the adapter, so merged/ is never written without adapter/
-            writers["adapter"] = lambda tmp: write_adapter(model, tmp)
+            check_saveable(model, convert_to_lora=True)  # likewise for the adapter, so merged/ is never written without adapter/
+            writers["adapter"] = lambda tmp: write_adapter(model, tmp, convert_to_lora=True)
         # one export: both folders carry a manifest naming it, and an interrupted pair is completed next time
         paths = write_export(directory, writers, global_step=int(trainer.global_step))
         rank_zero_info("MergeOnSave: " + "; ".join(f"wrote the {'merged model' if name == 'merged' else 'PEFT adapter'} "

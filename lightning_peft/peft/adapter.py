@@ -71,6 +71,8 @@ class Adapter(ABC):
     #: Several named adapters on one model: the instance then has ``names`` and its PEFT-format methods take
     #: ``adapter_name`` (see the module docstring).
     named: ClassVar[bool] = False
+    #: Its PEFT-format methods take ``convert_to_lora`` (LoRA: a start that rewrote the base written as a plain LoRA).
+    converts_to_lora: ClassVar[bool] = False
     modules_to_save: tuple[str, ...] = ()  # full names of the modules trained and saved in full
 
     @abstractmethod

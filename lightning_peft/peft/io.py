@@ -50,7 +50,8 @@ def peft_config(model: nn.Module) -> dict:
 
 
 def save_adapter(
-    model: nn.Module, directory: str | os.PathLike, adapter_names: Sequence[str] | None = None
+    model: nn.Module, directory: str | os.PathLike, adapter_names: Sequence[str] | None = None,
+    convert_to_lora: bool = False,
 ) -> Path:
     """Write ``model``'s adapters to ``directory`` in the Hugging Face PEFT layout.
 
@@ -63,6 +64,9 @@ def save_adapter(
         directory: Created if missing; existing adapter files in it are replaced. With adapters of several
             techniques, each goes to ``directory/<kind>/``.
         adapter_names: The named LoRA adapters to save (default: all).
+        convert_to_lora: Write a LoRA adapter whose start rewrote the base weights (``init="pissa"``, ``"olora"``)
+            as a plain LoRA of rank ``2r`` on the original base, as PEFT's ``path_initial_model_for_weight_conversion``
+            (`lightning_peft.peft.lora.init`); without it such an adapter is refused. Plain adapters are unchanged.
 
     Returns:
         The directory.
@@ -73,26 +77,28 @@ def save_adapter(
             differently (e.g. a dilated Conv2d, which PEFT's LoRA layer builds without the dilation).
     """
     directory = Path(directory)
-    files = _all_files(model, directory, adapter_names)
+    files = _all_files(model, directory, adapter_names, convert_to_lora)
     for path in {p.parent for p in files}:
         path.mkdir(parents=True, exist_ok=True)
     write_files(files)
     return directory
 
 
-def check_saveable(model: nn.Module, adapter_names: Sequence[str] | None = None) -> None:
+def check_saveable(model: nn.Module, adapter_names: Sequence[str] | None = None, convert_to_lora: bool = False) -> None:
     """Raise what [`save_adapter`][lightning_peft.peft.save_adapter] would raise (no adapter, non-finite values, a
     layout PEFT runs differently)."""
-    _all_files(model, Path("."), adapter_names)
+    _all_files(model, Path("."), adapter_names, convert_to_lora)
 
 
-def _all_files(model: nn.Module, directory: Path, adapter_names: Sequence[str] | None) -> dict[Path, Any]:
+def _all_files(model: nn.Module, directory: Path, adapter_names: Sequence[str] | None,
+               convert_to_lora: bool = False) -> dict[Path, Any]:
     adapters = require_adapters(model, "save_adapter")
     files = {}
     for kind, adapter in adapters.items():
         where = directory if len(adapters) == 1 else directory / kind
         for name in _names_to_save(adapter, adapter_names):
-            files.update(_adapter_files(model, adapter, where if name in (None, DEFAULT) else where / name, name))
+            files.update(_adapter_files(model, adapter, where if name in (None, DEFAULT) else where / name, name,
+                                        convert_to_lora))
     return files
 
 
@@ -111,7 +117,8 @@ def _names_to_save(adapter: Adapter, adapter_names: Sequence[str] | None) -> lis
     return list(adapter_names)
 
 
-def _adapter_files(model: nn.Module, adapter: Adapter, directory: Path, name: str | None) -> dict[Path, Any]:
+def _adapter_files(model: nn.Module, adapter: Adapter, directory: Path, name: str | None,
+                   convert_to_lora: bool = False) -> dict[Path, Any]:
     problems = adapter.peft_problems(model)
     if problems:
         raise ValueError(
@@ -120,10 +127,11 @@ def _adapter_files(model: nn.Module, adapter: Adapter, directory: Path, name: st
             "save_adapter=False), or adapt other layers."
         )
     named = {} if name is None else {"adapter_name": name}
-    state = adapter.peft_state(model, **named)
+    options = {**named, "convert_to_lora": True} if convert_to_lora and adapter.converts_to_lora else named
+    state = adapter.peft_state(model, **options)
     tensors = _writable(state, adapter.peft_key_prefix)
     refuse_overflow(adapter.value_problems(model, state, **named), "save_adapter", _OVERFLOW_ON_SAVE)
-    text = json.dumps(adapter.peft_config(model, **named), indent=2, sort_keys=True) + "\n"
+    text = json.dumps(adapter.peft_config(model, **options), indent=2, sort_keys=True) + "\n"
     return {  # the header (the base's record) is built only when the file is written, not for check_saveable
         directory / WEIGHTS_NAME: lambda tmp: Path(tmp).write_bytes(
             safetensors_bytes(tensors, {"format": "pt", **header(model, adapter, state)})),

@@ -171,6 +171,11 @@ def _quantized(weight: Tensor, method: str) -> Tensor:
         return int8_tensor.from_hp(data, granularity=per_row())  # qdata (out, in) int8, scale (out, 1)
 
 
+def quantized(weight: Tensor, method: str) -> Tensor:
+    """``weight`` quantized with ``method`` (as `quantize_layers` stores it), a new tensor."""
+    return _quantized(weight, method)
+
+
 def check_method(method: object, who: str) -> str:
     if method not in METHODS:
         raise ValueError(f"{who}(quantize={method!r}): quantize must be one of {', '.join(map(repr, METHODS))} "

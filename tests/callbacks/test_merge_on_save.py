@@ -401,3 +401,24 @@ def test_model_attribute_empty_next_to_a_default_lora_names_the_argument_and_the
                                            r"Give MergeOnSave the PEFT callback's model_attribute \(here "
                                            r"MergeOnSave\(model_attribute='model'\), or None where the callback has None\)"):
         trainer(tmp_path, max_steps=1, callbacks=[LoRA(**LORA_ARGS), export]).fit(Classifier(tiny_bert_config), loader())
+
+
+def test_a_pissa_adapter_exports_merged_and_converted_onto_the_original_base(tmp_path):
+    """The LoRA callback with init='pissa' rewrites the base; merged/ is the trained model and adapter/ is PEFT's rank-2r
+    conversion, which PEFT loads onto the original base and computes the trained model with."""
+    import peft
+
+    module = PlainModule()
+    original = {k: v.clone() for k, v in module.net.state_dict().items()}
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    export = MergeOnSave(dirpath=str(tmp_path / "out"), model_attribute="net")
+    lora = LoRA(rank=2, alpha=4, target_modules=["0"], init="pissa", model_attribute="net")
+    trainer(tmp_path, max_steps=3, callbacks=[lora, export]).fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    x = torch.randn(5, 4)
+    fresh = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    fresh.load_state_dict(load_file(tmp_path / "out" / "merged" / "model.safetensors"))
+    assert_close(fresh(x), module.net(x))
+    fresh.load_state_dict(original)
+    assert json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())["r"] == 4
+    loaded = peft.PeftModel.from_pretrained(fresh, tmp_path / "out" / "adapter")
+    assert_close(loaded(x), module.net(x))

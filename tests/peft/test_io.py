@@ -677,8 +677,9 @@ def test_load_into_injected_model_checks_the_config(tmp_path):
         load_adapter(model, tmp_path)
 
 
-@pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora", "corda", "loftq"])
-def test_initialisations_that_rewrite_the_base_are_refused(init, tmp_path):
+@pytest.mark.parametrize("init", ["corda", "loftq", "lora_ga"])
+def test_initialisations_that_rewrite_a_base_we_cannot_rebuild_are_refused(init, tmp_path):
+    """PiSSA and OLoRA files load (tests/peft/lora/test_init.py); CorDA, LoRA-GA and bitsandbytes' LoftQ do not."""
     _write_adapter(tmp_path)
     _edit_config(tmp_path, init_lora_weights=init)
     with pytest.raises(ValueError, match=rf"sets init_lora_weights='{init}', an initialisation that also rewrites"):
@@ -813,7 +814,7 @@ def test_a_peft_lora_config_with_an_unsupported_feature_is_refused_by_name():
 def test_a_peft_lora_config_with_another_start_is_refused_and_a_saved_one_loads(tmp_path, init):
     # Injecting from it would start elsewhere than PEFT does; a saved adapter's weights replace the start anyway.
     with pytest.raises(ValueError, match=rf"inject_lora: peft\.LoraConfig sets init_lora_weights={init!r}; "
-                                         r"lightning-peft starts LoRA as PEFT's True .* or 'gaussian'"):
+                                         r"lightning-peft starts LoRA as PEFT's True, 'gaussian', 'pissa', .* only"):
         inject_lora(_fresh(_base("bert"), "bert"), LoraConfig(r=4, target_modules=["query"], init_lora_weights=init))
     model = _fresh(_base("bert"), "bert")
     inject_lora(model, rank=4, target_modules=["query"])

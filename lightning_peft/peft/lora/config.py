@@ -20,6 +20,7 @@ from .._common import pattern_matches
 from .._limits import FLOAT32_MAX
 from ..quantize import check_method
 from ..trainable_tokens import Indices, check_indices
+from .init import check_init
 from .layer import Init
 
 Bias = Literal["none", "lora_only", "all"]
@@ -44,7 +45,9 @@ class LoRAConfig:
         rank_pattern: Per-module rank overrides, ``{regex: rank}``.
         alpha_pattern: Per-module alpha overrides, ``{regex: alpha}``.
         bias: Which biases train: ``"none"``, ``"lora_only"`` (those of adapted layers) or ``"all"``.
-        init: ``"kaiming"`` (Kaiming-uniform ``A``, ``B = 0``) or ``"gaussian"`` (``A ~ N(0, 1/r)``, ``B = 0``).
+        init: ``"kaiming"`` (Kaiming-uniform ``A``, ``B = 0``) or ``"gaussian"`` (``A ~ N(0, 1/r)``, ``B = 0``);
+            or a start from the base weight that rewrites it (`lightning_peft.peft.lora.init`): ``"pissa"``,
+            ``"pissa_niter_K"``, ``"olora"``, ``"loftq"`` / ``"loftq_iter_K"`` (with ``quantize``).
         use_rslora: Rank-stabilised scaling.
         quantize: Store the adapted ``nn.Linear`` layers' frozen weights quantized (QLoRA): ``"nf4"`` or
             ``"int8"`` (`lightning_peft.peft.quantize`); None: full precision. The adapters stay float32.
@@ -92,7 +95,7 @@ class LoRAConfig:
                 _check_pattern(key, what)
             normal(self, what, {k: check(v, f"{what}[{k!r}]") for k, v in patterns.items()})
         choice("LoRA", "bias", self.bias, ("none", "lora_only", "all"))
-        choice("LoRA", "init", self.init, ("kaiming", "gaussian"))
+        check_init(self.init)
         boolean("LoRA", "use_rslora", self.use_rslora)
         if self.quantize is not None:
             check_method(self.quantize, "LoRA")
@@ -206,8 +209,9 @@ def check_adapter_name(name: object, who: str) -> str:
 
 # --- Hugging Face PEFT's LoraConfig ------------------------------------------------------------------------
 
-# PEFT initialisations that rewrite the base weights as well (PEFT re-runs them when it loads the adapter).
-_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "eva")
+# PEFT's LoftQ bits and the quantize method that stands for them here (torchao's NF4 / int8, not bitsandbytes').
+_LOFTQ_BITS = {4: "nf4", 8: "int8"}
+_REWRITING = ("corda", "lora_ga", "loftq")  # PEFT starts that rewrite the base (with pissa, olora: those we have)
 
 # PEFT features this library does not implement: loading such an adapter would silently change its meaning.
 _UNSUPPORTED = {
@@ -222,7 +226,6 @@ _UNSUPPORTED = {
     "monteclora_config": None,
     "arrow_config": None,
     "velora_config": None,
-    "loftq_config": {},
     "eva_config": None,
     "corda_config": None,
     "megatron_config": None,
@@ -243,18 +246,7 @@ def config_from_peft(config: dict, source: str = "adapter_config.json", who: str
         value = config.get(key, neutral)
         if value not in (neutral, None, False, [], {}):
             raise ValueError(f"{who}: {source} sets {key}={value!r}, which lightning-peft does not support; {instead}.")
-    init = config.get("init_lora_weights", True)
-    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
-        raise ValueError(
-            f"{who}: {source} sets init_lora_weights={init!r}, an initialisation that also rewrites the base "
-            f"weights; lightning-peft does not implement it, so the adapter would mean something else here; {instead}."
-        )
-    if who != "load_adapter" and init not in (True, "gaussian"):  # a loaded adapter's init is overwritten anyway
-        raise ValueError(
-            f"{who}: {source} sets init_lora_weights={init!r}; lightning-peft starts LoRA as PEFT's True (B = 0, A "
-            "Kaiming-uniform) or 'gaussian' (A normal) only, so this adapter would start elsewhere than asked; pass "
-            "init_lora_weights=True or 'gaussian', or use Hugging Face PEFT for it."
-        )
+    init = _peft_init(config, source, who, instead)
     if who != "load_adapter" and config.get("target_modules") is None:
         raise ValueError(
             f"{who}: {source} has target_modules=None; lightning-peft does not guess PEFT's per-architecture "
@@ -281,9 +273,41 @@ def _from_fields(config: dict, targets: Any, init: Any) -> LoRAConfig:
         rank_pattern=config.get("rank_pattern") or {},
         alpha_pattern=config.get("alpha_pattern") or {},
         bias=config.get("bias", "none"),
-        init="gaussian" if init == "gaussian" else "kaiming",
+        init=init,
         use_rslora=config.get("use_rslora", False),
         use_dora=config.get("use_dora") or False,
         trainable_token_indices=config.get("trainable_token_indices"),
         lora_bias=config.get("lora_bias") or False,
+        quantize=_LOFTQ_BITS.get((config.get("loftq_config") or {}).get("loftq_bits")) if init.startswith("loftq") else None,
     )
+
+
+def _peft_init(config: dict, source: str, who: str, instead: str) -> str:
+    """PEFT's ``init_lora_weights`` (and ``loftq_config``) as our ``init``; refuses what this library lacks."""
+    init = config.get("init_lora_weights", True)
+    ours = {True: "kaiming", "gaussian": "gaussian"}.get(init, init) if isinstance(init, (bool, str)) else init
+    if who == "load_adapter":
+        if str(init).lower().startswith(_REWRITING):
+            raise ValueError(
+                f"{who}: {source} sets init_lora_weights={init!r}, an initialisation that also rewrites the base "
+                "weights (LoftQ: with bitsandbytes' quantizer, not lightning-peft's); lightning-peft cannot rebuild "
+                f"that base, so the adapter would mean something else here; {instead}.")
+        try:  # PiSSA and OLoRA rewrite the base as they did for training, as PEFT's load does
+            return check_init(ours)
+        except (TypeError, ValueError):
+            return "kaiming"  # any other start is overwritten by the file's factors
+    loftq = config.get("loftq_config") or {}
+    if ours == "loftq" and loftq:
+        if loftq.get("loftq_bits") not in _LOFTQ_BITS:
+            raise ValueError(f"{who}: {source} sets loftq_config={loftq!r}; loftq_bits must be 4 (quantize='nf4') "
+                             "or 8 (quantize='int8').")
+        ours = "loftq" if loftq.get("loftq_iter", 1) == 1 else f"loftq_iter_{loftq['loftq_iter']}"
+    try:
+        check_init(ours, who)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{who}: {source} sets init_lora_weights={init!r}; lightning-peft starts LoRA as PEFT's True, 'gaussian', "
+            "'pissa', 'pissa_niter_K', 'olora' or 'loftq' only, so this adapter would start elsewhere than asked; "
+            f"pass one of those, or {instead}."
+        ) from None
+    return ours

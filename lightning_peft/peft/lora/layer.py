@@ -55,7 +55,7 @@ import math
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -64,13 +64,14 @@ from torch import Tensor, nn
 from .._common import LayerWrapper, adapter_dtype, dense_weight, is_quantized
 from .._limits import scale
 from ..adapter import attached, unwrap
+from . import init as starts
 from . import variants
 from .routing import DEFAULT, RoutedPath, Routing
 
 __all__ = ["DEFAULT", "LAYER_TYPES", "AdapterSpec", "Init", "LoRAEmbedding", "LoRALayer", "LoRALinear", "Routing",
            "conv1d_type", "lora_layers", "lora_spec", "make_layer", "require_spec"]
 
-Init = Literal["kaiming", "gaussian"]
+Init = str  # "kaiming", "gaussian", or a start that reads the base weight (lora.init: "pissa", "olora", ...)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -634,7 +635,10 @@ class LoRALinear(_ABLayer):
 
     @torch.no_grad()
     def _reset(self, name: str, init: Init) -> None:
-        super()._reset(name, init)
+        if starts.rewrites_base(init) and not starts.loftq_iterations(init):  # PiSSA, OLoRA: from the weight
+            starts.initialise(self, name, init)
+        else:  # LoftQ needs the model's quantizer: inject_lora starts it once the layers exist (model.py)
+            super()._reset(name, init)
         if name in self.lora_magnitude_vector:  # ||W + s B A|| = ||W||: the layer starts equal to its base
             a, b = self.factors(name)
             weight = dense_weight(self.base_layer.weight, self.base_layer)

@@ -40,8 +40,9 @@ from ..adapter import (
 )
 from ..modules_to_save import fold_modules_to_save, set_submodule, wrap_modules_to_save
 from ..quantize import drop_quantizer_entries, plain_state, quantize_layers
+from . import init as starts
 from .config import LoRAConfig, as_config, check_adapter_name
-from .layer import DEFAULT, LoRALayer, Routing, lora_layers, lora_spec, make_layer, require_spec
+from .layer import DEFAULT, LoRALayer, Routing, conv1d_type, lora_layers, lora_spec, make_layer, require_spec
 from .merge import merge_lora, unmerge_lora
 from .peft_format import (
     PEFT_FIELDS,
@@ -76,6 +77,7 @@ class LoRAAdapter(Adapter):
     mergeable: ClassVar[bool] = True
     training_only: ClassVar[tuple[str, ...]] = ("dropout", "init")
     named: ClassVar[bool] = True
+    converts_to_lora: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -254,11 +256,13 @@ class LoRAAdapter(Adapter):
             raise ValueError(f"LoRA: no adapter named {name!r}; the model has {list(self.adapters)}.")
         return name
 
-    def peft_state(self, model: nn.Module, adapter_name: str | None = None) -> dict[str, Tensor]:
-        return peft_state(self, model, self._name(adapter_name))
+    def peft_state(self, model: nn.Module, adapter_name: str | None = None,
+                   convert_to_lora: bool = False) -> dict[str, Tensor]:
+        return peft_state(self, model, self._name(adapter_name), convert_to_lora)
 
-    def peft_config(self, model: nn.Module, adapter_name: str | None = None) -> dict[str, Any]:
-        return peft_config(self, model, self._name(adapter_name))
+    def peft_config(self, model: nn.Module, adapter_name: str | None = None,
+                    convert_to_lora: bool = False) -> dict[str, Any]:
+        return peft_config(self, model, self._name(adapter_name), convert_to_lora)
 
     def peft_problems(self, model: nn.Module) -> list[str]:
         return peft_problems(self, model)
@@ -340,7 +344,11 @@ def _inject(
     refuse_overflowing_scales(model, config, targets)  # before any change
     rows = {} if config.trainable_token_indices is None else \
         tokens.select_tokens(model, config.trainable_token_indices, [*targets, *to_save])
-    quantize_layers(model, targets, config.quantize, "LoRA", isinstance(config.target_modules, list))  # first
+    linear = (nn.Linear,) if conv1d_type() is None else (nn.Linear, conv1d_type())
+    starts.refuse(model, config, targets, linear, "LoRA")
+    rewrites = starts.rewrites_base(config.init)  # then the base is quantized after the start: its residual
+    quantize_layers(model, targets, None if rewrites else config.quantize, "LoRA",
+                    isinstance(config.target_modules, list))  # first
     spec = lora_spec(model)
     routing = spec.routing if spec is not None else Routing(adapter_name)
     for wrapper in wrap_modules_to_save(model, to_save).values():
@@ -360,6 +368,11 @@ def _inject(
         layer.routing = routing
         set_submodule(model, name, layer)
         replaced[name] = layer
+    if rewrites and config.quantize is not None:
+        if starts.loftq_iterations(config.init):
+            for layer in replaced.values():
+                starts.initialise(layer, adapter_name, config.init, starts.round_trip_for(config.quantize))
+        quantize_layers(model, targets, config.quantize, "LoRA", isinstance(config.target_modules, list))
     if spec is None:
         spec = LoRAAdapter({}, to_save, routing)
     spec.adapters[adapter_name] = (config, tuple(targets))

@@ -7,6 +7,7 @@ and the checks before loading PEFT's files.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import warnings
 from typing import Any
@@ -18,6 +19,7 @@ from .._limits import factor_problem, scale_problem
 from ..adapter import base_model_name, clean_key, unwrap
 from ..modules_to_save import plain_key, present_modules
 from ..trainable_tokens import token_parameters
+from . import init as starts
 from .config import LoRAConfig, config_from_peft
 from .conv import LoRAConv
 from .layer import DEFAULT, lora_layers
@@ -40,16 +42,21 @@ def _peft_key(key: str, adapter_name: str) -> str:
     return container + rest
 
 
-def peft_state(adapter, model: nn.Module, name: str) -> dict[str, Tensor]:
+def peft_state(adapter, model: nn.Module, name: str, convert_to_lora: bool = False) -> dict[str, Tensor]:
     """Adapter ``name``'s tensors (not detached) under the keys of PEFT's adapter files, without the prefix.
 
     The trained biases and ``modules_to_save`` are shared by every adapter, so each adapter's file has them.
+    ``convert_to_lora``: an adapter whose start rewrote the base is written as a plain LoRA of rank ``2r`` on the
+    original base (`lightning_peft.peft.lora.init`).
     """
     model = unwrap(model)
     state: dict[str, Tensor] = {}
     for target in adapter.adapters[name][1]:
         layer = model.get_submodule(target)
         state.update({f"{target}.{_peft_key(k, name)}": p for k, p in layer.adapter_parameters(name).items()})
+        initial = layer.__dict__.get("initial_factors", {}).get(name)
+        if convert_to_lora and initial is not None:
+            starts.converted(state, tuple(f"{target}.{_peft_key(k, name)}" for k in _factor_keys(layer, name)), initial)
     own = {id(p) for layer in lora_layers(model).values() for p in layer.adapter_parameters().values()}
     own |= {id(p) for p in token_parameters(model).values()}  # each adapter's own rows, under PEFT's key:
     state.update({k.removesuffix(f".{name}"): p for k, p in token_parameters(model, name).items()})
@@ -58,11 +65,13 @@ def peft_state(adapter, model: nn.Module, name: str) -> dict[str, Tensor]:
     return {clean_key(plain_key(k)): v for k, v in state.items()}
 
 
-def peft_config(adapter, model: nn.Module, name: str) -> dict[str, Any]:
-    """Adapter ``name``'s ``adapter_config.json`` content."""
+def peft_config(adapter, model: nn.Module, name: str, convert_to_lora: bool = False) -> dict[str, Any]:
+    """Adapter ``name``'s ``adapter_config.json`` content (``convert_to_lora``: see `peft_state`)."""
     config, targets = adapter.adapters[name]
     layers = {clean_key(n): unwrap(model).get_submodule(n) for n in targets}
     specs = {n: layer.specs[name] for n, layer in layers.items()}
+    if starts.rewrites_base(config.init):
+        config, specs = _converted_settings(config, specs, name, convert_to_lora)
     return {
         "peft_type": "LORA",
         "task_type": None,
@@ -78,12 +87,27 @@ def peft_config(adapter, model: nn.Module, name: str) -> dict[str, Any]:
         "alpha_pattern": {re.escape(n): s.alpha for n, s in specs.items() if s.alpha != config.alpha},
         "bias": config.bias,
         "fan_in_fan_out": any(getattr(m, "fan_in_fan_out", False) for m in layers.values()),
-        "init_lora_weights": "gaussian" if config.init == "gaussian" else True,
+        "init_lora_weights": "gaussian" if config.init == "gaussian" else True,  # (a converted start is plain)
         "use_rslora": config.use_rslora,
         "use_dora": config.use_dora,
         "trainable_token_indices": config.trainable_token_indices,
         "lora_bias": config.lora_bias,
     }
+
+
+def _converted_settings(config: LoRAConfig, specs: dict, name: str, convert: bool) -> tuple[LoRAConfig, dict]:
+    """The settings of the rank-2r conversion of an adapter whose start rewrote the base; refused unconverted."""
+    if not convert or starts.loftq_iterations(config.init):
+        fix = ("only its merged export (merged_state_dict, unload_lora(model, merge=True), MergeOnSave) represents the "
+               "trained model" if starts.loftq_iterations(config.init) else
+               "pass save_adapter(..., convert_to_lora=True) to write it as a plain LoRA of rank 2r on the original "
+               "base (PEFT's path_initial_model_for_weight_conversion), or export the merged model")
+        raise ValueError(f"save_adapter: adapter {name!r} started with init={config.init!r}, which rewrote the base "
+                         "weights; its factors mean the trained model only on that rewritten base, and a PEFT file is "
+                         f"loaded onto the original one. Nothing was written; {fix}.")
+    factor = math.sqrt(2) if config.use_rslora else 2  # rank 2r with the same scale
+    doubled = {n: dataclasses.replace(s, rank=2 * s.rank, alpha=s.alpha * factor) for n, s in specs.items()}
+    return dataclasses.replace(config, rank=2 * config.rank, alpha=config.alpha * factor, init="kaiming"), doubled
 
 
 def peft_problems(adapter, model: nn.Module) -> list[str]:

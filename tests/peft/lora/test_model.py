@@ -326,7 +326,7 @@ def test_inject_does_not_mutate_the_config_or_its_lists():
     ({"rank_pattern": {"q": 0}}, ValueError, r"LoRA\(rank_pattern\['q'\]=0\): rank_pattern\['q'\] must be an integer >= 1"),
     ({"alpha_pattern": {"q": -2}}, ValueError, r"LoRA\(alpha_pattern\['q'\]=-2\): alpha_pattern\['q'\] must be a finite number > 0"),
     ({"bias": "some"}, ValueError, r"LoRA\(bias='some'\): bias must be one of 'none', 'lora_only', 'all'"),
-    ({"init": "pissa"}, ValueError, r"LoRA\(init='pissa'\): init must be one of 'kaiming', 'gaussian'"),
+    ({"init": "pissa_2"}, ValueError, r"LoRA\(init='pissa_2'\): init must be one of 'kaiming', 'gaussian', 'pissa'"),
 ])
 def test_config_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
