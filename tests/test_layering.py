@@ -165,8 +165,9 @@ TECHNIQUE_PACKAGE_LINES = 2000
 #: multi-LoRA and PEFT's format) came out of the move at 2,608 lines; the next steps of issue 29 section 1 (DoRA
 #: as a variant object instead of a flag, the shared scaffolding instead of LoRA's short copies) are to bring it under.
 #: Convolutions of every dimension and lora_bias (issue 29 section 2) added 169.
-#: The init starts (PiSSA, OLoRA, LoftQ: lora/init.py) added 254.
-OVER_THE_GOAL = {"lora": 3040}
+#: The init starts (PiSSA, OLoRA, LoftQ: lora/init.py) added 254. trainable_token_indices added 40 (the technique
+#: itself is its own package, peft/trainable_tokens/; LoRA's side is the config field and the calls into it).
+OVER_THE_GOAL = {"lora": 3080}
 
 
 def _package_over(package: Path, root: Path = PACKAGE) -> str | None:

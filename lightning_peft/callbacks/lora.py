@@ -45,10 +45,10 @@ class LoRA(LoRASettings, LoRAPlusOption, AdapterCallback):
         bias: ``"none"``, ``"lora_only"`` or ``"all"``: which biases train.
         init: ``"kaiming"``, ``"gaussian"``, or ``"pissa"``, ``"olora"``, ... (`lightning_peft.peft.lora.init`).
         use_rslora: Rank-stabilised scaling.
-        quantize: ``"nf4"`` or ``"int8"``: the adapted linear layers' frozen weights stored quantized (QLoRA,
-            `lightning_peft.peft.quantize`); None: full precision.
+        quantize: ``"nf4"`` / ``"int8"``: adapted linear weights stored quantized (QLoRA, `peft.quantize`); None: not.
         use_dora: DoRA (arXiv:2402.09353), as PEFT's ``use_dora``: a trained magnitude per output feature.
         target_parameters: Parameters adapted in place (PEFT's): e.g. ``[mlp.experts.gate_up_proj]`` (MoE experts).
+        trainable_token_indices: Token ids whose embedding rows train (new special tokens), or ``{module: ids}``.
         lora_bias: A trained bias on ``B``, merged into the base bias, as PEFT's ``lora_bias``.
         layers_to_transform: Only the ``target_modules`` (a list) in these layers (``layers_pattern``: the name of
             their ``nn.ModuleList``, e.g. ``"layers"``; None: any), as PEFT's.
@@ -79,6 +79,7 @@ class LoRA(LoRASettings, LoRAPlusOption, AdapterCallback):
         quantize: Literal["nf4", "int8"] | None = None,
         use_dora: bool = False,
         target_parameters: list[str] | None = None,
+        trainable_token_indices: list[int] | dict[str, list[int]] | None = None,
         lora_bias: bool = False,
         layers_to_transform: list[int] | int | None = None, layers_pattern: list[str] | str | None = None,
         loraplus_lr_ratio: float | None = None, loraplus_lr_embedding: float = 1e-6,
@@ -93,6 +94,7 @@ class LoRA(LoRASettings, LoRAPlusOption, AdapterCallback):
             "rank_pattern": dict(rank_pattern or {}), "alpha_pattern": dict(alpha_pattern or {}),
             "bias": bias, "init": init, "use_rslora": use_rslora, "quantize": quantize, "use_dora": use_dora,
             "target_parameters": target_parameters, "lora_bias": lora_bias,
+            "trainable_token_indices": trainable_token_indices,
             "layers_to_transform": layers_to_transform, "layers_pattern": layers_pattern, **peft_names}, "LoRA")
         self.use_loraplus(loraplus_lr_ratio, loraplus_lr_embedding)
 
@@ -103,8 +105,7 @@ class LoRA(LoRASettings, LoRAPlusOption, AdapterCallback):
         warn_emulated_bf16("LoRA", trainer)
 
     def inject(self, trainer: pl.Trainer, model: nn.Module) -> str:
-        layers = inject_lora(model, self.config)
-        dora = "DoRA, " if self.config.use_dora else ""
+        layers, dora = inject_lora(model, self.config), "DoRA, " if self.config.use_dora else ""
         return (f"adapted {len(layers)} modules of {type(model).__name__} ({dora}rank {self.config.rank}, alpha "
                 f"{self.config.alpha}{self.saving(model)})")
 

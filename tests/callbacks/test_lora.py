@@ -266,6 +266,66 @@ def test_a_mid_epoch_resume_with_the_warm_up_total_equals_the_straight_run(tiny_
         assert torch.equal(resumed[key], straight[key]), (key, (resumed[key] - straight[key]).abs().max())
 
 
+class TokenLM(pl.LightningModule):
+    """A tiny tied Llama whose optimizer groups every parameter by name (decay / no decay), as recipes do: the
+    trainable-token rows must reach it as trainable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaForCausalLM
+
+        from tests._models import llama_config
+
+        self.model = LlamaForCausalLM(llama_config(tie_word_embeddings=True))
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self):
+        named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+        self.grouped = {n for n, _ in named}
+        return torch.optim.AdamW([{"params": [p for n, p in named if "norm" not in n], "weight_decay": 0.1},
+                                  {"params": [p for n, p in named if "norm" in n], "weight_decay": 0.0}], lr=0.05)
+
+
+def test_trainable_token_rows_train_under_a_trainer_and_export_merged_into_the_tied_embedding(tmp_path):
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    from lightning_peft.callbacks import MergeOnSave
+
+    torch.manual_seed(0)
+    module, ids = TokenLM(), torch.randint(0, 64, (8, 6))
+    base = {k: v.clone() for k, v in module.model.state_dict().items()}
+    callbacks = [LoRA(rank=2, target_modules=["q_proj"], trainable_token_indices=[3, 7]),
+                 MergeOnSave(dirpath=str(tmp_path / "out"))]
+    trainer(tmp_path, max_steps=3, callbacks=callbacks).fit(module, DataLoader(TensorDataset(ids), batch_size=4))
+    assert "model.model.embed_tokens.token_adapter.trainable_tokens_delta.default" in module.grouped
+
+    merged = LlamaForCausalLM.from_pretrained(tmp_path / "out" / "merged").eval()
+    rows, before = merged.model.embed_tokens.weight, base["model.embed_tokens.weight"]
+    others = [i for i in range(64) if i not in (3, 7)]
+    assert torch.equal(rows[others], before[others]) and (rows[[3, 7]] - before[[3, 7]]).abs().amin(1).gt(0).all()
+    assert merged.lm_head.weight is merged.model.embed_tokens.weight
+    module.model.eval()
+    with torch.no_grad():
+        expected = module.model(input_ids=ids).logits
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+        plain = LlamaForCausalLM(module.model.config)
+        plain.load_state_dict(base)
+        loaded = PeftModel.from_pretrained(plain, tmp_path / "out" / "adapter").eval()
+        torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_trainable_token_indices_reach_the_callback_from_yaml():
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(LoRA, "lora")
+    config = parser.parse_string("lora: {target_modules: [q_proj], trainable_token_indices: {embed_tokens: [3, 7]}}")
+    assert parser.instantiate(config).lora.config.trainable_token_indices == {"embed_tokens": [3, 7]}
+
+
 def test_target_parameters_from_the_callback_and_a_yaml_config():
     """LightningCLI builds the callback through jsonargparse from the typed signature: target_parameters reaches the
     config, which adapts the named parameter."""

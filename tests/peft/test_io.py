@@ -585,7 +585,6 @@ def test_legacy_bin_that_is_not_a_tensor_dict_is_refused(content, tmp_path):
     ("key", "value"),
     [
         ("layer_replication", [[0, 1]]),
-        ("trainable_token_indices", [3]),
     ],
 )
 def test_unsupported_peft_features_are_refused(key, value, tmp_path):

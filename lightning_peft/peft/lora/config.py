@@ -19,6 +19,7 @@ from ..._checks import names as name_list
 from .._common import pattern_matches
 from .._limits import FLOAT32_MAX
 from ..quantize import check_method
+from ..trainable_tokens import Indices, check_indices
 from .init import check_init
 from .layer import Init
 
@@ -55,6 +56,9 @@ class LoRAConfig:
         target_parameters: Parameters adapted in place (PEFT's ``target_parameters``, `lightning_peft.peft.lora.param`):
             full names or dotted suffixes, e.g. ``["mlp.experts.gate_up_proj"]`` (the 3-D experts of transformers 5
             MoE models); ``target_modules`` still applies, ``[]`` adapts the parameters only.
+        trainable_token_indices: Train only these rows of an embedding (new special tokens), as PEFT's field of the
+            same name (`lightning_peft.peft.trainable_tokens`): a list of token ids of the input embedding (and of
+            the output head tied to it), or ``{embedding module name: ids}``.
         lora_bias: ``B`` gets a trained bias (starting at zero), merged into the base bias, as PEFT's ``lora_bias``:
             for an update extracted from a full fine-tune. Not on embeddings, with DoRA, or with ``init="gaussian"``.
         layers_to_transform: Adapt only the ``target_modules`` inside these layers (an index or a list), as PEFT's:
@@ -79,6 +83,7 @@ class LoRAConfig:
     quantize: Literal["nf4", "int8"] | None = None
     use_dora: bool = False
     target_parameters: list[str] | None = None
+    trainable_token_indices: Indices | None = None
     lora_bias: bool = False
     layers_to_transform: list[int] | int | None = None
     layers_pattern: list[str] | str | None = None
@@ -108,6 +113,8 @@ class LoRAConfig:
         if self.quantize is not None:
             check_method(self.quantize, "LoRA")
         boolean("LoRA", "use_dora", self.use_dora)
+        if self.trainable_token_indices is not None:
+            normal(self, "trainable_token_indices", check_indices(self.trainable_token_indices))
         boolean("LoRA", "lora_bias", self.lora_bias)
         clash = "use_dora=True" if self.use_dora else "init='gaussian'" if self.init == "gaussian" else None
         if self.lora_bias and clash:  # PEFT's LoraConfig refuses both, so PEFT could not load the adapter
@@ -273,7 +280,6 @@ _REWRITING = ("corda", "lora_ga", "loftq")  # PEFT starts that rewrite the base 
 # PEFT features this library does not implement: loading such an adapter would silently change its meaning.
 _UNSUPPORTED = {
     "layer_replication": None,
-    "trainable_token_indices": None,
     "alora_invocation_tokens": None,
     "use_qalora": False,
     "use_bdlora": None,
@@ -334,6 +340,7 @@ def _from_fields(config: dict, targets: Any, init: Any) -> LoRAConfig:
         use_rslora=config.get("use_rslora", False),
         use_dora=config.get("use_dora") or False,
         target_parameters=config.get("target_parameters") or None,
+        trainable_token_indices=config.get("trainable_token_indices"),
         lora_bias=config.get("lora_bias") or False,
         quantize=_LOFTQ_BITS.get((config.get("loftq_config") or {}).get("loftq_bits")) if init.startswith("loftq") else None,
         # PEFT reads an empty list or pattern as none given

@@ -9,6 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..adapter import unwrap
+from ..trainable_tokens import merge_tokens, unmerge_tokens
 from .layer import LoRALayer, lora_layers, require_spec
 
 
@@ -57,6 +58,12 @@ def merge_lora(model: nn.Module, adapter_name: str | None = None, dequantize: bo
                 model.get_submodule(merged_name).unmerge()
             raise RuntimeError(f"merge_lora: layer {layer_name!r}: {err}") from None
         done.append(layer_name)
+    try:
+        done += merge_tokens(model, name)  # the trained rows written into the embedding (and its tied head)
+    except RuntimeError as err:
+        for merged_name in reversed(done):
+            model.get_submodule(merged_name).unmerge()
+        raise RuntimeError(f"merge_lora: {err}") from None
     spec.routing.active = name
     return done
 
@@ -91,9 +98,10 @@ def unmerge_lora(model: nn.Module) -> list[str]:
     require_spec(model, "unmerge_lora")
     model = unwrap(model)
     merged = [name for name, layer in lora_layers(model).items() if layer.merged]
-    if not merged:
-        raise RuntimeError(f"unmerge_lora: no LoRA layer of {type(model).__name__} is merged; call merge_lora first.")
     for name in merged:
         model.get_submodule(name).unmerge()
+    merged += unmerge_tokens(model)
+    if not merged:
+        raise RuntimeError(f"unmerge_lora: no LoRA layer of {type(model).__name__} is merged; call merge_lora first.")
     return merged
 

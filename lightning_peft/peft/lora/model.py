@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
+from .. import trainable_tokens as tokens
 from .._limits import refuse_overflowing_scales
 from ..adapter import (
     Adapter,
@@ -60,7 +61,7 @@ from .targets import _select, _warn_about_settings, select_parameters
 log = logging.getLogger("lightning_peft.peft.lora")  # the package, as targets.py logs
 # LoRAConfig fields newer than some checkpoints: their old value
 _ADDED_FIELDS = {"use_dora": False, "quantize": None, "lora_bias": False, "layers_to_transform": None,
-                 "layers_pattern": None, "target_parameters": None}
+                 "layers_pattern": None, "target_parameters": None, "trainable_token_indices": None}
 
 
 @register
@@ -126,6 +127,7 @@ class LoRAAdapter(Adapter):
         for name in self.modules_to_save:
             trained = model.get_submodule(name).trained_module
             state.update(trained.state_dict(prefix=f"{name}.trained_module.", keep_vars=True))
+        state.update(tokens.token_parameters(model))
         return state
 
     def config_dict(self) -> dict[str, Any]:
@@ -181,6 +183,7 @@ class LoRAAdapter(Adapter):
             if "weight" in merged:  # (an attention module's weights are never quantized)
                 drop_quantizer_entries(state, name, layer.base_layer)
             state.update({f"{name}.{key}": weight for key, weight in merged.items()})
+        state = tokens.merged_token_state(model, state, lambda owner: wanted or self.routing.active)
         return plain_state(fold_modules_to_save(model, state))
 
     def unload(self, model: nn.Module, merge: bool) -> None:
@@ -191,6 +194,7 @@ class LoRAAdapter(Adapter):
             unmerge_lora(model)
         for name in self.targets:
             set_submodule(model, name, model.get_submodule(name).base_layer)
+        tokens.unload_tokens(model)
         for name in self.modules_to_save:
             wrapper = model.get_submodule(name)
             set_submodule(model, name, wrapper.trained_module if merge else wrapper.original_module)
@@ -245,6 +249,7 @@ class LoRAAdapter(Adapter):
             layer.delete_adapter(name)
             if not layer.specs:
                 set_submodule(model, target, layer.base_layer)
+        tokens.delete_tokens(model, name)
         del self.adapters[name]
         attach(model, self)
 
@@ -351,6 +356,8 @@ def _inject(
     planned = plan_parameters(model, select_parameters(model, config))  # raises before any change
     targets = [t for t in targets if t not in planned]  # a checkpoint's record names the parameter layers too
     refuse_overflowing_scales(model, config, targets)  # before any change
+    rows = {} if config.trainable_token_indices is None else \
+        tokens.select_tokens(model, config.trainable_token_indices, [*targets, *to_save])
     linear = (nn.Linear,) if conv1d_type() is None else (nn.Linear, conv1d_type())
     starts.refuse(model, config, targets, linear, "LoRA")
     rewrites = starts.rewrites_base(config.init)  # then the base is quantized after the start: its residual
@@ -360,6 +367,7 @@ def _inject(
     routing = spec.routing if spec is not None else Routing(adapter_name)
     for wrapper in wrap_modules_to_save(model, to_save).values():
         wrapper.routing = routing  # disabled adapters and base samples use the original module
+    tokens.wrap_tokens(model, rows, adapter_name, routing)
     replaced = {}
     for name in targets:
         module = model.get_submodule(name)

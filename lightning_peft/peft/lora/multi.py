@@ -205,6 +205,11 @@ def combine_adapters(
     if dora:
         raise ValueError(f"combine_adapters: source {dora[0]!r} is a DoRA adapter (use_dora=True); its magnitudes do "
                          "not combine linearly, so only LoRA adapters can be combined.")
+    tokens = [s for s in weights if spec.adapters[s][0].trainable_token_indices is not None]
+    if tokens:
+        raise ValueError(f"combine_adapters: source {tokens[0]!r} trains token rows (trainable_token_indices); rows "
+                         "replace the base's rather than add to it, so they do not combine. Combine adapters "
+                         "without trainable tokens.")
     biased = [s for s in weights if spec.adapters[s][0].lora_bias]
     if biased:
         raise ValueError(f"combine_adapters: source {biased[0]!r} has lora_bias=True; B's biases have no low-rank "

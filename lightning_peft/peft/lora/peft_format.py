@@ -19,6 +19,7 @@ from .._limits import factor_problem, scale_problem
 from .._base_identity import base_model_name
 from ..adapter import clean_key, unwrap
 from ..modules_to_save import plain_key, present_modules
+from ..trainable_tokens import token_parameters
 from . import init as starts
 from .config import LoRAConfig, config_from_peft
 from .conv import LoRAConv
@@ -61,6 +62,8 @@ def peft_state(adapter, model: nn.Module, name: str, convert_to_lora: bool = Fal
         if convert_to_lora and initial is not None:
             starts.converted(state, tuple(f"{target}.{_peft_key(k, name)}" for k in _factor_keys(layer, name)), initial)
     own = {id(p) for layer in lora_layers(model).values() for p in layer.adapter_parameters().values()}
+    own |= {id(p) for p in token_parameters(model).values()}  # each adapter's own rows, under PEFT's key:
+    state.update({k.removesuffix(f".{name}"): p for k, p in token_parameters(model, name).items()})
     shared = {k: v for k, v in adapter.state(model).items() if id(v) not in own}
     state.update(shared)
     return {clean_key(plain_key(k)): v for k, v in state.items()}
@@ -97,6 +100,7 @@ def peft_config(adapter, model: nn.Module, name: str, convert_to_lora: bool = Fa
         "init_lora_weights": "gaussian" if config.init == "gaussian" else True,  # (a converted start is plain)
         "use_rslora": config.use_rslora,
         "use_dora": config.use_dora,
+        "trainable_token_indices": config.trainable_token_indices,
         "lora_bias": config.lora_bias,
         **({"target_parameters": parameters} if parameters else {}),
     }
@@ -168,6 +172,11 @@ def check_peft_config(adapter, model: nn.Module, config: Any, source: str, adapt
     if merged:
         raise RuntimeError(f"load_adapter: layer {merged[0]!r} is merged; call unmerge_lora(model) before loading.")
     ours = config_from_peft(config, source)
+    have = adapter.adapters[adapter_name][0].trainable_token_indices
+    if ours.trainable_token_indices != have:  # rows of other tokens would load into these silently
+        raise ValueError(f"load_adapter: {source} sets trainable_token_indices={ours.trainable_token_indices!r}, but the "
+                         f"model's LoRA adapter {adapter_name!r} trains {have!r}. Load it into a model without LoRA "
+                         "layers, or inject with the file's trainable_token_indices.")
     for name in adapter.adapters[adapter_name][1]:
         spec = unwrap(model).get_submodule(name).specs[adapter_name]
         alpha = ours.alpha_for(_pattern_name(model, name))

@@ -45,6 +45,7 @@ from .._common import (
 )
 from ..adapter import attached
 from ..modules_to_save import ModulesToSave
+from ..trainable_tokens import TrainableTokensWrapper
 from .config import LoRAConfig
 from .conv import refuse_rank
 from .layer import LAYER_TYPES, LoRALayer, conv1d_type, lora_layers
@@ -210,7 +211,8 @@ def _refuse_unmatched_exclusion(model: nn.Module, exclude: Targets, names: list[
 
 def _adaptable_view(model: nn.Module) -> dict[str, nn.Module]:
     """``model.named_modules()`` as a new adapter sees it: a LoRA layer stands for its base module (so another
-    adapter can target it) and the insides of LoRA layers and ``modules_to_save`` wrappers are hidden."""
+    adapter can target it) and the insides of LoRA layers, ``modules_to_save`` and trainable-tokens wrappers are
+    hidden."""
     view: dict[str, nn.Module] = {}
     hidden: list[str] = []
     for name, module in model.named_modules(remove_duplicate=False):
@@ -223,7 +225,7 @@ def _adaptable_view(model: nn.Module) -> dict[str, nn.Module]:
             hidden.append(f"{name}.")
         else:
             view[name] = module
-            if isinstance(module, ModulesToSave):
+            if isinstance(module, (ModulesToSave, TrainableTokensWrapper)):
                 hidden.append(f"{name}.")
     return view
 

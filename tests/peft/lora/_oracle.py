@@ -234,10 +234,10 @@ def _outputs(model: nn.Module, x: Tensor) -> Tensor:
 
 def _weights(model: nn.Module) -> dict[str, Tensor]:
     """A PEFT model's tensors by plain module names, as a merged export has them: a LoRA layer's base weight, a
-    saved module's trained copy."""
-    return {k.replace(".base_layer", "").replace(".modules_to_save.default", ""): v.clone()
-            for k, v in model.state_dict().items()
-            if "lora_" not in k and "token_adapter" not in k and ".original_module." not in k}
+    saved module's trained copy, a trainable-tokens embedding's weight (holding the rows once merged)."""
+    return {k.replace(".token_adapter.base_layer", "").replace(".base_layer", "").replace(".modules_to_save.default", "")
+            : v.clone() for k, v in model.state_dict().items()
+            if "lora_" not in k and "trainable_tokens_" not in k and ".original_module." not in k}
 
 
 def assert_equal_to_peft(model_id: str, peft_kwargs: dict[str, Any], tmp_path: Path,

@@ -26,7 +26,6 @@ def _refused(why: str):
 
 DORA_CONV = _refused("DoRA on convolutions: issue 29")
 DORA_EMB = _refused("DoRA on embeddings: issue 29")
-TOKENS = _refused("trainable_token_indices: issue 29")
 
 CASES = [
     ("Vanilla MLP 1 LoRA", "MLP", {"target_modules": "lin0"}),
@@ -46,8 +45,8 @@ CASES = [
                  marks=DORA_EMB),
     pytest.param("Embedding + transformers Conv1D 3 DoRA", "EmbConv1D",
                  {"target_modules": ["emb", "conv1d"], "use_dora": True}, marks=DORA_EMB),
-    pytest.param("Embedding + transformers Conv1D 1 LoRA trainable_tokens", "EmbConv1D",
-                 {"target_modules": ["conv1d"], "trainable_token_indices": {"emb": [0, 10]}}, marks=TOKENS),
+    ("Embedding + transformers Conv1D 1 LoRA trainable_tokens", "EmbConv1D",
+     {"target_modules": ["conv1d"], "trainable_token_indices": {"emb": [0, 10]}}),
     ("Conv1d LoRA", "Conv1d", {"target_modules": ["conv1d"]}),
     pytest.param("Conv1d LoRA with DoRA", "Conv1d", {"target_modules": ["conv1d"], "use_dora": True}, marks=DORA_CONV),
     ("Conv2d 1 LoRA", "Conv2d", {"target_modules": ["conv2d"]}),
