@@ -48,7 +48,7 @@ class LoRAConfig:
         quantize: Store the adapted ``nn.Linear`` layers' frozen weights quantized (QLoRA): ``"nf4"`` or
             ``"int8"`` (`lightning_peft.peft.quantize`); None: full precision. The adapters stay float32.
         use_dora: DoRA (Liu et al., arXiv:2402.09353): a trained magnitude per output feature on top of the LoRA
-            update, as Hugging Face PEFT's ``use_dora`` (`lightning_peft.peft.lora.variants`). Linear and Conv1D only.
+            update, as Hugging Face PEFT's ``use_dora`` (`lightning_peft.peft.lora.variants`); on every layer type.
     """
 
     rank: int = 8

@@ -20,6 +20,7 @@ from ..modules_to_save import plain_key, present_modules
 from .config import LoRAConfig, config_from_peft
 from .layer import DEFAULT, LoRAConv2d, lora_layers
 from .targets import _adaptable_view, _select, exact_targets
+from .variants import DoRA
 
 PEFT_FIELDS = frozenset((  # peft 0.21.2's LoraConfig
     "alora_invocation_tokens", "alpha_pattern", "arrow_config", "auto_mapping", "base_model_name_or_path", "bias",
@@ -133,10 +134,11 @@ def check_peft_config(adapter, model: nn.Module, config: Any, source: str, adapt
                 "the adapter would be scaled differently. Load it into a model without LoRA layers, or under "
                 "another adapter_name."
             )
-        if spec.use_dora != ours.use_dora:
+        dora = isinstance(spec.variant, DoRA)
+        if dora != ours.use_dora:
             raise ValueError(
                 f"load_adapter: {source} sets use_dora={ours.use_dora}, but the model's LoRA adapter {adapter_name!r} "
-                f"at {name!r} has use_dora={spec.use_dora}. Load it into a model without LoRA layers, or inject "
+                f"at {name!r} has use_dora={dora}. Load it into a model without LoRA layers, or inject "
                 f"with use_dora={ours.use_dora}."
             )
 

@@ -49,6 +49,7 @@ log = logging.getLogger("lightning_peft.peft.lora")
 
 # Modules whose forward reads their children's weights directly instead of calling the children.
 _READS_CHILD_WEIGHTS = (nn.MultiheadAttention, nn.TransformerEncoderLayer)
+_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 def _linear_types() -> tuple[type, ...]:
@@ -203,8 +204,8 @@ def _check_types(model, config, chosen, modules, inside_fused) -> None:
             )
         if isinstance(module, nn.Conv2d) and module.groups != 1:
             raise TypeError(f"LoRA: {name!r} is a grouped Conv2d (groups={module.groups}); only groups=1 is supported.")
-    if config.use_dora:
-        refuse_unsupported_dora("LoRA", chosen, modules, _linear_types())
+    if config.use_dora:  # the types whose LoRA layer has a dora_variant
+        refuse_unsupported_dora("LoRA", chosen, modules, (*_linear_types(), nn.Embedding, *_CONVOLUTIONS))
 
 
 def _check_aliases(chosen: list[str], names: list[str], modules: dict[str, nn.Module]) -> None:
