@@ -1,6 +1,6 @@
 """``BottleneckAdapters`` callback: Houlsby / Pfeiffer bottleneck adapters on a LightningModule's model.
 
-The math lives in `lightning_peft.peft.bottleneck`; `AdapterCallback` calls
+The math lives in `lightning_peft.peft.bottleneck.model`; `AdapterCallback` calls
 [`inject_bottleneck_adapters`][lightning_peft.peft.inject_bottleneck_adapters] at ``setup`` (before
 ``configure_optimizers``, so the optimizer sees only what trains). A model that already has bottleneck adapters (a later
 ``validate``/``test``, or an injection in the module's ``__init__``) is used as it is if the config agrees, and refused
@@ -29,7 +29,7 @@ import lightning.pytorch as pl
 from torch import nn
 
 from lightning_peft.callbacks._adapter import AdapterCallback
-from lightning_peft.peft.bottleneck import BottleneckAdapter, BottleneckConfig, inject_bottleneck_adapters
+from lightning_peft.peft.bottleneck.model import BottleneckAdapter, BottleneckConfig, inject_bottleneck_adapters
 
 
 class BottleneckAdapters(AdapterCallback):

@@ -1,6 +1,6 @@
 """``PrefixTuning`` callback: trained key/value prefixes on a LightningModule's Hugging Face model.
 
-The technique lives in `lightning_peft.peft.prefix_tuning`; `AdapterCallback` calls
+The technique lives in `lightning_peft.peft.prompt.prefix_tuning`; `AdapterCallback` calls
 [`inject_prefix_tuning`][lightning_peft.peft.inject_prefix_tuning] at ``setup`` (before ``configure_optimizers``, so the
 optimizer sees only what trains). A model that already has a prefix (a later ``validate``/``test``) is used as it is, if
 the config agrees. Checkpoints record the adapters, with the projection MLP while training runs, so a resumed run
@@ -33,7 +33,7 @@ from lightning_peft._seams import refuse, tensor_parallel_size
 from lightning_peft.callbacks._adapter import AdapterCallback
 from lightning_peft.callbacks._target import resolve_target
 from lightning_peft.peft import PrefixTuningAdapter
-from lightning_peft.peft.prefix_tuning import PrefixTuningConfig, fold_prefix_projection, inject_prefix_tuning
+from lightning_peft.peft.prompt.prefix_tuning import PrefixTuningConfig, fold_prefix_projection, inject_prefix_tuning
 
 
 class PrefixTuning(AdapterCallback):

@@ -26,7 +26,7 @@ import lightning.pytorch as pl
 from torch import nn
 
 from lightning_peft.callbacks._adapter import AdapterCallback
-from lightning_peft.peft.prompt_tuning import PromptTuningAdapter, check_options, inject_prompt_tuning
+from lightning_peft.peft.prompt.prompt_tuning import PromptTuningAdapter, check_options, inject_prompt_tuning
 
 
 class PromptTuning(AdapterCallback):

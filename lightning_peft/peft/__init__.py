@@ -38,20 +38,18 @@ from .lora import (
 )
 from .modules_to_save import ModulesToSave
 from .quantize import quantize_base
-from .prefix_tuning import (
+from .prompt import (
     PrefixEncoder,
     PrefixTuningAdapter,
     PrefixTuningConfig,
-    fold_prefix_projection,
-    inject_prefix_tuning,
-    prefix_tuning_spec,
-    unload_prefix_tuning,
-)
-from .prompt_tuning import (
     PromptEmbedding,
     PromptTuningAdapter,
+    fold_prefix_projection,
+    inject_prefix_tuning,
     inject_prompt_tuning,
+    prefix_tuning_spec,
     prompt_embedding,
+    unload_prefix_tuning,
     unload_prompt_tuning,
 )
 

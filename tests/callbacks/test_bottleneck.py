@@ -13,7 +13,7 @@ from lightning_peft.callbacks.bottleneck import BottleneckAdapters
 from lightning_peft.callbacks.lora import LoRA
 from lightning_peft.modules.hf import HFSequenceClassifier
 from lightning_peft.peft.adapter import adapter_state_dict, attached
-from lightning_peft.peft.bottleneck import BottleneckConfig, bottleneck_layers, inject_bottleneck_adapters
+from lightning_peft.peft.bottleneck.model import BottleneckConfig, bottleneck_layers, inject_bottleneck_adapters
 from lightning_peft.peft.lora import lora_layers
 from tests._models import Classifier, dict_loader, loader, save_tiny_bert, trainer
 

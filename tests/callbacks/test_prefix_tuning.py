@@ -8,7 +8,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_peft.callbacks.prefix_tuning import PrefixTuning
 from lightning_peft.peft.adapter import adapter_state_dict
-from lightning_peft.peft.prefix_tuning import PREFIX_ATTRIBUTE, inject_prefix_tuning
+from lightning_peft.peft.prompt.prefix_tuning import PREFIX_ATTRIBUTE, inject_prefix_tuning
 from tests._models import Classifier, padded_loader, trainer
 
 ARGS = {"num_virtual_tokens": 3, "modules_to_save": ["classifier"]}

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from lightning_peft.callbacks.prompt_tuning import PromptTuning
 from lightning_peft.peft.adapter import adapter_state_dict, attached
-from lightning_peft.peft.prompt_tuning import PROMPT_MODULE, inject_prompt_tuning, prompt_embedding
+from lightning_peft.peft.prompt.prompt_tuning import PROMPT_MODULE, inject_prompt_tuning, prompt_embedding
 from tests._models import Classifier, loader, trainer
 
 N = 4

@@ -22,7 +22,7 @@ from lightning_peft.nn import (
 )
 from lightning_peft.nn.checkpointing import is_checkpointed
 from lightning_peft.peft import inject_lora
-from lightning_peft.peft.prefix_tuning import inject_prefix_tuning
+from lightning_peft.peft.prompt.prefix_tuning import inject_prefix_tuning
 from tests._models import VOCAB, bert_config, gpt2_config, llama_config, randomise
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")

@@ -901,8 +901,8 @@ def test_known_peft_fields_are_the_installed_peft_s():
     import dataclasses as dc
 
     from lightning_peft.peft.lora import LoRAAdapter
-    from lightning_peft.peft.prefix_tuning import PrefixTuningAdapter
-    from lightning_peft.peft.prompt_tuning import PromptTuningAdapter
+    from lightning_peft.peft.prompt.prefix_tuning import PrefixTuningAdapter
+    from lightning_peft.peft.prompt.prompt_tuning import PromptTuningAdapter
 
     for ours, theirs in ((LoRAAdapter, peft.LoraConfig), (PrefixTuningAdapter, peft.PrefixTuningConfig),
                          (PromptTuningAdapter, peft.PromptTuningConfig)):

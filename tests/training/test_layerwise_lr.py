@@ -77,8 +77,8 @@ def test_a_soft_prompt_gets_the_embedding_rate_and_a_prefix_the_top_rate():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from lightning_peft.peft import inject_prefix_tuning, inject_prompt_tuning
-    from lightning_peft.peft._prefix import PREFIX_ATTRIBUTE
-    from lightning_peft.peft._prompt import PROMPT_MODULE
+    from lightning_peft.peft.prompt.prefix_cache import PREFIX_ATTRIBUTE
+    from lightning_peft.peft.prompt.embedding import PROMPT_MODULE
 
     prompted = bert(layers=3)
     inject_prompt_tuning(prompted, num_virtual_tokens=2, modules_to_save=[])

@@ -1,5 +1,5 @@
 """The parts of prompt tuning that act on the model: the soft prompt module, its initial value, and the forward
-pre-hook that prepends it to every call (see `lightning_peft.peft.prompt_tuning` for the technique).
+pre-hook that prepends it to every call (see `lightning_peft.peft.prompt.prompt_tuning` for the technique).
 
 Shapes: ``B`` batch, ``T`` real tokens, ``n`` virtual tokens, ``d`` the input-embedding width.
 """
@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._pretrained import resolve_pretrained
-from ._common import adapter_dtype
-from ._hf_call import bind, cached_length, extend_mask, given_cache, prefixed, shift_positions, the_input
+from ..._pretrained import resolve_pretrained
+from .._common import adapter_dtype
+from .._hf_call import bind, cached_length, extend_mask, given_cache, prefixed, shift_positions, the_input
 
 #: Name of the module that holds the prompt on the adapted model (chosen so no Hugging Face model has it).
 PROMPT_MODULE = "lightning_peft_prompt"

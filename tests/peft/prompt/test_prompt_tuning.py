@@ -1,4 +1,4 @@
-"""Prompt tuning (:mod:`lightning_peft.peft.prompt_tuning`) against float64 references and Hugging Face PEFT.
+"""Prompt tuning (:mod:`lightning_peft.peft.prompt.prompt_tuning`) against float64 references and Hugging Face PEFT.
 
 Tiny random BERT (classification), GPT-2 and Llama (causal LM) are built from configs and run in float64. A soft
 prompt has no start that equals the base model, so the exact properties checked instead are: the base model sees
@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 from lightning_peft.peft.adapter import adapter_state_dict, attached, merged_state_dict  # noqa: E402
 from lightning_peft.peft.io import load_adapter, save_adapter  # noqa: E402
 from lightning_peft.peft.lora import inject_lora  # noqa: E402
-from lightning_peft.peft.prompt_tuning import (  # noqa: E402
+from lightning_peft.peft.prompt.prompt_tuning import (  # noqa: E402
     PROMPT_MODULE,
     PromptEmbedding,
     PromptTuningAdapter,

@@ -22,7 +22,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from lightning_peft.peft.adapter import adapter_state_dict, attached, merged_state_dict  # noqa: E402
-from lightning_peft.peft.bottleneck import (  # noqa: E402
+from lightning_peft.peft.bottleneck.model import (  # noqa: E402
     NON_LINEARITIES,
     Bottleneck,
     BottleneckAdapter,
@@ -683,7 +683,7 @@ def test_loading_into_a_different_existing_adapter_is_refused(tmp_path):
 def test_the_technique_imports_and_runs_with_lightning_blocked():
     code = """
 import torch
-from lightning_peft.peft.bottleneck import inject_bottleneck_adapters
+from lightning_peft.peft.bottleneck.model import inject_bottleneck_adapters
 model = torch.nn.Sequential(torch.nn.Linear(4, 4))
 inject_bottleneck_adapters(model, target_modules=['0'], bottleneck_size=2)
 model(torch.zeros(1, 4)).sum().backward()

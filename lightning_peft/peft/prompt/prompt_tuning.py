@@ -54,9 +54,9 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
-from .._checks import choice, integer, names
-from ._common import adapter_dtype, refuse_absent, refuse_second_injection, require
-from ._prompt import (
+from ..._checks import choice, integer, names
+from .._common import adapter_dtype, refuse_absent, refuse_second_injection, require
+from .embedding import (
     PROMPT_MODULE,
     PromptEmbedding,
     initial_prompt,
@@ -66,15 +66,15 @@ from ._prompt import (
     token_dim,
     tokenizer_name,
 )
-from ._prompt_learning import (
+from .shared import (
     PEFT_MODULE_PREFIX,
     PEFT_PROMPT_KEY,
     PROMPT_LEARNING_FIELDS,
     PromptLearningAdapter,
     task_type,
 )
-from .adapter import attach, attached, register, remove_adapter, unwrap
-from .modules_to_save import present_modules, select_modules_to_save, wrap_modules_to_save
+from ..adapter import attach, attached, register, remove_adapter, unwrap
+from ..modules_to_save import present_modules, select_modules_to_save, wrap_modules_to_save
 
 __all__ = ["PEFT_MODULE_PREFIX", "PEFT_PROMPT_KEY", "PROMPT_MODULE", "PromptEmbedding", "PromptTuningAdapter",
            "check_options", "inject_prompt_tuning", "prompt_embedding", "unload_prompt_tuning"]

@@ -1,5 +1,5 @@
 """The bottleneck adapter's modules: the adapter MLP and the wrapper that adds it after a base layer (see
-`lightning_peft.peft.bottleneck` for the update rule and the shapes)."""
+`lightning_peft.peft.bottleneck.model` for the update rule and the shapes)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._common import LayerWrapper
+from .._common import LayerWrapper
 
 NON_LINEARITIES: dict[str, Callable[[Tensor], Tensor]] = {
     "relu": F.relu,

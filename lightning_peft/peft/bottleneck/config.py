@@ -1,5 +1,5 @@
 """The bottleneck adapters' settings: [`BottleneckConfig`][lightning_peft.peft.BottleneckConfig] and the
-``adapter_config.json`` it is saved as (see `lightning_peft.peft.bottleneck` for the technique and the file format)."""
+``adapter_config.json`` it is saved as (see `lightning_peft.peft.bottleneck.model` for the technique and the file format)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .._checks import choice, integer, names, positive, probability, regex
-from ._bottleneck_layers import NON_LINEARITIES
+from ..._checks import choice, integer, names, positive, probability, regex
+from .layer import NON_LINEARITIES
 
 Placement = Literal["houlsby", "pfeiffer"]
 Targets = list[str] | str

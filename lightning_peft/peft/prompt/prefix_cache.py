@@ -1,5 +1,5 @@
 """The parts of prefix tuning that act on the model: the prefix's shape, the module that holds it, and the forward
-pre-hook that passes it as the attention cache (see `lightning_peft.peft.prefix_tuning` for the technique).
+pre-hook that passes it as the attention cache (see `lightning_peft.peft.prompt.prefix_tuning` for the technique).
 
 Shapes: ``L`` layers, ``H`` key/value heads, ``d_h`` head size, ``d_kv = H d_h``, ``n`` prefix positions.
 """
@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..nn.checkpointing import checkpointed_modules
-from ._hf_call import CACHE_ARGUMENTS, bind, cached_length, extend_mask, given_cache, shift_positions, the_input
+from ...nn.checkpointing import checkpointed_modules
+from .._hf_call import CACHE_ARGUMENTS, bind, cached_length, extend_mask, given_cache, shift_positions, the_input
 
 #: Name of the module that holds the prefix on the adapted model.
 PREFIX_ATTRIBUTE = "lightning_peft_prefix"

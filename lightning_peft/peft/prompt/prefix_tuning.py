@@ -40,7 +40,7 @@ training), and models PEFT builds a special cache for (Gemma 2/3/4, Bloom, GPTBi
 Examples:
     >>> import torch
     >>> from transformers import GPT2Config, GPT2LMHeadModel
-    >>> from lightning_peft.peft.prefix_tuning import inject_prefix_tuning
+    >>> from lightning_peft.peft.prompt.prefix_tuning import inject_prefix_tuning
     >>> config = GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=32, eos_token_id=0)
     >>> model = GPT2LMHeadModel(config)
     >>> prefix = inject_prefix_tuning(model, num_virtual_tokens=4)
@@ -61,12 +61,12 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from .._checks import boolean, integer, names
-from ._common import refuse_absent, refuse_second_injection, require
-from ._prefix import PREFIX_ATTRIBUTE, PrefixEncoder, PrefixHook, cache_module, geometry, refuse_gradient_checkpointing
-from ._prompt_learning import PROMPT_LEARNING_FIELDS, PromptLearningAdapter, task_type
-from .adapter import attach, attached, refreeze, register, remove_adapter, trainable_parameters, unwrap
-from .modules_to_save import present_modules, select_modules_to_save, wrap_modules_to_save
+from ..._checks import boolean, integer, names
+from .._common import refuse_absent, refuse_second_injection, require
+from .prefix_cache import PREFIX_ATTRIBUTE, PrefixEncoder, PrefixHook, cache_module, geometry, refuse_gradient_checkpointing
+from .shared import PROMPT_LEARNING_FIELDS, PromptLearningAdapter, task_type
+from ..adapter import attach, attached, refreeze, register, remove_adapter, trainable_parameters, unwrap
+from ..modules_to_save import present_modules, select_modules_to_save, wrap_modules_to_save
 
 __all__ = ["PREFIX_ATTRIBUTE", "PrefixEncoder", "PrefixTuningAdapter", "PrefixTuningConfig", "fold_prefix_projection",
            "inject_prefix_tuning", "prefix_tuning_spec", "unload_prefix_tuning"]

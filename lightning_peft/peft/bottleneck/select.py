@@ -1,5 +1,5 @@
 """Where bottleneck adapters go: the modules ``placement`` picks by architecture, or ``target_modules`` by name, and
-the checks that a module can take one (see `lightning_peft.peft.bottleneck`)."""
+the checks that a module can take one (see `lightning_peft.peft.bottleneck.model`)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import re
 
 from torch import nn
 
-from ._bottleneck_config import BottleneckConfig, Placement
-from ._bottleneck_layers import BottleneckLayer, output_size
-from ._common import chosen_by_name, inside, refuse_no_target, wraps_a_layer
-from .adapter import attached
-from .modules_to_save import ModulesToSave, select_modules_to_save
+from .config import BottleneckConfig, Placement
+from .layer import BottleneckLayer, output_size
+from .._common import chosen_by_name, inside, refuse_no_target, wraps_a_layer
+from ..adapter import attached
+from ..modules_to_save import ModulesToSave, select_modules_to_save
 
 _WHO = "BottleneckAdapters"
 

@@ -15,8 +15,8 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from .adapter import Adapter, base_model_name, clean_key, detach, unwrap
-from .modules_to_save import peft_saved_state, restore_modules, saved_state
+from ..adapter import Adapter, base_model_name, clean_key, detach, unwrap
+from ..modules_to_save import peft_saved_state, restore_modules, saved_state
 
 #: The key of the prompt (prompt tuning) or prefix table (prefix tuning) in PEFT's ``adapter_model.safetensors``.
 PEFT_PROMPT_KEY = "prompt_embeddings"

@@ -66,7 +66,7 @@ load it):
 Examples:
     >>> import torch
     >>> from torch import nn
-    >>> from lightning_peft.peft.bottleneck import inject_bottleneck_adapters
+    >>> from lightning_peft.peft.bottleneck.model import inject_bottleneck_adapters
     >>> from lightning_peft.peft import trainable_parameters
     >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     >>> layers = inject_bottleneck_adapters(model, target_modules=["0"], reduction_factor=4)
@@ -83,7 +83,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from ._bottleneck_config import (
+from .config import (
     DEFAULT_INIT_SCALE,
     DEFAULT_REDUCTION_FACTOR,
     FILE_FIELDS,
@@ -95,14 +95,14 @@ from ._bottleneck_config import (
     as_config,
     config_from_file,
 )
-from ._bottleneck_layers import NON_LINEARITIES, Bottleneck, BottleneckLayer, Projection, output_size
-from ._bottleneck_select import check_targets, select
-from ._common import adapter_dtype, refuse_absent, refuse_second_injection, require
-from .adapter import (
+from .layer import NON_LINEARITIES, Bottleneck, BottleneckLayer, Projection, output_size
+from .select import check_targets, select
+from .._common import adapter_dtype, refuse_absent, refuse_second_injection, require
+from ..adapter import (
     Adapter, attach, attached, base_model_name, clean_key, detach, register, remove_adapter, trainable_parameters,
     unwrap,
 )
-from .modules_to_save import plain_key, restore_modules, saved_state, set_submodule, wrap_modules_to_save
+from ..modules_to_save import plain_key, restore_modules, saved_state, set_submodule, wrap_modules_to_save
 
 __all__ = ["DEFAULT_INIT_SCALE", "DEFAULT_REDUCTION_FACTOR", "FILE_FIELDS", "FORMAT_VERSION", "NON_LINEARITIES",
            "PEFT_TYPE", "Bottleneck", "BottleneckAdapter", "BottleneckConfig", "BottleneckLayer", "Placement",

@@ -1,4 +1,4 @@
-"""Prefix tuning (:mod:`lightning_peft.peft.prefix_tuning`) against a float64 hand-built cache and Hugging Face PEFT.
+"""Prefix tuning (:mod:`lightning_peft.peft.prompt.prefix_tuning`) against a float64 hand-built cache and Hugging Face PEFT.
 
 Tiny random GPT-2 / Llama (grouped-query: 1 key/value head for 2 query heads) / BERT models are built from configs and
 run in float64. The reference passes the prefix to the plain model as its attention cache, built here by slicing the
@@ -25,7 +25,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from lightning_peft.peft.adapter import attached, technique  # noqa: E402
 from lightning_peft.peft.io import load_adapter, save_adapter  # noqa: E402
-from lightning_peft.peft.prefix_tuning import (  # noqa: E402
+from lightning_peft.peft.prompt.prefix_tuning import (  # noqa: E402
     PREFIX_ATTRIBUTE,
     PrefixTuningAdapter,
     fold_prefix_projection,
@@ -521,7 +521,7 @@ def test_a_head_lora_already_saves_is_left_to_lora():
 
 
 def test_protocol_members_training_only_matches_and_wrapped():
-    from lightning_peft.peft.prefix_tuning import PrefixTuningConfig
+    from lightning_peft.peft.prompt.prefix_tuning import PrefixTuningConfig
 
     model = _gpt2()
     inject_prefix_tuning(model, num_virtual_tokens=N, prefix_projection=True, encoder_hidden_size=8)
