@@ -6,7 +6,7 @@ One module per concept, as Hugging Face PEFT's ``tuners/lora/``:
 | --- | --- |
 | `config` | [`LoRAConfig`][lightning_peft.peft.LoRAConfig], keyword arguments and PEFT's ``LoraConfig`` translated to it |
 | `layer` | the layers: the base class (adapters, merge, the forward) and the Linear / Conv1D, Embedding and Conv2d layers |
-| `variants` | DoRA (a trained magnitude per output row) |
+| `variants` | LoRA variants, objects a layer runs instead of plain LoRA: DoRA (a trained magnitude per output feature) |
 | `routing` | which adapter each sample uses, and the per-sample (mixed-batch) update |
 | `targets` | which modules a config adapts (PEFT's matching rules), checked before anything changes |
 | `model` | inject, add, unload, and LoRA's side of the adapter protocol (`LoRAAdapter`) |

@@ -1,9 +1,8 @@
-"""LoRA variants: objects a LoRA layer asks instead of running plain LoRA for an adapter (Hugging Face PEFT's
-``LoraVariant``). One object per adapter of a layer (``AdapterSpec.variant``; None for plain LoRA), one class per
-variant and layer kind: `LoRAVariant` is the protocol, DoRA its implementation.
+"""LoRA variants (PEFT's ``LoraVariant``): one object per adapter of a layer (``AdapterSpec.variant``, None for plain
+LoRA) that the layer runs instead of plain LoRA; `LoRAVariant` is the protocol, DoRA one class per layer kind.
 
-DoRA: Liu et al., "DoRA: Weight-Decomposed Low-Rank Adaptation", arXiv:2402.09353. Computed as PEFT 0.21 computes
-it (``peft/tuners/lora/dora.py``, ``variants.py``), so the two give the same outputs, gradients and files.
+DoRA: Liu et al., "DoRA: Weight-Decomposed Low-Rank Adaptation", arXiv:2402.09353, computed as PEFT 0.21 computes
+it (``peft/tuners/lora/dora.py``), so the two give the same outputs, gradients and files.
 
 Update rule. For a frozen weight ``W``, a LoRA update ``s dW`` (``dW = B A`` in ``W``'s layout) and a trained
 magnitude ``m`` of one entry per output feature:
@@ -25,8 +24,8 @@ undropped input and the correction uses the dropped one ``x'``: ``y = W x + b + 
 | ``nn.Embedding`` | (V, d) | ``V`` (a column) | (d,): the update scales each embedding dimension |
 | ``nn.Conv1d/2d/3d`` | (out, in / groups, *kernel) | all but ``out`` | (1, out, 1, ...): it broadcasts over (B, out, ...) |
 
-In an adapter file the magnitude is ``<path>.lora_magnitude_vector``, as PEFT writes it. The base weight's values are
-read through `dense_weight` only, so a quantized base is dequantized on the way.
+In a file: ``<path>.lora_magnitude_vector``, as PEFT writes it. The base weight is read through `dense_weight` only,
+so a quantized base is dequantized on the way.
 """
 
 from __future__ import annotations
@@ -43,16 +42,15 @@ MAGNITUDE = "lora_magnitude_vector"
 
 
 class LoRAVariant:
-    """What a variant changes for one adapter of a LoRA ``layer`` (PEFT's ``LoraVariant``); the layer calls it in
+    """What a variant changes for one adapter of a LoRA ``layer`` (PEFT's ``LoraVariant``): the layer calls it in
     place of its plain-LoRA code. Its adapters are not routed per sample (`refuse_routing`)."""
 
-    #: A short name for the layer's ``repr``.
-    name: ClassVar[str]
+    name: ClassVar[str]  # for the layer's repr
     #: Whether `forward` reads the base weight itself (a strategy must gather a sharded one around the layer).
     reads_base_weight: ClassVar[bool] = False
 
     def create(self, layer, name: str, device: torch.device, dtype: torch.dtype) -> None:
-        """Add adapter ``name``'s extra parameters to ``layer`` (after its ``A`` and ``B``)."""
+        """Add adapter ``name``'s own parameters to ``layer`` (after its ``A`` and ``B``)."""
 
     def parameters(self, layer, name: str) -> dict[str, nn.Parameter]:
         """Those parameters by their name relative to ``layer``."""
@@ -78,7 +76,8 @@ class LoRAVariant:
 
 
 class DoRA(LoRAVariant):
-    """DoRA for one adapter of a layer; subclasses say where the output features of the layer kind are."""
+    """DoRA for one adapter of a layer. A layer kind says which dimension of its weight is the output (`_out_dim`),
+    the magnitude's shape (`_shape`) and ``dW`` as a product of two matrices (`_factors`)."""
 
     name = "dora"
     reads_base_weight = True
@@ -86,21 +85,26 @@ class DoRA(LoRAVariant):
     def __init__(self) -> None:
         self.norm: Tensor | None = None  # n of the unmerged weight, recorded at the merge: unmerging needs it
 
+    def _out_dim(self, layer) -> int:
+        return 0
+
     def _shape(self, layer, name: str) -> tuple[int, ...]:
         raise NotImplementedError(f"{type(self).__name__} must define _shape()")
 
-    def _norm_dims(self, weight: Tensor, layer) -> tuple[int, ...]:
-        """The dimensions of the base weight's layout that ``n`` runs over."""
-        raise NotImplementedError(f"{type(self).__name__} must define _norm_dims()")
+    def _factors(self, layer, name: str) -> tuple[Tensor, Tensor]:
+        """``(P, Q)`` with ``P @ Q = dW`` reshaped to ``(len(P), -1)`` (``W``'s layout, rows first)."""
+        raise NotImplementedError(f"{type(self).__name__} must define _factors()")
 
-    def _update(self, layer, name: str) -> Tensor:
-        """``s dW`` for the norm in the forward, in ``W``'s layout, float32 or wider."""
-        return layer._delta(name)
+    def _norm(self, weight: Tensor, layer) -> Tensor:
+        """The norm per output feature, over every other dimension of ``weight``, which keeps its dimensions."""
+        dims = [d for d in range(weight.dim()) if d != self._out_dim(layer)]
+        return torch.linalg.vector_norm(weight, dim=dims, keepdim=True)
 
     def create(self, layer, name: str, device: torch.device, dtype: torch.dtype) -> None:
         if MAGNITUDE not in layer._modules:
             layer.lora_magnitude_vector = nn.ParameterDict()
-        layer.lora_magnitude_vector[name] = nn.Parameter(torch.empty(self._shape(layer, name), device=device, dtype=dtype))
+        layer.lora_magnitude_vector[name] = nn.Parameter(torch.empty(self._shape(layer, name), device=device,
+                                                                     dtype=dtype))
 
     def parameters(self, layer, name: str) -> dict[str, nn.Parameter]:
         return {f"{MAGNITUDE}.{name}": layer.lora_magnitude_vector[name]}
@@ -115,13 +119,15 @@ class DoRA(LoRAVariant):
 
     @torch.no_grad()
     def weight_norm(self, layer, name: str) -> Tensor:
-        """``n = ||W + s dW||`` (keeping the reduced dimensions), in the factors' dtype (float32 or wider, autocast or
-        not), without gradient."""
+        """``n = ||W + s dW||`` (one fused ``addmm``, read every forward) in the factors' dtype (float32 or wider,
+        autocast or not), without gradient; it keeps ``W``'s dimensions."""
         weight = dense_weight(layer.base_layer.weight, layer.base_layer)
-        update = self._update(layer, name)
+        p, q = self._factors(layer, name)
+        dtype = torch.promote_types(p.dtype, torch.float32)
         with torch.autocast(weight.device.type, enabled=False):  # a norm in float32 under autocast too
-            combined = weight.to(update.dtype) + update
-            return torch.linalg.vector_norm(combined, dim=self._norm_dims(weight, layer), keepdim=True)
+            combined = torch.addmm(weight.reshape(p.shape[0], -1).to(dtype), p.to(dtype), q.to(dtype),
+                                   alpha=layer.specs[name].scaling)
+            return self._norm(combined.view(weight.shape), layer)
 
     def _factor(self, layer, name: str, norm: Tensor) -> Tensor:
         """``m / n`` shaped to scale the weight."""
@@ -129,7 +135,7 @@ class DoRA(LoRAVariant):
 
     def merged(self, layer, name: str, weight: Tensor) -> Tensor:
         combined = weight + layer.delta_weight(name)
-        self.norm = torch.linalg.vector_norm(combined, dim=self._norm_dims(weight, layer), keepdim=True)
+        self.norm = self._norm(combined, layer)
         return self._factor(layer, name, self.norm) * combined
 
     def unmerged(self, layer, name: str, weight: Tensor) -> Tensor:
@@ -140,28 +146,22 @@ class LinearDoRA(DoRA):
     """DoRA on ``nn.Linear`` and ``transformers``' ``Conv1D`` (weight (in, out): ``n`` runs over its first dimension).
     """
 
+    def _out_dim(self, layer) -> int:
+        return int(layer.fan_in_fan_out)
+
     def _shape(self, layer, name: str) -> tuple[int, ...]:
         return (layer.lora_B[name].weight.shape[0],)  # (out,): a packed 4-bit base weight's shape is not (out, in)
 
-    def _norm_dims(self, weight: Tensor, layer) -> tuple[int, ...]:
-        return (0,) if layer.fan_in_fan_out else (1,)
-
-    @torch.no_grad()
-    def weight_norm(self, layer, name: str) -> Tensor:  # (out,): one fused addmm, read every forward
-        lora_a, lora_b = layer.factors(name)  # (r, in), (out, r)
-        weight = dense_weight(layer.base_layer.weight, layer.base_layer)
-        weight = weight.t() if layer.fan_in_fan_out else weight  # (out, in)
-        dtype = torch.promote_types(lora_a.dtype, torch.float32)
-        with torch.autocast(weight.device.type, enabled=False):
-            combined = torch.addmm(weight.to(dtype), lora_b.to(dtype), lora_a.to(dtype),
-                                   alpha=layer.specs[name].scaling)  # (out, in)
-            return torch.linalg.vector_norm(combined, dim=1)  # (out,)
+    def _factors(self, layer, name: str) -> tuple[Tensor, Tensor]:
+        a, b = layer.factors(name)  # (r, in), (out, r)
+        return (a.t(), b.t()) if layer.fan_in_fan_out else (b, a)
 
     def forward(self, layer, name: str, x: Tensor, result: Tensor) -> Tensor:
         """``x`` (..., in), ``result`` (..., out)."""
         spec = layer.specs[name]
         lora_a, lora_b = layer.factors(name)  # (r, in), (out, r)
-        scale = layer.lora_magnitude_vector[name] / self.weight_norm(layer, name)  # (out,)
+        magnitude = layer.lora_magnitude_vector[name]
+        scale = magnitude / self.weight_norm(layer, name).view(magnitude.shape)  # (out,)
         dropout = layer.lora_dropout[name]
         bias = layer.bias
         if isinstance(dropout, nn.Identity) or not layer.training:
@@ -183,11 +183,15 @@ class EmbeddingDoRA(DoRA):
     """DoRA on ``nn.Embedding`` (weight (V, d)): ``n`` is the norm of each column, over the vocabulary, and
     ``m / n`` scales the looked-up rows: ``y = (m / n) * (W[x] + s (A^T)[x] B^T)``. No dropout, as for its LoRA."""
 
+    def _out_dim(self, layer) -> int:
+        return 1
+
     def _shape(self, layer, name: str) -> tuple[int, ...]:
         return (layer.base_layer.weight.shape[1],)  # (d,)
 
-    def _norm_dims(self, weight: Tensor, layer) -> tuple[int, ...]:
-        return (0,)
+    def _factors(self, layer, name: str) -> tuple[Tensor, Tensor]:
+        a, b = layer.factors(name)  # (r, V), (d, r)
+        return a.t(), b.t()
 
     def forward(self, layer, name: str, x: Tensor, result: Tensor) -> Tensor:
         """``x`` (...) ids, ``result`` (..., d)."""
@@ -204,22 +208,17 @@ class ConvDoRA(DoRA):
     """DoRA on a convolution of any number of spatial dimensions (``nn.Conv1d``, ``Conv2d``, ``Conv3d``, grouped
     too): ``n`` per output channel over (in / groups, *kernel).
 
-    The norm in the forward reads ``dW`` as PEFT does, ``B.reshape(-1, r) @ A.reshape(r, -1)`` reshaped to ``W``'s
-    shape: the true ``B A`` for groups=1 (and what PEFT computes for a grouped convolution).
+    The norm in the forward reads ``dW`` as PEFT does, ``B.reshape(-1, r) @ A.reshape(r, -1)`` in ``W``'s shape: the
+    true ``B A`` for groups=1 (and what PEFT computes for a grouped convolution).
     """
 
     def _shape(self, layer, name: str) -> tuple[int, ...]:
         weight = layer.base_layer.weight  # (out, in / groups, *kernel)
         return (1, weight.shape[0], *[1] * (weight.dim() - 2))
 
-    def _norm_dims(self, weight: Tensor, layer) -> tuple[int, ...]:
-        return tuple(range(1, weight.dim()))
-
-    def _update(self, layer, name: str) -> Tensor:
+    def _factors(self, layer, name: str) -> tuple[Tensor, Tensor]:
         a, b = layer.lora_A[name].weight, layer.lora_B[name].weight  # (r, in, *kernel), (out, r / groups, 1, ...)
-        dtype, rank = torch.promote_types(a.dtype, torch.float32), a.shape[0]
-        update = b.to(dtype).reshape(-1, rank) @ a.to(dtype).reshape(rank, -1)
-        return update.reshape(layer.base_layer.weight.shape) * layer.specs[name].scaling  # (out, in / groups, ...)
+        return b.reshape(-1, a.shape[0]), a.reshape(a.shape[0], -1)
 
     def forward(self, layer, name: str, x: Tensor, result: Tensor) -> Tensor:
         """``x`` (B, in, *spatial), ``result`` (B, out, *spatial')."""
@@ -232,7 +231,7 @@ class ConvDoRA(DoRA):
         else:
             x = dropout(x)
             weight = dense_weight(base.weight, base)
-            plain = base._conv_forward(x.to(weight.dtype), weight, None)  # W * x', the base's padding mode
+            plain = base._conv_forward(x.to(weight.dtype), weight, None)  # W * x', in the base's padding mode
         update = lora_b(lora_a(x.to(lora_a.weight.dtype)))  # (B, out, *spatial'): B A x
         correction = (scale - 1) * plain.to(scale.dtype) + scale * update * layer.specs[name].scaling
         return result + correction.to(result.dtype)

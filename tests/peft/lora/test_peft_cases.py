@@ -20,8 +20,6 @@ def _refused(why: str):
     return pytest.mark.xfail(strict=True, reason=why)
 
 
-DORA_CONV = _refused("DoRA on convolutions: issue 29")
-DORA_EMB = _refused("DoRA on embeddings: issue 29")
 CONV_ND = _refused("Conv1d / Conv3d / grouped Conv2d: issue 29")
 BIAS = _refused("lora_bias: issue 29")
 MHA = _refused("nn.MultiheadAttention: issue 29")
@@ -42,20 +40,16 @@ CASES = [
     ("Embedding + transformers Conv1D 2 LoRA", "EmbConv1D", {"target_modules": ["emb"]}),
     ("Embedding + transformers Conv1D 3 LoRA", "EmbConv1D", {"target_modules": ["emb", "conv1d"]}),
     ("Embedding + transformers Conv1D 1 DoRA", "EmbConv1D", {"target_modules": ["conv1d"], "use_dora": True}),
-    pytest.param("Embedding + transformers Conv1D 2 DoRA", "EmbConv1D", {"target_modules": ["emb"], "use_dora": True},
-                 marks=DORA_EMB),
-    pytest.param("Embedding + transformers Conv1D 3 DoRA", "EmbConv1D",
-                 {"target_modules": ["emb", "conv1d"], "use_dora": True}, marks=DORA_EMB),
+    ("Embedding + transformers Conv1D 2 DoRA", "EmbConv1D", {"target_modules": ["emb"], "use_dora": True}),
+    ("Embedding + transformers Conv1D 3 DoRA", "EmbConv1D", {"target_modules": ["emb", "conv1d"], "use_dora": True}),
     pytest.param("Embedding + transformers Conv1D 1 LoRA trainable_tokens", "EmbConv1D",
                  {"target_modules": ["conv1d"], "trainable_token_indices": {"emb": [0, 10]}}, marks=TOKENS),
     pytest.param("Conv1d LoRA", "Conv1d", {"target_modules": ["conv1d"]}, marks=CONV_ND),
     pytest.param("Conv1d LoRA with DoRA", "Conv1d", {"target_modules": ["conv1d"], "use_dora": True}, marks=CONV_ND),
     ("Conv2d 1 LoRA", "Conv2d", {"target_modules": ["conv2d"]}),
     ("Conv2d 2 LoRA", "Conv2d", {"target_modules": ["conv2d", "lin0"]}),
-    pytest.param("Conv2d 1 LoRA with DoRA", "Conv2d", {"target_modules": ["conv2d"], "use_dora": True},
-                 marks=DORA_CONV),
-    pytest.param("Conv2d 2 LoRA with DoRA", "Conv2d", {"target_modules": ["conv2d", "lin0"], "use_dora": True},
-                 marks=DORA_CONV),
+    ("Conv2d 1 LoRA with DoRA", "Conv2d", {"target_modules": ["conv2d"], "use_dora": True}),
+    ("Conv2d 2 LoRA with DoRA", "Conv2d", {"target_modules": ["conv2d", "lin0"], "use_dora": True}),
     pytest.param("Conv2d Groups LoRA", "Conv2dGroups", {"target_modules": ["conv2d"]}, marks=CONV_ND),
     pytest.param("Conv2d Groups2 LoRA", "Conv2dGroups2", {"target_modules": ["conv2d"]}, marks=CONV_ND),
     pytest.param("Conv2d Groups LoRA with DoRA", "Conv2dGroups", {"target_modules": ["conv2d"], "use_dora": True},
