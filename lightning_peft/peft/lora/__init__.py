@@ -8,7 +8,7 @@ One module per concept, as Hugging Face PEFT's ``tuners/lora/``:
 | `layer` | the layers: the base class (adapters, merge, the forward) and the Linear / Conv1D and Embedding layers |
 | `conv` | the convolution layer: ``nn.Conv1d``, ``Conv2d``, ``Conv3d``, grouped ones included |
 | `mha` | the layer for ``nn.MultiheadAttention`` (its in- and out-projection, as PEFT adapts it) |
-| `variants` | DoRA (a trained magnitude per output row) |
+| `variants` | LoRA variants, objects a layer runs instead of plain LoRA: DoRA (a trained magnitude per output feature) |
 | `routing` | which adapter each sample uses, and the per-sample (mixed-batch) update |
 | `targets` | which modules a config adapts (PEFT's matching rules), checked before anything changes |
 | `model` | inject, add, unload, and LoRA's side of the adapter protocol (`LoRAAdapter`) |

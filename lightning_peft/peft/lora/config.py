@@ -52,7 +52,7 @@ class LoRAConfig:
         quantize: Store the adapted ``nn.Linear`` layers' frozen weights quantized (QLoRA): ``"nf4"`` or
             ``"int8"`` (`lightning_peft.peft.quantize`); None: full precision. The adapters stay float32.
         use_dora: DoRA (Liu et al., arXiv:2402.09353): a trained magnitude per output feature on top of the LoRA
-            update, as Hugging Face PEFT's ``use_dora`` (`lightning_peft.peft.lora.variants`). Linear and Conv1D only.
+            update, as Hugging Face PEFT's ``use_dora`` (`lightning_peft.peft.lora.variants`); on every layer type.
         target_parameters: Parameters adapted in place (PEFT's ``target_parameters``, `lightning_peft.peft.lora.param`):
             full names or dotted suffixes, e.g. ``["mlp.experts.gate_up_proj"]`` (the 3-D experts of transformers 5
             MoE models); ``target_modules`` still applies, ``[]`` adapts the parameters only.

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from . import variants
 from .layer import LAYER_TYPES, _ABLayer, _compute_dtype
 
 __all__ = ["LoRAConv", "LoRAConv2d", "refuse_rank"]
@@ -50,6 +51,8 @@ class LoRAConv(_ABLayer):
 
     A mixed batch runs one segment per adapter it uses (convolutions have no batched-weight form in PyTorch).
     """
+
+    dora_variant = variants.ConvDoRA  # DoRA (use_dora=True): any number of spatial dimensions, grouped too
 
     def add_adapter(self, name: str, rank: int, *args, **kwargs) -> None:
         refuse_rank(type(self).__name__, name, self.base_layer, rank)

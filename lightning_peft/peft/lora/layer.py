@@ -2,8 +2,9 @@
 
 This module is the whole hot path: the base class [`LoRALayer`][lightning_peft.peft.LoRALayer] (adapters, merge,
 the forward, the state-dict hooks) and the concrete layers (``LoRALinear``, ``LoRAEmbedding``); the convolution layer
-is in `lightning_peft.peft.lora.conv`, the per-sample routed path in `lightning_peft.peft.lora.routing`, DoRA's math in
-`lightning_peft.peft.lora.variants`.
+is in `lightning_peft.peft.lora.conv`, the attention layer in `lightning_peft.peft.lora.mha`, the per-sample routed
+path in `lightning_peft.peft.lora.routing`; an adapter with a variant (DoRA) runs its variant object
+(`lightning_peft.peft.lora.variants`) instead of plain LoRA.
 
 Paper: Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", arXiv:2106.09685.
 rsLoRA scaling: Kalajdzievski, "A Rank Stabilization Scaling Factor for Fine-Tuning with LoRA", arXiv:2312.03732.
@@ -26,7 +27,7 @@ adapter files drop the adapter name, as PEFT's do):
 | --- | --- | --- |
 | ``nn.Linear(in, out)`` | (out, in) | ``lora_A.n.weight`` (r, in), ``lora_B.n.weight`` (out, r) |
 | ``Conv1D`` (transformers) | (in, out), transposed | same as Linear; the delta is transposed to merge |
-| DoRA (Linear, Conv1D) | as above | and ``lora_magnitude_vector.n`` (out,) (`lora.variants`) |
+| DoRA (``use_dora=True``) | as above | and ``lora_magnitude_vector.n`` (`lora.variants`) |
 | ``nn.Embedding(V, d)`` | (V, d) | ``lora_embedding_A.n`` (r, V), ``lora_embedding_B.n`` (d, r) |
 | ``nn.Conv1d/2d/3d(in, out, k)`` | (out, in / g, *k) | ``lora_A.n``: Conv(in, r, k), ``lora_B.n``: Conv(r, out, 1, groups=g) |
 | ``lora_bias=True`` (not Embedding) | | and ``lora_B.n.bias`` (out,): ``y += s_n * b_n``, merged into the base bias |
@@ -118,13 +119,13 @@ def remerge_after_load(module: nn.Module, incompatible_keys) -> None:
 @dataclass(frozen=True)
 class AdapterSpec:
     """One adapter's settings on one layer; ``scaling`` is computed once (the forward reads it every call).
-    ``use_dora``: the adapter is DoRA's (`lightning_peft.peft.lora.variants`), with a trained magnitude;
+    ``variant``: what the adapter runs instead of plain LoRA (`lightning_peft.peft.lora.variants`: DoRA), or None;
     ``lora_bias``: ``B`` has a trained bias (PEFT's ``lora_bias``)."""
 
     rank: int
     alpha: float
     use_rslora: bool
-    use_dora: bool = False
+    variant: variants.LoRAVariant | None = None
     lora_bias: bool = False
     scaling: float = field(init=False)
 
@@ -147,7 +148,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
         use_rslora: Use the rank-stabilised scale ``alpha / sqrt(rank)``.
         init: Initialisation of ``A`` (``"kaiming"`` or ``"gaussian"``); ``B`` starts at zero.
         adapter_name: The first adapter's name.
-        use_dora: Make it a DoRA adapter (`lightning_peft.peft.lora.variants`); only where ``supports_dora``.
+        use_dora: Make it a DoRA adapter: its variant is the layer's ``dora_variant``.
         lora_bias: Give ``B`` a trained bias (PEFT's ``lora_bias``); not on embeddings, not with DoRA.
     """
 
@@ -155,8 +156,8 @@ class LoRALayer(RoutedPath, LayerWrapper):
     #: so the layer is placed as one unit): ``{style: container}``, the factor container whose weights split as the
     #: base's weight does under that style; the rest is replicated. Empty: the layer cannot be split.
     tensor_parallel_split: ClassVar[dict[str, str]] = {}
-    #: Whether the layer implements DoRA adapters (``use_dora=True``).
-    supports_dora: ClassVar[bool] = False
+    #: The DoRA variant of this layer kind (`lightning_peft.peft.lora.variants`), for ``use_dora=True``; None: none.
+    dora_variant: ClassVar[type[variants.DoRA] | None] = None
 
     def __init__(
         self,
@@ -228,7 +229,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
 
     @property
     def reads_base_weight(self) -> bool:
-        return any(spec.use_dora for spec in self.specs.values())  # DoRA's magnitude over ||W + s B A||
+        return any(s.variant is not None and s.variant.reads_base_weight for s in self.specs.values())
 
     @property
     def merged(self) -> bool:
@@ -241,16 +242,19 @@ class LoRALayer(RoutedPath, LayerWrapper):
         """Add adapter ``name`` (zero update) to this layer."""
         if name in self.specs:
             raise ValueError(f"{type(self).__name__}: adapter {name!r} already exists on this layer.")
-        if use_dora and not self.supports_dora:
+        if use_dora and self.dora_variant is None:
             raise TypeError(f"{type(self).__name__}(use_dora=True): DoRA is not implemented for a "
-                            f"{type(self.base_layer).__name__} base layer; DoRA supports Linear and Conv1D layers.")
+                            f"{type(self.base_layer).__name__} base layer.")
         if lora_bias and (use_dora or isinstance(self.base_layer, nn.Embedding)):  # as PEFT refuses them
             raise ValueError(f"{type(self).__name__}(lora_bias=True): lora_bias is not supported "
                              f"{'with DoRA' if use_dora else 'on an Embedding'}; set lora_bias=False.")
-        self.specs[name] = AdapterSpec(rank, alpha, use_rslora, use_dora, lora_bias)
+        variant = self.dora_variant() if use_dora else None
+        self.specs[name] = AdapterSpec(rank, alpha, use_rslora, variant, lora_bias)
         self.lora_dropout[name] = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         weight = self._adapted()
         self._create(name, rank, device=weight.device, dtype=adapter_dtype(weight))
+        if variant is not None:
+            variant.create(self, name, device=weight.device, dtype=adapter_dtype(weight))
         self.reset_parameters(init, name)
         # New submodules start in training mode; those of an eval layer must not (dropout would stay on).
         for module in (self.lora_dropout[name], *(c[name] for c in self._containers())):
@@ -261,7 +265,9 @@ class LoRALayer(RoutedPath, LayerWrapper):
         """Remove adapter ``name``; its parameters are gone from the module."""
         if self.merged_adapter == name:
             raise RuntimeError(f"{type(self).__name__}: adapter {name!r} is merged; unmerge it before deleting it.")
-        del self.specs[name]
+        variant = self.specs.pop(name).variant
+        if variant is not None:
+            variant.delete(self, name)
         del self.lora_dropout[name]
         self._factor_cache.pop(name, None)
         for container in self._containers():
@@ -278,8 +284,12 @@ class LoRALayer(RoutedPath, LayerWrapper):
 
     def adapter_parameters(self, name: str | None = None) -> dict[str, nn.Parameter]:
         """The trainable adapter parameters by their name relative to this layer (one adapter, or all)."""
-        names = self.adapter_names if name is None else [name]
-        return {k: p for n in names for k, p in self._parameters_of(n).items()}
+        params = {}
+        for n in self.adapter_names if name is None else [name]:
+            params |= self._parameters_of(n)
+            if self.specs[n].variant is not None:
+                params |= self.specs[n].variant.parameters(self, n)
+        return params
 
     def factors(self, name: str) -> tuple[nn.Parameter, nn.Parameter]:
         """``(A, B)`` of adapter ``name``, read every forward.
@@ -316,6 +326,8 @@ class LoRALayer(RoutedPath, LayerWrapper):
         """Initialise an adapter (default: every adapter) so that its update is zero."""
         for n in self.adapter_names if name is None else [name]:
             self._reset(n, init)
+            if self.specs[n].variant is not None:
+                self.specs[n].variant.reset(self, n)
 
     def _reset(self, name: str, init: Init) -> None:
         raise NotImplementedError(f"{type(self).__name__} must define _reset()")
@@ -365,11 +377,13 @@ class LoRALayer(RoutedPath, LayerWrapper):
 
     def _with_update(self, weight: Tensor, name: str) -> Tensor:
         """The merged weight of adapter ``name`` from the dense base ``weight`` (compute dtype): ``W + delta``."""
-        return weight + self.delta_weight(name)
+        variant = self.specs[name].variant
+        return weight + self.delta_weight(name) if variant is None else variant.merged(self, name, weight)
 
     def _without_update(self, weight: Tensor, name: str) -> Tensor:
         """The base weight back from ``weight``, which holds adapter ``name`` merged: ``W' - delta``."""
-        return weight - self.delta_weight(name)
+        variant = self.specs[name].variant
+        return weight - self.delta_weight(name) if variant is None else variant.unmerged(self, name, weight)
 
     def _bias_delta(self, name: str) -> Tensor | None:
         """``s * b`` of an adapter with ``lora_bias`` (what merging adds to the base bias), else None."""
@@ -470,11 +484,15 @@ class LoRALayer(RoutedPath, LayerWrapper):
                 )
             # Only the adapters the batch uses are stacked (the others must get no gradient), every forward.
             selected = routing.select(self.adapter_names, x.device)
-            return result if selected is None else self._routed(x, result, *selected)
+            if selected is None:
+                return result
+            variants.refuse_routing([n for n in selected[0] if self.specs[n].variant is not None])
+            return self._routed(x, result, *selected)
         name = routing.active
         if name not in self.specs:
             return result
-        return self._single(x, result, name)
+        variant = self.specs[name].variant
+        return self._single(x, result, name) if variant is None else variant.forward(self, name, x, result)
 
     def _single(self, x: Tensor, result: Tensor, name: str) -> Tensor:
         raise NotImplementedError(f"{type(self).__name__} must define _single()")
@@ -517,7 +535,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
 
     def extra_repr(self) -> str:
         adapters = ", ".join(
-            f"{n}: rank={s.rank}, alpha={s.alpha}, scaling={s.scaling:.4g}{', dora' if s.use_dora else ''}"
+            f"{n}: rank={s.rank}, alpha={s.alpha}, scaling={s.scaling:.4g}{f', {s.variant.name}' if s.variant else ''}"
             for n, s in self.specs.items()
         )
         return f"{adapters}, merged={self.merged_adapter!r}" if self.merged else f"{adapters}, merged=False"
@@ -601,10 +619,9 @@ class _ABLayer(LoRALayer):
 
 
 class LoRALinear(_ABLayer):
-    """LoRA for ``nn.Linear`` and for ``transformers``' ``Conv1D`` (``fan_in_fan_out=True``: weight is (in, out)),
-    and DoRA for both (an adapter added with ``use_dora=True``: `lightning_peft.peft.lora.variants`)."""
+    """LoRA for ``nn.Linear`` and for ``transformers``' ``Conv1D`` (``fan_in_fan_out=True``: weight is (in, out))."""
 
-    supports_dora = True
+    dora_variant = variants.LinearDoRA
 
     # A column-wise base (output dim split): B (out, r) splits with it, A replicated; a row-wise base (input dim
     # split): A (r, in) splits with it, B replicated (lightning_peft.parallel.tensor_parallel).
@@ -612,10 +629,9 @@ class LoRALinear(_ABLayer):
 
     def __init__(self, base_layer: nn.Module, *args, **kwargs) -> None:
         self.fan_in_fan_out = not isinstance(base_layer, nn.Linear)
-        self._dora_norms: dict[str, Tensor] = {}
         super().__init__(base_layer, *args, **kwargs)
 
-    def _create_factors(self, name: str, rank: int, device: torch.device, dtype: torch.dtype) -> None:
+    def _create(self, name: str, rank: int, device: torch.device, dtype: torch.dtype) -> None:
         base = self.base_layer
         if isinstance(base, nn.Linear):  # (a bitsandbytes Linear4bit packs its weight: its shape is not (out, in))
             in_features, out_features = base.in_features, base.out_features
@@ -630,64 +646,19 @@ class LoRALinear(_ABLayer):
         delta = (b.to(dtype) @ a.to(dtype)) * self.specs[name].scaling  # (out, in)
         return delta.t() if self.fan_in_fan_out else delta
 
-    # --- DoRA (lightning_peft.peft.lora.variants): a magnitude (out,) per DoRA adapter --------------------------------
-
-    def _init_containers(self) -> None:
-        super()._init_containers()
-        self.lora_magnitude_vector = nn.ParameterDict()
-
-    def _create(self, name: str, rank: int, device: torch.device, dtype: torch.dtype) -> None:
-        self._create_factors(name, rank, device, dtype)
-        if self.specs[name].use_dora:
-            out_features = self.lora_B[name].weight.shape[0]
-            self.lora_magnitude_vector[name] = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
-
-    def _parameters_of(self, name: str) -> dict[str, nn.Parameter]:
-        params = super()._parameters_of(name)
-        if name in self.lora_magnitude_vector:
-            params[f"lora_magnitude_vector.{name}"] = self.lora_magnitude_vector[name]
-        return params
-
     @torch.no_grad()
     def _reset(self, name: str, init: Init) -> None:
         if starts.rewrites_base(init) and not starts.loftq_iterations(init):  # PiSSA, OLoRA: from the weight
             starts.initialise(self, name, init)
         else:  # LoftQ needs the model's quantizer: inject_lora starts it once the layers exist (model.py)
             super()._reset(name, init)
-        if name in self.lora_magnitude_vector:  # ||W + s B A|| = ||W||: the layer starts equal to its base
-            a, b = self.factors(name)
-            weight = dense_weight(self.base_layer.weight, self.base_layer)
-            norm = variants.row_norm(weight, a, b, self.specs[name].scaling, self.fan_in_fan_out)
-            self.lora_magnitude_vector[name].copy_(norm)
-
-    def delete_adapter(self, name: str) -> None:
-        super().delete_adapter(name)
-        if name in self.lora_magnitude_vector:
-            del self.lora_magnitude_vector[name]
-
-    def _with_update(self, weight: Tensor, name: str) -> Tensor:
-        if not self.specs[name].use_dora:
-            return super()._with_update(weight, name)
-        merged, norm = variants.merged(weight, self.delta_weight(name), self.lora_magnitude_vector[name],
-                                        self.fan_in_fan_out)
-        self._dora_norms[name] = norm  # unmerging needs the n of the unmerged weight (PEFT records it too)
-        return merged
-
-    def _without_update(self, weight: Tensor, name: str) -> Tensor:
-        if not self.specs[name].use_dora:
-            return super()._without_update(weight, name)
-        return variants.unmerged(weight, self.delta_weight(name), self.lora_magnitude_vector[name],
-                                  self._dora_norms[name], self.fan_in_fan_out)
 
     def _single(self, x: Tensor, result: Tensor, name: str) -> Tensor:
-        if self.specs[name].use_dora:
-            return variants.dora_forward(self, x, result, name)
         lora_a, lora_b = self.factors(name)  # (r, in), (out, r)
         hidden = F.linear(self.lora_dropout[name](x).to(lora_a.dtype), lora_a)  # (..., r)
         return self._add_update(result, hidden, lora_b, self.specs[name].scaling, self.lora_B[name].bias)
 
     def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor, host: list[int]) -> Tensor:
-        variants.refuse_routing([n for n in names if n is not None and self.specs[n].use_dora])
         if any(self.specs[n].lora_bias for n in names):  # a bias per sample: one segment per adapter
             return super()._routed(x, result, names, slots, host)
         a_t, b_t = self._gathered(names, host)  # (B, in, r), (B, r, out)
@@ -698,6 +669,8 @@ class LoRALinear(_ABLayer):
 
 class LoRAEmbedding(LoRALayer):
     """LoRA for ``nn.Embedding``: the update looks up rows of ``A^T`` (V, r) and projects them with ``B``."""
+
+    dora_variant = variants.EmbeddingDoRA
 
     def __init__(self, base_layer: nn.Embedding, rank: int, alpha: float, dropout: float = 0.0, *args, **kwargs) -> None:
         # Dropout on token ids has no meaning; PEFT ignores it for embeddings too.

@@ -27,6 +27,7 @@ from .layer import DEFAULT, lora_layers
 from .mha import PEFT_CONTAINERS, PEFT_OUT_PROJ
 from .param import LoRAParameter, plan_parameters
 from .targets import _adaptable_view, _parameters, _select, exact_targets, select_parameters
+from .variants import DoRA
 
 PEFT_FIELDS = frozenset((  # peft 0.21.2's LoraConfig
     "alora_invocation_tokens", "alpha_pattern", "arrow_config", "auto_mapping", "base_model_name_or_path", "bias",
@@ -187,12 +188,13 @@ def check_peft_config(adapter, model: nn.Module, config: Any, source: str, adapt
                 "the adapter would be scaled differently. Load it into a model without LoRA layers, or under "
                 "another adapter_name."
             )
-        for field in ("use_dora", "lora_bias"):
-            if getattr(spec, field) != getattr(ours, field):
+        for field, theirs, mine in (("use_dora", ours.use_dora, isinstance(spec.variant, DoRA)),
+                                    ("lora_bias", ours.lora_bias, spec.lora_bias)):
+            if theirs != mine:
                 raise ValueError(
-                    f"load_adapter: {source} sets {field}={getattr(ours, field)}, but the model's LoRA adapter "
-                    f"{adapter_name!r} at {name!r} has {field}={getattr(spec, field)}. Load it into a model without "
-                    f"LoRA layers, or inject with {field}={getattr(ours, field)}."
+                    f"load_adapter: {source} sets {field}={theirs}, but the model's LoRA adapter {adapter_name!r} at "
+                    f"{name!r} has {field}={mine}. Load it into a model without LoRA layers, or inject with "
+                    f"{field}={theirs}."
                 )
 
 

@@ -57,6 +57,7 @@ log = logging.getLogger("lightning_peft.peft.lora")
 
 # Modules whose forward reads their children's weights directly instead of calling the children.
 _READS_CHILD_WEIGHTS = (nn.MultiheadAttention, nn.TransformerEncoderLayer)
+_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 def _linear_types() -> tuple[type, ...]:
@@ -290,7 +291,7 @@ def _check_types(model, config, chosen, modules, inside_fused) -> None:
                             f"support; exclude it (exclude_modules=[{name!r}]) or set lora_bias=False.")
     refuse_unsupported_attention(chosen, modules, config)
     if config.use_dora:
-        refuse_unsupported_dora("LoRA", chosen, modules, _linear_types())
+        refuse_unsupported_dora("LoRA", chosen, modules, (*_linear_types(), nn.Embedding, *_CONVOLUTIONS))
 
 
 def _check_aliases(chosen: list[str], names: list[str], modules: dict[str, nn.Module]) -> None:
