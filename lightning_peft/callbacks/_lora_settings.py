@@ -1,10 +1,14 @@
 """What `AdapterCallback` asks of a technique's callback, answered once for the two LoRA callbacks from their
-`LoRAConfig`s: ``LoRA`` keeps one in ``self.config``, ``MultiLoRA`` one per named adapter in ``self.configs``."""
+`LoRAConfig`s: ``LoRA`` keeps one in ``self.config``, ``MultiLoRA`` one per named adapter in ``self.configs``; and the
+strategies LoRA's layers cannot run under."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
+from lightning_peft._seams import refuse, strategy_family
 from lightning_peft.peft.lora import LoRAAdapter, LoRAConfig
 
 
@@ -45,3 +49,20 @@ class NamedLoRASettings(LoRASettings):
     def shown(self, adapter: LoRAAdapter) -> Any:
         """Every named adapter's config, by name."""
         return {name: config for name, (config, _) in adapter.adapters.items()}
+
+
+def refuse_attention_under_deepspeed_zero3(layers: dict[str, nn.Module], strategy: Any) -> None:
+    """DeepSpeed ZeRO-3 gathers a module's partitioned parameters in hooks around that module's own forward; LoRA on
+    ``nn.MultiheadAttention`` runs the module with its adapted weights in their place (``functional_call``), which
+    the hooks meet as plain tensors, and the module reads ``out_proj.weight`` without running ``out_proj``."""
+    attention = [name for name, layer in layers.items() if isinstance(layer.base_layer, nn.MultiheadAttention)]
+    stage = (getattr(strategy, "config", None) or {}).get("zero_optimization", {}).get("stage")
+    if attention and strategy_family(strategy) == "deepspeed" and stage == 3:
+        raise refuse(
+            f"LoRA on the nn.MultiheadAttention {attention[0]!r}", strategy, "DeepSpeed ZeRO-3 gathers a module's "
+            "partitioned parameters around that module's own forward, and the attention adapter runs "
+            "nn.MultiheadAttention with its adapted weights in place of its parameters (nn.MultiheadAttention also "
+            "reads out_proj.weight without running out_proj), which DeepSpeed cannot gather",
+            "use ZeROStrategy(stage=3, backend='native') (FSDP2) or DeepSpeed stage 1 or 2, or leave the attention "
+            "modules out of target_modules",
+        )

@@ -23,7 +23,7 @@ from torch import nn
 
 from lightning_peft.callbacks._adapter import AdapterCallback
 from lightning_peft.callbacks._lightning import warn_emulated_bf16
-from lightning_peft.callbacks._lora_settings import LoRASettings
+from lightning_peft.callbacks._lora_settings import LoRASettings, refuse_attention_under_deepspeed_zero3
 from lightning_peft.callbacks._loraplus import LoRAPlusOption
 from lightning_peft.peft.adapter import DEFAULT
 from lightning_peft.peft.lora import as_config, inject_lora
@@ -106,6 +106,7 @@ class LoRA(LoRASettings, LoRAPlusOption, AdapterCallback):
 
     def inject(self, trainer: pl.Trainer, model: nn.Module) -> str:
         layers, dora = inject_lora(model, self.config), "DoRA, " if self.config.use_dora else ""
+        refuse_attention_under_deepspeed_zero3(layers, trainer.strategy)
         return (f"adapted {len(layers)} modules of {type(model).__name__} ({dora}rank {self.config.rank}, alpha "
                 f"{self.config.alpha}{self.saving(model)})")
 

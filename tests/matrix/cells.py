@@ -43,6 +43,7 @@ from lightning_peft.callbacks import (
     PromptTuning,
     TokenPruning,
 )
+from tests.matrix import kinds
 
 SAMPLES, VAL_SAMPLES, BATCH, LENGTH, VOCAB = 24, 6, 4, 8, 64  # 6 global batches of 4 an epoch; the last val batch is short
 STEPS = 6  # micro-batches trained per cell (one epoch)
@@ -86,7 +87,7 @@ class PeerClassifier(pl.LightningModule):
 
     ``kind="bert"``: a tiny Hugging Face ``BertForSequenceClassification`` at ``self.model``; ``kind="encoder"``:
     the project's ``TransformerEncoder`` at ``self.encoder`` and a linear ``self.head`` (what the pipeline cuts and
-    token pruning lives in).
+    token pruning lives in); ``"mha"`` and ``"moe"``: `tests.matrix.kinds` at ``self.model``.
     """
 
     def __init__(self, kind: str = "bert", dropout: float = 0.0, batch_size: int = BATCH, fused: bool = False) -> None:
@@ -97,6 +98,8 @@ class PeerClassifier(pl.LightningModule):
         self.kind, self.batch_size, self.fused = kind, batch_size, fused
         if kind == "bert":
             self.model = bert(dropout)
+        elif kind != "encoder":
+            self.model = kinds.model(kind, VOCAB, dropout)
         else:
             from lightning_peft.nn import TransformerEncoder
 
@@ -107,8 +110,9 @@ class PeerClassifier(pl.LightningModule):
         self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=3)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        if self.kind == "bert":
-            return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        if self.kind != "encoder":
+            out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            return getattr(out, "logits", out)
         hidden = self.encoder(batch["input_ids"], batch["attention_mask"])  # (B, L, H)
         return self.head(hidden[:, 0])  # (B, 3)
 
@@ -155,7 +159,9 @@ class PeerClassifier(pl.LightningModule):
 def _targets(kind: str) -> dict[str, Any]:
     if kind == "bert":
         return {"target_modules": ["query", "value"], "modules_to_save": ["classifier"]}
-    return {"target_modules": ["q_proj", "v_proj"], "modules_to_save": ["head"]}
+    if kind == "mha":
+        return {"target_modules": ["self_attn"], "modules_to_save": ["head"]}
+    return {"target_modules": ["q_proj", "v_proj"], "modules_to_save": ["score" if kind == "moe" else "head"]}
 
 
 def _lora(kind: str, dropout: float = 0.0, **kwargs: Any) -> LoRA:
@@ -209,6 +215,13 @@ ROWS = [
     Row("QLoRA (NF4 base)", lambda kind: [_lora(kind, quantize="nf4")]),
     Row("ActivationCheckpointing", lambda kind: [_lora(kind), ActivationCheckpointing()], changes_training=False),
     Row("all-in-one", _all_in_one),
+    # LoRA's targets and options that a strategy may treat differently (docs/lora.md has a section on each)
+    Row("LoRA on nn.MultiheadAttention", lambda kind: [_lora(kind)], kind="mha"),
+    Row("LoRA on MoE experts (target_parameters)", lambda kind: [_lora(
+        kind, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])], kind="moe"),
+    Row("LoRA, trainable_token_indices", lambda kind: [_lora(kind, trainable_token_indices={"word_embeddings": [5, 7]})]),
+    Row("LoRA+, lora_bias, PiSSA, layers_to_transform", lambda kind: [_lora(
+        kind, loraplus_lr_ratio=4.0, lora_bias=True, init="pissa", layers_to_transform=[0])]),
 ]
 
 
@@ -277,8 +290,9 @@ REFERENCE = COLUMNS[0]
 
 
 def model_kind(row: Row, column: Column) -> str:
-    """The pipeline cuts the project's own encoder; token pruning lives in it."""
-    return "encoder" if column.name == "pipeline" else row.kind
+    """The pipeline cuts the project's own encoder, where BERT's rows run (token pruning lives in it); the other
+    models run as they are (the pipeline cuts none of them)."""
+    return "encoder" if column.name == "pipeline" and row.kind == "bert" else row.kind
 
 
 def cell_dir(out: Path, row: Row, column: Column, kind: str | None = None) -> Path:

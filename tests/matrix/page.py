@@ -22,7 +22,9 @@ Written by `tests/matrix/page.py` from the outcomes of `tests/matrix/test_matrix
 when this page and the outcomes differ. Do not edit it by hand.
 
 Each cell trains a few optimizer steps of a tiny model (a Hugging Face BERT; the project's `TransformerEncoder`
-where the pipeline cuts it and for token pruning) written the way existing projects write a LightningModule:
+where the pipeline cuts it and for token pruning; for LoRA on `nn.MultiheadAttention` a plain-PyTorch classifier of
+`nn.TransformerEncoderLayer`s, and for LoRA on MoE experts a transformers Mixtral, both run as they are under the
+pipeline, which cuts neither) written the way existing projects write a LightningModule:
 every parameter grouped by name in `configure_optimizers` (frozen ones too), a linear warm-up schedule over
 `trainer.estimated_stepping_batches` stepped per step, torchmetrics accuracy, `sync_dist` logging. Training-dynamics
 rows run with LoRA. A cell has two allowed outcomes:

@@ -97,6 +97,10 @@ class LoRAMultiheadAttention(_ABLayer):
         self.register_forward_pre_hook(_no_fused_path)
 
     @property
+    def reads_base_weight(self) -> bool:
+        return True  # W + s B A of both projections is formed here, outside the base module's forward
+
+    @property
     def weight(self) -> Tensor:
         """The in-projection weight (3E, E): the base weight adapters take their device and dtype from."""
         return self.base_layer.in_proj_weight
