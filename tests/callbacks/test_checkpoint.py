@@ -349,3 +349,23 @@ def test_a_start_that_rewrote_the_base_resumes_to_the_straight_run(tmp_path, ini
         save_adapter(resumed.net, tmp_path / "resumed", convert_to_lora=True)
         files = [load_file(tmp_path / side / "adapter_model.safetensors") for side in ("straight", "resumed")]
         assert files[0].keys() == files[1].keys() and all(torch.equal(v, files[1][k]) for k, v in files[0].items())
+
+
+@pytest.mark.parametrize(("first", "then"), [("pissa", "kaiming"), ("gaussian", "olora"), ("pissa", "pissa_niter_2")])
+def test_a_resume_with_another_start_where_one_rewrites_the_base_is_refused(tmp_path, first, then):
+    """The resume rebuilds the base by running its own start: another one would put the trained factors on another
+    base (adapter-only) or leave the conversion's first factors wrong (full)."""
+    _start_fit(tmp_path / "a", first, 1, True)
+    rewrote = first if first != "gaussian" else then
+    with pytest.raises(ValueError, match=rf"LoRA: the checkpoint's lora adapter on 'net' was trained with init="
+                                         rf"'{first}' \(.*\); this run has init='{then}' \(.*\)\. Resume with the "
+                                         r"checkpoint's settings") as caught:
+        _start_fit(tmp_path / "b", then, 1, True, ckpt_path=tmp_path / "a" / "epoch=0.ckpt")
+    assert f"init='{rewrote}' (a start that rewrote the base weights; resuming rebuilds them" in str(caught.value)
+
+
+def test_kaiming_and_gaussian_may_follow_each_other_on_resume(tmp_path):
+    straight = _start_fit(tmp_path / "a", "kaiming", 1, True)
+    resumed = _start_fit(tmp_path / "b", "gaussian", 2, True, ckpt_path=tmp_path / "a" / "epoch=0.ckpt")
+    for key, value in straight.net.state_dict().items():
+        assert torch.equal(resumed.net.state_dict()[key], value), key

@@ -81,6 +81,31 @@ def rewrites_base(init: str) -> bool:
     return init not in PLAIN
 
 
+class Start:
+    """A recorded ``init`` as a resume compares it (`LoRAAdapter.resume_fields`): a plain start leaves the base as it
+    was, so kaiming and gaussian may follow each other; a start that rewrote the base must stay the same, because the
+    resume rebuilds that base by running it again on the original weights (another start: another base under the
+    trained factors). Its repr says so in the refusal."""
+
+    def __init__(self, init: str) -> None:
+        self.init = init
+
+    def _key(self) -> str | tuple[str, ...]:
+        return self.init if rewrites_base(self.init) else PLAIN
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Start) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        if rewrites_base(self.init):
+            return (f"{self.init!r} (a start that rewrote the base weights; resuming rebuilds them by running that "
+                    "same start on the original base, so another init would put the trained factors on another base)")
+        return f"{self.init!r} (a start that keeps the base weights)"
+
+
 def loftq_iterations(init: str) -> int | None:
     """LoftQ's number of alternating steps for ``init``, None for another start."""
     if not init.startswith("loftq"):

@@ -219,7 +219,7 @@ class LoRAAdapter(Adapter):
     @classmethod
     def resume_fields(cls, config: dict[str, Any]) -> dict[str, Any]:
         """Flat fields of every named adapter (``<name>.<field>``, ``default``'s bare), less the training-only ones
-        and the active adapter."""
+        and the active adapter; ``init`` as `lightning_peft.peft.lora.init.Start` compares it."""
         if "adapters" not in config:  # the single-adapter format of lightning-peft 0.1 checkpoints
             config = {"adapters": {DEFAULT: config}, "modules_to_save": config.get("modules_to_save", [])}
         fields: dict[str, Any] = {"modules_to_save": config.get("modules_to_save")}
@@ -227,6 +227,7 @@ class LoRAAdapter(Adapter):
             prefix = "" if name == DEFAULT else f"{name}."
             flat = {**_ADDED_FIELDS, **entry.get("config", {}), **{k: v for k, v in entry.items() if k != "config"}}
             fields.update({f"{prefix}{k}": v for k, v in flat.items() if k not in cls.training_only})
+            fields[f"{prefix}init"] = starts.Start(flat.get("init", "kaiming"))  # kaiming <-> gaussian only
         return fields
 
     def remove(self, model: nn.Module, name: str) -> None:
