@@ -43,7 +43,7 @@ from ..quantize import drop_quantizer_entries, plain_state, quantize_layers
 from . import init as starts
 from .config import LoRAConfig, as_config, check_adapter_name
 from .layer import DEFAULT, LoRALayer, Routing, conv1d_type, lora_layers, lora_spec, make_layer, require_spec
-from .merge import merge_lora, unmerge_lora
+from .merge import merge_lora, merge_problems, unmerge_lora
 from .param import plan_parameters, wrap_parameters
 from .mha import warn_doubled_out_proj
 from .peft_format import (
@@ -185,6 +185,11 @@ class LoRAAdapter(Adapter):
             state.update({f"{name}.{key}": weight for key, weight in merged.items()})
         state = tokens.merged_token_state(model, state, lambda owner: wanted or self.routing.active)
         return plain_state(fold_modules_to_save(model, state))
+
+    def merge_problems(self, model: nn.Module, name: str | None = None) -> list[str]:
+        """Why `merged_state` would refuse adapter ``name`` (default: the merged one, else the active one)."""
+        chosen = (self.routing.merged_adapter or self.routing.active) if name is None else self._name(name)
+        return merge_problems(unwrap(model), chosen)
 
     def unload(self, model: nn.Module, merge: bool) -> None:
         model = unwrap(model)
