@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 from torch import Tensor, nn
 
 from .. import trainable_tokens as tokens
+from .._common import refuse_absent, refuse_second_injection
 from .._limits import refuse_overflowing_scales
 from ..adapter import (
     Adapter,
@@ -44,8 +45,8 @@ from . import init as starts
 from .config import LoRAConfig, as_config, check_adapter_name
 from .layer import DEFAULT, LoRALayer, Routing, conv1d_type, lora_layers, lora_spec, make_layer, require_spec
 from .merge import merge_lora, unmerge_lora
-from .param import plan_parameters, wrap_parameters
 from .mha import warn_doubled_out_proj
+from .param import plan_parameters, wrap_parameters
 from .peft_format import (
     PEFT_FIELDS,
     check_file_shapes,
@@ -56,7 +57,7 @@ from .peft_format import (
     peft_state,
     value_problems,
 )
-from .targets import _select, _warn_about_settings, select_parameters
+from .targets import select_parameters, select_targets, warn_about_settings
 
 log = logging.getLogger("lightning_peft.peft.lora")  # the package, as targets.py logs
 # LoRAConfig fields newer than some checkpoints: their old value
@@ -145,15 +146,10 @@ class LoRAAdapter(Adapter):
         if "adapters" not in config:  # the single-adapter format of lightning-peft 0.1 checkpoints
             config = {"adapters": {DEFAULT: {"config": config["config"], "targets": config["targets"]}},
                       "modules_to_save": config["modules_to_save"], "active": DEFAULT}
-        names = {n for n, _ in model.named_modules()}
         recorded = [t for entry in config["adapters"].values() for t in entry["targets"]]
         # A nested parameter wrapper's path (``<module>.base_layer``) exists once its config's rules wrap it again.
-        absent = [n for n in [*recorded, *config["modules_to_save"]] if n not in names and ".base_layer" not in n]
-        if absent:
-            raise ValueError(
-                f"LoRA: the recorded adapter names module {absent[0]!r}, which {type(model).__name__} does not have; "
-                "the checkpoint was written for another model."
-            )
+        refuse_absent(model, [n for n in [*recorded, *config["modules_to_save"]] if ".base_layer" not in n],
+                      "LoRA: the recorded adapter")
         for i, (name, entry) in enumerate(config["adapters"].items()):
             to_save = list(config["modules_to_save"]) if i == 0 else []
             _inject(model, LoRAConfig(**entry["config"]), list(entry["targets"]), to_save, name)
@@ -333,19 +329,16 @@ def inject_lora(
     check_adapter_name(adapter_name, "inject_lora")
     model = unwrap(model)
     _refuse_second_injection(model)
-    targets, to_save = _select(model, config)
-    _warn_about_settings(model, config, targets)
+    targets, to_save = select_targets(model, config)
+    warn_about_settings(model, config, targets)
     return _inject(model, config, targets, to_save, adapter_name)
 
 
 def _refuse_second_injection(model: nn.Module) -> None:
     existing = lora_layers(model)
-    if existing:
-        raise RuntimeError(
-            f"inject_lora: {type(model).__name__} already has {len(existing)} LoRA layers "
-            f"(e.g. {next(iter(existing))!r}); LoRA was injected twice. Use the model as it is, build a fresh one, "
-            "or add another named adapter with add_adapter(model, name, config)."
-        )
+    found = f"{len(existing)} LoRA layers (e.g. {next(iter(existing))!r})" if existing else None
+    refuse_second_injection("inject_lora", model, found, "LoRA was", "add another named adapter with add_adapter(model, name, "
+                            "config)")
 
 
 def _inject(
@@ -370,15 +363,12 @@ def _inject(
     tokens.wrap_tokens(model, rows, adapter_name, routing)
     replaced = {}
     for name in targets:
-        module = model.get_submodule(name)
-        if isinstance(module, LoRALayer):
-            module.add_adapter(
-                adapter_name, config.rank_for(name), config.alpha_for(name), config.dropout, config.use_rslora,
-                config.init, config.use_dora, config.lora_bias,
-            )
+        module, settings = model.get_submodule(name), config.layer_settings(name)
+        if isinstance(module, LoRALayer):  # another named adapter's layer takes this one too
+            module.add_adapter(adapter_name, **settings)
             replaced[name] = module
             continue
-        layer = make_layer(module, name, config, adapter_name).train(module.training)  # eval model: eval adapters
+        layer = make_layer(module, adapter_name, **settings).train(module.training)  # eval model: eval adapters
         layer.routing = routing
         set_submodule(model, name, layer)
         replaced[name] = layer
@@ -427,14 +417,14 @@ def add_adapter(model: nn.Module, name: str, config: LoRAConfig | Any | None = N
     if spec.routing.merged_adapter is not None:
         raise RuntimeError(f"add_adapter: adapter {spec.routing.merged_adapter!r} is merged; call unmerge_lora(model) "
                            "first.")
-    targets, to_save = _select(model, config)
+    targets, to_save = select_targets(model, config)
     if config.modules_to_save is not None and set(to_save) - set(spec.modules_to_save):
         raise ValueError(
             f"add_adapter({name!r}): modules_to_save={config.modules_to_save!r}, but the model trains "
             f"{list(spec.modules_to_save)} in full; modules_to_save is shared by every adapter of a model, so declare "
             "it once, with the first adapter (inject_lora)."
         )
-    _warn_about_settings(model, config, targets)
+    warn_about_settings(model, config, targets)
     return _inject(model, dataclasses.replace(config, modules_to_save=list(spec.modules_to_save)), targets, [], name)
 
 

@@ -14,9 +14,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from .._base_identity import base_model_name
 from .._common import matched, pattern_matches, unmatched
 from .._limits import factor_problem, scale_problem
-from .._base_identity import base_model_name
 from ..adapter import clean_key, unwrap
 from ..modules_to_save import plain_key, present_modules
 from ..trainable_tokens import token_parameters
@@ -26,7 +26,7 @@ from .conv import LoRAConv
 from .layer import DEFAULT, lora_layers
 from .mha import PEFT_CONTAINERS, PEFT_OUT_PROJ
 from .param import LoRAParameter, plan_parameters
-from .targets import _adaptable_view, _parameters, _select, exact_targets, select_parameters
+from .targets import adaptable_modules, adaptable_parameters, exact_targets, select_parameters, select_targets
 from .variants import DoRA
 
 PEFT_FIELDS = frozenset((  # peft 0.21.2's LoraConfig
@@ -79,7 +79,7 @@ def peft_config(adapter, model: nn.Module, name: str, convert_to_lora: bool = Fa
     specs = {n: layer.specs[name] for n, layer in every.items()}
     if starts.rewrites_base(config.init):
         config, specs = _converted_settings(config, specs, name, convert_to_lora)
-    targets = exact_targets(list(layers), [n for n in _adaptable_view(unwrap(model))])
+    targets = exact_targets(list(layers), [n for n in adaptable_modules(unwrap(model))])
     return {
         "peft_type": "LORA",
         "task_type": None,
@@ -202,7 +202,7 @@ def config_for_model(model: nn.Module, config: dict[str, Any], source: str) -> L
     """The [`LoRAConfig`][lightning_peft.peft.LoRAConfig] a PEFT ``adapter_config.json`` means on ``model``, read as
     PEFT reads it."""
     ours = config_from_peft(config, source)
-    view = _adaptable_view(unwrap(model))
+    view = adaptable_modules(unwrap(model))
     names = [n for n in view if n]
     # PEFT's SEQ_CLS task writes ["classifier", "score"] whatever the model calls its head: drop the absent.
     ours = dataclasses.replace(ours, modules_to_save=present_modules(unwrap(model), ours.modules_to_save, source))
@@ -216,7 +216,7 @@ def config_for_model(model: nn.Module, config: dict[str, Any], source: str) -> L
     if ours.exclude_modules is not None:  # PEFT ignores exclusions that match nothing: they change nothing it adapts
         ours = dataclasses.replace(ours, exclude_modules=matched(ours.exclude_modules, names))
     if ours.target_parameters:  # so are parameter entries, while one matches
-        found = matched(ours.target_parameters, _parameters(view))
+        found = matched(ours.target_parameters, adaptable_parameters(view))
         ours = dataclasses.replace(ours, target_parameters=found or ours.target_parameters)
     return ours
 
@@ -233,7 +233,7 @@ def check_file_shapes(model: nn.Module, config: dict[str, Any], shapes: dict[str
     model = unwrap(model)
     planned = {} if not ours.target_parameters else plan_parameters(
         model, select_parameters(model, config_for_model(model, config, str(files.config))))
-    view = _adaptable_view(model)
+    view = adaptable_modules(model)
     for key, shape in shapes.items():
         path, _, leaf = key.rpartition(".lora_")
         path = path.removesuffix(PEFT_OUT_PROJ)  # an attention module's out-projection has the module's rank
@@ -252,7 +252,7 @@ def check_file_shapes(model: nn.Module, config: dict[str, Any], shapes: dict[str
     if inject:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # from_peft reads the config next and warns then
-            targets, _ = _select(model, config_for_model(model, config, str(files.config)))
+            targets, _ = select_targets(model, config_for_model(model, config, str(files.config)))
         required = []
         for target in targets:
             embedding = isinstance(view[target], nn.Embedding)

@@ -37,6 +37,7 @@ from .._common import (
     inside,
     matched,
     name_matches,
+    output_head,
     pattern_matches,
     refuse_no_target,
     refuse_unmatched,
@@ -74,18 +75,6 @@ def _supported_names() -> str:
     return ", ".join(t.__name__ for t in supported_types())
 
 
-def _output_head(model: nn.Module) -> str | None:
-    """Name of the output head that ``"all-linear"`` leaves alone."""
-    get_output = getattr(model, "get_output_embeddings", None)
-    head = get_output() if callable(get_output) else None
-    view = _adaptable_view(model)
-    names = {id(m): n for n, m in view.items()}
-    if isinstance(head, nn.Module) and id(head) in names:
-        return names[id(head)]
-    linears = [n for n, m in view.items() if isinstance(m, _linear_types())]
-    return linears[-1] if linears else None
-
-
 def _inside_fused(modules: dict[str, nn.Module]) -> dict[str, str]:
     """``{child name: parent type name}``: the children a fused module reads the weights of (an attention module
     inside a TransformerEncoderLayer is adapted as a whole, so it is not one of them)."""
@@ -107,14 +96,14 @@ def _describe_modules(model: nn.Module) -> str:
     return ", ".join(f"{leaf} (x{n})" if n > 1 else leaf for leaf, n in counts.items())
 
 
-def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]:
+def select_targets(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]:
     """(targets, modules_to_save) full names; raises before anything is changed."""
-    modules = _adaptable_view(model)
+    modules = adaptable_modules(model)
     names = [n for n in modules if n]
     to_save = _select_modules_to_save(model, config, names)
     inside_fused = _inside_fused(modules)
     if config.target_modules == "all-linear":
-        head = _output_head(model)
+        head = output_head(model, modules, _linear_types())
         linear = _linear_types()
         chosen = [n for n in names if isinstance(modules[n], linear) and n != head and n not in inside_fused]
     else:
@@ -142,8 +131,8 @@ def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]
     return chosen, to_save
 
 
-def _parameters(view: dict[str, nn.Module]) -> dict[str, tuple[str, str]]:
-    """Every parameter of the modules of ``view`` (`_adaptable_view`): ``{full name: (module, parameter)}``."""
+def adaptable_parameters(view: dict[str, nn.Module]) -> dict[str, tuple[str, str]]:
+    """Every parameter of the modules of ``view`` (`adaptable_modules`): ``{full name: (module, parameter)}``."""
     return {f"{n}.{p}" if n else p: (n, p) for n, m in view.items() for p, v in m._parameters.items() if v is not None}
 
 
@@ -154,7 +143,7 @@ def select_parameters(model: nn.Module, config: LoRAConfig, modules: list[str] |
     wanted = config.target_parameters
     if not wanted:
         return []
-    candidates = _parameters(_adaptable_view(model))
+    candidates = adaptable_parameters(adaptable_modules(model))
     chosen = {n: pair for n, pair in candidates.items() if name_matches(n, wanted)}
     missing = unmatched(wanted, chosen)
     if missing:
@@ -210,7 +199,7 @@ def _refuse_unmatched_exclusion(model: nn.Module, exclude: Targets, names: list[
         )
 
 
-def _adaptable_view(model: nn.Module) -> dict[str, nn.Module]:
+def adaptable_modules(model: nn.Module) -> dict[str, nn.Module]:
     """``model.named_modules()`` as a new adapter sees it: a LoRA layer stands for its base module (so another
     adapter can target it) and the insides of LoRA layers, ``modules_to_save`` and trainable-tokens wrappers are
     hidden."""
@@ -308,7 +297,7 @@ def _check_aliases(chosen: list[str], names: list[str], modules: dict[str, nn.Mo
             )
 
 
-def _warn_about_settings(model: nn.Module, config: LoRAConfig, targets: list[str]) -> None:
+def warn_about_settings(model: nn.Module, config: LoRAConfig, targets: list[str]) -> None:
     """Settings that are valid but almost surely not what the user meant."""
     named = targets + [f"{m}.{p}" for m, p in select_parameters(model, config)]  # patterns match parameters' names
     for what, patterns in (("rank_pattern", config.rank_pattern), ("alpha_pattern", config.alpha_pattern)):
