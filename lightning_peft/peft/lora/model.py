@@ -30,7 +30,6 @@ from .. import trainable_tokens as tokens
 from .._common import refuse_absent, refuse_second_injection
 from .._limits import refuse_overflowing_scales
 from ..adapter import (
-    Adapter,
     attach,
     attached,
     detach,
@@ -45,18 +44,8 @@ from . import init as starts
 from .config import LoRAConfig, as_config, check_adapter_name
 from .layer import DEFAULT, LoRALayer, Routing, conv1d_type, lora_layers, lora_spec, make_layer, require_spec
 from .merge import merge_lora, unmerge_lora
-from .mha import warn_doubled_out_proj
 from .param import plan_parameters, wrap_parameters
-from .peft_format import (
-    PEFT_FIELDS,
-    check_file_shapes,
-    check_peft_config,
-    config_for_model,
-    peft_config,
-    peft_problems,
-    peft_state,
-    value_problems,
-)
+from .peft_format import LoRAPeftFormat, config_for_model
 from .targets import select_parameters, select_targets, warn_about_settings
 
 log = logging.getLogger("lightning_peft.peft.lora")  # the package, as targets.py logs
@@ -66,7 +55,7 @@ _ADDED_FIELDS = {"use_dora": False, "quantize": None, "lora_bias": False, "layer
 
 
 @register
-class LoRAAdapter(Adapter):
+class LoRAAdapter(LoRAPeftFormat):
     """LoRA's side of the adapter protocol: the named LoRA adapters on a model.
 
     Args:
@@ -76,12 +65,9 @@ class LoRAAdapter(Adapter):
     """
 
     kind: ClassVar[str] = "lora"
-    peft_type: ClassVar[str] = "LORA"
-    peft_fields: ClassVar[frozenset[str]] = PEFT_FIELDS
     mergeable: ClassVar[bool] = True
     training_only: ClassVar[tuple[str, ...]] = ("dropout", "init")
     named: ClassVar[bool] = True
-    converts_to_lora: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -248,35 +234,6 @@ class LoRAAdapter(Adapter):
         tokens.delete_tokens(model, name)
         del self.adapters[name]
         attach(model, self)
-
-    def _name(self, adapter_name: str | None) -> str:
-        name = adapter_name or self.routing.active or self.names[0]
-        if name not in self.adapters:
-            raise ValueError(f"LoRA: no adapter named {name!r}; the model has {list(self.adapters)}.")
-        return name
-
-    def peft_state(self, model: nn.Module, adapter_name: str | None = None,
-                   convert_to_lora: bool = False) -> dict[str, Tensor]:
-        return peft_state(self, model, self._name(adapter_name), convert_to_lora)
-
-    def peft_config(self, model: nn.Module, adapter_name: str | None = None,
-                    convert_to_lora: bool = False) -> dict[str, Any]:
-        return peft_config(self, model, self._name(adapter_name), convert_to_lora)
-
-    def peft_problems(self, model: nn.Module) -> list[str]:
-        return peft_problems(self, model)
-
-    def value_problems(self, model: nn.Module, state: dict[str, Tensor], adapter_name: str | None = None) -> list[str]:
-        return value_problems(self, model, state, self._name(adapter_name))
-
-    def check_peft_config(self, model: nn.Module, config: Any, source: str, adapter_name: str = DEFAULT) -> None:
-        check_peft_config(self, model, config, source, adapter_name)
-
-    @classmethod
-    def check_peft_shapes(cls, model: nn.Module, config: dict[str, Any], shapes: dict[str, tuple[int, ...]], files,
-                          inject: bool, adapter_name: str = DEFAULT) -> None:
-        check_file_shapes(model, config, shapes, files, inject)
-        warn_doubled_out_proj(config, shapes, str(files.config), adapter_name)
 
     @classmethod
     def from_peft(
