@@ -70,7 +70,7 @@ from . import variants
 from .routing import DEFAULT, RoutedPath, Routing
 
 __all__ = ["DEFAULT", "LAYER_TYPES", "AdapterSpec", "Init", "LoRAEmbedding", "LoRALayer", "LoRALinear", "Routing",
-           "conv1d_type", "lora_layers", "lora_spec", "make_layer", "require_spec"]
+           "linear_types", "lora_layers", "lora_spec", "make_layer", "require_spec"]
 
 Init = str  # "kaiming", "gaussian", or a start that reads the base weight (lora.init: "pissa", "olora", ...)
 
@@ -544,13 +544,11 @@ def _repeated(samples: int, names: int) -> str:
             f"the samples), or give each name {k} times in a row.")
 
 
-def conv1d_type() -> type | None:
-    """The ``transformers`` ``Conv1D`` class if ``transformers`` is already imported, else None.
-
-    A model can only contain a ``Conv1D`` once ``transformers`` is imported, so this never imports it.
-    """
-    module = sys.modules.get("transformers.pytorch_utils")
-    return getattr(module, "Conv1D", None)
+def linear_types() -> tuple[type, ...]:
+    """The types `LoRALinear` adapts: ``nn.Linear``, and ``transformers``' ``Conv1D`` if ``transformers`` is already
+    imported (a model can only contain a ``Conv1D`` once it is, so this never imports it)."""
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    return (nn.Linear,) if conv1d is None else (nn.Linear, conv1d)
 
 
 def lora_layers(model: nn.Module) -> dict[str, LoRALayer]:

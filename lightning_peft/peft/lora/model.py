@@ -42,7 +42,7 @@ from ..modules_to_save import fold_modules_to_save, set_submodule, wrap_modules_
 from ..quantize import drop_quantizer_entries, plain_state, quantize_layers
 from . import init as starts
 from .config import LoRAConfig, as_config, check_adapter_name
-from .layer import DEFAULT, LoRALayer, Routing, conv1d_type, lora_layers, lora_spec, make_layer, require_spec
+from .layer import DEFAULT, LoRALayer, Routing, linear_types, lora_layers, lora_spec, make_layer, require_spec
 from .merge import merge_lora, unmerge_lora
 from .param import plan_parameters, wrap_parameters
 from .peft_format import LoRAPeftFormat, config_for_model
@@ -308,8 +308,7 @@ def _inject(
     refuse_overflowing_scales(model, config, targets)  # before any change
     rows = {} if config.trainable_token_indices is None else \
         tokens.select_tokens(model, config.trainable_token_indices, [*targets, *to_save])
-    linear = (nn.Linear,) if conv1d_type() is None else (nn.Linear, conv1d_type())
-    starts.refuse(model, config, targets, linear, "LoRA")
+    starts.refuse(model, config, targets, linear_types(), "LoRA")
     rewrites = starts.rewrites_base(config.init)  # then the base is quantized after the start: its residual
     quantize_layers(model, targets, None if rewrites else config.quantize, "LoRA",
                     isinstance(config.target_modules, list))  # first

@@ -49,7 +49,7 @@ from ..modules_to_save import ModulesToSave
 from ..trainable_tokens import TrainableTokensWrapper
 from .config import LoRAConfig
 from .conv import refuse_rank
-from .layer import LAYER_TYPES, LoRALayer, conv1d_type, lora_layers
+from .layer import LAYER_TYPES, LoRALayer, linear_types, lora_layers
 from .mha import refuse_unsupported as refuse_unsupported_attention
 from .param import LoRAParameter
 from .variants import refuse_unsupported as refuse_unsupported_dora
@@ -61,14 +61,9 @@ _READS_CHILD_WEIGHTS = (nn.MultiheadAttention, nn.TransformerEncoderLayer)
 _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
-def _linear_types() -> tuple[type, ...]:
-    conv1d = conv1d_type()
-    return (nn.Linear,) if conv1d is None else (nn.Linear, conv1d)
-
-
 def supported_types() -> tuple[type, ...]:
     """Module types [`inject_lora`][lightning_peft.peft.inject_lora] can adapt."""
-    return (*_linear_types(), nn.Embedding, *LAYER_TYPES)
+    return (*linear_types(), nn.Embedding, *LAYER_TYPES)
 
 
 def _supported_names() -> str:
@@ -103,8 +98,8 @@ def select_targets(model: nn.Module, config: LoRAConfig) -> tuple[list[str], lis
     to_save = _select_modules_to_save(model, config, names)
     inside_fused = _inside_fused(modules)
     if config.target_modules == "all-linear":
-        head = output_head(model, modules, _linear_types())
-        linear = _linear_types()
+        linear = linear_types()
+        head = output_head(model, modules, linear)
         chosen = [n for n in names if isinstance(modules[n], linear) and n != head and n not in inside_fused]
     else:
         chosen = chosen_by_name("LoRA", config.target_modules, names, model, _describe_modules)
@@ -280,7 +275,7 @@ def _check_types(model, config, chosen, modules, inside_fused) -> None:
                             f"support; exclude it (exclude_modules=[{name!r}]) or set lora_bias=False.")
     refuse_unsupported_attention(chosen, modules, config)
     if config.use_dora:
-        refuse_unsupported_dora("LoRA", chosen, modules, (*_linear_types(), nn.Embedding, *_CONVOLUTIONS))
+        refuse_unsupported_dora("LoRA", chosen, modules, (*linear_types(), nn.Embedding, *_CONVOLUTIONS))
 
 
 def _check_aliases(chosen: list[str], names: list[str], modules: dict[str, nn.Module]) -> None:
