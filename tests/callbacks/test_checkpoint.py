@@ -361,7 +361,9 @@ def test_a_resume_with_another_start_where_one_rewrites_the_base_is_refused(tmp_
                                          rf"'{first}' \(.*\); this run has init='{then}' \(.*\)\. Resume with the "
                                          r"checkpoint's settings") as caught:
         _start_fit(tmp_path / "b", then, 1, True, ckpt_path=tmp_path / "a" / "epoch=0.ckpt")
-    assert f"init='{rewrote}' (a start that rewrote the base weights; resuming rebuilds them" in str(caught.value)
+    assert (f"init='{rewrote}' (a start that rewrote the base weights: resuming rebuilds them by running that same "
+            "start on the original base, so another init would put the trained factors on another base)") in str(
+        caught.value)
 
 
 def test_kaiming_and_gaussian_may_follow_each_other_on_resume(tmp_path):

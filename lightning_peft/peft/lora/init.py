@@ -34,14 +34,11 @@ A' = [A; A_0] (2r, in)    B' = [B, -B_0] (out, 2r)    alpha' = 2 alpha (sqrt(2) 
 is a plain LoRA of rank ``2r`` on the original base. LoftQ's trained model ``Q_T + s B A`` differs from ``W`` by more
 than a low-rank term: only its merged export represents it.
 
-Every start is a function of the original base weight alone. A resume rebuilds the rewritten base by running the
-start again on the original one: an adapter-only checkpoint has no base to load, and even a full one leaves
-``initial_factors`` (the conversion's ``A_0``, ``B_0``) to the start. PEFT's ``pissa_niter_K`` draws ``svd_lowrank``'s
-random projection from the global generator, so an unseeded (or differently seeded) resume would build another base
-and other ``A_0``, ``B_0`` under the trained factors: a different model, with no error. Here the projection is drawn
-with the generator of the weight's device seeded `SEED` in a fork (the caller's generators are left as they were):
-PEFT after ``torch.manual_seed(SEED)`` on each layer. Recording the start in checkpoints instead would double an
-adapter-only checkpoint and leave the PEFT-format files and ``load_adapter`` of a checkpoint's config with the problem.
+A resume rebuilds the rewritten base (and ``A_0``, ``B_0``) by running the start again on the original base, so each
+start is a function of that weight alone: ``pissa_niter_K`` draws its random projection from a fork of the weight's
+device generator seeded `SEED`: PEFT after ``torch.manual_seed(SEED)`` on each layer (PEFT draws from the global
+generator, so its unseeded resume builds another base; recording the start in checkpoints instead would double an
+adapter-only checkpoint and leave PEFT-format loads with the problem).
 """
 
 from __future__ import annotations
@@ -61,7 +58,7 @@ PLAIN = ("kaiming", "gaussian")
 _FORMS = re.compile(r"pissa|pissa_niter_(\d+)|olora|loftq|loftq_iter_([1-9]\d*)")
 # Hugging Face PEFT starts that need more than the base weight: a data pass (EVA, CorDA) or another method's state.
 _DATA_STARTS = ("eva", "corda", "lora_ga")
-SEED = 0  # pissa_niter_K's random projection: a fixed draw, so that every run starts alike (see the docstring)
+SEED = 0  # pissa_niter_K's random projection: a fixed draw, so that every run starts alike
 
 
 def check_init(value: object, who: str = "LoRA") -> str:
@@ -82,28 +79,19 @@ def rewrites_base(init: str) -> bool:
 
 
 class Start:
-    """A recorded ``init`` as a resume compares it (`LoRAAdapter.resume_fields`): a plain start leaves the base as it
-    was, so kaiming and gaussian may follow each other; a start that rewrote the base must stay the same, because the
-    resume rebuilds that base by running it again on the original weights (another start: another base under the
-    trained factors). Its repr says so in the refusal."""
+    """A recorded ``init`` as a resume compares it (`LoRAAdapter.resume_fields`): kaiming and gaussian may follow each
+    other; a start that rewrote the base may not change, since the resume rebuilds that base by running it again."""
 
     def __init__(self, init: str) -> None:
-        self.init = init
-
-    def _key(self) -> str | tuple[str, ...]:
-        return self.init if rewrites_base(self.init) else PLAIN
+        self.init, self.key = init, (init if rewrites_base(init) else PLAIN)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Start) and self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
+        return isinstance(other, Start) and self.key == other.key
 
     def __repr__(self) -> str:
-        if rewrites_base(self.init):
-            return (f"{self.init!r} (a start that rewrote the base weights; resuming rebuilds them by running that "
-                    "same start on the original base, so another init would put the trained factors on another base)")
-        return f"{self.init!r} (a start that keeps the base weights)"
+        return f"{self.init!r} " + ("(a start that rewrote the base weights: resuming rebuilds them by running that same "
+                                    "start on the original base, so another init would put the trained factors on "
+                                    "another base)" if self.key == self.init else "(a start that keeps the base weights)")
 
 
 def loftq_iterations(init: str) -> int | None:
