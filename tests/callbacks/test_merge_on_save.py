@@ -17,7 +17,7 @@ from torch.testing import assert_close
 
 from lightning_peft.callbacks import LoRA, MergeOnSave
 from lightning_peft.peft import inject_lora, lora_layers
-from tests._models import LORA_ARGS, Classifier, loader, trainer
+from tests._models import LORA_ARGS, Classifier, gpt2_model, loader, trainer
 
 
 def fit_with_export(config, tmp_path, **merge_kwargs) -> tuple[Classifier, dict, MergeOnSave, pl.Trainer]:
@@ -269,12 +269,8 @@ class CausalLM(pl.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
-        from transformers import GPT2LMHeadModel
-
-        from tests._models import gpt2_config
-
         torch.manual_seed(0)
-        self.model = GPT2LMHeadModel(gpt2_config(vocab_size=50)).double()
+        self.model = gpt2_model(vocab_size=50).double()
 
     def training_step(self, batch, batch_idx):
         return self.model(input_ids=batch[0], labels=batch[0]).loss
