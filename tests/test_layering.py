@@ -168,8 +168,10 @@ PACKAGE_FILE_LINES = 800
 #: allowed its total because it holds five layer kinds (Linear / Conv1D, Embedding, ConvNd, MultiheadAttention,
 #: Parameter), DoRA as a variant object on them, four of PEFT's starts from the base weight (PiSSA, its fast-SVD form,
 #: OLoRA, LoftQ), named adapters with per-sample routing and PEFT's file format both ways, one concept per file
-#: (each under the file cap): its total after issue 29's cleanup, not a number to grow into.
-OVER_THE_GOAL = {"lora": 3793}
+#: (each under the file cap): its total after issue 29's cleanup (3,793), plus the merge check MergeOnSave asks before
+#: training and the reproducible fast-SVD start (65), plus the refusal of lora_bias on attention: not a number to
+#: grow into.
+OVER_THE_GOAL = {"lora": 3866}
 
 
 def _package_over(package: Path, root: Path = PACKAGE) -> str | None:

@@ -53,6 +53,12 @@ def refuse_unsupported(chosen: list[str], modules: dict[str, nn.Module], config)
                 "in-projection only (kdim = vdim = embed_dim), as Hugging Face PEFT does. Leave it out of "
                 "target_modules."
             )
+    if attention and config.lora_bias:
+        raise ValueError(
+            f"LoRA(lora_bias=True) with the nn.MultiheadAttention {attention[0]!r}: PEFT's attention layer has no "
+            "lora_bias, so the adapter would have nowhere to live in its files. Use lora_bias=False, or leave the "
+            "attention modules out of target_modules (exclude_modules=[...])."
+        )
     if attention and config.bias != "none":
         raise ValueError(
             f"LoRA(bias={config.bias!r}) with the nn.MultiheadAttention {attention[0]!r}: its biases (in_proj_bias, "
