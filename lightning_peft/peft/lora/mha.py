@@ -98,15 +98,12 @@ class LoRAMultiheadAttention(ABLayer):
     """LoRA for ``nn.MultiheadAttention`` (module docstring): ``lora_A`` / ``lora_B`` adapt ``in_proj_weight``,
     ``out_proj_lora_A`` / ``out_proj_lora_B`` adapt ``out_proj.weight``; the forward is the base's, with the adapted
     weights. Attributes (``embed_dim``, ``batch_first``, ``out_proj``, ...) are the base module's."""
+    reads_base_weight = True  # W + s B A of both projections is formed here, outside the base module's forward
 
     def __init__(self, base_layer: nn.MultiheadAttention, rank: int, alpha: float, dropout: float = 0.0,
                  **settings) -> None:
         super().__init__(base_layer, rank, alpha, dropout, **settings)
         self.register_forward_pre_hook(_no_fused_path)
-
-    @property
-    def reads_base_weight(self) -> bool:
-        return True  # W + s B A of both projections is formed here, outside the base module's forward
 
     @property
     def weight(self) -> Tensor:
