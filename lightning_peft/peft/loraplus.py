@@ -51,6 +51,8 @@ def roles(model: nn.Module) -> dict[int, str]:
             found[id(b)] = "embedding" if embedding else "B"
             if embedding:
                 found[id(a)] = "embedding"
+        if not embedding:  # every B by name, as PEFT's rule: an attention layer's out_proj_lora_B too
+            found.update({id(p): "B" for n, p in layer.named_parameters() if n.split(".")[0].endswith("lora_B")})
     return found
 
 

@@ -58,3 +58,23 @@ def test_bad_settings_are_refused(kwargs, error, match):
     inject_lora(model, rank=2, target_modules=["0"])
     with pytest.raises(error, match=match):
         loraplus_groups(model, lr=1e-3, **kwargs)
+
+
+def test_attention_out_projection_b_is_grouped_as_peft_groups_it():
+    """An nn.MultiheadAttention adapter has two B factors (in- and out-projection): both train at lr * ratio, as in
+    PEFT (the out-projection's was grouped with the A factors)."""
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+
+    peft_model = get_peft_model(model(), LoraConfig(r=2, target_modules=["self_attn"]))
+    theirs = create_loraplus_optimizer(peft_model, torch.optim.AdamW, lr=1e-3, loraplus_lr_ratio=16.0)
+    by_id = {id(p): n for n, p in peft_model.named_parameters()}
+    peft_lr = {by_id[id(p)].removeprefix("base_model.model.").replace("base_layer.out_proj.lora_", "out_proj_lora_"):
+               g["lr"] for g in theirs.param_groups for p in g["params"]}
+    ours = model()
+    inject_lora(ours, rank=2, target_modules=["self_attn"])
+    by_id = {id(p): n for n, p in ours.named_parameters()}
+    our_lr = {by_id[id(p)]: g["lr"] for g in loraplus_groups(ours, lr=1e-3, ratio=16.0) for p in g["params"]}
+    assert our_lr == peft_lr
+    assert our_lr["self_attn.out_proj_lora_B.default.weight"] == 1.6e-2

@@ -212,8 +212,8 @@ def _pattern_name(model: nn.Module, target: str) -> str:
 def _converted_settings(config: LoRAConfig, specs: dict, name: str, convert: bool) -> tuple[LoRAConfig, dict]:
     """The settings of the rank-2r conversion of an adapter whose start rewrote the base; refused unconverted."""
     if not convert or starts.loftq_iterations(config.init):
-        fix = ("only its merged export (merged_state_dict, unload_lora(model, merge=True), MergeOnSave) represents the "
-               "trained model" if starts.loftq_iterations(config.init) else
+        fix = ("only its merged export (merged_state_dict, unload_lora(model, merge=True), "
+               "MergeOnSave(save_adapter=False)) represents the trained model" if starts.loftq_iterations(config.init) else
                "pass save_adapter(..., convert_to_lora=True) to write it as a plain LoRA of rank 2r on the original "
                "base (PEFT's path_initial_model_for_weight_conversion), or export the merged model")
         raise ValueError(f"save_adapter: adapter {name!r} started with init={config.init!r}, which rewrote the base "
