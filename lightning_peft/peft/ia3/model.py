@@ -86,7 +86,7 @@ def ia3_layers(model: nn.Module) -> dict[str, IA3Layer]:
 
 
 def inject_ia3(model: nn.Module, config: IA3Config | None = None, **kwargs: Any) -> dict[str, IA3Layer]:
-    """Wrap the ``target_modules`` of ``model`` in [`IA3Layer`][lightning_peft.peft.ia3.IA3Layer]s, in place, and
+    """Wrap the ``target_modules`` of ``model`` in `IA3Layer`s (`lightning_peft.peft.ia3.layer`), in place, and
     freeze everything but the vectors (and ``modules_to_save``).
 
     Args:
@@ -176,7 +176,7 @@ def unload_ia3(model: nn.Module, merge: bool = True) -> nn.Module:
 
 
 def merge_ia3(model: nn.Module) -> list[str]:
-    """Fold every vector into its base weight in place ([`unmerge_ia3`][lightning_peft.peft.ia3.unmerge_ia3] divides
+    """Fold every vector into its base weight in place (`unmerge_ia3` divides
     it out again); layers already merged are left alone. All or nothing.
 
     Returns:
