@@ -1,9 +1,10 @@
 """Tiny models, loaders and Trainer defaults the tests share (no weights are ever downloaded).
 
 One place for what the test files used to import from each other (``tests.callbacks.test_lora``'s ``Classifier``,
-``loader`` and ``trainer``, ``tests.test_cli._tiny_bert``, ``tests.callbacks.test_rng.ResumableLoader``) and for
-the tiny Hugging Face configs several files built by hand. Everything here is deterministic: the data comes from
-its own ``torch.Generator``, so a loader gives the same batches whatever the global seed.
+``loader`` and ``trainer``, ``tests.callbacks.test_rng.ResumableLoader``) and for the tiny Hugging Face configs and
+models (``bert_model``, ``gpt2_model``, ``llama_model``) that files used to build with a ``_bert()`` of their own.
+Everything here is deterministic: the data comes from its own ``torch.Generator``, so a loader gives the same batches
+whatever the global seed.
 
 Importing this module does not import Lightning (the tests of the pure layers use it too): ``Classifier`` is built
 on first access and ``trainer`` imports Lightning when called.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,53 @@ def llama_config(**overrides: Any):
     return LlamaConfig(**{"vocab_size": VOCAB, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
                           "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 32,
                           **overrides})
+
+
+def bert_model(task: str = "seq_cls", **overrides: Any) -> nn.Module:
+    """A random BERT of :func:`bert_config` (``overrides`` go to the config) with ``task``'s head: ``"base"``
+    (``BertModel``), ``"seq_cls"``, ``"masked_lm"`` or ``"qa"``; in train mode, as transformers builds it."""
+    import transformers
+
+    heads = {"base": transformers.BertModel, "seq_cls": transformers.BertForSequenceClassification,
+             "masked_lm": transformers.BertForMaskedLM, "qa": transformers.BertForQuestionAnswering}
+    return heads[task](bert_config(**overrides))
+
+
+def gpt2_model(**overrides: Any) -> nn.Module:
+    """A random ``GPT2LMHeadModel`` of :func:`gpt2_config` (``overrides`` go to the config), in train mode."""
+    from transformers import GPT2LMHeadModel
+
+    return GPT2LMHeadModel(gpt2_config(**overrides))
+
+
+def tied_gpt2() -> nn.Module:
+    """A one-layer GPT-2 of width 8 (32 tokens, 16 positions) seeded 0, in eval mode: its head is its input
+    embedding (GPT-2 ties them), for the tied-weight tests."""
+    torch.manual_seed(0)
+    return gpt2_model(vocab_size=32, n_embd=8, n_layer=1, n_positions=16).eval()
+
+
+def llama_model(task: str = "causal_lm", **overrides: Any) -> nn.Module:
+    """A random Llama of :func:`llama_config` (``overrides`` go to the config) with ``task``'s head: ``"causal_lm"``
+    or ``"seq_cls"``; in train mode."""
+    import transformers
+
+    heads = {"causal_lm": transformers.LlamaForCausalLM, "seq_cls": transformers.LlamaForSequenceClassification}
+    return heads[task](llama_config(**overrides))
+
+
+def seeded(build: Callable[[], nn.Module], seed: int = 0) -> nn.Module:
+    """``build()`` after ``torch.manual_seed(seed)``, in float64 and eval mode: the base of the exact comparisons."""
+    torch.manual_seed(seed)
+    return build().double().eval()
+
+
+def reloaded(base: nn.Module, build: Callable[[], nn.Module]) -> nn.Module:
+    """A new, un-adapted ``build()`` (float64, eval mode) holding ``base``'s weights, loaded through its state dict
+    over another random start (seed 1234), so that nothing but the load can make it equal ``base``."""
+    model = seeded(build, seed=1234)
+    model.load_state_dict(base.state_dict(), strict=True)
+    return model
 
 
 class Tiny(nn.Module):

@@ -28,12 +28,8 @@ def _plain_argv(monkeypatch: pytest.MonkeyPatch) -> None:
 EXAMPLE = Path(__file__).parents[1] / "examples" / "configs" / "lora_minilm_bbc_news.yaml"
 
 
-def _tiny_bert(path: Path) -> str:
-    """A random 2-layer BERT with the vocabulary of the MiniLM tokenizer."""
-    return save_tiny_bert(path, vocab_size=30522, max_position_embeddings=64)
-
-
 def _config(tmp_path: Path) -> Path:
+    bert = save_tiny_bert(tmp_path / "bert", vocab_size=30522, max_position_embeddings=64)  # MiniLM's vocabulary
     config = {
         "seed_everything": 0,
         "test_after_fit": True,
@@ -61,7 +57,7 @@ def _config(tmp_path: Path) -> Path:
         },
         "model": {
             "class_path": "lightning_peft.modules.HFSequenceClassifier",
-            "init_args": {"model_name_or_path": _tiny_bert(tmp_path / "bert"), "num_labels": 5},
+            "init_args": {"model_name_or_path": bert, "num_labels": 5},
         },
         "data": {
             "class_path": "lightning_peft.data.BBCNewsDataModule",

@@ -53,7 +53,17 @@ from lightning_peft.peft import (
     save_adapter,
     set_adapter,
 )
-from tests._models import LORA_ARGS, Classifier, bert_config, gpt2_config, loader, padded_loader, tensors
+from tests._models import (
+    LORA_ARGS,
+    Classifier,
+    bert_config,
+    bert_model,
+    gpt2_model,
+    loader,
+    padded_loader,
+    seeded,
+    tensors,
+)
 from tests._models import trainer as quiet_trainer
 
 transformers = pytest.importorskip("transformers")
@@ -340,13 +350,12 @@ def test_resuming_with_other_settings_is_refused_naming_both_values(runs, kind, 
 
 # One causal LM, on which every technique has a PEFT form (PEFT's own BERT classifier forward fails with a prefix);
 # GPT-2's Conv1D layers are LoRA's transposed case. The per-family details live in tests/peft.
-FAMILIES = {"gpt2": lambda: transformers.GPT2LMHeadModel(gpt2_config())}
+FAMILIES = {"gpt2": gpt2_model}
 PEFT_TARGETS = {"gpt2": ["c_attn"]}
 
 
 def base(family: str) -> nn.Module:
-    torch.manual_seed(0)
-    return FAMILIES[family]().double().eval()
+    return seeded(FAMILIES[family])
 
 
 def inputs() -> dict[str, torch.Tensor]:
@@ -452,7 +461,7 @@ def test_we_load_a_peft_adapter_with_its_outputs(name, family, tmp_path):
 @pytest.mark.parametrize("name", list(TECHNIQUES))
 def test_a_cast_of_the_whole_model(name, dtype):
     torch.manual_seed(0)
-    model = transformers.BertForSequenceClassification(bert_config()).eval()
+    model = bert_model().eval()
     TECHNIQUES[name].inject["bert"](model)
     own = {k: v for k, v in adapter_state_dict(model).items() if ".classifier." not in f".{k}"}  # not the head
     before = {k: v.detach().clone() for k, v in own.items()}

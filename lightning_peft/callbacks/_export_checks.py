@@ -1,5 +1,9 @@
 """What ``MergeOnSave`` checks when fit starts, so that an export cannot fail at the end of a long run.
 
+The merged export must be one the adapters can write: every technique mergeable, and no layer a merge would refuse
+([`Adapter.merge_problems`][lightning_peft.peft.Adapter.merge_problems]: LoRA on a grouped convolution, ``lora_bias``
+on a base without a bias), named with the fix.
+
 The target folder must be writable, ``merged/`` and ``adapter/`` must not be symbolic links (an export replaces
 each by a rename inside ``dirpath``, which would replace the link rather than write where it points, so the link is
 refused before training instead of being silently dropped), and the filesystem must have room for the export.
@@ -16,7 +20,41 @@ from torch import Tensor, nn
 
 from lightning_peft._atomic import refuse_link
 from lightning_peft._manifest import recover_export
-from lightning_peft.peft.adapter import adapter_tensors, attached
+from lightning_peft.peft.adapter import Adapter, adapter_tensors, attached
+from lightning_peft.peft.io import check_saveable
+
+
+def refuse_unmergeable(who: str, model: nn.Module, adapter_name: str | None) -> None:
+    """Raise if the merged export of ``model`` (``adapter_name``: the named adapter folded in) would be refused."""
+    adapters = attached(model)
+    unmergeable = [kind for kind, adapter in adapters.items() if not adapter.mergeable]
+    if unmergeable:
+        raise ValueError(
+            f"{who}: the {unmergeable[0]} adapter cannot be merged into the base weights, so there is no merged model "
+            "to write. Export the adapter only: MergeOnSave(save_merged=False)."
+        )
+    problems = [f"{kind}: {line}" for kind, adapter in adapters.items()
+                for line in adapter.merge_problems(model, **_named(adapter, adapter_name))]
+    if problems:
+        raise ValueError(
+            f"{who}(save_merged=True): the merged export would be refused at its first write, as PEFT refuses these "
+            f"merges: {'; '.join(problems)}. Export the adapter only (MergeOnSave(save_merged=False)), or leave those "
+            "layers out (exclude_modules=[...]) or their setting off; checked before training so no run is lost."
+        )
+
+
+def refuse_unsaveable(who: str, model: nn.Module) -> None:
+    """Raise what writing ``adapter/`` (converted: it loads onto the original base) would raise, naming ``who``'s fix
+    (a LoftQ adapter has no such file: only the merged model represents it)."""
+    try:
+        check_saveable(model, convert_to_lora=True)
+    except ValueError as err:
+        raise ValueError(f"{who}(save_adapter=True): {err} To export the merged model alone: "
+                         f"{who}(save_adapter=False).") from None
+
+
+def _named(adapter: Adapter, adapter_name: str | None) -> dict[str, str]:
+    return {"name": adapter_name} if adapter_name is not None and adapter.named else {}
 
 
 def check_target(who: str, dirpath: Path, needed: dict[str, int]) -> None:

@@ -32,26 +32,11 @@ from lightning_peft.peft.lora import as_config, inject_lora
 class LoRA(LoRASettings, LoRAPlusOption, AdapterCallback):
     """Inject LoRA adapters into the model at ``setup`` and freeze the rest.
 
+    The adapter's settings, ``rank`` to ``layers_pattern``, are the fields of
+    [`LoRAConfig`][lightning_peft.peft.LoRAConfig], with its names, defaults and meanings (documented there once);
+    Hugging Face PEFT's names for them (``r``, ``lora_alpha``, ...) are refused with ours in the message.
+
     Args:
-        rank: Rank of the updates.
-        alpha: Scale numerator (update scaled by ``alpha / rank``, or ``alpha / sqrt(rank)`` with ``use_rslora``).
-        dropout: Dropout on the adapter input, in [0, 1).
-        target_modules: Names or dotted suffixes (list), a regular expression (string), or ``"all-linear"``.
-        exclude_modules: Modules never adapted (same rules).
-        modules_to_save: Modules trained and saved in full, e.g. ``["classifier"]``. None: the task head of a
-            Hugging Face task model (``*ForSequenceClassification``, ...); ``[]``: none.
-        rank_pattern: Per-module rank overrides ``{regex: rank}``.
-        alpha_pattern: Per-module alpha overrides ``{regex: alpha}``.
-        bias: ``"none"``, ``"lora_only"`` or ``"all"``: which biases train.
-        init: ``"kaiming"``, ``"gaussian"``, or ``"pissa"``, ``"olora"``, ... (`lightning_peft.peft.lora.init`).
-        use_rslora: Rank-stabilised scaling.
-        quantize: ``"nf4"`` / ``"int8"``: adapted linear weights stored quantized (QLoRA, `peft.quantize`); None: not.
-        use_dora: DoRA (arXiv:2402.09353), as PEFT's ``use_dora``: a trained magnitude per output feature.
-        target_parameters: Parameters adapted in place (PEFT's): e.g. ``[mlp.experts.gate_up_proj]`` (MoE experts).
-        trainable_token_indices: Token ids whose embedding rows train (new special tokens), or ``{module: ids}``.
-        lora_bias: A trained bias on ``B``, merged into the base bias, as PEFT's ``lora_bias``.
-        layers_to_transform: Only the ``target_modules`` (a list) in these layers (``layers_pattern``: the name of
-            their ``nn.ModuleList``, e.g. ``"layers"``; None: any), as PEFT's.
         loraplus_lr_ratio: LoRA+ (arXiv:2402.12354, `lightning_peft.callbacks._loraplus`): ``B`` trains at this many
             times each optimizer group's lr, embedding adapters at ``loraplus_lr_embedding`` (PEFT's). None: off.
         adapter_only_checkpoint: Checkpoints hold only what trains (and buffers); loading takes the frozen base

@@ -50,7 +50,13 @@ from typing_extensions import override
 from lightning_peft._checks import boolean, path
 from lightning_peft._gather import gathered, reshard
 from lightning_peft._manifest import write_export
-from lightning_peft.callbacks._export_checks import check_target, export_bytes, no_adapter
+from lightning_peft.callbacks._export_checks import (
+    check_target,
+    export_bytes,
+    no_adapter,
+    refuse_unmergeable,
+    refuse_unsaveable,
+)
 from lightning_peft.callbacks._lightning import on_rank_zero
 from lightning_peft.callbacks._target import is_hf_model, resolve_target
 from lightning_peft.peft._export import save_pretrained_merged
@@ -105,19 +111,15 @@ class MergeOnSave(Callback):
         if not attached(model):
             raise RuntimeError(no_adapter("MergeOnSave", self.model_attribute, pl_module, name, model))
         _refuse_trained_outside(pl_module, name, model)
-        unmergeable = [kind for kind, adapter in attached(model).items() if not adapter.mergeable]
-        if self.save_merged and unmergeable:
-            raise ValueError(
-                f"MergeOnSave: the {unmergeable[0]} adapter cannot be merged into the base weights, so there is no "
-                "merged model to write. Export the adapter only: MergeOnSave(save_merged=False)."
-            )
         names = [name for adapter in attached(model).values() if adapter.named for name in adapter.names]
         if self.adapter_name is not None and self.adapter_name not in names:
             raise ValueError(f"MergeOnSave(adapter_name={self.adapter_name!r}): the model has no named adapter of that "
                              f"name; its named adapters: {names}.")
+        if self.save_merged:
+            refuse_unmergeable("MergeOnSave", model, self.adapter_name)
         if self.save_adapter:
             with _gathered(trainer, model, adapter_parameters(model)):
-                check_saveable(model, convert_to_lora=True)  # adapter/ loads onto the original base
+                refuse_unsaveable("MergeOnSave", model)  # adapter/ loads onto the original base
         check = lambda: check_target(f"MergeOnSave(dirpath={str(self.dirpath)!r})", self.dirpath,  # noqa: E731
                                      export_bytes(model, self.save_merged, self.save_adapter))  # on rank 0 only
         on_rank_zero(trainer, check, "MergeOnSave", "the check of dirpath")

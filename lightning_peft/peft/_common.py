@@ -197,13 +197,13 @@ def config_of(cls: type, config: object, kwargs: dict, who: str, technique: str)
     return config
 
 
-def refuse_second_injection(who: str, model: nn.Module, found: str | None, technique: str) -> None:
-    """Raise if ``model`` already has what an inject function adds (``found`` describes it; None: nothing)."""
+def refuse_second_injection(who: str, model: nn.Module, found: str | None, technique: str, more: str = "") -> None:
+    """Raise if ``model`` already has what an inject function adds (``found`` describes it; None: nothing).
+    ``more``: another way out, for the message (``"add another named adapter with ..."``)."""
     if found:
-        raise RuntimeError(
-            f"{who}: {type(model).__name__} already has {found}; {technique} injected twice. Use the model as it is, "
-            "or build a fresh one."
-        )
+        fixes = f"Use the model as it is, build a fresh one, or {more}" if more else \
+            "Use the model as it is, or build a fresh one"
+        raise RuntimeError(f"{who}: {type(model).__name__} already has {found}; {technique} injected twice. {fixes}.")
 
 
 def require(model: nn.Module, kind: str, who: str, what: str, inject: str) -> Adapter:
@@ -233,6 +233,24 @@ def adapter_dtype(base: nn.Module | Tensor | None) -> torch.dtype | None:
     if base is None:
         return None
     return torch.promote_types(base.dtype, torch.float32) if base.dtype.is_floating_point else torch.float32
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a merge or a norm of adapter tensors is computed in: at least float32 (float64 stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def output_head(model: nn.Module, view: dict[str, nn.Module], linear: tuple[type, ...]) -> str | None:
+    """The name in ``view`` (module names as a technique sees them) of the output head ``"all-linear"`` leaves
+    alone: the model's output embeddings (``get_output_embeddings``) when ``view`` holds them, else the last module
+    of a ``linear`` type."""
+    get_output = getattr(model, "get_output_embeddings", None)
+    head = get_output() if callable(get_output) else None
+    named = [n for n, m in view.items() if m is head]
+    if isinstance(head, nn.Module) and named:
+        return named[-1]
+    linears = [n for n, m in view.items() if isinstance(m, linear)]
+    return linears[-1] if linears else None
 
 
 def dense_weight(weight: Tensor, module: nn.Module | None = None) -> Tensor:

@@ -19,6 +19,7 @@ What an [`Adapter`][lightning_peft.peft.Adapter] answers:
 | ``state(model)`` | the tensors that make up the adapter (parameters and buffers), by the model's own state-dict keys, not detached: what adapter files and adapter-only checkpoints keep. Its parameters are the ones that train; everything else is frozen |
 | ``config_dict()`` | a JSON-able config; ``inject(model, config_dict)`` re-applies it to a fresh model |
 | ``mergeable`` | whether ``merged_state`` can fold the adapter into plain-model weights |
+| ``merge_problems(model)`` | why ``merged_state`` would refuse this adapter on ``model`` (one line per layer; empty: it merges), from the layers' kinds and settings alone: asked before training so that an export cannot fail at its end |
 | ``merged_state(model, s)`` | turn a full state dict ``s`` of the adapted model into the plain model's state dict (a technique with named adapters takes ``name``: the one to fold in) |
 | ``unload(model, merge)`` | put the plain modules back (merged or not) and forget the adapter |
 | ``peft_config(model)`` | the ``adapter_config.json`` content; ``peft_state(model)`` the tensors under PEFT's keys; ``from_peft(model, config, source)`` injects what a PEFT config describes |
@@ -93,6 +94,12 @@ class Adapter(ABC):
     def merged_state(self, model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
         """Fold the adapter into ``state`` (a full state dict of ``model``), under the plain model's keys."""
         raise RuntimeError(f"{type(self).__name__}: the {self.kind} adapter cannot be merged into the base weights.")
+
+    def merge_problems(self, model: nn.Module) -> list[str]:
+        """Why [`merged_state`][lightning_peft.peft.Adapter.merged_state] would refuse this ``mergeable`` adapter on
+        ``model``, one line per layer (empty: it merges), read from the layers' kinds and settings without computing a
+        merge. A technique with named adapters takes ``name`` (the one ``merged_state`` would fold in)."""
+        return []
 
     @abstractmethod
     def unload(self, model: nn.Module, merge: bool) -> None:

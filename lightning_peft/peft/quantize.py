@@ -49,6 +49,7 @@ from ._common import (
     dense_weight,
     is_quantized,
     name_matches,
+    output_head,
     refuse_no_target,
     refuse_unmatched,
     wraps_a_layer,
@@ -221,15 +222,6 @@ def quantize_layers(model: nn.Module, names: list[str], method: str | None, who:
     return done
 
 
-def _output_head(model: nn.Module, view: dict[str, nn.Module]) -> str | None:
-    """The output layer ``"all-linear"`` keeps in full precision: the output embeddings, else the last linear."""
-    get_output = getattr(model, "get_output_embeddings", None)
-    head = get_output() if callable(get_output) else None
-    linears = [n for n, m in view.items() if isinstance(m, nn.Linear)]
-    named = [n for n in linears if view[n] is head]
-    return named[0] if named else (linears[-1] if linears else None)
-
-
 def _layer_view(model: nn.Module) -> dict[str, nn.Module]:
     """Module names as a user sees them: a wrapper stands for its base layer; modules trained in full are hidden."""
     view: dict[str, nn.Module] = {}
@@ -269,8 +261,9 @@ def quantize_base(
     check_method(method, "quantize_base")
     view = _layer_view(model)
     if target_modules == "all-linear":
-        head = _output_head(model, view)
-        chosen = [n for n, m in view.items() if isinstance(m, nn.Linear) and n != head]
+        layers = {n: m for n, m in view.items() if isinstance(m, nn.Linear)}
+        head = output_head(model, layers, (nn.Linear,))  # the output layer stays in full precision
+        chosen = [n for n in layers if n != head]
     else:
         chosen = [n for n in view if name_matches(n, target_modules)]
         linears = ", ".join(n for n, v in view.items() if isinstance(v, nn.Linear)) or "none"

@@ -6,6 +6,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from safetensors.torch import load_file
 from torch import nn
 from torch.testing import assert_close
 
@@ -293,3 +294,80 @@ def test_a_checkpoint_of_another_model_size_names_the_tensor_both_shapes_and_the
         fit(Classifier(wider), tmp_path / "resume", [lora()], ckpt_path=ckpt, max_steps=2)
     with pytest.raises(ValueError, match=rf"restore_adapters: the checkpoint's '{first}{cause}"):
         load_from_checkpoint(Classifier, ckpt, config=wider)
+
+
+class Regression(pl.LightningModule):
+    """A float64 MLP (the same base whatever the global seed) fitted to a fixed target, without dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 8)).double()
+        with torch.no_grad():
+            for param in self.net.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64) / 4)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.05)
+
+
+def _regression_data() -> torch.utils.data.DataLoader:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 16, generator=generator, dtype=torch.float64)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, :8].sin()), batch_size=8)
+
+
+def _start_fit(tmp_path, init: str, seed: int, adapter_only: bool, ckpt_path=None) -> Regression:
+    torch.manual_seed(seed)  # the global generator at injection: another one for the resumed run
+    module = Regression()
+    lora = LoRA(rank=2, alpha=4, target_modules=["0", "2"], init=init, model_attribute="net",
+                quantize="nf4" if init == "loftq" else None, adapter_only_checkpoint=adapter_only)
+    epochs = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1)  # 2 steps an epoch
+    trainer(tmp_path, max_epochs=2, callbacks=[lora, epochs], enable_checkpointing=True).fit(
+        module, _regression_data(), ckpt_path=ckpt_path)
+    return module
+
+
+@pytest.mark.parametrize(("init", "adapter_only"), [
+    ("pissa_niter_2", True), ("pissa_niter_2", False), ("pissa", True), ("olora", True), ("loftq", True)])
+def test_a_start_that_rewrote_the_base_resumes_to_the_straight_run(tmp_path, init, adapter_only):
+    """The resumed run rebuilds the rewritten base (and the conversion's first factors) by running the start on the
+    original base again, with another global seed: its model, and its converted adapter, are the straight run's."""
+    from lightning_peft.peft import save_adapter
+    from lightning_peft.peft._common import dense_weight
+
+    straight = _start_fit(tmp_path / "a", init, 1, adapter_only)
+    resumed = _start_fit(tmp_path / "b", init, 2, adapter_only, ckpt_path=tmp_path / "a" / "epoch=0.ckpt")
+    for key, value in straight.net.state_dict().items():  # (LoftQ's NF4 base: its values)
+        assert torch.equal(dense_weight(resumed.net.state_dict()[key]), dense_weight(value)), key
+    if init != "loftq":  # (LoftQ has no adapter file: only its merged export represents it)
+        save_adapter(straight.net, tmp_path / "straight", convert_to_lora=True)
+        save_adapter(resumed.net, tmp_path / "resumed", convert_to_lora=True)
+        files = [load_file(tmp_path / side / "adapter_model.safetensors") for side in ("straight", "resumed")]
+        assert files[0].keys() == files[1].keys() and all(torch.equal(v, files[1][k]) for k, v in files[0].items())
+
+
+@pytest.mark.parametrize(("first", "then"), [("pissa", "kaiming"), ("gaussian", "olora"), ("pissa", "pissa_niter_2")])
+def test_a_resume_with_another_start_where_one_rewrites_the_base_is_refused(tmp_path, first, then):
+    """The resume rebuilds the base by running its own start: another one would put the trained factors on another
+    base (adapter-only) or leave the conversion's first factors wrong (full)."""
+    _start_fit(tmp_path / "a", first, 1, True)
+    rewrote = first if first != "gaussian" else then
+    with pytest.raises(ValueError, match=rf"LoRA: the checkpoint's lora adapter on 'net' was trained with init="
+                                         rf"'{first}' \(.*\); this run has init='{then}' \(.*\)\. Resume with the "
+                                         r"checkpoint's settings") as caught:
+        _start_fit(tmp_path / "b", then, 1, True, ckpt_path=tmp_path / "a" / "epoch=0.ckpt")
+    assert (f"init='{rewrote}' (a start that rewrote the base weights: resuming rebuilds them by running that same "
+            "start on the original base, so another init would put the trained factors on another base)") in str(
+        caught.value)
+
+
+def test_kaiming_and_gaussian_may_follow_each_other_on_resume(tmp_path):
+    straight = _start_fit(tmp_path / "a", "kaiming", 1, True)
+    resumed = _start_fit(tmp_path / "b", "gaussian", 2, True, ckpt_path=tmp_path / "a" / "epoch=0.ckpt")
+    for key, value in straight.net.state_dict().items():
+        assert torch.equal(resumed.net.state_dict()[key], value), key

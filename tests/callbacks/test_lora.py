@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_peft.callbacks import GradientAccumulation, LoRA
 from lightning_peft.peft import LoRAConfig, adapter_state_dict, inject_lora, lora_layers
-from tests._models import LORA_ARGS, Classifier, ResumableLoader, loader, tensors, trainer
+from tests._models import LORA_ARGS, Classifier, ResumableLoader, llama_model, loader, tensors, trainer
 
 
 class RecordInitialAdapter(Callback):
@@ -272,11 +272,7 @@ class TokenLM(pl.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
-        from transformers import LlamaForCausalLM
-
-        from tests._models import llama_config
-
-        self.model = LlamaForCausalLM(llama_config(tie_word_embeddings=True))
+        self.model = llama_model(tie_word_embeddings=True)
 
     def training_step(self, batch, batch_idx):
         return self.model(input_ids=batch[0], labels=batch[0]).loss

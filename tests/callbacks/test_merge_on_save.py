@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 
@@ -16,7 +17,7 @@ from torch.testing import assert_close
 
 from lightning_peft.callbacks import LoRA, MergeOnSave
 from lightning_peft.peft import inject_lora, lora_layers
-from tests._models import LORA_ARGS, Classifier, loader, trainer
+from tests._models import LORA_ARGS, Classifier, gpt2_model, loader, trainer
 
 
 def fit_with_export(config, tmp_path, **merge_kwargs) -> tuple[Classifier, dict, MergeOnSave, pl.Trainer]:
@@ -268,12 +269,8 @@ class CausalLM(pl.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
-        from transformers import GPT2LMHeadModel
-
-        from tests._models import gpt2_config
-
         torch.manual_seed(0)
-        self.model = GPT2LMHeadModel(gpt2_config(vocab_size=50)).double()
+        self.model = gpt2_model(vocab_size=50).double()
 
     def training_step(self, batch, batch_idx):
         return self.model(input_ids=batch[0], labels=batch[0]).loss
@@ -403,16 +400,19 @@ def test_model_attribute_empty_next_to_a_default_lora_names_the_argument_and_the
         trainer(tmp_path, max_steps=1, callbacks=[LoRA(**LORA_ARGS), export]).fit(Classifier(tiny_bert_config), loader())
 
 
-def test_a_pissa_adapter_exports_merged_and_converted_onto_the_original_base(tmp_path):
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_2", "olora"])
+def test_a_pissa_adapter_exports_merged_and_converted_onto_the_original_base(tmp_path, init):
     """The LoRA callback with init='pissa' rewrites the base; merged/ is the trained model and adapter/ is PEFT's rank-2r
-    conversion, which PEFT loads onto the original base and computes the trained model with."""
+    conversion, which PEFT and load_adapter load onto the original base and compute the trained model with."""
     import peft
+
+    from lightning_peft.peft import load_adapter
 
     module = PlainModule()
     original = {k: v.clone() for k, v in module.net.state_dict().items()}
     data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
     export = MergeOnSave(dirpath=str(tmp_path / "out"), model_attribute="net")
-    lora = LoRA(rank=2, alpha=4, target_modules=["0"], init="pissa", model_attribute="net")
+    lora = LoRA(rank=2, alpha=4, target_modules=["0"], init=init, model_attribute="net")
     trainer(tmp_path, max_steps=3, callbacks=[lora, export]).fit(module, torch.utils.data.DataLoader(data, batch_size=4))
     x = torch.randn(5, 4)
     fresh = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
@@ -420,5 +420,71 @@ def test_a_pissa_adapter_exports_merged_and_converted_onto_the_original_base(tmp
     assert_close(fresh(x), module.net(x))
     fresh.load_state_dict(original)
     assert json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())["r"] == 4
+    ours = load_adapter(copy.deepcopy(fresh), tmp_path / "out" / "adapter")
+    assert_close(ours(x), module.net(x))
     loaded = peft.PeftModel.from_pretrained(fresh, tmp_path / "out" / "adapter")
     assert_close(loaded(x), module.net(x))
+
+
+class Counting(pl.LightningModule):
+    """``net`` trained on batches of ``shape`` to a squared output; counts its training steps."""
+
+    def __init__(self, net: nn.Module, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.net, self.shape, self.batches = net, shape, 0
+
+    def training_step(self, batch, batch_idx):
+        self.batches += 1
+        return self.net(batch[0]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+    def data(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, *self.shape)), batch_size=4)
+
+
+@pytest.mark.parametrize(("net", "shape", "lora", "problem"), [
+    (lambda: nn.Sequential(nn.Conv2d(4, 4, 3, groups=2)), (4, 5, 5), {},
+     r"lora: '0' is a Conv2d with groups=2, whose weight cannot hold the update \(it reads every input channel\)"),
+    (lambda: nn.Sequential(nn.Conv2d(4, 4, 3, groups=2)), (4, 5, 5), {"use_dora": True},
+     r"lora: '0' is a Conv2d with groups=2"),
+    (lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, bias=False)), (4,), {"lora_bias": True},
+     r"lora: '1' has lora_bias=True, but its Linear has no bias to merge B's bias into"),
+], ids=["grouped conv", "grouped conv DoRA", "lora_bias without a base bias"])
+def test_a_merge_the_layers_refuse_is_refused_before_the_first_batch(tmp_path, net, shape, lora, problem):
+    """merged/ used to fail at the first export, after the whole run; the adapter alone still exports."""
+    module = Counting(net(), shape)
+    callbacks = [LoRA(rank=2, target_modules=["0", "1"][:len(module.net)], model_attribute="net", **lora),
+                 MergeOnSave(dirpath=str(tmp_path / "out"), model_attribute="net")]
+    with pytest.raises(ValueError, match=rf"MergeOnSave\(save_merged=True\): the merged export would be refused at its "
+                                         rf"first write, as PEFT refuses these merges: {problem}.*\. Export the adapter "
+                                         r"only \(MergeOnSave\(save_merged=False\)\), or leave those layers out"):
+        trainer(tmp_path, max_steps=2, callbacks=callbacks).fit(module, module.data())
+    assert module.batches == 0
+    module = Counting(net(), shape)
+    export = MergeOnSave(dirpath=str(tmp_path / "out"), model_attribute="net", save_merged=False)
+    callbacks = [LoRA(rank=2, target_modules=["0", "1"][:len(module.net)], model_attribute="net", **lora), export]
+    trainer(tmp_path, max_steps=2, callbacks=callbacks).fit(module, module.data())
+    assert sorted(export.last_export) == ["adapter"]
+
+
+def test_a_loftq_adapter_is_refused_an_adapter_export_before_the_first_batch_and_exports_merged(tmp_path):
+    """LoftQ's trained model is no plain LoRA on the original base: only merged/ represents it."""
+    def fit(module, **export):
+        lora = LoRA(rank=2, target_modules=["0"], model_attribute="net", init="loftq", quantize="nf4")
+        export = MergeOnSave(dirpath=str(tmp_path / "out"), model_attribute="net", **export)
+        trainer(tmp_path, max_steps=2, callbacks=[lora, export]).fit(module, module.data())
+        return module
+
+    module = Counting(nn.Sequential(nn.Linear(16, 16)).double(), (16,))
+    with pytest.raises(ValueError, match=r"MergeOnSave\(save_adapter=True\): save_adapter: adapter 'default' started "
+                                         r"with init='loftq', .* To export the merged model alone: "
+                                         r"MergeOnSave\(save_adapter=False\)\."):
+        fit(module)
+    assert module.batches == 0
+    module = fit(Counting(nn.Sequential(nn.Linear(16, 16)).double(), (16,)), save_adapter=False)
+    fresh = nn.Sequential(nn.Linear(16, 16)).double()
+    fresh.load_state_dict(load_file(tmp_path / "out" / "merged" / "model.safetensors"))
+    x = torch.randn(5, 16, dtype=torch.float64)
+    assert_close(fresh(x), module.net(x), rtol=1e-12, atol=1e-12)

@@ -23,7 +23,7 @@ from lightning_peft.nn import (
 from lightning_peft.nn.checkpointing import is_checkpointed
 from lightning_peft.peft import inject_lora
 from lightning_peft.peft.prompt.prefix_tuning import inject_prefix_tuning
-from tests._models import VOCAB, bert_config, gpt2_config, llama_config, randomise
+from tests._models import VOCAB, bert_model, gpt2_model, llama_model, randomise
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 IDS = torch.randint(0, VOCAB, (3, 7), generator=torch.Generator().manual_seed(3))
@@ -47,11 +47,8 @@ def encoder() -> nn.Module:
 
 
 def bert() -> nn.Module:
-    from transformers import BertForSequenceClassification
-
     torch.manual_seed(0)
-    model = BertForSequenceClassification(bert_config(hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.2))
-    model = model.double()
+    model = bert_model(hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.2).double()
     randomise(inject_lora(model, rank=2, target_modules=["query", "value"], dropout=0.1))
     return model
 
@@ -153,10 +150,8 @@ def test_remove_restores_and_copies_carry_the_wrapper():
 
 
 def test_a_llama_cache_made_in_training_is_dropped_not_written_twice():
-    from transformers import LlamaForCausalLM
-
     torch.manual_seed(0)
-    plain = LlamaForCausalLM(llama_config(use_cache=True)).double()
+    plain = llama_model(use_cache=True).double()
     randomise(inject_lora(plain, rank=2, target_modules=["q_proj", "v_proj"]))
     model = copy.deepcopy(plain)
     apply_activation_checkpointing(model)
@@ -195,9 +190,7 @@ def test_refusals_name_the_reason_and_the_fix():
     with pytest.raises(RuntimeError, match=r"TransformerDecoder is already checkpointed \(layers.0, layers.1, "
                                            r"layers.2\); .* Call remove_activation_checkpointing\(model\) first"):
         apply_activation_checkpointing(model)
-    from transformers import BertModel
-
-    hf = BertModel(bert_config())
+    hf = bert_model("base")
     hf.activation_checkpointing_enable()
     with pytest.raises(RuntimeError, match="transformers' own gradient checkpointing is on in BertModel; .*"
                                            r"activation_checkpointing_disable\(\)"):
@@ -217,15 +210,13 @@ def test_refusals_name_the_reason_and_the_fix():
 
 
 def test_prefix_tuning_refuses_in_both_orders():
-    from transformers import GPT2LMHeadModel
-
-    model = GPT2LMHeadModel(gpt2_config())
+    model = gpt2_model()
     inject_prefix_tuning(model, num_virtual_tokens=2)
     with pytest.raises(RuntimeError, match=r"lightning_peft_prefix \(PrefixEncoder\) refuses activation "
                                            "checkpointing: prefix tuning passes its prefix as the attention cache"):
         apply_activation_checkpointing(model)
     assert checkpointed_modules(model) == {}  # nothing was wrapped
-    model = GPT2LMHeadModel(gpt2_config())
+    model = gpt2_model()
     apply_activation_checkpointing(model)
     with pytest.raises(RuntimeError, match=r"inject_prefix_tuning: activation checkpointing is on in GPT2LMHeadModel "
                                            r"\(transformer.h.0, transformer.h.1, .*a recomputed layer would write it"):

@@ -25,6 +25,7 @@ from lightning_peft.peft import (
     unload_lora,
 )
 from lightning_peft.peft.adapter import attach, detach, register
+from lightning_peft.peft.lora.init import Start
 from lightning_peft.peft.modules_to_save import set_submodule
 
 from tests._models import Tiny, randomise
@@ -169,10 +170,12 @@ def test_lora_answers_the_protocol_s_generic_members():
     assert lora.matches(config)
     assert not lora.matches({"adapters": {DEFAULT: config["adapters"][DEFAULT]}})
     assert lora.matches({"adapters": {"x": config["adapters"][DEFAULT]}, "first_only": True})
-    # resume_fields: what must agree to resume, less the training-only settings (dropout, init) and the active one.
+    # resume_fields: what must agree to resume, less the training-only settings (dropout, init) and the active one;
+    # init as far as a start rewrote the base (kaiming and gaussian compare equal).
     assert lora.training_only == ("dropout", "init")
     fields = type(lora).resume_fields(config)
-    assert fields["rank"] == 2 and fields["b.rank"] == 1 and "dropout" not in fields and "b.init" not in fields
+    assert fields["rank"] == 2 and fields["b.rank"] == 1 and "dropout" not in fields
+    assert fields["b.init"] == Start("gaussian") != Start("pissa") != Start("olora")
     set_adapter(model, "b")
     assert type(lora).resume_fields(lora.config_dict()) == fields
     # merged_state with a name folds that adapter whichever is active.

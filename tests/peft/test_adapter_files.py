@@ -25,13 +25,13 @@ from lightning_peft.peft import (
     load_adapter,
     save_adapter,
 )
+from tests._models import bert_model
 from tests.peft.test_io import (
     CONFIG,
     PREFIX,
     WEIGHTS,
     _assert_unchanged,
     _base,
-    _bert,
     _edit_config,
     _fresh,
     _randomise_ours,
@@ -71,7 +71,7 @@ def _with_named(directory: Path, folder: str, hidden: int = 16) -> None:
     """A good ``default`` adapter at ``directory`` and a named one in ``directory/<folder>`` (trained on a model
     ``hidden`` wide)."""
     _write_adapter(directory)
-    model = _bert(hidden).double()
+    model = bert_model(hidden_size=hidden).double()
     inject_lora(model, rank=4, alpha=8, target_modules=["query"])
     add_adapter(model, "b", rank=2, target_modules=["value"])
     _randomise_ours(model)

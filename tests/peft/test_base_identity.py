@@ -20,7 +20,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from lightning_peft.peft import inject_lora, load_adapter, lora_layers, quantize_base, save_adapter
-from tests._models import VOCAB, Tiny, conv1d, llama_config, randomise
+from tests._models import VOCAB, Tiny, conv1d, llama_model, randomise
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -32,9 +32,9 @@ TARGETS = ["q_proj", "v_proj"]
 IDS = torch.arange(12).reshape(2, 6) % VOCAB
 
 
-def _llama(seed: int = 0, **overrides) -> nn.Module:
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(llama_config(num_hidden_layers=1, **overrides)).eval()
+def _llama(task: str = "causal_lm") -> nn.Module:
+    torch.manual_seed(0)
+    return llama_model(task, num_hidden_layers=1).eval()
 
 
 def _qwen2(seed: int = 0) -> nn.Module:
@@ -172,8 +172,7 @@ def test_a_qwen2_adapter_loaded_into_a_llama_of_the_same_shapes_warns_naming_bot
 
 def test_the_same_model_type_under_another_head_loads_silently(tmp_path):
     _save(_llama(), tmp_path, target_modules=TARGETS)
-    torch.manual_seed(0)
-    classifier = transformers.LlamaForSequenceClassification(llama_config(num_hidden_layers=1)).eval()
+    classifier = _llama("seq_cls")
     _load_silently(classifier, tmp_path)
     assert len(lora_layers(classifier)) == 2
 

@@ -38,7 +38,7 @@ from lightning_peft.peft import (  # noqa: E402
     save_adapter,
 )
 from lightning_peft.peft.lora import lora_spec  # noqa: E402
-from tests._models import bert_config, gpt2_config, llama_config  # noqa: E402
+from tests._models import bert_model, gpt2_model, llama_model, reloaded, seeded  # noqa: E402
 
 # PEFT calls a transformers API that transformers deprecates; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
@@ -53,34 +53,18 @@ VOCAB = 64
 # --------------------------------------------------------------------------------------------------- models
 
 
-def _bert(hidden: int = 16) -> nn.Module:
-    return transformers.BertForSequenceClassification(bert_config(hidden_size=hidden))
-
-
-def _gpt2() -> nn.Module:
-    return transformers.GPT2LMHeadModel(gpt2_config())
-
-
-def _llama() -> nn.Module:
-    # One key/value head: v_proj is (8, 16) and q_proj is (16, 16), so per-module ranks give distinct shapes.
-    return transformers.LlamaForCausalLM(llama_config())
-
-
-BUILDERS: dict[str, Callable[[], nn.Module]] = {"bert": _bert, "gpt2": _gpt2, "llama": _llama}
+# The Llama has one key/value head: v_proj is (8, 16) and q_proj is (16, 16), so per-module ranks give distinct shapes.
+BUILDERS: dict[str, Callable[[], nn.Module]] = {"bert": bert_model, "gpt2": gpt2_model, "llama": llama_model}
 
 
 def _base(family: str, seed: int = 0) -> nn.Module:
     """A random model of ``family`` in float64, eval mode."""
-    torch.manual_seed(seed)
-    return BUILDERS[family]().double().eval()
+    return seeded(BUILDERS[family], seed)
 
 
 def _fresh(base: nn.Module, family: str) -> nn.Module:
     """A new, un-adapted instance with ``base``'s weights (loaded through its state dict)."""
-    torch.manual_seed(1234)  # different random init, fully overwritten by the load
-    model = BUILDERS[family]().double().eval()
-    model.load_state_dict(base.state_dict(), strict=True)
-    return model
+    return reloaded(base, BUILDERS[family])
 
 
 def _inputs() -> torch.Tensor:
@@ -444,7 +428,7 @@ def _as_bin(directory: Path, extra: dict) -> None:
 
 
 def _case_other_hidden_size(d: Path) -> tuple[type, str]:
-    model = _bert(hidden=24).double()
+    model = bert_model(hidden_size=24).double()
     inject_lora(model, rank=4, alpha=8, target_modules=["query", "value"])
     save_adapter(model, d)
     key = "base_model.model.bert.encoder.layer.0.attention.self.query.lora_A.weight"

@@ -13,7 +13,7 @@ from peft.optimizers import create_loraplus_optimizer
 
 from lightning_peft.peft import inject_lora
 from lightning_peft.peft.loraplus import loraplus_groups
-from tests._models import bert_config
+from tests._models import bert_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
@@ -23,7 +23,7 @@ SETTINGS = {"r": 2, "target_modules": ["query", "value", "word_embeddings"], "bi
 
 def _model():
     torch.manual_seed(0)
-    return transformers.BertForSequenceClassification(bert_config())
+    return bert_model()
 
 
 def test_the_groups_are_peft_create_loraplus_optimizer_groups():

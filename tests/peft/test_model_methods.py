@@ -21,20 +21,16 @@ from lightning_peft.peft import (
     set_adapter,
     unload_lora,
 )
-from tests._models import llama_config, randomise
+from tests._models import llama_model, randomise
 
 transformers = pytest.importorskip("transformers")
 
 IDS = torch.tensor([[3, 17, 5, 40, 9], [12, 2, 33, 7, 21]])  # (2, 5)
 
 
-def _llama(tied: bool = False):
-    return transformers.LlamaForCausalLM(llama_config(tie_word_embeddings=tied)).eval()
-
-
 def _two_adapters():
     """A tiny Llama with adapters 'a' (attention) and 'b' (every linear layer), both random."""
-    model = _llama()
+    model = llama_model().eval()
     inject_lora(model, rank=4, target_modules=["q_proj", "v_proj"], adapter_name="a")
     add_adapter(model, "b", rank=2, target_modules="all-linear")
     randomise(lora_layers(model))
@@ -45,7 +41,7 @@ def _two_adapters():
 def test_save_pretrained_writes_the_merged_model_that_from_pretrained_reproduces(tmp_path, tied):
     """The class's own save_pretrained wrote base_layer / lora_A.default keys; from_pretrained re-initialised every
     adapted layer without an error (logits 9.65 off on a real model)."""
-    model = _llama(tied)
+    model = llama_model(tie_word_embeddings=tied).eval()
     inject_lora(model, rank=4, target_modules="all-linear")
     randomise(lora_layers(model))
     with torch.no_grad():
@@ -59,9 +55,9 @@ def test_save_pretrained_writes_the_merged_model_that_from_pretrained_reproduces
 
 
 def test_save_pretrained_with_a_state_dict_writes_that_and_without_adapters_is_the_class_s_again(tmp_path):
-    model = _llama()
+    model = llama_model().eval()
     inject_lora(model, rank=4, target_modules=["q_proj"])
-    state = {k: v for k, v in _llama().state_dict().items()}
+    state = {k: v for k, v in llama_model().state_dict().items()}
     model.save_pretrained(tmp_path / "given", state_dict=state)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "given")
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in state.items())
@@ -70,14 +66,14 @@ def test_save_pretrained_with_a_state_dict_writes_that_and_without_adapters_is_t
 
 
 def test_save_pretrained_refuses_what_no_plain_model_reproduces(tmp_path):
-    model = _llama()
+    model = llama_model().eval()
     inject_bottleneck_adapters(model, target_modules=["down_proj"])
     with pytest.raises(RuntimeError, match=(
         r"LlamaForCausalLM\.save_pretrained\(\): the model carries lightning-peft's bottleneck adapter, which cannot "
         r"be folded into the base weights.*lightning_peft\.peft\.save_adapter\(model, directory\)"
     )):
         model.save_pretrained(tmp_path)
-    lora = _llama()
+    lora = llama_model().eval()
     inject_lora(lora, rank=4, target_modules=["q_proj"])
     lora.disable_adapters()
     with pytest.raises(RuntimeError, match=r"save_pretrained\(\): the adapters are disabled.*enable_adapters\(\)"):
@@ -144,7 +140,7 @@ def test_routed_beam_search_equals_each_sample_alone_with_its_adapter(num_beams,
 
 
 def test_beam_search_on_a_model_that_holds_the_adapters_inside_says_num_beams():
-    model = _llama()
+    model = llama_model().eval()
     inject_lora(model.model, rank=2, target_modules=["q_proj"], adapter_name="a")  # generate is the outer model's
     with route_adapters(model.model, ["a", None]), pytest.raises(ValueError, match=(
         r"route_adapters: a batch of 4 samples reached .* but 2 adapter names were given; .* A batch 2 times larger "

@@ -8,16 +8,10 @@ from torch import nn
 from torch.testing import assert_close
 
 from lightning_peft.peft import ModulesToSave, inject_lora, merged_state_dict, save_adapter, unload_lora
+from tests._models import tied_gpt2
 
 peft = pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
-
-
-def gpt2(seed: int = 0):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=8, n_layer=1, n_head=2, n_positions=16)).eval()
 
 
 def train_one_step(model: nn.Module, ids: torch.Tensor) -> None:
@@ -28,7 +22,7 @@ def train_one_step(model: nn.Module, ids: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("saved", [["lm_head"], ["wte", "lm_head"]])
 def test_tied_modules_to_save_train_a_copy_and_peft_reproduces_the_logits(saved, tmp_path):
-    model = gpt2()
+    model = tied_gpt2()
     wte = model.transformer.wte.weight.detach().clone()
     assert model.lm_head.weight is model.transformer.wte.weight  # GPT-2 ties them
     inject_lora(model, rank=2, target_modules=["c_attn"], modules_to_save=saved)
@@ -45,7 +39,7 @@ def test_tied_modules_to_save_train_a_copy_and_peft_reproduces_the_logits(saved,
         assert model.transformer.wte.trained_module.weight is head.trained_module.weight  # copies stay tied
 
     save_adapter(model, tmp_path)  # tied copies: each key written, no "tensors share memory"
-    peft_model = peft.PeftModel.from_pretrained(gpt2(), tmp_path).eval()
+    peft_model = peft.PeftModel.from_pretrained(tied_gpt2(), tmp_path).eval()
     with torch.no_grad():
         assert_close(peft_model(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
@@ -53,7 +47,7 @@ def test_tied_modules_to_save_train_a_copy_and_peft_reproduces_the_logits(saved,
 def test_merged_export_of_a_saved_tied_head_loads_with_the_trained_head(tmp_path):
     from transformers import GPT2LMHeadModel
 
-    model = gpt2()
+    model = tied_gpt2()
     inject_lora(model, rank=2, target_modules=["c_attn"], modules_to_save=["lm_head"])
     ids = torch.randint(0, 32, (2, 6))
     train_one_step(model, ids)
@@ -67,7 +61,7 @@ def test_merged_export_of_a_saved_tied_head_loads_with_the_trained_head(tmp_path
 
 def test_unload_gives_back_the_trained_or_the_original_module():
     for merge in (True, False):
-        model = gpt2()
+        model = tied_gpt2()
         inject_lora(model, rank=2, target_modules=["c_attn"], modules_to_save=["lm_head"])
         trained, original = model.lm_head.trained_module, model.lm_head.original_module
         assert unload_lora(model, merge=merge) is model

@@ -45,6 +45,7 @@ from .._common import (
     inside,
     is_quantized,
     name_matches,
+    refuse_absent,
     refuse_no_target,
     refuse_second_injection,
     refuse_unmatched,
@@ -312,10 +313,7 @@ class IA3Adapter(Adapter):
         model = unwrap(model)
         _refuse_second_injection(model)
         targets, to_save = list(config["targets"]), list(config["modules_to_save"])
-        missing = [n for n in (*targets, *to_save) if n not in dict(model.named_modules())]
-        if missing:
-            raise ValueError(f"IA3: the recorded adapter names module {missing[0]!r}, which {type(model).__name__} "
-                             "does not have; it was written for another model.")
+        refuse_absent(model, [*targets, *to_save], "IA3: the recorded adapter")
         _inject(model, IA3Config(**config["config"]), targets, list(config["feedforward"]), to_save)
         return attached(model)[cls.kind]
 

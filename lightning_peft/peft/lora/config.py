@@ -130,6 +130,12 @@ class LoRAConfig:
     def alpha_for(self, name: str) -> float:
         return _pattern_value(self.alpha_pattern, name, self.alpha)
 
+    def layer_settings(self, name: str) -> dict[str, Any]:
+        """What a LoRA layer takes for module (or parameter) ``name``: ``LoRALayer.add_adapter``'s arguments, with
+        ``rank_pattern`` and ``alpha_pattern`` applied."""
+        return {"rank": self.rank_for(name), "alpha": self.alpha_for(name), "dropout": self.dropout,
+                "use_rslora": self.use_rslora, "init": self.init, "use_dora": self.use_dora, "lora_bias": self.lora_bias}
+
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-able dict (``LoRAConfig(**config.to_dict()) == config``)."""
         return dataclasses.asdict(self)

@@ -26,8 +26,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .._common import compute_dtype
 from . import variants
-from .layer import LAYER_TYPES, _ABLayer, _compute_dtype
+from .layer import LAYER_TYPES, ABLayer
 
 __all__ = ["LoRAConv", "LoRAConv2d", "refuse_rank"]
 
@@ -46,7 +47,7 @@ def refuse_rank(who: str, name: str, base: nn.Module, rank: int) -> None:
         )
 
 
-class LoRAConv(_ABLayer):
+class LoRAConv(ABLayer):
     """LoRA for ``nn.Conv1d``, ``nn.Conv2d`` and ``nn.Conv3d``, grouped ones included (module docstring).
 
     A mixed batch runs one segment per adapter it uses (convolutions have no batched-weight form in PyTorch).
@@ -54,9 +55,9 @@ class LoRAConv(_ABLayer):
 
     dora_variant = variants.ConvDoRA  # DoRA (use_dora=True): any number of spatial dimensions, grouped too
 
-    def add_adapter(self, name: str, rank: int, *args, **kwargs) -> None:
+    def add_adapter(self, name: str, rank: int, alpha: float, dropout: float = 0.0, **settings) -> None:
         refuse_rank(type(self).__name__, name, self.base_layer, rank)
-        super().add_adapter(name, rank, *args, **kwargs)
+        super().add_adapter(name, rank, alpha, dropout, **settings)
 
     def _create(self, name: str, rank: int, device: torch.device, dtype: torch.dtype) -> None:
         base = self.base_layer
@@ -77,7 +78,7 @@ class LoRAConv(_ABLayer):
                 "merge too). Keep the adapter unmerged: save it with save_adapter and run it as a LoRA layer."
             )
         a, b = self.lora_A[name].weight, self.lora_B[name].weight
-        dtype = _compute_dtype(a.dtype)
+        dtype = compute_dtype(a.dtype)
         a, b = a.to(dtype), b.to(dtype).flatten(1)  # (r, in, *k), (out, r)
         return (b @ a.flatten(1)).view(b.shape[0], *a.shape[1:]) * self.specs[name].scaling  # (out, in, *k)
 

@@ -11,7 +11,7 @@ base; ``A`` is (r, in), ``B`` (out, r)):
 
 ```text
 pissa          W = U diag(S) V^T (SVD)      B = U_r diag(sqrt(S_r / s))   A = diag(sqrt(S_r / s)) V_r^T
-pissa_niter_K  U_r, S_r, V_r = torch.svd_lowrank(W, r, niter=K)   (randomised: the global RNG, as PEFT)
+pissa_niter_K  U_r, S_r, V_r = torch.svd_lowrank(W, r, niter=K)   (randomised: drawn with the seed `SEED`)
 olora          W = Q R (reduced QR)         B = Q[:, :r]                  A = R[:r]
 all three      W_res = W - s B A            the base becomes W_res, so the model starts equal to the base
 loftq          T = iterations (1: PEFT's default); L_0 R_0 = 0; for t = 1..T:
@@ -33,13 +33,20 @@ A' = [A; A_0] (2r, in)    B' = [B, -B_0] (out, 2r)    alpha' = 2 alpha (sqrt(2) 
 
 is a plain LoRA of rank ``2r`` on the original base. LoftQ's trained model ``Q_T + s B A`` differs from ``W`` by more
 than a low-rank term: only its merged export represents it.
+
+A resume rebuilds the rewritten base (and ``A_0``, ``B_0``) by running the start again on the original base, so each
+start is a function of that weight alone: ``pissa_niter_K`` draws its random projection from a fork of the weight's
+device generator seeded `SEED`: PEFT after ``torch.manual_seed(SEED)`` on each layer (PEFT draws from the global
+generator, so its unseeded resume builds another base; recording the start in checkpoints instead would double an
+adapter-only checkpoint and leave PEFT-format loads with the problem).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -51,6 +58,7 @@ PLAIN = ("kaiming", "gaussian")
 _FORMS = re.compile(r"pissa|pissa_niter_(\d+)|olora|loftq|loftq_iter_([1-9]\d*)")
 # Hugging Face PEFT starts that need more than the base weight: a data pass (EVA, CorDA) or another method's state.
 _DATA_STARTS = ("eva", "corda", "lora_ga")
+SEED = 0  # pissa_niter_K's random projection: a fixed draw, so that every run starts alike
 
 
 def check_init(value: object, who: str = "LoRA") -> str:
@@ -68,6 +76,22 @@ def check_init(value: object, who: str = "LoRA") -> str:
 
 def rewrites_base(init: str) -> bool:
     return init not in PLAIN
+
+
+class Start:
+    """A recorded ``init`` as a resume compares it (`LoRAAdapter.resume_fields`): kaiming and gaussian may follow each
+    other; a start that rewrote the base may not change, since the resume rebuilds that base by running it again."""
+
+    def __init__(self, init: str) -> None:
+        self.init, self.key = init, (init if rewrites_base(init) else PLAIN)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Start) and self.key == other.key
+
+    def __repr__(self) -> str:
+        return f"{self.init!r} " + ("(a start that rewrote the base weights: resuming rebuilds them by running that same "
+                                    "start on the original base, so another init would put the trained factors on "
+                                    "another base)" if self.key == self.init else "(a start that keeps the base weights)")
 
 
 def loftq_iterations(init: str) -> int | None:
@@ -88,8 +112,24 @@ def pissa(weight: Tensor, rank: int, scaling: float, niter: int | None = None) -
     if niter is None:
         u, s, vh = torch.linalg.svd(weight, full_matrices=False)
         return _split(u[:, :rank], s[:rank], vh[:rank], scaling)
-    u, s, v = torch.svd_lowrank(weight, rank, niter=niter)
+    with seeded(weight.device):
+        u, s, v = torch.svd_lowrank(weight, rank, niter=niter)
     return _split(u, s, v.t(), scaling)
+
+
+@contextlib.contextmanager
+def seeded(device: torch.device) -> Iterator[None]:
+    """Inside: the global generator of ``device`` (where ``svd_lowrank`` draws) seeded with `SEED`; after: every
+    generator as it was."""
+    cpu = device.type == "cpu"
+    with torch.random.fork_rng(devices=[] if cpu else [device], device_type=None if cpu else device.type):
+        if cpu:
+            torch.random.default_generator.manual_seed(SEED)
+        else:
+            module = torch.get_device_module(device.type)
+            index = module.current_device() if device.index is None else device.index
+            module.default_generators[index].manual_seed(SEED)
+        yield
 
 
 def olora(weight: Tensor, rank: int) -> tuple[Tensor, Tensor]:

@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._common import LayerWrapper, adapter_dtype, dense_weight, is_quantized
+from .._common import LayerWrapper, adapter_dtype, compute_dtype, dense_weight, is_quantized, require
 from .._limits import scale
 from ..adapter import attached, unwrap
 from . import init as starts
@@ -70,14 +70,9 @@ from . import variants
 from .routing import DEFAULT, RoutedPath, Routing
 
 __all__ = ["DEFAULT", "LAYER_TYPES", "AdapterSpec", "Init", "LoRAEmbedding", "LoRALayer", "LoRALinear", "Routing",
-           "conv1d_type", "lora_layers", "lora_spec", "make_layer", "require_spec"]
+           "linear_types", "lora_layers", "lora_spec", "make_layer", "require_spec"]
 
 Init = str  # "kaiming", "gaussian", or a start that reads the base weight (lora.init: "pissa", "olora", ...)
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Merges are computed in at least float32 and cast back.
-    return torch.promote_types(dtype, torch.float32)
 
 
 # --- state-dict hooks (LoRALayer registers them): a merged layer saves its unmerged base weight, and loads into the
@@ -165,6 +160,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
         rank: int,
         alpha: float,
         dropout: float = 0.0,
+        *,
         use_rslora: bool = False,
         init: Init = "kaiming",
         adapter_name: str = DEFAULT,
@@ -179,7 +175,8 @@ class LoRALayer(RoutedPath, LayerWrapper):
         self._remerge_after_load: str | None = None
         self._factor_cache: dict[str, tuple[tuple[dict, str], tuple[dict, str]]] = {}
         self._init_containers()
-        self.add_adapter(adapter_name, rank, alpha, dropout, use_rslora, init, use_dora, lora_bias)
+        self.add_adapter(adapter_name, rank, alpha, dropout, use_rslora=use_rslora, init=init, use_dora=use_dora,
+                         lora_bias=lora_bias)
         self.register_state_dict_post_hook(unmerged_state)
         self.register_load_state_dict_pre_hook(unmerge_before_load)
         self.register_load_state_dict_post_hook(remerge_after_load)
@@ -236,7 +233,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
         return self.merged_adapter is not None
 
     def add_adapter(
-        self, name: str, rank: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False,
+        self, name: str, rank: int, alpha: float, dropout: float = 0.0, *, use_rslora: bool = False,
         init: Init = "kaiming", use_dora: bool = False, lora_bias: bool = False,
     ) -> None:
         """Add adapter ``name`` (zero update) to this layer."""
@@ -347,7 +344,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
             return weight.detach().clone()
         with torch.no_grad():  # a quantized base is dequantized (to the dtype it had) first
             dense = dense_weight(weight, self.base_layer)
-            merged = self._with_update(dense.to(_compute_dtype(dense.dtype)), name or self._active_name())
+            merged = self._with_update(dense.to(compute_dtype(dense.dtype)), name or self._active_name())
         if not torch.isfinite(merged).all():
             raise RuntimeError(
                 f"{type(self).__name__}: merging would write inf or NaN into the base weight "
@@ -368,7 +365,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
     def _restored(self) -> dict[str, Tensor]:
         """The base tensors without the merged adapter's update, by their key in this layer's state dict."""
         weight, name = self._adapted(), self.merged_adapter
-        restored = self._without_update(dense_weight(weight).to(_compute_dtype(weight.dtype)), name)
+        restored = self._without_update(dense_weight(weight).to(compute_dtype(weight.dtype)), name)
         tensors = {self.adapted_key: restored.to(weight.dtype)}
         bias_delta = self._bias_delta(name)
         if bias_delta is not None:
@@ -497,10 +494,6 @@ class LoRALayer(RoutedPath, LayerWrapper):
     def _single(self, x: Tensor, result: Tensor, name: str) -> Tensor:
         raise NotImplementedError(f"{type(self).__name__} must define _single()")
 
-    def _may_overwrite(self, result: Tensor) -> bool:
-        """Whether the base output can take the update in place: without autograd, and when no hook on the base
-        layer may have kept a reference to it (a copy of the output then costs as much as the update itself)."""
-        return not torch.is_grad_enabled() and not self.base_layer._forward_hooks and result.is_contiguous()
     def _check_trainable_forward(self) -> None:
         # A merged layer's output does not depend on the adapter, so training it ends in autograd's cryptic
         # "element 0 of tensors does not require grad"; say why first. A warning, not an error: a merged model
@@ -551,13 +544,11 @@ def _repeated(samples: int, names: int) -> str:
             f"the samples), or give each name {k} times in a row.")
 
 
-def conv1d_type() -> type | None:
-    """The ``transformers`` ``Conv1D`` class if ``transformers`` is already imported, else None.
-
-    A model can only contain a ``Conv1D`` once ``transformers`` is imported, so this never imports it.
-    """
-    module = sys.modules.get("transformers.pytorch_utils")
-    return getattr(module, "Conv1D", None)
+def linear_types() -> tuple[type, ...]:
+    """The types `LoRALinear` adapts: ``nn.Linear``, and ``transformers``' ``Conv1D`` if ``transformers`` is already
+    imported (a model can only contain a ``Conv1D`` once it is, so this never imports it)."""
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    return (nn.Linear,) if conv1d is None else (nn.Linear, conv1d)
 
 
 def lora_layers(model: nn.Module) -> dict[str, LoRALayer]:
@@ -572,16 +563,11 @@ def lora_spec(model: nn.Module):
 
 
 def require_spec(model: nn.Module, who: str):
-    """`lora_spec`, raising if ``model`` has no LoRA adapter."""
-    spec = lora_spec(model)
-    if spec is None:
-        raise RuntimeError(
-            f"{who}: {type(unwrap(model)).__name__} has no LoRA adapter; call inject_lora(model, ...) first."
-        )
-    return spec
+    """`lora_spec`, raising (``who`` in the message) if ``model`` has no LoRA adapter."""
+    return require(model, "lora", who, "LoRA adapter", "inject_lora")
 
 
-class _ABLayer(LoRALayer):
+class ABLayer(LoRALayer):
     """A layer whose adapters are pairs of modules: ``lora_A[n]`` (input side) and ``lora_B[n]`` (output side)."""
 
     lora_A: nn.ModuleDict
@@ -602,7 +588,7 @@ class _ABLayer(LoRALayer):
 
     def _bias_delta(self, name: str) -> Tensor | None:
         bias = self.lora_B[name].bias  # (out,) with lora_bias
-        return None if bias is None else bias.detach().to(_compute_dtype(bias.dtype)) * self.specs[name].scaling
+        return None if bias is None else bias.detach().to(compute_dtype(bias.dtype)) * self.specs[name].scaling
 
     def _factor_refs(self, name: str) -> tuple[tuple[dict, str], tuple[dict, str]]:
         return (self.lora_A[name]._parameters, "weight"), (self.lora_B[name]._parameters, "weight")
@@ -618,7 +604,7 @@ class _ABLayer(LoRALayer):
             nn.init.zeros_(self.lora_B[name].bias)
 
 
-class LoRALinear(_ABLayer):
+class LoRALinear(ABLayer):
     """LoRA for ``nn.Linear`` and for ``transformers``' ``Conv1D`` (``fan_in_fan_out=True``: weight is (in, out))."""
 
     dora_variant = variants.LinearDoRA
@@ -627,9 +613,10 @@ class LoRALinear(_ABLayer):
     # split): A (r, in) splits with it, B replicated (lightning_peft.parallel.tensor_parallel).
     tensor_parallel_split = {"colwise": "lora_B", "rowwise": "lora_A"}
 
-    def __init__(self, base_layer: nn.Module, *args, **kwargs) -> None:
-        self.fan_in_fan_out = not isinstance(base_layer, nn.Linear)
-        super().__init__(base_layer, *args, **kwargs)
+    @property
+    def fan_in_fan_out(self) -> bool:
+        """Whether the base weight is (in, out): ``transformers``' ``Conv1D``."""
+        return not isinstance(self.base_layer, nn.Linear)
 
     def _create(self, name: str, rank: int, device: torch.device, dtype: torch.dtype) -> None:
         base = self.base_layer
@@ -642,7 +629,7 @@ class LoRALinear(_ABLayer):
 
     def _delta(self, name: str) -> Tensor:
         a, b = self.lora_A[name].weight, self.lora_B[name].weight
-        dtype = _compute_dtype(a.dtype)
+        dtype = compute_dtype(a.dtype)
         delta = (b.to(dtype) @ a.to(dtype)) * self.specs[name].scaling  # (out, in)
         return delta.t() if self.fan_in_fan_out else delta
 
@@ -672,12 +659,9 @@ class LoRAEmbedding(LoRALayer):
 
     dora_variant = variants.EmbeddingDoRA
 
-    def __init__(self, base_layer: nn.Embedding, rank: int, alpha: float, dropout: float = 0.0, *args, **kwargs) -> None:
+    def add_adapter(self, name: str, rank: int, alpha: float, dropout: float = 0.0, **settings) -> None:
         # Dropout on token ids has no meaning; PEFT ignores it for embeddings too.
-        super().__init__(base_layer, rank, alpha, 0.0, *args, **kwargs)
-
-    def add_adapter(self, name: str, rank: int, alpha: float, dropout: float = 0.0, *args, **kwargs) -> None:
-        super().add_adapter(name, rank, alpha, 0.0, *args, **kwargs)
+        super().add_adapter(name, rank, alpha, 0.0, **settings)
 
     def _init_containers(self) -> None:
         self.lora_embedding_A = nn.ParameterDict()
@@ -712,7 +696,7 @@ class LoRAEmbedding(LoRALayer):
 
     def _delta(self, name: str) -> Tensor:
         a, b = self.lora_embedding_A[name], self.lora_embedding_B[name]
-        dtype = _compute_dtype(a.dtype)
+        dtype = compute_dtype(a.dtype)
         return (b.to(dtype) @ a.to(dtype)).t() * self.specs[name].scaling  # (V, d)
 
     def _lookup(self, x: Tensor, table: Tensor) -> Tensor:
@@ -749,19 +733,10 @@ class LoRAEmbedding(LoRALayer):
 LAYER_TYPES: dict[type, type[LoRALayer]] = {}
 
 
-def make_layer(module: nn.Module, name: str, config, adapter_name: str) -> LoRALayer:
-    """The LoRA layer for ``module`` (named ``name`` in the model) with ``config``'s settings (a ``LoRAConfig``)."""
-    kwargs = {
-        "rank": config.rank_for(name),
-        "alpha": config.alpha_for(name),
-        "dropout": config.dropout,
-        "use_rslora": config.use_rslora,
-        "init": config.init,
-        "adapter_name": adapter_name,
-        "use_dora": config.use_dora,
-        "lora_bias": config.lora_bias,
-    }
+def make_layer(module: nn.Module, adapter_name: str, **settings) -> LoRALayer:
+    """The LoRA layer for ``module`` with adapter ``adapter_name`` (``settings``: `LoRALayer.add_adapter`'s, as
+    ``LoRAConfig.layer_settings`` gives them)."""
     if isinstance(module, nn.Embedding):
-        return LoRAEmbedding(module, **kwargs)
+        return LoRAEmbedding(module, adapter_name=adapter_name, **settings)
     layer_type = next((t for base, t in LAYER_TYPES.items() if isinstance(module, base)), LoRALinear)
-    return layer_type(module, **kwargs)
+    return layer_type(module, adapter_name=adapter_name, **settings)

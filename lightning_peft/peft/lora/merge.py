@@ -1,7 +1,8 @@
 """Merging LoRA into the base weights in place, and back: [`merge_lora`][lightning_peft.peft.merge_lora],
 [`unmerge_lora`][lightning_peft.peft.unmerge_lora].
 
-([`merged_state_dict`][lightning_peft.peft.merged_state_dict] merges out of place, for exports.)
+([`merged_state_dict`][lightning_peft.peft.merged_state_dict] merges out of place, for exports; `merge_problems` says,
+without computing a merge, which layers it would refuse.)
 """
 
 from __future__ import annotations
@@ -66,6 +67,24 @@ def merge_lora(model: nn.Module, adapter_name: str | None = None, dequantize: bo
         raise RuntimeError(f"merge_lora: {err}") from None
     spec.routing.active = name
     return done
+
+
+def merge_problems(model: nn.Module, name: str | None) -> list[str]:
+    """Why a merge of adapter ``name`` would be refused, one line per layer, read from the layers' kinds and settings
+    (no weight is touched, so `MergeOnSave` asks before training): a grouped convolution, whose weight cannot hold an
+    update that reads every input channel, and ``lora_bias`` on a base without a bias (PEFT refuses both merges)."""
+    problems = []
+    for target, layer in lora_layers(model).items():
+        if name not in layer.specs:
+            continue
+        base = layer.base_layer
+        if isinstance(base, nn.modules.conv._ConvNd) and base.groups > 1:
+            problems.append(f"{target!r} is a {type(base).__name__} with groups={base.groups}, whose weight cannot "
+                            "hold the update (it reads every input channel)")
+        if layer.specs[name].lora_bias and layer.bias is None:
+            problems.append(f"{target!r} has lora_bias=True, but its {type(base).__name__} has no bias to merge B's "
+                            "bias into")
+    return problems
 
 
 def _refuse_tied(model: nn.Module, layers: dict[str, LoRALayer]) -> None:

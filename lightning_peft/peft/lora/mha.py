@@ -33,7 +33,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from .layer import LAYER_TYPES, Init, _ABLayer, _compute_dtype
+from .._common import compute_dtype
+from .layer import LAYER_TYPES, ABLayer, Init
 
 #: PEFT's layer-relative path of our factor containers whose name differs (PEFT wraps ``out_proj`` in a LoRA layer).
 PEFT_CONTAINERS = {"out_proj_lora_A": "base_layer.out_proj.lora_A", "out_proj_lora_B": "base_layer.out_proj.lora_B"}
@@ -52,6 +53,12 @@ def refuse_unsupported(chosen: list[str], modules: dict[str, nn.Module], config)
                 "in-projection only (kdim = vdim = embed_dim), as Hugging Face PEFT does. Leave it out of "
                 "target_modules."
             )
+    if attention and config.lora_bias:
+        raise ValueError(
+            f"LoRA(lora_bias=True) with the nn.MultiheadAttention {attention[0]!r}: PEFT's attention layer has no "
+            "lora_bias, so the adapter would have nowhere to live in its files. Use lora_bias=False, or leave the "
+            "attention modules out of target_modules (exclude_modules=[...])."
+        )
     if attention and config.bias != "none":
         raise ValueError(
             f"LoRA(bias={config.bias!r}) with the nn.MultiheadAttention {attention[0]!r}: its biases (in_proj_bias, "
@@ -87,13 +94,14 @@ def _no_fused_path(module: nn.Module, args: tuple) -> None:
     submodule has a hook. That kernel reads ``self_attn.in_proj_weight`` itself and would run without the adapter."""
 
 
-class LoRAMultiheadAttention(_ABLayer):
+class LoRAMultiheadAttention(ABLayer):
     """LoRA for ``nn.MultiheadAttention`` (module docstring): ``lora_A`` / ``lora_B`` adapt ``in_proj_weight``,
     ``out_proj_lora_A`` / ``out_proj_lora_B`` adapt ``out_proj.weight``; the forward is the base's, with the adapted
     weights. Attributes (``embed_dim``, ``batch_first``, ``out_proj``, ...) are the base module's."""
 
-    def __init__(self, base_layer: nn.MultiheadAttention, *args, **kwargs) -> None:
-        super().__init__(base_layer, *args, **kwargs)
+    def __init__(self, base_layer: nn.MultiheadAttention, rank: int, alpha: float, dropout: float = 0.0,
+                 **settings) -> None:
+        super().__init__(base_layer, rank, alpha, dropout, **settings)
         self.register_forward_pre_hook(_no_fused_path)
 
     @property
@@ -104,14 +112,14 @@ class LoRAMultiheadAttention(_ABLayer):
     def _adapted(self) -> Tensor:
         return self.base_layer.in_proj_weight
 
-    def add_adapter(self, name: str, rank: int, alpha: float, dropout: float = 0.0, *args, **kwargs) -> None:
+    def add_adapter(self, name: str, rank: int, alpha: float, dropout: float = 0.0, **settings) -> None:
         if dropout > 0:
             warnings.warn(
                 f"LoRA(dropout={dropout}): not applied to nn.MultiheadAttention layers, whose adapter enters the "
                 "attention through its weights, not through a layer input (Hugging Face PEFT ignores lora_dropout "
                 "there too); it applies to the other adapted layers.", UserWarning, stacklevel=2,
             )
-        super().add_adapter(name, rank, alpha, 0.0, *args, **kwargs)
+        super().add_adapter(name, rank, alpha, 0.0, **settings)
 
     def _init_containers(self) -> None:
         super()._init_containers()
@@ -152,7 +160,7 @@ class LoRAMultiheadAttention(_ABLayer):
         scaling = self.specs[name].scaling
         deltas = {}
         for key, (a, b) in pairs.items():
-            dtype = _compute_dtype(a.weight.dtype)
+            dtype = compute_dtype(a.weight.dtype)
             deltas[key] = (b.weight.to(dtype) @ a.weight.to(dtype)) * scaling  # (3E, E) and (E, E)
         return deltas
 

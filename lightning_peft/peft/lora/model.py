@@ -27,9 +27,9 @@ from typing import Any, ClassVar
 from torch import Tensor, nn
 
 from .. import trainable_tokens as tokens
+from .._common import refuse_absent, refuse_second_injection
 from .._limits import refuse_overflowing_scales
 from ..adapter import (
-    Adapter,
     attach,
     attached,
     detach,
@@ -42,21 +42,11 @@ from ..modules_to_save import fold_modules_to_save, set_submodule, wrap_modules_
 from ..quantize import drop_quantizer_entries, plain_state, quantize_layers
 from . import init as starts
 from .config import LoRAConfig, as_config, check_adapter_name
-from .layer import DEFAULT, LoRALayer, Routing, conv1d_type, lora_layers, lora_spec, make_layer, require_spec
-from .merge import merge_lora, unmerge_lora
+from .layer import DEFAULT, LoRALayer, Routing, linear_types, lora_layers, lora_spec, make_layer, require_spec
+from .merge import merge_lora, merge_problems, unmerge_lora
 from .param import plan_parameters, wrap_parameters
-from .mha import warn_doubled_out_proj
-from .peft_format import (
-    PEFT_FIELDS,
-    check_file_shapes,
-    check_peft_config,
-    config_for_model,
-    peft_config,
-    peft_problems,
-    peft_state,
-    value_problems,
-)
-from .targets import _select, _warn_about_settings, select_parameters
+from .peft_format import LoRAPeftFormat, config_for_model
+from .targets import select_parameters, select_targets, warn_about_settings
 
 log = logging.getLogger("lightning_peft.peft.lora")  # the package, as targets.py logs
 # LoRAConfig fields newer than some checkpoints: their old value
@@ -65,7 +55,7 @@ _ADDED_FIELDS = {"use_dora": False, "quantize": None, "lora_bias": False, "layer
 
 
 @register
-class LoRAAdapter(Adapter):
+class LoRAAdapter(LoRAPeftFormat):
     """LoRA's side of the adapter protocol: the named LoRA adapters on a model.
 
     Args:
@@ -75,12 +65,9 @@ class LoRAAdapter(Adapter):
     """
 
     kind: ClassVar[str] = "lora"
-    peft_type: ClassVar[str] = "LORA"
-    peft_fields: ClassVar[frozenset[str]] = PEFT_FIELDS
     mergeable: ClassVar[bool] = True
     training_only: ClassVar[tuple[str, ...]] = ("dropout", "init")
     named: ClassVar[bool] = True
-    converts_to_lora: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -145,15 +132,10 @@ class LoRAAdapter(Adapter):
         if "adapters" not in config:  # the single-adapter format of lightning-peft 0.1 checkpoints
             config = {"adapters": {DEFAULT: {"config": config["config"], "targets": config["targets"]}},
                       "modules_to_save": config["modules_to_save"], "active": DEFAULT}
-        names = {n for n, _ in model.named_modules()}
         recorded = [t for entry in config["adapters"].values() for t in entry["targets"]]
         # A nested parameter wrapper's path (``<module>.base_layer``) exists once its config's rules wrap it again.
-        absent = [n for n in [*recorded, *config["modules_to_save"]] if n not in names and ".base_layer" not in n]
-        if absent:
-            raise ValueError(
-                f"LoRA: the recorded adapter names module {absent[0]!r}, which {type(model).__name__} does not have; "
-                "the checkpoint was written for another model."
-            )
+        refuse_absent(model, [n for n in [*recorded, *config["modules_to_save"]] if ".base_layer" not in n],
+                      "LoRA: the recorded adapter")
         for i, (name, entry) in enumerate(config["adapters"].items()):
             to_save = list(config["modules_to_save"]) if i == 0 else []
             _inject(model, LoRAConfig(**entry["config"]), list(entry["targets"]), to_save, name)
@@ -185,6 +167,11 @@ class LoRAAdapter(Adapter):
             state.update({f"{name}.{key}": weight for key, weight in merged.items()})
         state = tokens.merged_token_state(model, state, lambda owner: wanted or self.routing.active)
         return plain_state(fold_modules_to_save(model, state))
+
+    def merge_problems(self, model: nn.Module, name: str | None = None) -> list[str]:
+        """Why `merged_state` would refuse adapter ``name`` (default: the merged one, else the active one)."""
+        chosen = (self.routing.merged_adapter or self.routing.active) if name is None else self._name(name)
+        return merge_problems(unwrap(model), chosen)
 
     def unload(self, model: nn.Module, merge: bool) -> None:
         model = unwrap(model)
@@ -219,7 +206,7 @@ class LoRAAdapter(Adapter):
     @classmethod
     def resume_fields(cls, config: dict[str, Any]) -> dict[str, Any]:
         """Flat fields of every named adapter (``<name>.<field>``, ``default``'s bare), less the training-only ones
-        and the active adapter."""
+        and the active adapter; ``init`` as `lightning_peft.peft.lora.init.Start` compares it."""
         if "adapters" not in config:  # the single-adapter format of lightning-peft 0.1 checkpoints
             config = {"adapters": {DEFAULT: config}, "modules_to_save": config.get("modules_to_save", [])}
         fields: dict[str, Any] = {"modules_to_save": config.get("modules_to_save")}
@@ -227,6 +214,7 @@ class LoRAAdapter(Adapter):
             prefix = "" if name == DEFAULT else f"{name}."
             flat = {**_ADDED_FIELDS, **entry.get("config", {}), **{k: v for k, v in entry.items() if k != "config"}}
             fields.update({f"{prefix}{k}": v for k, v in flat.items() if k not in cls.training_only})
+            fields[f"{prefix}init"] = starts.Start(flat.get("init", "kaiming"))  # kaiming <-> gaussian only
         return fields
 
     def remove(self, model: nn.Module, name: str) -> None:
@@ -252,35 +240,6 @@ class LoRAAdapter(Adapter):
         tokens.delete_tokens(model, name)
         del self.adapters[name]
         attach(model, self)
-
-    def _name(self, adapter_name: str | None) -> str:
-        name = adapter_name or self.routing.active or self.names[0]
-        if name not in self.adapters:
-            raise ValueError(f"LoRA: no adapter named {name!r}; the model has {list(self.adapters)}.")
-        return name
-
-    def peft_state(self, model: nn.Module, adapter_name: str | None = None,
-                   convert_to_lora: bool = False) -> dict[str, Tensor]:
-        return peft_state(self, model, self._name(adapter_name), convert_to_lora)
-
-    def peft_config(self, model: nn.Module, adapter_name: str | None = None,
-                    convert_to_lora: bool = False) -> dict[str, Any]:
-        return peft_config(self, model, self._name(adapter_name), convert_to_lora)
-
-    def peft_problems(self, model: nn.Module) -> list[str]:
-        return peft_problems(self, model)
-
-    def value_problems(self, model: nn.Module, state: dict[str, Tensor], adapter_name: str | None = None) -> list[str]:
-        return value_problems(self, model, state, self._name(adapter_name))
-
-    def check_peft_config(self, model: nn.Module, config: Any, source: str, adapter_name: str = DEFAULT) -> None:
-        check_peft_config(self, model, config, source, adapter_name)
-
-    @classmethod
-    def check_peft_shapes(cls, model: nn.Module, config: dict[str, Any], shapes: dict[str, tuple[int, ...]], files,
-                          inject: bool, adapter_name: str = DEFAULT) -> None:
-        check_file_shapes(model, config, shapes, files, inject)
-        warn_doubled_out_proj(config, shapes, str(files.config), adapter_name)
 
     @classmethod
     def from_peft(
@@ -333,19 +292,16 @@ def inject_lora(
     check_adapter_name(adapter_name, "inject_lora")
     model = unwrap(model)
     _refuse_second_injection(model)
-    targets, to_save = _select(model, config)
-    _warn_about_settings(model, config, targets)
+    targets, to_save = select_targets(model, config)
+    warn_about_settings(model, config, targets)
     return _inject(model, config, targets, to_save, adapter_name)
 
 
 def _refuse_second_injection(model: nn.Module) -> None:
     existing = lora_layers(model)
-    if existing:
-        raise RuntimeError(
-            f"inject_lora: {type(model).__name__} already has {len(existing)} LoRA layers "
-            f"(e.g. {next(iter(existing))!r}); LoRA was injected twice. Use the model as it is, build a fresh one, "
-            "or add another named adapter with add_adapter(model, name, config)."
-        )
+    found = f"{len(existing)} LoRA layers (e.g. {next(iter(existing))!r})" if existing else None
+    refuse_second_injection("inject_lora", model, found, "LoRA was", "add another named adapter with add_adapter(model, name, "
+                            "config)")
 
 
 def _inject(
@@ -358,8 +314,7 @@ def _inject(
     refuse_overflowing_scales(model, config, targets)  # before any change
     rows = {} if config.trainable_token_indices is None else \
         tokens.select_tokens(model, config.trainable_token_indices, [*targets, *to_save])
-    linear = (nn.Linear,) if conv1d_type() is None else (nn.Linear, conv1d_type())
-    starts.refuse(model, config, targets, linear, "LoRA")
+    starts.refuse(model, config, targets, linear_types(), "LoRA")
     rewrites = starts.rewrites_base(config.init)  # then the base is quantized after the start: its residual
     quantize_layers(model, targets, None if rewrites else config.quantize, "LoRA",
                     isinstance(config.target_modules, list))  # first
@@ -370,15 +325,12 @@ def _inject(
     tokens.wrap_tokens(model, rows, adapter_name, routing)
     replaced = {}
     for name in targets:
-        module = model.get_submodule(name)
-        if isinstance(module, LoRALayer):
-            module.add_adapter(
-                adapter_name, config.rank_for(name), config.alpha_for(name), config.dropout, config.use_rslora,
-                config.init, config.use_dora, config.lora_bias,
-            )
+        module, settings = model.get_submodule(name), config.layer_settings(name)
+        if isinstance(module, LoRALayer):  # another named adapter's layer takes this one too
+            module.add_adapter(adapter_name, **settings)
             replaced[name] = module
             continue
-        layer = make_layer(module, name, config, adapter_name).train(module.training)  # eval model: eval adapters
+        layer = make_layer(module, adapter_name, **settings).train(module.training)  # eval model: eval adapters
         layer.routing = routing
         set_submodule(model, name, layer)
         replaced[name] = layer
@@ -427,14 +379,14 @@ def add_adapter(model: nn.Module, name: str, config: LoRAConfig | Any | None = N
     if spec.routing.merged_adapter is not None:
         raise RuntimeError(f"add_adapter: adapter {spec.routing.merged_adapter!r} is merged; call unmerge_lora(model) "
                            "first.")
-    targets, to_save = _select(model, config)
+    targets, to_save = select_targets(model, config)
     if config.modules_to_save is not None and set(to_save) - set(spec.modules_to_save):
         raise ValueError(
             f"add_adapter({name!r}): modules_to_save={config.modules_to_save!r}, but the model trains "
             f"{list(spec.modules_to_save)} in full; modules_to_save is shared by every adapter of a model, so declare "
             "it once, with the first adapter (inject_lora)."
         )
-    _warn_about_settings(model, config, targets)
+    warn_about_settings(model, config, targets)
     return _inject(model, dataclasses.replace(config, modules_to_save=list(spec.modules_to_save)), targets, [], name)
 
 

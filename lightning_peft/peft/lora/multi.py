@@ -54,7 +54,7 @@ from .config import LoRAConfig
 from .layer import LoRALayer, Routing, require_spec
 from .mha import LoRAMultiheadAttention
 from .model import LoRAAdapter, add_adapter
-from .targets import _adaptable_view, exact_targets
+from .targets import adaptable_modules, exact_targets
 from .variants import refuse_routing
 
 Method = Literal["linear", "cat", "svd"]
@@ -230,7 +230,7 @@ def combine_adapters(
     pattern = {re.escape(t): r for t, r in ranks.items() if r != common}
     config = LoRAConfig(
         rank=common, alpha=common, rank_pattern=pattern, alpha_pattern=dict(pattern),
-        target_modules=exact_targets(list(layers), list(_adaptable_view(model))),
+        target_modules=exact_targets(list(layers), list(adaptable_modules(model))),
         modules_to_save=list(spec.modules_to_save),
     )
     added = add_adapter(model, name, config)

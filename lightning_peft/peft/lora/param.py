@@ -36,15 +36,16 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from .._common import compute_dtype
 from ..modules_to_save import set_submodule
-from .layer import DEFAULT, Init, _ABLayer, _compute_dtype
+from .layer import ABLayer
 
 __all__ = ["LoRAParameter", "plan_parameters", "wrap_parameters"]
 
 _BASE = "base_layer."
 
 
-class LoRAParameter(_ABLayer):
+class LoRAParameter(ABLayer):
     """LoRA on parameter ``parameter_name`` of ``base_layer`` (or of the module a chain of these wraps).
 
     Args:
@@ -52,14 +53,15 @@ class LoRAParameter(_ABLayer):
         parameter_name: The parameter's name on its module (``"gate_up_proj"``).
         target_name: The parameter's full name in the model (``"model.layers.0.mlp.experts.gate_up_proj"``), which
             ``rank_pattern`` and ``alpha_pattern`` match, as in PEFT.
-        rank, alpha, use_rslora, init, adapter_name: As [`LoRALayer`][lightning_peft.peft.LoRALayer]'s.
+        rank, alpha, settings: As [`LoRALayer`][lightning_peft.peft.LoRALayer]'s (``use_rslora``, ``init``,
+            ``adapter_name``); the update is formed on the parameter, not on an input, so there is no dropout.
     """
 
     def __init__(self, base_layer: nn.Module, parameter_name: str, target_name: str, rank: int, alpha: float,
-                 use_rslora: bool = False, init: Init = "kaiming", adapter_name: str = DEFAULT) -> None:
+                 dropout: float = 0.0, **settings) -> None:
         self.parameter_name = parameter_name
         self.target_name = target_name
-        super().__init__(base_layer, rank, alpha, 0.0, use_rslora, init, adapter_name)
+        super().__init__(base_layer, rank, alpha, 0.0, **settings)
 
     def _holder(self) -> tuple[nn.Module, int]:
         """The module that holds the parameter, and how many wrappers deep it is from this one."""
@@ -105,7 +107,7 @@ class LoRAParameter(_ABLayer):
         """``s B A`` in the parameter's layout, at least float32 (for merging)."""
         scaling = self.specs[name].scaling
         a, b = self.factors(name)
-        dtype = _compute_dtype(a.dtype)
+        dtype = compute_dtype(a.dtype)
         if self._adapted().dim() == 2:
             return (b.to(dtype) @ a.to(dtype)) * scaling  # (d0, d1)
         a_e, b_e = self._experts(name, dtype)
@@ -184,13 +186,13 @@ def wrap_parameters(model: nn.Module, planned: dict[str, tuple[str, str]], confi
     layers = {}
     for path, (module, parameter) in planned.items():
         target = f"{module}.{parameter}"
-        settings = (config.rank_for(target), config.alpha_for(target), config.use_rslora, config.init)
+        settings = config.layer_settings(target)  # (LoRAConfig refuses dropout, DoRA and lora_bias here)
         holder = model.get_submodule(module)
         layer = _wrapped(holder).get(parameter)
         if layer is not None:
-            layer.add_adapter(adapter_name, settings[0], settings[1], 0.0, *settings[2:])
+            layer.add_adapter(adapter_name, **settings)
         else:
-            layer = LoRAParameter(holder, parameter, target, *settings, adapter_name=adapter_name)
+            layer = LoRAParameter(holder, parameter, target, adapter_name=adapter_name, **settings)
             layer.train(holder.training).routing = routing
             set_submodule(model, module, layer)
         layers[path] = layer

@@ -97,7 +97,8 @@ class Routing:
 class RoutedPath:
     """The update of a mixed batch (one adapter per sample), for [`LoRALayer`][lightning_peft.peft.LoRALayer].
 
-    It reads the layer's ``specs``, ``factors``, ``lora_dropout``, ``_single`` and ``_may_overwrite``.
+    It reads the layer's ``specs``, ``factors``, ``lora_dropout`` and ``_single``; its `_may_overwrite` serves the
+    layer's single-adapter update (`LoRALayer._add_update`) too.
     """
 
     def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor, host: list[int]) -> Tensor:

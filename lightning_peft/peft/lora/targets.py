@@ -37,6 +37,7 @@ from .._common import (
     inside,
     matched,
     name_matches,
+    output_head,
     pattern_matches,
     refuse_no_target,
     refuse_unmatched,
@@ -48,7 +49,7 @@ from ..modules_to_save import ModulesToSave
 from ..trainable_tokens import TrainableTokensWrapper
 from .config import LoRAConfig
 from .conv import refuse_rank
-from .layer import LAYER_TYPES, LoRALayer, conv1d_type, lora_layers
+from .layer import LAYER_TYPES, LoRALayer, linear_types, lora_layers
 from .mha import refuse_unsupported as refuse_unsupported_attention
 from .param import LoRAParameter
 from .variants import refuse_unsupported as refuse_unsupported_dora
@@ -60,30 +61,13 @@ _READS_CHILD_WEIGHTS = (nn.MultiheadAttention, nn.TransformerEncoderLayer)
 _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
-def _linear_types() -> tuple[type, ...]:
-    conv1d = conv1d_type()
-    return (nn.Linear,) if conv1d is None else (nn.Linear, conv1d)
-
-
 def supported_types() -> tuple[type, ...]:
     """Module types [`inject_lora`][lightning_peft.peft.inject_lora] can adapt."""
-    return (*_linear_types(), nn.Embedding, *LAYER_TYPES)
+    return (*linear_types(), nn.Embedding, *LAYER_TYPES)
 
 
 def _supported_names() -> str:
     return ", ".join(t.__name__ for t in supported_types())
-
-
-def _output_head(model: nn.Module) -> str | None:
-    """Name of the output head that ``"all-linear"`` leaves alone."""
-    get_output = getattr(model, "get_output_embeddings", None)
-    head = get_output() if callable(get_output) else None
-    view = _adaptable_view(model)
-    names = {id(m): n for n, m in view.items()}
-    if isinstance(head, nn.Module) and id(head) in names:
-        return names[id(head)]
-    linears = [n for n, m in view.items() if isinstance(m, _linear_types())]
-    return linears[-1] if linears else None
 
 
 def _inside_fused(modules: dict[str, nn.Module]) -> dict[str, str]:
@@ -107,15 +91,15 @@ def _describe_modules(model: nn.Module) -> str:
     return ", ".join(f"{leaf} (x{n})" if n > 1 else leaf for leaf, n in counts.items())
 
 
-def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]:
+def select_targets(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]:
     """(targets, modules_to_save) full names; raises before anything is changed."""
-    modules = _adaptable_view(model)
+    modules = adaptable_modules(model)
     names = [n for n in modules if n]
     to_save = _select_modules_to_save(model, config, names)
     inside_fused = _inside_fused(modules)
     if config.target_modules == "all-linear":
-        head = _output_head(model)
-        linear = _linear_types()
+        linear = linear_types()
+        head = output_head(model, modules, linear)
         chosen = [n for n in names if isinstance(modules[n], linear) and n != head and n not in inside_fused]
     else:
         chosen = chosen_by_name("LoRA", config.target_modules, names, model, _describe_modules)
@@ -142,8 +126,8 @@ def _select(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]
     return chosen, to_save
 
 
-def _parameters(view: dict[str, nn.Module]) -> dict[str, tuple[str, str]]:
-    """Every parameter of the modules of ``view`` (`_adaptable_view`): ``{full name: (module, parameter)}``."""
+def adaptable_parameters(view: dict[str, nn.Module]) -> dict[str, tuple[str, str]]:
+    """Every parameter of the modules of ``view`` (`adaptable_modules`): ``{full name: (module, parameter)}``."""
     return {f"{n}.{p}" if n else p: (n, p) for n, m in view.items() for p, v in m._parameters.items() if v is not None}
 
 
@@ -154,7 +138,7 @@ def select_parameters(model: nn.Module, config: LoRAConfig, modules: list[str] |
     wanted = config.target_parameters
     if not wanted:
         return []
-    candidates = _parameters(_adaptable_view(model))
+    candidates = adaptable_parameters(adaptable_modules(model))
     chosen = {n: pair for n, pair in candidates.items() if name_matches(n, wanted)}
     missing = unmatched(wanted, chosen)
     if missing:
@@ -210,7 +194,7 @@ def _refuse_unmatched_exclusion(model: nn.Module, exclude: Targets, names: list[
         )
 
 
-def _adaptable_view(model: nn.Module) -> dict[str, nn.Module]:
+def adaptable_modules(model: nn.Module) -> dict[str, nn.Module]:
     """``model.named_modules()`` as a new adapter sees it: a LoRA layer stands for its base module (so another
     adapter can target it) and the insides of LoRA layers, ``modules_to_save`` and trainable-tokens wrappers are
     hidden."""
@@ -291,7 +275,7 @@ def _check_types(model, config, chosen, modules, inside_fused) -> None:
                             f"support; exclude it (exclude_modules=[{name!r}]) or set lora_bias=False.")
     refuse_unsupported_attention(chosen, modules, config)
     if config.use_dora:
-        refuse_unsupported_dora("LoRA", chosen, modules, (*_linear_types(), nn.Embedding, *_CONVOLUTIONS))
+        refuse_unsupported_dora("LoRA", chosen, modules, (*linear_types(), nn.Embedding, *_CONVOLUTIONS))
 
 
 def _check_aliases(chosen: list[str], names: list[str], modules: dict[str, nn.Module]) -> None:
@@ -308,7 +292,7 @@ def _check_aliases(chosen: list[str], names: list[str], modules: dict[str, nn.Mo
             )
 
 
-def _warn_about_settings(model: nn.Module, config: LoRAConfig, targets: list[str]) -> None:
+def warn_about_settings(model: nn.Module, config: LoRAConfig, targets: list[str]) -> None:
     """Settings that are valid but almost surely not what the user meant."""
     named = targets + [f"{m}.{p}" for m, p in select_parameters(model, config)]  # patterns match parameters' names
     for what, patterns in (("rank_pattern", config.rank_pattern), ("alpha_pattern", config.alpha_pattern)):

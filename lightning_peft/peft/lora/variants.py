@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._common import dense_weight
+from .._common import compute_dtype, dense_weight
 
 MAGNITUDE = "lora_magnitude_vector"
 
@@ -123,7 +123,7 @@ class DoRA(LoRAVariant):
         autocast or not), without gradient; it keeps ``W``'s dimensions."""
         weight = dense_weight(layer.base_layer.weight, layer.base_layer)
         p, q = self._factors(layer, name)
-        dtype = torch.promote_types(p.dtype, torch.float32)
+        dtype = compute_dtype(p.dtype)
         with torch.autocast(weight.device.type, enabled=False):  # a norm in float32 under autocast too
             combined = torch.addmm(weight.reshape(p.shape[0], -1).to(dtype), p.to(dtype), q.to(dtype),
                                    alpha=layer.specs[name].scaling)

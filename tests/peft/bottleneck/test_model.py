@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import json
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,14 @@ from lightning_peft.peft.bottleneck.model import (  # noqa: E402
 )
 from lightning_peft.peft.io import load_adapter, save_adapter  # noqa: E402
 from lightning_peft.peft import inject_lora, lora_layers, trainable_parameters  # noqa: E402
-from tests._models import bert_config, gpt2_config, llama_config, run_with_lightning_blocked  # noqa: E402
+from tests._models import (  # noqa: E402
+    bert_model,
+    gpt2_model,
+    llama_model,
+    reloaded,
+    run_with_lightning_blocked,
+    seeded,
+)
 
 VOCAB = 64
 PREFIX = "base_model.model."
@@ -44,19 +52,8 @@ PREFIX = "base_model.model."
 # --------------------------------------------------------------------------------------------------- models
 
 
-def _bert() -> nn.Module:
-    return transformers.BertForSequenceClassification(bert_config())
-
-
-def _gpt2() -> nn.Module:
-    return transformers.GPT2LMHeadModel(gpt2_config(bos_token_id=0, eos_token_id=0))
-
-
-def _llama() -> nn.Module:
-    return transformers.LlamaForCausalLM(llama_config())
-
-
-BUILDERS: dict[str, Callable[[], nn.Module]] = {"bert": _bert, "gpt2": _gpt2, "llama": _llama}
+_gpt2 = partial(gpt2_model, bos_token_id=0, eos_token_id=0)
+BUILDERS: dict[str, Callable[[], nn.Module]] = {"bert": bert_model, "gpt2": _gpt2, "llama": llama_model}
 
 # The exact modules each placement picks (full names in the task model).
 EXPECTED = {
@@ -71,16 +68,12 @@ EXPECTED = {
 
 
 def _base(family: str, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return BUILDERS[family]().double().eval()
+    return seeded(BUILDERS[family], seed)
 
 
 def _fresh(base: nn.Module, family: str) -> nn.Module:
     """A new, un-adapted instance with ``base``'s weights."""
-    torch.manual_seed(1234)
-    model = BUILDERS[family]().double().eval()
-    model.load_state_dict(base.state_dict(), strict=True)
-    return model
+    return reloaded(base, BUILDERS[family])
 
 
 def _inputs() -> torch.Tensor:
@@ -233,38 +226,38 @@ def test_placement_picks_exactly_the_sub_layer_output_projections(family, placem
 
 
 def test_placement_defaults_to_houlsby_and_works_on_the_bare_backbone():
-    model = transformers.BertModel(_bert().config)
+    model = bert_model("base")
     names = sorted(inject_bottleneck_adapters(model))
     assert names == sorted(n.removeprefix("bert.") for n in EXPECTED["bert", "houlsby"])
     assert attached(model)["bottleneck"].config.placement == "houlsby"
 
 
 def test_target_modules_follow_lora_matching_rules():
-    model = _bert()
+    model = bert_model()
     by_suffix = sorted(inject_bottleneck_adapters(model, target_modules=["output.dense"], modules_to_save=[]))
     assert by_suffix == sorted(EXPECTED["bert", "houlsby"])  # a suffix matches attention.output.dense too
-    model = _bert()
+    model = bert_model()
     regex = r".*layer\.\d+\.output\.dense"
     assert sorted(inject_bottleneck_adapters(model, target_modules=regex, modules_to_save=[])) == sorted(
         EXPECTED["bert", "pfeiffer"])
 
 
 def test_sizes_follow_reduction_factor_or_bottleneck_size():
-    model = _llama()
+    model = llama_model()
     layers = inject_bottleneck_adapters(model, target_modules=["o_proj", "v_proj"], reduction_factor=4)
     assert layers["model.layers.0.self_attn.o_proj"].adapter.down.weight.shape == (4, 16)
     assert layers["model.layers.0.self_attn.v_proj"].adapter.down.weight.shape == (2, 8)  # one kv head: d = 8
-    tiny = inject_bottleneck_adapters(_llama(), placement="pfeiffer", reduction_factor=64)
+    tiny = inject_bottleneck_adapters(llama_model(), placement="pfeiffer", reduction_factor=64)
     assert tiny["model.layers.0.mlp.down_proj"].adapter.down.weight.shape == (1, 16)  # at least 1
     fixed = inject_bottleneck_adapters(_gpt2(), placement="pfeiffer", bottleneck_size=5)
     assert fixed["transformer.h.1.mlp.c_proj"].adapter.up.weight.shape == (16, 5)
 
 
 def test_task_head_is_trained_and_saved_by_default():
-    model = _bert()
+    model = bert_model()
     inject_bottleneck_adapters(model)
     assert attached(model)["bottleneck"].modules_to_save == ("classifier",)
-    model = _bert()
+    model = bert_model()
     inject_bottleneck_adapters(model, modules_to_save=[])
     assert not any(p.requires_grad for p in model.classifier.parameters())
 
@@ -273,7 +266,7 @@ def test_task_head_is_trained_and_saved_by_default():
 
 
 def test_protocol_members():
-    model = _bert()
+    model = bert_model()
     inject_bottleneck_adapters(model, placement="pfeiffer", reduction_factor=8, non_linearity="tanh")
     adapter = attached(model)["bottleneck"]
     assert isinstance(adapter, BottleneckAdapter)
@@ -366,7 +359,7 @@ def test_lora_elsewhere_then_bottleneck_works_in_either_order():
 
 
 def test_a_bottleneck_around_a_lora_layer_is_refused():
-    model = _bert()
+    model = bert_model()
     inject_lora(model, rank=2, target_modules=["dense"], modules_to_save=[])
     with pytest.raises(ValueError, match=r"BottleneckAdapters: 'bert\.encoder\.layer\.0\.attention\.output\.dense' is "
                                          r"already wrapped by the lora adapter \(LoRALinear\); a bottleneck adapter "
@@ -377,7 +370,7 @@ def test_a_bottleneck_around_a_lora_layer_is_refused():
 
 
 def test_a_head_saved_by_lora_stays_with_lora():
-    model = _bert()
+    model = bert_model()
     inject_lora(model, rank=2, target_modules=["query"])  # saves the classifier head
     inject_bottleneck_adapters(model)
     assert attached(model)["bottleneck"].modules_to_save == ()
@@ -388,7 +381,7 @@ def test_a_head_saved_by_lora_stays_with_lora():
 
 
 def _with_lora_head() -> nn.Module:
-    model = _bert()
+    model = bert_model()
     inject_lora(model, rank=2, target_modules=["query"])
     return model
 
@@ -531,13 +524,13 @@ def test_argument_errors_of_the_inject_function():
     with pytest.raises(TypeError, match=r"inject_bottleneck_adapters: unknown argument 'rank'; bottleneck adapters "
                                         r"take placement, target_modules, reduction_factor, bottleneck_size, "
                                         r"non_linearity, dropout, init_scale, modules_to_save\."):
-        inject_bottleneck_adapters(_bert(), rank=8)
+        inject_bottleneck_adapters(bert_model(), rank=8)
     with pytest.raises(TypeError, match=r"inject_bottleneck_adapters: pass either config or keyword arguments, not "
                                         r"both \(got \['dropout'\]\)\."):
-        inject_bottleneck_adapters(_bert(), BottleneckConfig(), dropout=0.1)
+        inject_bottleneck_adapters(bert_model(), BottleneckConfig(), dropout=0.1)
     with pytest.raises(TypeError, match=r"inject_bottleneck_adapters\(config=dict\): give a BottleneckConfig, or its "
                                         r"fields as keyword arguments\."):
-        inject_bottleneck_adapters(_bert(), {"placement": "houlsby"})
+        inject_bottleneck_adapters(bert_model(), {"placement": "houlsby"})
 
 
 def test_an_unknown_architecture_without_target_modules_is_refused_listing_candidates():
@@ -568,29 +561,29 @@ def test_target_modules_matching_nothing_is_refused():
     with pytest.raises(ValueError, match=r"BottleneckAdapters\(target_modules=\['o_proj'\]\) matched no module of "
                                          r"BertForSequenceClassification\. Modules it can take an adapter after: "
                                          r"query \(x2\), key \(x2\), value \(x2\), dense \(x7\), classifier\.$"):
-        inject_bottleneck_adapters(_bert(), target_modules=["o_proj"])
+        inject_bottleneck_adapters(bert_model(), target_modules=["o_proj"])
     with pytest.raises(ValueError, match=r"matched no module of BertForSequenceClassification\..* A string is a "
                                          r"regular expression that must match the full module name .*; to match by "
                                          r"name or suffix, give a list: \['dense'\]\."):
-        inject_bottleneck_adapters(_bert(), target_modules="dense")
+        inject_bottleneck_adapters(bert_model(), target_modules="dense")
 
 
 def test_a_target_without_an_output_size_is_refused():
     with pytest.raises(TypeError, match=r"BottleneckAdapters: 'bert\.encoder\.layer\.0\.output' is a BertOutput, "
                                         r"whose output size is unknown; a bottleneck adapter follows a Linear, Conv1D "
                                         r"or other module with an integer out_features"):
-        inject_bottleneck_adapters(_bert(), target_modules=r"bert\.encoder\.layer\.0\.output")
+        inject_bottleneck_adapters(bert_model(), target_modules=r"bert\.encoder\.layer\.0\.output")
 
 
 def test_modules_to_save_matching_nothing_is_refused():
     with pytest.raises(ValueError, match=r"BottleneckAdapters\(modules_to_save=\['head'\]\): \['head'\] matched no "
                                          r"module of BertForSequenceClassification\. Check the names with "
                                          r"model\.named_modules\(\)\."):
-        inject_bottleneck_adapters(_bert(), modules_to_save=["head"])
+        inject_bottleneck_adapters(bert_model(), modules_to_save=["head"])
 
 
 def test_injecting_twice_is_refused():
-    model = _bert()
+    model = bert_model()
     inject_bottleneck_adapters(model)
     with pytest.raises(RuntimeError, match=r"inject_bottleneck_adapters: BertForSequenceClassification already has 4 "
                                            r"bottleneck adapters \(e\.g\. after 'bert\.encoder\.layer\.0\.attention\."
@@ -599,13 +592,13 @@ def test_injecting_twice_is_refused():
 
 
 def test_a_recorded_adapter_for_another_model_is_refused():
-    model = _bert()
+    model = bert_model()
     inject_bottleneck_adapters(model)
     config = attached(model)["bottleneck"].config_dict()
     with pytest.raises(ValueError, match=r"BottleneckAdapters: the recorded adapter names module "
                                          r"'bert\.encoder\.layer\.0\.attention\.output\.dense', which LlamaForCausalLM "
                                          r"does not have; it was written for another model\."):
-        BottleneckAdapter.inject(_llama(), config)
+        BottleneckAdapter.inject(llama_model(), config)
 
 
 def _edit_config(tmp_path: Path, **changes) -> None:
@@ -710,7 +703,7 @@ def test_a_target_entry_that_matches_nothing_is_an_error_naming_it():
 def test_protocol_members_training_only_matches_and_wrapped():
     from lightning_peft.peft.adapter import wrapped_layers
 
-    model = _bert()
+    model = bert_model()
     layers = inject_bottleneck_adapters(model, dropout=0.1)
     adapter = attached(model)["bottleneck"]
     assert BottleneckAdapter.training_only == ("dropout", "init_scale")

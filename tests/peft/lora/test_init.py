@@ -24,6 +24,7 @@ from lightning_peft.peft import (
     save_adapter,
 )
 from lightning_peft.peft._common import dense_weight, is_quantized
+from lightning_peft.peft.lora.init import SEED
 from lightning_peft.peft.quantize import quantized
 
 PREFIX = "base_model.model."
@@ -35,12 +36,20 @@ def _mlp(dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
 
 
 def _pair(init: str, base: nn.Module, **kwargs) -> tuple[nn.Module, nn.Module]:
-    """PEFT's model and ours for ``init``, each built from the same random state."""
+    """PEFT's model and ours for ``init``, each built from the same random state; pissa_niter_K: PEFT's start run
+    with the generator seeded `SEED` on each layer, as ours draws its random projection."""
     config = dict(r=3, lora_alpha=6, target_modules=["0", "2"], init_lora_weights=init, **kwargs)
+    niter = "_niter_" in init
     torch.manual_seed(5)
-    theirs = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**config))
+    theirs = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**{**config, "init_lora_weights": True} if niter
+                                                                       else config))
+    for layer in (m for m in theirs.modules() if isinstance(m, peft.tuners.lora.Linear)) if niter else ():
+        torch.manual_seed(SEED)
+        layer.pissa_init("default", init)
+        if "default" in layer.lora_variant:  # DoRA's magnitude, from the rewritten base (as PEFT's update_layer)
+            layer.lora_variant["default"].init(layer, adapter_name="default")
     ours = copy.deepcopy(base)
-    torch.manual_seed(5)  # the same state: pissa_niter_K's random projections are the same
+    torch.manual_seed(5)
     inject_lora(ours, LoRAConfig.from_peft(peft.LoraConfig(**config)))
     return theirs, ours
 
@@ -60,7 +69,7 @@ def _step(model: nn.Module, x: torch.Tensor) -> None:
 @pytest.mark.parametrize("use_dora", [False, True])
 @pytest.mark.parametrize("init", ["pissa", "pissa_niter_2", "olora"])
 def test_starts_equal_peft_bit_for_bit_in_float32(init, use_dora):
-    """A, B and the rewritten base equal PEFT's exactly (pissa_niter_K: the same seed); a DoRA magnitude to float32's
+    """A, B and the rewritten base equal PEFT's exactly (pissa_niter_K: PEFT seeded as ours); a DoRA magnitude to float32's
     last bit (PEFT adds s B A to W in two roundings, we in one); the forward and one training step to float32's
     rounding (the same math in another order)."""
     base = _mlp()
@@ -119,6 +128,21 @@ def test_pissa_niter_reconstructs_the_weight_and_spans_the_principal_subspace_in
     assert_close(lora.base_layer.weight.detach() + 2.0 * b @ a, weight, rtol=1e-12, atol=1e-12)
     projector = u[:, :3] @ u[:, :3].t()
     assert_close(projector @ b, b, rtol=1e-9, atol=1e-9)
+
+
+def test_pissa_niter_draws_the_same_start_whatever_the_global_seed_and_leaves_the_generator_alone():
+    """A resume rebuilds the rewritten base by running the start again: it must not depend on the global generator
+    (the projection is drawn from a fork seeded `SEED`), nor move it (the generator after it is where PiSSA's exact
+    SVD, which draws nothing, leaves it)."""
+    models, states = [], []
+    for seed, init in ((1, "pissa_niter_2"), (2, "pissa_niter_2"), (2, "pissa")):
+        models.append(copy.deepcopy(_mlp(torch.float64)))
+        torch.manual_seed(seed)
+        inject_lora(models[-1], rank=3, alpha=6, target_modules=["0", "2"], init=init)
+        states.append(torch.get_rng_state())
+    for key, value in models[0].state_dict().items():
+        assert torch.equal(models[1].state_dict()[key], value), key
+    assert torch.equal(states[1], states[2])
 
 
 def _trained(init: str, dtype=torch.float32, **kwargs) -> tuple[nn.Module, nn.Module, torch.Tensor]:

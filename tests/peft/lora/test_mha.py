@@ -243,6 +243,10 @@ def test_refusals_name_the_attention_module_and_the_fix():
         inject_lora(MHA(), target_modules=["out_proj"])
     with pytest.raises(TypeError, match=r"LoRA\(use_dora=True\): 'mha' is of type MultiheadAttention; DoRA supports"):
         inject_lora(MHA(), target_modules=["mha"], use_dora=True)
+    model = MHA()
+    with pytest.raises(ValueError, match=r"LoRA\(lora_bias=True\) with the nn.MultiheadAttention 'mha': PEFT's "):
+        inject_lora(model, target_modules=["mha"], lora_bias=True)  # was an AttributeError, half-way through
+    assert type(model.mha) is nn.MultiheadAttention  # nothing changed
     with pytest.raises(ValueError, match=r"matched no module of Sequential\. Modules it can adapt: 0\.$"):  # not out_proj
         inject_lora(nn.Sequential(nn.MultiheadAttention(8, 2)), target_modules=["nothing"])
 

@@ -26,7 +26,7 @@ from lightning_peft.peft import (
     unmerge_lora,
 )
 from lightning_peft.peft.adapter import attached
-from tests._models import Tiny, conv1d, randomise
+from tests._models import Tiny, conv1d, randomise, tied_gpt2
 
 
 # ----------------------------------------------------------------------------- layers against a reference
@@ -262,9 +262,7 @@ def test_target_rules_list_suffix_regex_exclude_and_all_linear():
 
 
 def test_all_linear_skips_the_lm_head_of_gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=8, n_layer=1, n_head=2, n_positions=16))
+    model = tied_gpt2()
     chosen = inject_lora(model, rank=2, target_modules="all-linear")
     assert "lm_head" not in chosen
     assert sorted(chosen) == [f"transformer.h.0.{m}" for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
@@ -453,15 +451,9 @@ def test_a_module_registered_under_two_names_is_refused():
             inject_lora(model, target_modules=targets)
 
 
-def gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=8, n_layer=1, n_head=2, n_positions=16)).eval()
-
-
 @pytest.mark.parametrize(("target", "tied_to"), [("lm_head", "transformer.wte.weight"), ("wte", "lm_head.weight")])
 def test_merging_into_a_tied_weight_is_refused_before_anything_changes(target, tied_to):
-    model = gpt2()
+    model = tied_gpt2()
     randomise(inject_lora(model, rank=2, target_modules=[target, "c_attn"]))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(RuntimeError, match=rf"merge_lora: the weight of '.*{target}' is tied to '{tied_to}'"):
@@ -470,7 +462,7 @@ def test_merging_into_a_tied_weight_is_refused_before_anything_changes(target, t
 
 
 def test_merged_state_dict_keeps_tied_weights_apart():
-    model = gpt2()
+    model = tied_gpt2()
     layers = inject_lora(model, rank=2, target_modules=["wte"])
     randomise(layers)
     state = merged_state_dict(model)
@@ -516,7 +508,7 @@ def test_pattern_and_alpha_validation(kwargs, error, match):
 def test_merged_export_of_a_tied_gpt2_loads_untied_with_the_adapted_outputs(target, tmp_path):
     from transformers import GPT2LMHeadModel
 
-    model = gpt2()
+    model = tied_gpt2()
     randomise(inject_lora(model, rank=2, target_modules=[target]))
     ids = torch.randint(0, 32, (2, 6))
     with torch.no_grad():

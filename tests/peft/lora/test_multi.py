@@ -28,6 +28,7 @@ from lightning_peft.peft import (
     set_adapter,
     unmerge_lora,
 )
+from tests._models import VOCAB, bert_model
 
 SEQ_CLS = peft.TaskType.SEQ_CLS
 
@@ -444,20 +445,18 @@ def test_combine_errors():
 
 # ----------------------------------------------------------------------------------------- PEFT's layout
 
-def _bert(config) -> nn.Module:
-    from transformers import BertForSequenceClassification
-
+def _bert() -> nn.Module:
     torch.manual_seed(0)
-    return BertForSequenceClassification(config).eval()
+    return bert_model().eval()
 
 
 def _bert_inputs() -> dict[str, torch.Tensor]:
-    ids = torch.randint(1, 64, (3, 7), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(1, VOCAB, (3, 7), generator=torch.Generator().manual_seed(3))
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def test_save_adapter_writes_peft_multi_adapter_layout_and_peft_loads_each(tiny_bert_config, tmp_path):
-    model = _bert(tiny_bert_config)
+def test_save_adapter_writes_peft_multi_adapter_layout_and_peft_loads_each(tmp_path):
+    model = _bert()
     inject_lora(model, rank=2, alpha=4, target_modules=["query", "value"])
     add_adapter(model, "sports", rank=4, alpha=8, target_modules=["key", "dense"])
     _randomise(model)
@@ -468,9 +467,9 @@ def test_save_adapter_writes_peft_multi_adapter_layout_and_peft_loads_each(tiny_
     for name, where in (("default", tmp_path), ("sports", tmp_path / "sports")):
         set_adapter(model, name)
         ours = model(**inputs).logits
-        theirs = peft.PeftModel.from_pretrained(_bert(tiny_bert_config), where).eval()
+        theirs = peft.PeftModel.from_pretrained(_bert(), where).eval()
         assert_close(theirs(**inputs).logits, ours, rtol=1e-6, atol=1e-6)
-    fresh = load_adapter(_bert(tiny_bert_config), tmp_path)  # the whole layout reads back
+    fresh = load_adapter(_bert(), tmp_path)  # the whole layout reads back
     for name in ("default", "sports"):
         set_adapter(fresh, name)
         set_adapter(model, name)
@@ -481,9 +480,9 @@ def test_save_adapter_writes_peft_multi_adapter_layout_and_peft_loads_each(tiny_
         save_adapter(model, tmp_path / "x", adapter_names=["golf"])
 
 
-def test_we_load_every_adapter_of_a_peft_multi_adapter_model(tiny_bert_config, tmp_path):
+def test_we_load_every_adapter_of_a_peft_multi_adapter_model(tmp_path):
     theirs = peft.get_peft_model(
-        _bert(tiny_bert_config), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["query"], task_type=SEQ_CLS)
+        _bert(), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["query"], task_type=SEQ_CLS)
     )
     theirs.add_adapter("legal", peft.LoraConfig(r=3, lora_alpha=3, target_modules=["value", "key"], task_type=SEQ_CLS))
     generator = torch.Generator().manual_seed(5)
@@ -492,7 +491,7 @@ def test_we_load_every_adapter_of_a_peft_multi_adapter_model(tiny_bert_config, t
             if "lora_" in name:
                 param.copy_(torch.randn(param.shape, generator=generator))
     theirs.save_pretrained(tmp_path)
-    ours = load_adapter(_bert(tiny_bert_config), tmp_path)
+    ours = load_adapter(_bert(), tmp_path)
     inputs = _bert_inputs()
     theirs.eval()
     for name in ("default", "legal"):
@@ -543,23 +542,21 @@ def test_a_state_dict_of_the_single_adapter_layout_loads_into_the_first_adapter(
     assert torch.equal(fresh(IDS), model(IDS))
 
 
-def _trained_bert_classifier(config, tmp_path):
+def _trained_bert_classifier():
     """A tiny BERT classifier, its untouched copy, and the LoRA'd one after a training step (head trained too)."""
-    from transformers import BertForSequenceClassification
-
-    base = BertForSequenceClassification(config).eval()
+    base = bert_model().eval()
     reference = copy.deepcopy(base)
     model = copy.deepcopy(base)
     inject_lora(model, rank=2, alpha=4, target_modules=["query", "value"])  # modules_to_save: the classifier
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
-    ids = torch.randint(1, config.vocab_size, (4, 6), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(1, VOCAB, (4, 6), generator=torch.Generator().manual_seed(3))
     model(input_ids=ids, labels=torch.tensor([0, 1, 2, 1])).loss.backward()
     optimizer.step()
     return reference, model, ids
 
 
-def test_disabled_adapters_give_the_base_model_output_with_the_original_head(tiny_bert_config, tmp_path):
-    reference, model, ids = _trained_bert_classifier(tiny_bert_config, tmp_path)
+def test_disabled_adapters_give_the_base_model_output_with_the_original_head(tmp_path):
+    reference, model, ids = _trained_bert_classifier()
     with torch.no_grad():
         expected = reference(input_ids=ids).logits
         assert not torch.allclose(model(input_ids=ids).logits, expected)  # the step changed the output
@@ -572,8 +569,8 @@ def test_disabled_adapters_give_the_base_model_output_with_the_original_head(tin
         assert_close(theirs(input_ids=ids).logits, expected, rtol=0, atol=0)
 
 
-def test_samples_routed_to_the_base_get_the_original_head(tiny_bert_config, tmp_path):
-    reference, model, ids = _trained_bert_classifier(tiny_bert_config, tmp_path)
+def test_samples_routed_to_the_base_get_the_original_head():
+    reference, model, ids = _trained_bert_classifier()
     route = ["default", None, "default", None]
     with torch.no_grad():
         adapted = model(input_ids=ids).logits

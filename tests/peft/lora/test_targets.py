@@ -4,6 +4,7 @@ the same adapted modules on a tiny BERT, GPT-2 and Llama, the same outputs, and 
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -16,23 +17,22 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 
 from lightning_peft.peft import LoRAConfig, inject_lora, load_adapter, lora_layers, save_adapter
-from tests._models import bert_config, gpt2_config, llama_config
+from tests._models import bert_model, gpt2_model, llama_model, seeded
 
 pytestmark = [pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning"),
               pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to False:UserWarning")]  # PEFT's, on GPT-2
 
 PREFIX = "base_model.model."
 BUILDERS = {
-    "bert": lambda: transformers.BertModel(bert_config(num_hidden_layers=3)),
-    "gpt2": lambda: transformers.GPT2LMHeadModel(gpt2_config(n_layer=3)),
-    "llama": lambda: transformers.LlamaForCausalLM(llama_config(num_hidden_layers=3)),
+    "bert": partial(bert_model, "base", num_hidden_layers=3),
+    "gpt2": partial(gpt2_model, n_layer=3),
+    "llama": partial(llama_model, num_hidden_layers=3),
 }
 IDS = torch.tensor([[3, 9, 4, 1, 7], [2, 8, 8, 5, 6]])  # (B, T)
 
 
 def _model(family: str) -> nn.Module:
-    torch.manual_seed(0)
-    return BUILDERS[family]().double().eval()
+    return seeded(BUILDERS[family])
 
 
 def _out(model: nn.Module) -> torch.Tensor:

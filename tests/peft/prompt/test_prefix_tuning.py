@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ from lightning_peft.peft.prompt.prefix_tuning import (  # noqa: E402
     prefix_tuning_spec,
     unload_prefix_tuning,
 )
-from tests._models import bert_config, gpt2_config, llama_config  # noqa: E402
+from tests._models import bert_model, gpt2_model, llama_model, seeded  # noqa: E402
 
 pytestmark = [
     # PEFT calls transformers APIs that transformers deprecates (and passes the cache by its old name); not ours.
@@ -45,32 +46,14 @@ VOCAB = 64
 N = 3  # virtual tokens
 
 
-def _gpt2() -> nn.Module:
-    return transformers.GPT2LMHeadModel(gpt2_config(bos_token_id=None, eos_token_id=None))
-
-
-def _llama() -> nn.Module:
-    return transformers.LlamaForCausalLM(llama_config(bos_token_id=None, eos_token_id=None))
-
-
-def _bert_config() -> transformers.BertConfig:
-    return bert_config()
-
-
-def _bert() -> nn.Module:
-    return transformers.BertModel(_bert_config())
-
-
-def _bert_classifier() -> nn.Module:
-    return transformers.BertForSequenceClassification(_bert_config())
-
-
-FAMILIES = {"gpt2": (_gpt2, "CAUSAL_LM"), "llama": (_llama, "CAUSAL_LM"), "bert": (_bert, "FEATURE_EXTRACTION")}
+_gpt2 = partial(gpt2_model, bos_token_id=None, eos_token_id=None)
+_llama = partial(llama_model, bos_token_id=None, eos_token_id=None)
+FAMILIES = {"gpt2": (_gpt2, "CAUSAL_LM"), "llama": (_llama, "CAUSAL_LM"),
+            "bert": (partial(bert_model, "base"), "FEATURE_EXTRACTION")}
 
 
 def base(family: str) -> nn.Module:
-    torch.manual_seed(0)
-    return FAMILIES[family][0]().double().eval()
+    return seeded(FAMILIES[family][0])
 
 
 def batch() -> dict[str, torch.Tensor]:
@@ -143,7 +126,7 @@ def test_outputs_equal_the_plain_model_with_the_prefix_as_its_cache(family, proj
 
 def test_a_classifier_gets_the_prefix_through_its_backbone():
     torch.manual_seed(0)
-    model = _bert_classifier().double().eval()
+    model = bert_model().double().eval()
     plain = copy.deepcopy(model)
     inject_prefix_tuning(model, num_virtual_tokens=N, modules_to_save=[])
     # BertForSequenceClassification's forward takes no cache; BertModel's does, and gets the hook.
@@ -207,7 +190,7 @@ def test_generate_equals_a_greedy_loop_of_full_forward_passes(family):
 
 def test_unload_gives_the_plain_model_back():
     torch.manual_seed(0)
-    model = _bert_classifier().double().eval()
+    model = bert_model().double().eval()
     plain = copy.deepcopy(model)
     inject_prefix_tuning(model, num_virtual_tokens=N)
     assert unload_prefix_tuning(model) is model
@@ -228,7 +211,7 @@ def test_the_checkpoint_config_rebuilds_the_same_adapter_on_a_fresh_model():
 
 def test_the_task_head_is_trained_and_saved_by_default():
     torch.manual_seed(0)
-    model = _bert_classifier()
+    model = bert_model()
     encoder = inject_prefix_tuning(model, num_virtual_tokens=N)
     spec = prefix_tuning_spec(model)
     assert spec.modules_to_save == ("classifier",)
@@ -287,7 +270,7 @@ def test_saved_files_are_in_peft_layout(tmp_path):
     from safetensors.torch import load_file
 
     torch.manual_seed(0)
-    model = _bert_classifier()
+    model = bert_model()
     inject_prefix_tuning(model, num_virtual_tokens=N, prefix_projection=True, encoder_hidden_size=5)
     save_adapter(model, tmp_path)
     config = json.loads((tmp_path / "adapter_config.json").read_text())
@@ -308,13 +291,13 @@ def test_saved_files_are_in_peft_layout(tmp_path):
 
 def test_peft_reads_our_classifier_adapter_and_its_own_classifier_forward_fails(tmp_path):
     torch.manual_seed(0)
-    model = _bert_classifier().double().eval()
+    model = bert_model().double().eval()
     inject_prefix_tuning(model, num_virtual_tokens=N)
     with torch.no_grad():
         model.classifier.trained_module.weight.normal_()
     save_adapter(model, tmp_path)
     torch.manual_seed(0)
-    theirs = PeftModel.from_pretrained(_bert_classifier().double(), tmp_path)
+    theirs = PeftModel.from_pretrained(bert_model().double(), tmp_path)
     assert torch.equal(theirs.prompt_encoder["default"].embedding.weight, table_of(model))
     assert torch.equal(theirs.base_model.classifier.modules_to_save["default"].weight,
                        model.classifier.trained_module.weight)
@@ -325,12 +308,12 @@ def test_peft_reads_our_classifier_adapter_and_its_own_classifier_forward_fails(
 
 def test_we_load_peft_classifier_adapter_with_the_reference_outputs(tmp_path):
     torch.manual_seed(0)
-    theirs = get_peft_model(_bert_classifier().double(), PrefixTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=N))
+    theirs = get_peft_model(bert_model().double(), PrefixTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=N))
     with torch.no_grad():
         theirs.base_model.classifier.modules_to_save["default"].weight.normal_()
     theirs.save_pretrained(tmp_path)
     torch.manual_seed(0)
-    plain = _bert_classifier().double().eval()
+    plain = bert_model().double().eval()
     ours = load_adapter(copy.deepcopy(plain), tmp_path).eval()
     assert prefix_tuning_spec(ours).modules_to_save == ("classifier",)
     plain.classifier.load_state_dict(theirs.base_model.classifier.modules_to_save["default"].state_dict())
@@ -353,7 +336,7 @@ def test_we_load_peft_classifier_adapter_with_the_reference_outputs(tmp_path):
     ({"modules_to_save": ["head"]}, ValueError, r"\['head'\] matched no module of BertForSequenceClassification"),
 ])
 def test_bad_arguments_are_refused_and_the_model_is_unchanged(kwargs, error, match):
-    model = _bert_classifier()
+    model = bert_model()
     names = [n for n, _ in model.named_modules()]
     with pytest.raises(error, match=match):
         inject_prefix_tuning(model, **kwargs)
@@ -456,7 +439,7 @@ def test_a_recorded_adapter_for_another_model_is_refused():
 
 
 def test_saving_for_a_model_peft_has_no_task_type_for_is_refused(tmp_path):
-    model = transformers.BertForMaskedLM(_bert_config())
+    model = bert_model("masked_lm")
     inject_prefix_tuning(model, num_virtual_tokens=N)
     with pytest.raises(ValueError, match="PEFT has no task type for BertForMaskedLM, and a PeftModel without one runs "
                                          "the base model without the prefix"):
@@ -508,7 +491,7 @@ def test_a_head_lora_already_saves_is_left_to_lora():
     from lightning_peft.peft import inject_lora
     from lightning_peft.peft.modules_to_save import ModulesToSave
 
-    model = _bert_classifier().eval()
+    model = bert_model().eval()
     inject_lora(model, rank=2, target_modules=["query"])  # saves the classifier
     lora_head = model.classifier
     with pytest.raises(ValueError, match=r"PrefixTuning\(modules_to_save=\['classifier'\]\): 'classifier' is already "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,7 @@ from lightning_peft.peft.prompt.prompt_tuning import (  # noqa: E402
     prompt_embedding,
     unload_prompt_tuning,
 )
-from tests._models import bert_config, gpt2_config, llama_config  # noqa: E402
+from tests._models import bert_model, gpt2_model, llama_model, seeded  # noqa: E402
 
 # PEFT calls a transformers API that transformers deprecates; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
@@ -47,29 +48,15 @@ WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range
 # --------------------------------------------------------------------------------------------------- models
 
 
-def _bert(task: str = "seq_cls") -> nn.Module:
-    config = bert_config(max_position_embeddings=POSITIONS, num_labels=3 if task == "seq_cls" else 2)
-    cls = {"seq_cls": transformers.BertForSequenceClassification, "qa": transformers.BertForQuestionAnswering}[task]
-    return cls(config)
-
-
-def _gpt2() -> nn.Module:
-    config = gpt2_config(n_positions=POSITIONS, bos_token_id=2, eos_token_id=3, pad_token_id=0)
-    return transformers.GPT2LMHeadModel(config)
-
-
-def _llama() -> nn.Module:
-    config = llama_config(max_position_embeddings=POSITIONS, bos_token_id=2, eos_token_id=3, pad_token_id=0)
-    return transformers.LlamaForCausalLM(config)
-
-
-BUILDERS = {"bert": _bert, "gpt2": _gpt2, "llama": _llama}
+SPECIAL = {"bos_token_id": 2, "eos_token_id": 3, "pad_token_id": 0}
+BUILDERS = {"bert": partial(bert_model, max_position_embeddings=POSITIONS),
+            "gpt2": partial(gpt2_model, n_positions=POSITIONS, **SPECIAL),
+            "llama": partial(llama_model, max_position_embeddings=POSITIONS, **SPECIAL)}
 TASKS = {"bert": "SEQ_CLS", "gpt2": "CAUSAL_LM", "llama": "CAUSAL_LM"}
 
 
 def _base(family: str, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return BUILDERS[family]().double().eval()
+    return seeded(BUILDERS[family], seed)
 
 
 def _copy(model: nn.Module) -> nn.Module:
@@ -216,7 +203,7 @@ def test_given_embeddings_get_the_prompt_too_and_sequence_labels_stay():
 
 def test_question_answering_span_labels_move_with_the_tokens():
     torch.manual_seed(0)
-    base = _bert("qa").double().eval()
+    base = bert_model("qa", max_position_embeddings=POSITIONS, num_labels=2).double().eval()
     model = _copy(base)
     prompt = inject_prompt_tuning(model, num_virtual_tokens=N)
     assert attached(model)["prompt_tuning"].modules_to_save == ("qa_outputs",)

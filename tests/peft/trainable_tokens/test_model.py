@@ -5,6 +5,7 @@ gradients, disabled, merged exports and in-place merges, the files both ways, an
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -29,17 +30,16 @@ from lightning_peft.peft import (
 )
 from lightning_peft.peft.adapter import attached
 from lightning_peft.peft.trainable_tokens import TrainableTokensWrapper, check_indices
-from tests._models import gpt2_config, llama_config
+from tests._models import gpt2_model, llama_model, seeded
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 PREFIX = "base_model.model."
 IDS = [3, 7, 11]
-FAMILIES = {  # family -> (config, LoRA targets, input embedding, tied head)
-    "llama": (lambda: transformers.LlamaForCausalLM(llama_config(tie_word_embeddings=True)), ["q_proj"],
-              "model.embed_tokens", "lm_head"),
-    "gpt2": (lambda: transformers.GPT2LMHeadModel(gpt2_config()), ["c_attn"], "transformer.wte", "lm_head"),
+FAMILIES = {  # family -> (model builder, LoRA targets, input embedding, tied head)
+    "llama": (partial(llama_model, tie_word_embeddings=True), ["q_proj"], "model.embed_tokens", "lm_head"),
+    "gpt2": (gpt2_model, ["c_attn"], "transformer.wte", "lm_head"),
 }
 X = torch.tensor([[1, 3, 5, 7], [11, 2, 3, 0]])  # (B, T): chosen and other ids
 
@@ -49,8 +49,7 @@ def close(a, b, what=""):
 
 
 def base_model(family: str) -> nn.Module:
-    torch.manual_seed(0)
-    return FAMILIES[family][0]().double().eval()
+    return seeded(FAMILIES[family][0])
 
 
 def trainable(model: nn.Module) -> dict[str, torch.Tensor]:
