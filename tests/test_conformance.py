@@ -1,7 +1,7 @@
 """Every registered PEFT technique keeps the same promises, through its public callback and functions only.
 
-One row per technique (LoRA, LoRA with DoRA, named multi-LoRA, bottleneck adapters, prompt tuning, prefix tuning
-with and without its projection MLP); for each:
+One row per technique (LoRA, LoRA with DoRA, named multi-LoRA, bottleneck adapters, IA³, prompt tuning, prefix
+tuning with and without its projection MLP); for each:
 
 - resume: a fit resumed from an epoch-boundary checkpoint (adapter-only or full) ends with the straight run's
   weights, bit for bit; resuming with other settings is refused, naming both values;
@@ -31,12 +31,21 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_peft.callbacks import BottleneckAdapters, LoRA, MultiLoRA, PrefixTuning, PromptTuning, load_from_checkpoint
+from lightning_peft.callbacks import (
+    IA3,
+    BottleneckAdapters,
+    LoRA,
+    MultiLoRA,
+    PrefixTuning,
+    PromptTuning,
+    load_from_checkpoint,
+)
 from lightning_peft.peft import (
-    add_adapter,
     adapter_state_dict,
+    add_adapter,
     attached,
     inject_bottleneck_adapters,
+    inject_ia3,
     inject_lora,
     inject_prefix_tuning,
     inject_prompt_tuning,
@@ -73,6 +82,7 @@ ADAPTERS = {
 }
 BOTTLENECK = {"placement": "houlsby", "reduction_factor": 4, "non_linearity": "gelu", "modules_to_save": ["classifier"]}
 PREFIX = {"num_virtual_tokens": 3, "modules_to_save": ["classifier"]}
+IA3_ARGS = {"target_modules": ["key", "value", "output.dense"], "feedforward_modules": ["output.dense"]}
 ROUTES = [["news", "sport", None, "news"], [1, 0, 0, -1], ["sport", "sport", "news", None], [None, "news", 1, "sport"]]
 
 
@@ -165,6 +175,18 @@ TECHNIQUES: dict[str, Technique] = {
         keeps_float32=True,
         record=_bottleneck_record,  # no peft_config: PEFT has no bottleneck adapters
     ),
+    "ia3": Technique(
+        callback=lambda **kw: IA3(**IA3_ARGS, **kw),
+        data=loader,
+        refused={"feedforward_modules": (
+            lambda **kw: IA3(target_modules=IA3_ARGS["target_modules"], **kw),
+            r"IA3: the checkpoint's ia3 adapter on 'model' was trained with feedforward.*; this run has feedforward")},
+        inject={"bert": lambda m: inject_ia3(m, **IA3_ARGS),
+                "gpt2": lambda m: inject_ia3(m, target_modules=["c_attn", "mlp.c_proj"], feedforward_modules=["mlp.c_proj"])},
+        peft_config=lambda targets: peft.IA3Config(task_type="CAUSAL_LM", target_modules=[*targets, "mlp.c_proj"],
+                                                   feedforward_modules=["mlp.c_proj"]),
+        keeps_float32=True,
+    ),
     "prompt_tuning": Technique(
         callback=lambda **kw: PromptTuning(num_virtual_tokens=4, **kw),
         data=loader,
@@ -205,7 +227,7 @@ def test_every_registered_technique_has_a_row():
     from lightning_peft.peft import adapter
 
     registered = {kind for kind, cls in adapter._REGISTRY.items() if cls.__module__.startswith("lightning_peft.")}
-    covered = {"lora", "bottleneck", "prompt_tuning", "prefix_tuning"}  # multi_lora is LoRA's protocol row as well
+    covered = {"lora", "bottleneck", "ia3", "prompt_tuning", "prefix_tuning"}  # multi_lora is LoRA's protocol row as well
     assert registered == covered, f"add a conformance row for {sorted(registered - covered)}"
     assert {name.split("_projection")[0] for name in TECHNIQUES} - {"multi_lora", "lora_dora"} == covered
 
@@ -421,7 +443,7 @@ def test_we_load_a_peft_adapter_with_its_outputs(name, family, tmp_path):
                                                         target_modules=PEFT_TARGETS[family][:1]))
     finally:
         torch.set_default_dtype(torch.float32)
-    randomise([p for n, p in sorted(theirs.named_parameters()) if "lora_" in n or "prompt_encoder" in n])
+    randomise([p for n, p in sorted(theirs.named_parameters()) if "lora_" in n or "ia3_l" in n or "prompt_encoder" in n])
     theirs.eval().save_pretrained(tmp_path)
     ours = load_adapter(copy.deepcopy(plain), tmp_path).eval()
     assert (logits(ours) - logits(plain)).abs().max() > 1e-3  # not vacuous

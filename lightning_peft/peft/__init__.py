@@ -1,4 +1,4 @@
-"""Parameter-efficient fine-tuning in pure PyTorch (no Lightning import): LoRA and named multi-LoRA, bottleneck
+"""Parameter-efficient fine-tuning in pure PyTorch (no Lightning import): LoRA and named multi-LoRA, IA³, bottleneck
 adapters, prompt tuning, prefix tuning; a quantized frozen base (QLoRA: ``quantize_base``); the adapter protocol they
 share; PEFT-format I/O."""
 
@@ -14,6 +14,7 @@ from .bottleneck import (
     unload_bottleneck_adapters,
 )
 from .._manifest import recover_export
+from .ia3 import IA3Adapter, IA3Config, inject_ia3, unload_ia3
 from .io import load_adapter, peft_config, save_adapter
 from .loraplus import loraplus_groups
 from .lora import (
@@ -61,6 +62,8 @@ __all__ = [
     "BottleneckAdapter",
     "BottleneckConfig",
     "BottleneckLayer",
+    "IA3Adapter",
+    "IA3Config",
     "LoRAAdapter",
     "LoRAConfig",
     "LoRAConv",
@@ -86,6 +89,7 @@ __all__ = [
     "disable_adapters",
     "fold_prefix_projection",
     "inject_bottleneck_adapters",
+    "inject_ia3",
     "inject_lora",
     "inject_prefix_tuning",
     "inject_prompt_tuning",
@@ -104,6 +108,7 @@ __all__ = [
     "set_adapter",
     "trainable_parameters",
     "unload_bottleneck_adapters",
+    "unload_ia3",
     "unload_lora",
     "unload_prefix_tuning",
     "unload_prompt_tuning",

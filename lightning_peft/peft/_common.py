@@ -15,6 +15,7 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 from collections.abc import Iterable
@@ -63,6 +64,16 @@ def matched(targets: Targets, names: Iterable[str]) -> Targets | None:
     if isinstance(targets, str):
         return targets if any(name_matches(n, targets) for n in names) else None
     return [t for t in targets if any(name_matches(n, [t]) for n in names)] or None
+
+
+def exact_choice(chosen: list[str], names: Iterable[str], picks=name_matches) -> Targets:
+    """``chosen`` (full module names) written as a config entry that picks exactly them among ``names`` under the
+    rule ``picks(name, entries)`` (default: ``target_modules``'): the list when it does, else a regular expression
+    (matched in full) of exactly them (a list entry ``"0"`` would also pick ``"1.0"``)."""
+    entries = list(chosen)
+    if all(name in entries for name in names if name and picks(name, entries)):
+        return entries
+    return "(?:" + "|".join(re.escape(name) for name in entries) + ")"
 
 
 def refuse_unmatched(who: str, targets: Targets, names: Iterable[str], model: nn.Module, describe,
@@ -167,6 +178,23 @@ def task_heads(model: nn.Module) -> list[str]:
         return []
     heads = _TASK_HEADS[kind]
     return [n for n, _ in model.named_children() if n in heads]
+
+
+def config_of(cls: type, config: object, kwargs: dict, who: str, technique: str) -> object:
+    """A technique's config (a frozen dataclass ``cls``) from a config object or keyword arguments (not both); the
+    messages name the caller ``who`` and the ``technique`` (in words)."""
+    if config is None:
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(kwargs) - set(fields))
+        if unknown:
+            raise TypeError(f"{who}: unknown argument {unknown[0]!r}; {technique} take {', '.join(fields)}.")
+        return cls(**kwargs)
+    if kwargs:
+        raise TypeError(f"{who}: pass either config or keyword arguments, not both (got {sorted(kwargs)}).")
+    if not isinstance(config, cls):
+        raise TypeError(f"{who}(config={type(config).__name__}): give a {cls.__name__}, or its fields as keyword "
+                        "arguments.")
+    return config
 
 
 def refuse_second_injection(who: str, model: nn.Module, found: str | None, technique: str, more: str = "") -> None:

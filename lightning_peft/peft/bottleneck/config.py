@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..._checks import choice, integer, names, positive, probability, regex
+from .._common import config_of
 from .layer import NON_LINEARITIES
 
 Placement = Literal["houlsby", "pfeiffer"]
@@ -114,18 +115,7 @@ def _as_reduction_factor(value: object, bottleneck_size: object) -> float | None
 def as_config(config: object, kwargs: dict[str, Any], who: str) -> BottleneckConfig:
     """A [`BottleneckConfig`][lightning_peft.peft.BottleneckConfig] from a config object or keyword arguments (not
     both)."""
-    if config is None:
-        fields = [f.name for f in dataclasses.fields(BottleneckConfig)]
-        unknown = sorted(set(kwargs) - set(fields))
-        if unknown:
-            raise TypeError(f"{who}: unknown argument {unknown[0]!r}; bottleneck adapters take {', '.join(fields)}.")
-        return BottleneckConfig(**kwargs)
-    if kwargs:
-        raise TypeError(f"{who}: pass either config or keyword arguments, not both (got {sorted(kwargs)}).")
-    if not isinstance(config, BottleneckConfig):
-        raise TypeError(f"{who}(config={type(config).__name__}): give a BottleneckConfig, or its fields as keyword "
-                        "arguments.")
-    return config
+    return config_of(BottleneckConfig, config, kwargs, who, "bottleneck adapters")
 
 
 FILE_FIELDS = frozenset({"peft_type", "format_version", "base_model_name_or_path", "placement", "target_modules",

@@ -1,0 +1,95 @@
+"""The IA3 callback under a real Trainer: what trains, a resume from an adapter-only checkpoint, the merged export
+that plain transformers loads, LightningCLI YAML."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.testing import assert_close
+
+from lightning_peft.callbacks import IA3, MergeOnSave
+from lightning_peft.peft import IA3Config, adapter_state_dict
+from lightning_peft.peft.ia3 import ia3_layers
+from tests._models import Classifier, loader, trainer
+
+transformers = pytest.importorskip("transformers")
+
+ARGS = {"target_modules": ["key", "value", "intermediate.dense", "output.dense"],
+        "feedforward_modules": r".*\.layer\.\d+\.output\.dense"}  # a regular expression: not the attention's
+
+
+def fit(config, root, epochs, ckpt_path=None, callbacks=()):
+    torch.manual_seed(0)
+    module = Classifier(config)
+    checkpoint = ModelCheckpoint(dirpath=root, filename="{epoch}", save_top_k=-1)
+    run = trainer(root, max_epochs=epochs, callbacks=[IA3(**ARGS, adapter_only_checkpoint=True), checkpoint,
+                                                      *callbacks], enable_checkpointing=True)
+    run.fit(module, loader(), ckpt_path=ckpt_path)
+    return module
+
+
+def test_it_trains_the_vectors_and_the_head_only_and_logs_what_it_injected(tiny_bert_config, tmp_path, caplog):
+    with caplog.at_level(logging.INFO):
+        module = fit(tiny_bert_config, tmp_path, 1)
+    layers = ia3_layers(module.model)
+    # per layer: key, value (16 each, output), intermediate.dense (32, output), output.dense (32 input), the
+    # attention output's dense (16, output: "attention.output.dense" is not a feed-forward entry)
+    assert sorted(n for n, layer in layers.items() if layer.feedforward) == [
+        f"bert.encoder.layer.{i}.output.dense" for i in (0, 1)]
+    assert module.trainable_at_configure == 2 * (16 + 16 + 32 + 32 + 16) + (3 * 16 + 3)
+    assert set(adapter_state_dict(module.model)) == {n.removeprefix("model.") for n in
+                                                     module.trainable_names_at_configure}
+    assert all(not torch.equal(layer.ia3_l, torch.ones_like(layer.ia3_l)) for layer in layers.values())  # trained
+    assert ("IA3: 10 layers of BertForSequenceClassification (2 scaled at the input, saving classifier in full)"
+            in caplog.text)
+
+
+def test_an_adapter_only_checkpoint_resumes_bit_for_bit(tiny_bert_config, tmp_path):
+    straight = fit(tiny_bert_config, tmp_path / "straight", 2)
+    saved = torch.load(tmp_path / "straight" / "epoch=0.ckpt", weights_only=False)
+    assert set(saved["state_dict"]) == straight.trainable_names_at_configure  # the vectors and the head alone
+    resumed = fit(tiny_bert_config, tmp_path / "resumed", 2, ckpt_path=tmp_path / "straight" / "epoch=0.ckpt")
+    reference = straight.state_dict()
+    assert resumed.state_dict().keys() == reference.keys()
+    assert all(torch.equal(resumed.state_dict()[k], v) for k, v in reference.items())
+
+
+def test_merge_on_save_writes_a_model_plain_transformers_loads_and_a_peft_adapter(tiny_bert_config, tmp_path):
+    from peft import PeftModel
+
+    torch.manual_seed(0)
+    base_state = {k: v.clone() for k, v in Classifier(tiny_bert_config).model.state_dict().items()}
+    module = fit(tiny_bert_config, tmp_path, 1, callbacks=[MergeOnSave(dirpath=str(tmp_path / "out"))])
+    ids = torch.randint(0, 64, (3, 8))
+    module.model.eval()
+    expected = module.model(input_ids=ids).logits
+    merged = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "out" / "merged").eval()
+    assert type(merged) is transformers.BertForSequenceClassification and not ia3_layers(merged)
+    assert_close(merged(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-6)
+    base = transformers.BertForSequenceClassification(tiny_bert_config)
+    base.load_state_dict(base_state)
+    theirs = PeftModel.from_pretrained(base, tmp_path / "out" / "adapter").eval()
+    assert_close(theirs(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_callback_is_built_from_lightning_cli_yaml():
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_argument("--callback", type=IA3)
+    yaml = ("callback:\n  class_path: lightning_peft.callbacks.IA3\n  init_args: {target_modules: [key, value, wo], "
+            "feedforward_modules: [wo], modules_to_save: [classifier], adapter_only_checkpoint: true}\n")
+    callback = parser.instantiate_classes(parser.parse_string(yaml)).callback
+    assert callback.config == IA3Config(target_modules=["key", "value", "wo"], feedforward_modules=["wo"],
+                                        modules_to_save=["classifier"])
+    assert callback.adapter_only_checkpoint
+
+
+def test_a_resume_with_other_feedforward_modules_is_refused(tiny_bert_config):
+    state = IA3(**ARGS).state_dict()
+    with pytest.raises(ValueError, match=r"IA3: the checkpoint was trained with feedforward_modules='\.\*.*'; this run "
+                                         r"has feedforward_modules=None\. Resume with the checkpoint's settings"):
+        IA3(target_modules=ARGS["target_modules"]).load_state_dict(state)
