@@ -65,9 +65,6 @@ def refuse_unsupported(chosen: list[str], modules: dict[str, nn.Module], config)
             "out_proj.bias) are not trained as PEFT trains them, so the adapter would differ. Use bias='none', or "
             "leave the attention modules out of target_modules."
         )
-    if attention and config.lora_bias:  # PEFT creates the biases and never uses them
-        raise ValueError(f"LoRA(lora_bias=True) with the nn.MultiheadAttention {attention[0]!r}: its update enters "
-                         "through the weights: no place for B's bias. Use lora_bias=False, or leave it out of targets.")
 
 
 def warn_doubled_out_proj(config: dict, keys: Iterable[str], source: str, adapter_name: str) -> None:
