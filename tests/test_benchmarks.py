@@ -270,3 +270,41 @@ def test_every_benchmark_prints_the_machine_it_ran_on():
         if "say_machine" not in calls:
             missing.append(path.name)
     assert not missing, missing
+
+
+def test_bench_methods_tiny_checks_each_method_against_peft_and_reports_both_ratios(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # in this process: the imports are paid already
+    import bench_methods
+
+    out, txt, plot = tmp_path / "methods.json", tmp_path / "methods.txt", tmp_path / "methods.png"
+    report = bench_methods.main(["--tiny", "--quick", "--json", str(out), "--txt", str(txt), "--plot", str(plot)])
+    assert json.loads(out.read_text())["methods"].keys() == report["methods"].keys()
+    assert set(report["methods"]) | set(report["skipped"]) == {m.name for m in bench_methods.METHODS}
+    assert "IA3" in report["methods"]  # the methods of other branches light up when merged
+    for name, result in report["methods"].items():
+        agreement = result["agreement"]
+        assert agreement["logits ours vs PEFT"] <= 1e-5 and agreement["(scale) logits ours vs plain base"] > 1e-3
+        assert result["trainable"]["ours"] == result["trainable"]["peft"] > 0
+        assert [r["measurement"] for r in result["rows"]] == [f"{name} training step: ours / PEFT",
+                                                              f"{name} training step: ours / our LoRA"]
+        assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in result["rows"])
+    text = txt.read_text()
+    assert all(f"{name}: skipped, lightning_peft.peft has no" in text for name in report["skipped"])
+    assert "| IA3 | " in text and plot.stat().st_size > 1000
+
+
+def test_bench_methods_aborts_when_peft_would_adapt_other_tensors(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import bench_methods
+
+    from lightning_peft.peft import inject_ia3
+
+    base = bench_methods.tiny_base(0)
+    batch = bench_methods.make_batch(2, 8, base.config.vocab_size, 1)
+    ia3 = next(m for m in bench_methods.METHODS if m.name == "IA3")
+
+    def no_feedforward(model):
+        inject_ia3(model, target_modules=list(bench_methods.TARGETS), modules_to_save=["classifier"])
+
+    with pytest.raises(SystemExit, match="IA3: PEFT's get_peft_model makes other trainable tensors"):
+        bench_methods.build_pair(ia3, no_feedforward, base, batch, 0)
