@@ -35,6 +35,7 @@ from lightning_peft.callbacks import (
     Curriculum,
     GradientAccumulation,
     GradientNoise,
+    IA3,
     LayerwiseLRDecay,
     LoRA,
     MergeOnSave,
@@ -168,6 +169,14 @@ def _lora(kind: str, dropout: float = 0.0, **kwargs: Any) -> LoRA:
     return LoRA(rank=4, alpha=8.0, dropout=dropout, **_targets(kind), **kwargs)
 
 
+def _ia3(kind: str) -> IA3:
+    """Keys, values and the second feed-forward layer, whose input is scaled (the paper's placement)."""
+    second = {"bert": "output.dense", "encoder": "down_proj"}[kind]  # BERT's: attention.output.dense scaled too
+    first = ["key", "value"] if kind == "bert" else ["k_proj", "v_proj"]
+    return IA3(target_modules=[*first, second], feedforward_modules=[second],
+               modules_to_save=_targets(kind)["modules_to_save"])
+
+
 @dataclass(frozen=True)
 class Row:
     """A callback (with LoRA where it needs adapters to act on) and the model it runs on."""
@@ -201,6 +210,7 @@ ROWS = [
     Row("BottleneckAdapters", lambda kind: [BottleneckAdapters(bottleneck_size=4, init_scale=0.1)]),
     Row("PromptTuning", lambda kind: [PromptTuning(num_virtual_tokens=3)]),
     Row("PrefixTuning", lambda kind: [PrefixTuning(num_virtual_tokens=3)]),
+    Row("IA3", lambda kind: [_ia3(kind)]),
     Row("MergeOnSave", lambda kind: [_lora(kind)], save_merged=True),
     Row("GradientNoise", lambda kind: [_lora(kind), GradientNoise(eta=1e-3)]),
     Row("LayerwiseLRDecay", lambda kind: [_lora(kind), LayerwiseLRDecay(decay=0.5)]),
