@@ -30,12 +30,12 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_peft._seams import data_parallel
 from lightning_peft.callbacks import (
+    IA3,
     ActivationCheckpointing,
     BottleneckAdapters,
     Curriculum,
     GradientAccumulation,
     GradientNoise,
-    IA3,
     LayerwiseLRDecay,
     LoRA,
     MergeOnSave,
