@@ -31,8 +31,9 @@ class IA3(AdapterCallback):
     """Inject IA³ into the model at ``setup`` and freeze the rest.
 
     Args:
-        target_modules: The modules that get a learned vector: names or dotted suffixes (list), or a regular
-            expression (string). ``nn.Linear``, transformers ``Conv1D``, ``nn.Conv2d``, ``nn.Conv3d``.
+        target_modules: The modules that get a learned vector: names or dotted suffixes (list), a regular
+            expression (string), or ``"all-linear"``. ``nn.Linear``, transformers ``Conv1D``, ``nn.Conv2d``,
+            ``nn.Conv3d``.
         feedforward_modules: The targets whose input is scaled (the paper's ``l_ff``, PEFT's matching: plain suffix
             for a list, which must be a subset of a ``target_modules`` list); the others' output is scaled.
         exclude_modules: Modules never adapted (the ``target_modules`` rules).

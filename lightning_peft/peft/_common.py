@@ -253,6 +253,16 @@ def output_head(model: nn.Module, view: dict[str, nn.Module], linear: tuple[type
     return linears[-1] if linears else None
 
 
+def all_linear(model: nn.Module, view: dict[str, nn.Module], linear: tuple[type, ...]) -> list[str]:
+    """``target_modules="all-linear"``, resolved alike for every technique: the names in ``view`` (module names as a
+    technique sees them, other techniques' insides hidden) of every module of a ``linear`` type but the output head
+    (`output_head`). Hugging Face PEFT drops the head of a ``PreTrainedModel`` only (its output embeddings, or with
+    ``task_type="SEQ_CLS"`` its classifier); here any model's last linear layer stays out when it has no output
+    embeddings. Adapters are saved with the exact names, so PEFT loads them onto the same modules."""
+    head = output_head(model, view, linear)
+    return [n for n, m in view.items() if n and isinstance(m, linear) and n != head]
+
+
 def dense_weight(weight: Tensor, module: nn.Module | None = None) -> Tensor:
     """A base weight as a plain tensor in its own layout: a quantized weight (a tensor subclass that can
     dequantize itself, such as torchao's ``NF4Tensor``) is dequantized; a plain tensor is returned as it is.

@@ -46,10 +46,10 @@ from torch import Tensor, nn
 
 from ._common import (
     Targets,
+    all_linear,
     dense_weight,
     is_quantized,
     name_matches,
-    output_head,
     refuse_no_target,
     refuse_unmatched,
     wraps_a_layer,
@@ -261,9 +261,7 @@ def quantize_base(
     check_method(method, "quantize_base")
     view = _layer_view(model)
     if target_modules == "all-linear":
-        layers = {n: m for n, m in view.items() if isinstance(m, nn.Linear)}
-        head = output_head(model, layers, (nn.Linear,))  # the output layer stays in full precision
-        chosen = [n for n in layers if n != head]
+        chosen = all_linear(model, view, (nn.Linear,))  # the output layer stays in full precision
     else:
         chosen = [n for n in view if name_matches(n, target_modules)]
         linears = ", ".join(n for n, v in view.items() if isinstance(v, nn.Linear)) or "none"

@@ -28,9 +28,10 @@ class IA3Config:
     them (`lightning_peft.peft._common`).
 
     Args:
-        target_modules: The modules that get a learned vector: names or dotted suffixes (list), or a regular
-            expression matched against the full name (string). ``nn.Linear``, transformers' ``Conv1D``,
-            ``nn.Conv2d`` and ``nn.Conv3d`` (PEFT's IA³ layers).
+        target_modules: The modules that get a learned vector: names or dotted suffixes (list), a regular
+            expression matched against the full name (string), or ``"all-linear"`` (every ``nn.Linear`` and
+            ``Conv1D`` but the output head and ``modules_to_save``, as LoRA resolves it). ``nn.Linear``,
+            transformers' ``Conv1D``, ``nn.Conv2d`` and ``nn.Conv3d`` (PEFT's IA³ layers).
         feedforward_modules: The targets whose *input* is scaled (the paper's feed-forward rescaling, ``l_ff``);
             every other target's output is scaled. A list is matched as PEFT matches it, by plain suffix
             (``name.endswith(entry)``), and must be a subset of a ``target_modules`` list; a string is a regular
@@ -54,9 +55,6 @@ class IA3Config:
             value = getattr(self, field)
             if value is not None or field == "target_modules":
                 normal(self, field, _as_targets(field, value))
-        if self.target_modules == "all-linear":
-            raise ValueError("IA3(target_modules='all-linear'): not supported by lightning-peft's IA³; name the modules "
-                             "(e.g. ['k', 'v', 'wo'] for T5, with feedforward_modules=['wo']).")
         ff, targets = self.feedforward_modules, self.target_modules
         if isinstance(ff, list) and isinstance(targets, list) and not set(ff) <= set(targets):
             raise ValueError(  # PEFT refuses the same ("`feedforward_modules` should be a subset of `target_modules`")

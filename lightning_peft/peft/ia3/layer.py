@@ -30,6 +30,12 @@ def conv1d_type() -> type | None:
     return getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
 
 
+def linear_kinds() -> tuple[type, ...]:
+    """The layer types ``target_modules="all-linear"`` chooses: ``nn.Linear`` and (if imported) ``Conv1D``."""
+    conv1d = conv1d_type()
+    return (nn.Linear,) if conv1d is None else (nn.Linear, conv1d)
+
+
 def supported(module: nn.Module) -> bool:
     """Whether IA³ (PEFT's layers) can scale ``module``."""
     conv1d = conv1d_type()

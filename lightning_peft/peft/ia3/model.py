@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from .._base_identity import base_model_name
 from .._common import (
+    all_linear,
     chosen_by_name,
     exact_choice,
     inside,
@@ -75,7 +76,7 @@ from ..modules_to_save import (
     wrap_modules_to_save,
 )
 from .config import PEFT_FIELDS, PEFT_TYPE, WHO, IA3Config, as_config
-from .layer import IA3Layer, Switch, supported
+from .layer import IA3Layer, Switch, linear_kinds, supported
 
 log = logging.getLogger("lightning_peft.peft.ia3")
 _KINDS = "nn.Linear, transformers Conv1D, nn.Conv2d, nn.Conv3d"
@@ -124,7 +125,10 @@ def select(model: nn.Module, config: IA3Config) -> tuple[list[str], list[str]]:
     """(targets, modules_to_save) full names, as PEFT picks them; raises before anything is changed."""
     names = [n for n, _ in model.named_modules() if n]
     to_save = select_modules_to_save(model, config.modules_to_save, WHO)
-    chosen = chosen_by_name(WHO, config.target_modules, names, model, describe_modules)
+    if config.target_modules == "all-linear":
+        chosen = all_linear(model, _view(model), linear_kinds())
+    else:
+        chosen = chosen_by_name(WHO, config.target_modules, names, model, describe_modules)
     if config.exclude_modules is not None:
         refuse_unmatched(WHO, config.exclude_modules, names, model, describe_modules, "exclude_modules")
         chosen = [n for n in chosen if not name_matches(n, config.exclude_modules)]
@@ -142,6 +146,19 @@ def select(model: nn.Module, config: IA3Config) -> tuple[list[str], list[str]]:
                             f"IA³ scales {_KINDS} (Hugging Face PEFT's IA³ layers). {type(model).__name__} has: "
                             f"{describe_modules(model)}.")
     return chosen, to_save
+
+
+def _view(model: nn.Module) -> dict[str, nn.Module]:
+    """``named_modules`` without the insides of other techniques' wrappers and ``modules_to_save`` (whose linear
+    layers "all-linear" must not reach; the wrappers themselves are not linear layers, so they stay out too)."""
+    view: dict[str, nn.Module] = {}
+    hidden: list[str] = []
+    for name, module in model.named_modules():
+        if not any(name.startswith(h) for h in hidden):
+            view[name] = module
+            if name and (isinstance(module, ModulesToSave) or wraps_a_layer(module)):
+                hidden.append(f"{name}.")
+    return view
 
 
 def _refuse_second_injection(model: nn.Module) -> None:

@@ -32,12 +32,12 @@ from torch import nn
 
 from .._common import (
     Targets,
+    all_linear,
     chosen_by_name,
     in_layers,
     inside,
     matched,
     name_matches,
-    output_head,
     pattern_matches,
     refuse_no_target,
     refuse_unmatched,
@@ -98,9 +98,7 @@ def select_targets(model: nn.Module, config: LoRAConfig) -> tuple[list[str], lis
     to_save = _select_modules_to_save(model, config, names)
     inside_fused = _inside_fused(modules)
     if config.target_modules == "all-linear":
-        linear = linear_types()
-        head = output_head(model, modules, linear)
-        chosen = [n for n in names if isinstance(modules[n], linear) and n != head and n not in inside_fused]
+        chosen = [n for n in all_linear(model, modules, linear_types()) if n not in inside_fused]
     else:
         chosen = chosen_by_name("LoRA", config.target_modules, names, model, _describe_modules)
         if config.layers_to_transform is not None and chosen:

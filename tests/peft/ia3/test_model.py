@@ -12,6 +12,7 @@ from torch import nn
 from lightning_peft.peft import (
     IA3Config,
     inject_ia3,
+    inject_lora,
     load_adapter,
     merged_state_dict,
     save_adapter,
@@ -54,7 +55,6 @@ def mlp(**config) -> tuple[nn.Module, nn.Module]:
 
 
 @pytest.mark.parametrize(("kwargs", "error", "message"), [
-    ({"target_modules": "all-linear"}, ValueError, r"IA3\(target_modules='all-linear'\): not supported .* name the"),
     ({"target_modules": ["k"], "feedforward_modules": ["wo"]}, ValueError,
      (r"IA3\(feedforward_modules=\['wo'\], target_modules=\['k'\]\): feedforward_modules must be a subset of "
       r"target_modules; \['wo'\] is not among them")),
@@ -174,3 +174,42 @@ def test_loading_into_a_model_with_ia3_checks_which_inputs_are_scaled(tmp_path):
     inject_ia3(same, target_modules=["lin0", "lin1"], feedforward_modules=["lin1"])
     x = inputs(base)
     close(outputs(load_adapter(same, tmp_path), x), outputs(ours, x), "loaded into the existing adapter")
+
+
+def tiny_bert() -> nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(vocab_size=40, hidden_size=8, num_hidden_layers=2,
+                                                    num_attention_heads=2, intermediate_size=12, num_labels=3))
+
+
+def tiny_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=8, n_layer=2, n_head=2, n_positions=16))
+
+
+@pytest.mark.parametrize(("make", "task", "feedforward"), [(tiny_bert, "SEQ_CLS", ["output.dense"]),
+                                                           (tiny_gpt2, "CAUSAL_LM", ["mlp.c_proj"])])
+def test_all_linear_scales_what_peft_scales_and_peft_loads_it_equal(make, task, feedforward, tmp_path):
+    base = make().double().eval()
+    theirs = peft.get_peft_model(copy.deepcopy(base), peft.IA3Config(
+        target_modules="all-linear", feedforward_modules=feedforward, task_type=task))
+    chosen = {n.removeprefix("base_model.model."): m.is_feedforward for n, m in theirs.named_modules()
+              if hasattr(m, "ia3_l")}
+    ours = copy.deepcopy(base)
+    layers = inject_ia3(ours, target_modules="all-linear", feedforward_modules=feedforward)
+    assert {n: layer.feedforward for n, layer in layers.items()} == chosen  # the output head left out, as PEFT
+    assert any(chosen.values()) and not all(chosen.values())
+    save_adapter(randomised(ours), tmp_path)
+    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path).eval()
+    ids = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(0))
+    close(loaded(input_ids=ids).logits, ours(input_ids=ids).logits, "PEFT loading our all-linear adapter")
+
+
+def test_all_linear_leaves_the_insides_of_other_techniques_alone():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    inject_lora(model, rank=2, target_modules=["0"])
+    assert list(inject_ia3(model, target_modules="all-linear")) == ["1"]  # not LoRA's A and B, not the head '2'
