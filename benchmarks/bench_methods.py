@@ -27,8 +27,8 @@ PEFT's AdaLoRA adds its orthogonal regularisation to ``loss`` inside its forward
 the step here calls no callback: that row compares the steps as a user's ``training_step`` would run them.
 
 Sizes: batch 8 x 64 tokens, 7 repeats x 2 steps, 1 warm-up step, 2 threads: on a shared 2-core CPU about 0.3 s a
-step, ~15 s per method, under 6 minutes for the seven methods with the checks. ``--quick``: batch 2 x 16, 2 repeats
-x 1 step, no warm-up (checks the script works; its ratios mean little). ``--tiny``: a random 2-layer BERT instead of
+step, ~15 s per method, under 6 minutes for the seven methods with the checks. ``--quick``: batch 2 x 16, 3 repeats
+x 1 step, 1 warm-up step (checks the script works; its ratios mean little). ``--tiny``: a random 2-layer BERT instead of
 MiniLM (the smoke test).
 
 Usage:
@@ -246,12 +246,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--threads", type=int, default=2, help="torch.set_num_threads")
     add("--seed", type=int, default=0)
     add("--methods", nargs="+", default=None, help=f"a subset of {[m.name for m in METHODS]}")
-    add("--quick", action="store_true", help="smoke run: batch 2 x 16, 2 repeats x 1 step, no warm-up")
+    add("--quick", action="store_true", help="smoke run: batch 2 x 16, 3 repeats x 1 step, 1 warm-up step")
     add("--tiny", action="store_true", help="a random 2-layer BERT instead of MiniLM")
     output_arguments(parser)
     args = parser.parse_args(argv)
     if args.quick:
-        args.batch_size, args.seq_len, args.repeats, args.steps, args.warmup = 2, 16, 2, 1, 0
+        args.batch_size, args.seq_len, args.repeats, args.steps, args.warmup = 2, 16, 3, 1, 1
     known = {m.name for m in METHODS}
     if args.methods is not None and not set(args.methods) <= known:
         parser.error(f"--methods: unknown {sorted(set(args.methods) - known)}; the methods are {sorted(known)}")
