@@ -214,6 +214,17 @@ def require(model: nn.Module, kind: str, who: str, what: str, inject: str) -> Ad
     return adapter
 
 
+def usable_adapter_name(name: object, who: str, key: str) -> str:
+    """``name`` if it can name an adapter (a non-empty identifier without dots); ``key`` shows where the name goes in
+    the parameter names (``"lora_A.<name>.weight"``)."""
+    if not isinstance(name, str) or not name or "." in name or not name.isidentifier():
+        raise ValueError(
+            f"{who}: adapter name {name!r} is not usable; give a non-empty identifier without dots, e.g. 'sports' "
+            f"(it becomes part of the parameter names, {key})."
+        )
+    return name
+
+
 def refuse_absent(model: nn.Module, names: Iterable[str], where: str) -> None:
     """Raise if a recorded module name (a checkpoint's, an adapter file's) is not a module of ``model``."""
     present = {n for n, _ in model.named_modules()}

@@ -42,7 +42,8 @@ def test_it_trains_the_vectors_and_the_head_only_and_logs_what_it_injected(tiny_
     assert module.trainable_at_configure == 2 * (16 + 16 + 32 + 32 + 16) + (3 * 16 + 3)
     assert set(adapter_state_dict(module.model)) == {n.removeprefix("model.") for n in
                                                      module.trainable_names_at_configure}
-    assert all(not torch.equal(layer.ia3_l, torch.ones_like(layer.ia3_l)) for layer in layers.values())  # trained
+    assert all(not torch.equal(layer.ia3_l["default"], torch.ones(layer.ia3_l["default"].shape))
+               for layer in layers.values())  # trained
     assert ("IA3: 10 layers of BertForSequenceClassification (2 scaled at the input, saving classifier in full)"
             in caplog.text)
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from ..._checks import boolean, choice, integer, positive, probability, real, regex
 from ..._checks import names as name_list
-from .._common import pattern_matches
+from .._common import pattern_matches, usable_adapter_name
 from .._limits import FLOAT32_MAX
 from ..quantize import check_method
 from ..trainable_tokens import Indices, check_indices
@@ -269,12 +269,7 @@ def _pattern_value(patterns: dict, name: str, default):
 
 def check_adapter_name(name: object, who: str) -> str:
     """``name`` if it can name an adapter (a non-empty string that is a valid module attribute name)."""
-    if not isinstance(name, str) or not name or "." in name or not name.isidentifier():
-        raise ValueError(
-            f"{who}: adapter name {name!r} is not usable; give a non-empty identifier without dots, e.g. 'sports' "
-            "(it becomes part of the parameter names, lora_A.<name>.weight)."
-        )
-    return name
+    return usable_adapter_name(name, who, "lora_A.<name>.weight")
 
 
 # --- Hugging Face PEFT's LoraConfig ------------------------------------------------------------------------

@@ -8,9 +8,9 @@ from tests.peft._oracle import Method, peft
 
 
 def peft_name(name: str) -> str:
-    """PEFT's in-memory name of our adapter parameter ``name``: its vector under the adapter's name, a saved module's
-    trained copy under ``modules_to_save.<adapter>``."""
-    return name.replace(".ia3_l", ".ia3_l.default").replace(".trained_module.", ".modules_to_save.default.")
+    """PEFT's in-memory name of our adapter parameter ``name``: the vector's is the same (``ia3_l.<adapter>``), a saved
+    module's trained copy is under ``modules_to_save.<adapter>``."""
+    return name.replace(".trained_module.", ".modules_to_save.default.")
 
 
 IA3 = Method(

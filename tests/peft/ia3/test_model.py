@@ -41,7 +41,8 @@ def randomised(model: nn.Module, seed: int = 1) -> nn.Module:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for layer in ia3_layers(model).values():
-            layer.ia3_l.copy_(1 + 0.3 * torch.randn(layer.ia3_l.shape, generator=generator, dtype=torch.float64))
+            for vector in layer.ia3_l.values():
+                vector.copy_(1 + 0.3 * torch.randn(vector.shape, generator=generator, dtype=torch.float64))
     return model
 
 
@@ -119,7 +120,7 @@ def test_merge_unmerge_unload_and_the_merged_export_all_give_the_adapted_outputs
 def test_a_zero_scale_is_merged_for_exports_but_not_in_place():
     base, model = mlp(target_modules=["0"])
     with torch.no_grad():
-        model[0].ia3_l[3] = 0.0
+        model[0].ia3_l["default"][3] = 0.0
     before = model[0].base_layer.weight.clone()
     with pytest.raises(RuntimeError, match=r"merge_ia3: layer '0': ia3_l has a zero entry, so the merged weight could "
                                            r"not be divided back \(unmerge\)\. Use merged_state_dict"):
@@ -167,8 +168,8 @@ def test_loading_into_a_model_with_ia3_checks_which_inputs_are_scaled(tmp_path):
     other = copy.deepcopy(base)
     inject_ia3(other, target_modules=["lin0", "lin1"], feedforward_modules=["lin0"])
     with pytest.raises(ValueError, match=r"load_adapter: .*adapter_config\.json scales the input of \['lin1'\], but "
-                                         r"the model's IA³ adapter scales the input of \['lin0'\]\. Load it into a "
-                                         r"model without IA³"):
+                                         r"the model's IA³ adapter 'default' scales the input of \['lin0'\]\. Load "
+                                         r"it into a model without IA³, or under another adapter_name"):
         load_adapter(other, tmp_path)
     same = copy.deepcopy(base)
     inject_ia3(same, target_modules=["lin0", "lin1"], feedforward_modules=["lin1"])
