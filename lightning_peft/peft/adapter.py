@@ -34,7 +34,7 @@ What an [`Adapter`][lightning_peft.peft.Adapter] answers:
 | ``wrapped(model)`` | the wrapper modules it put in place of base layers (each has ``base_layer``) |
 | ``remove(model, name)`` | delete one named adapter (techniques with several named adapters) |
 | ``modules_to_save`` | full names of the modules it trains and saves in full (default: none) |
-| ``named`` | whether the technique keeps several named adapters on one model (LoRA; default False). Such an adapter has ``names`` (them, in the order they were added); its ``merged_state`` takes ``name``, its ``peft_config`` / ``peft_state`` / ``check_peft_config`` / ``check_peft_shapes`` / ``from_peft`` take ``adapter_name``, and each adapter is saved in PEFT's multi-adapter layout. Generic code asks ``named``, never whether ``names`` exists |
+| ``named`` | whether the technique keeps several named adapters on one model (LoRA, IA³; default False). Such an adapter has ``names`` (them, in the order they were added); its ``merged_state`` takes ``name``, its ``peft_config`` / ``peft_state`` / ``check_peft_config`` / ``check_peft_shapes`` / ``from_peft`` take ``adapter_name``, and each adapter is saved in PEFT's multi-adapter layout. Generic code asks ``named``, never whether ``names`` exists |
 
 Names: a model compiled with ``torch.compile`` keeps its modules under ``_orig_mod``; every name that is
 written (adapter keys, targets, merged state dicts) has that segment removed (`clean_key`).
