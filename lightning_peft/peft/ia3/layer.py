@@ -14,37 +14,21 @@ Merged, the vector scales the weight's output rows (and the bias) or its input c
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from .._common import LayerWrapper, adapter_dtype, dense_weight, is_quantized
+from .._wrapping import Switch, conv1d_type
 
 CONVOLUTIONS = (nn.Conv2d, nn.Conv3d)
-
-
-def conv1d_type() -> type | None:
-    """transformers' ``Conv1D`` if ``transformers`` is imported (a model can only hold one then), else None."""
-    return getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
 
 
 def supported(module: nn.Module) -> bool:
     """Whether IA³ (PEFT's layers) can scale ``module``."""
     conv1d = conv1d_type()
     return isinstance(module, (nn.Linear, *CONVOLUTIONS)) or (conv1d is not None and isinstance(module, conv1d))
-
-
-class Switch:
-    """Turns every IA³ layer of one model off (the base output), and its ``modules_to_save`` wrappers with them (a
-    `lightning_peft.peft.modules_to_save.BaseSamples`: disabled, they run the original module, as PEFT's do)."""
-
-    def __init__(self) -> None:
-        self.disabled = False
-
-    def base_samples(self) -> bool:
-        return self.disabled
 
 
 class IA3Layer(LayerWrapper):
