@@ -5,7 +5,7 @@ The math lives in `lightning_peft.peft.vera`; `AdapterCallback` calls [`inject_v
 at ``setup`` (before ``configure_optimizers``, so the optimizer sees only what trains). The projections are drawn from
 ``projection_prng_key`` on every rank alike and are buffers, so checkpoints (adapter-only too) carry them. Resuming
 with another rank or key is refused, naming both values. ``MergeOnSave`` folds the updates into the weights and writes
-the adapter in Hugging Face PEFT's VeRA format.
+the adapter in Hugging Face PEFT's VeRA format. Tensor parallelism is refused at ``setup``.
 
 YAML (LightningCLI):
 
@@ -24,6 +24,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 from torch import nn
 
+from lightning_peft._seams import refuse, tensor_parallel_size
 from lightning_peft.callbacks._adapter import AdapterCallback
 from lightning_peft.peft.vera import VeraAdapter, VeraConfig, inject_vera
 
@@ -80,6 +81,13 @@ class VeRA(AdapterCallback):
 
     def shown(self, adapter: VeraAdapter) -> Any:
         return adapter.config
+
+    def check(self, trainer: pl.Trainer) -> None:
+        if tensor_parallel_size(trainer.strategy) > 1:
+            raise refuse("VeRA", trainer.strategy, "every VeRA layer multiplies by slices of the projections shared "
+                         "by all layers, sized to the whole (unsharded) layers, while tensor parallelism gives each "
+                         "rank a share of each layer's features", "use LoRA under tensor parallelism, or VeRA under "
+                         "DDP, ZeRO or the pipeline")
 
     def own_dropout(self) -> float:
         return self.config.dropout
