@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._common import HALF, LayerWrapper, dense_weight, is_quantized
+from .._common import LayerWrapper, dense_weight, is_quantized
 from .._wrapping import Switch, conv1d_type
 
 
@@ -54,19 +54,13 @@ def draw_projections(rank: int, in_features: int, out_features: int, key: int) -
 
 class Projections(nn.Module):
     """The frozen random matrices every VeRA layer of one model shares, as buffers of one module (registered once, in
-    the first layer, so that checkpoints and device moves hold them once). Like the layers' vectors they keep their dtype
-    when the model is cast to half precision (they are drawn in float32 and would round)."""
+    the first layer, so that checkpoints and device moves hold them once). Being that layer's, they keep their dtype
+    when the model is cast to half precision, as its vectors do (`LayerWrapper`): drawn in float32, they would round."""
 
     def __init__(self, vera_A: Tensor, vera_B: Tensor) -> None:
         super().__init__()
         self.register_buffer("vera_A", vera_A)  # (r, in_max)
         self.register_buffer("vera_B", vera_B)  # (out_max, r)
-
-    def _apply(self, fn, recurse: bool = True):
-        probe = fn(torch.zeros((), dtype=torch.float32))
-        if isinstance(probe, Tensor) and probe.dtype in HALF:
-            return super()._apply(lambda t: t.to(device=probe.device), recurse)
-        return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         return f"rank={self.vera_A.shape[0]}, in_max={self.vera_A.shape[1]}, out_max={self.vera_B.shape[0]}"
