@@ -19,6 +19,6 @@ from lightning_peft.peft.checkpoint import restore_adapters
 
 __all__ = [
     "IA3", "ActivationCheckpointing", "BottleneckAdapters", "Curriculum", "GradientAccumulation", "GradientNoise", "LayerwiseLRDecay", "LoRA",
-    "MergeOnSave", "MultiLoRA", "PrefixTuning", "PromptTuning", "TokenPruning", "load_from_checkpoint", "restore_adapters",
-    "VeRA",
+    "MergeOnSave", "MultiLoRA", "PrefixTuning", "PromptTuning", "TokenPruning", "VeRA", "load_from_checkpoint",
+    "restore_adapters",
 ]
