@@ -38,6 +38,7 @@ from lightning_peft.callbacks import (
     MultiLoRA,
     PrefixTuning,
     PromptTuning,
+    VeRA,
     load_from_checkpoint,
 )
 from lightning_peft.peft import (
@@ -49,10 +50,12 @@ from lightning_peft.peft import (
     inject_lora,
     inject_prefix_tuning,
     inject_prompt_tuning,
+    inject_vera,
     load_adapter,
     save_adapter,
     set_adapter,
 )
+from lightning_peft.peft.adapter import adapter_tensors
 from tests._models import (
     LORA_ARGS,
     Classifier,
@@ -83,6 +86,7 @@ ADAPTERS = {
 BOTTLENECK = {"placement": "houlsby", "reduction_factor": 4, "non_linearity": "gelu", "modules_to_save": ["classifier"]}
 PREFIX = {"num_virtual_tokens": 3, "modules_to_save": ["classifier"]}
 IA3_ARGS = {"target_modules": ["key", "value", "output.dense"], "feedforward_modules": ["output.dense"]}
+VERA_ARGS = {"target_modules": ["query", "value", "intermediate.dense"], "rank": 8}
 ROUTES = [["news", "sport", None, "news"], [1, 0, 0, -1], ["sport", "sport", "news", None], [None, "news", 1, "sport"]]
 
 
@@ -187,6 +191,17 @@ TECHNIQUES: dict[str, Technique] = {
                                                    feedforward_modules=["mlp.c_proj"]),
         keeps_float32=True,
     ),
+    "vera": Technique(  # the shared projections are buffers: checkpoints carry them beside what trains
+        callback=lambda **kw: VeRA(**VERA_ARGS, **kw),
+        data=loader,
+        refused={"rank": (lambda **kw: VeRA(**{**VERA_ARGS, "rank": 4}, **kw),
+                          (r"VeRA: the checkpoint's vera adapter on 'model' was trained with rank=8; this run has "
+                           r"rank=4\. Resume with the checkpoint's settings"))},
+        inject={"bert": lambda m: inject_vera(m, **VERA_ARGS),
+                "gpt2": lambda m: inject_vera(m, target_modules=["c_attn", "mlp.c_proj"], rank=8)},
+        peft_config=lambda targets: peft.VeraConfig(task_type="CAUSAL_LM", target_modules=[*targets, "mlp.c_proj"], r=8),
+        keeps_float32=True,
+    ),
     "prompt_tuning": Technique(
         callback=lambda **kw: PromptTuning(num_virtual_tokens=4, **kw),
         data=loader,
@@ -227,7 +242,7 @@ def test_every_registered_technique_has_a_row():
     from lightning_peft.peft import adapter
 
     registered = {kind for kind, cls in adapter._REGISTRY.items() if cls.__module__.startswith("lightning_peft.")}
-    covered = {"lora", "bottleneck", "ia3", "prompt_tuning", "prefix_tuning"}  # multi_lora is LoRA's protocol row as well
+    covered = {"lora", "bottleneck", "ia3", "vera", "prompt_tuning", "prefix_tuning"}  # multi_lora is LoRA's protocol row as well
     assert registered == covered, f"add a conformance row for {sorted(registered - covered)}"
     assert {name.split("_projection")[0] for name in TECHNIQUES} - {"multi_lora", "lora_dora"} == covered
 
@@ -307,9 +322,10 @@ def test_an_adapter_only_checkpoint_holds_what_trains_alone_and_is_smaller(runs)
     full = torch.load(run.ckpt["full"], weights_only=False)
     trained = run.straight.trainable_names_at_configure
     assert "model.classifier.trained_module.weight" in trained  # the task head is the adapter's too
-    assert set(adapter_only["state_dict"]) == trained  # nothing but the adapter and the head
+    buffers = {f"model.{k}" for k, v in adapter_tensors(run.straight.model).items() if not isinstance(v, nn.Parameter)}
+    assert set(adapter_only["state_dict"]) == trained | buffers  # nothing but the adapter (VeRA's buffers) and the head
     if not TECHNIQUES[name].folds_on_save:
-        assert trained == {f"model.{k}" for k in adapter_state_dict(run.straight.model)}
+        assert trained | buffers == {f"model.{k}" for k in adapter_state_dict(run.straight.model)}
     assert trained < set(full["state_dict"]) and "model.bert.embeddings.word_embeddings.weight" in full["state_dict"]
     assert run.ckpt["adapter_only"].stat().st_size < run.ckpt["full"].stat().st_size
     for saved in (adapter_only, full):
@@ -443,7 +459,8 @@ def test_we_load_a_peft_adapter_with_its_outputs(name, family, tmp_path):
                                                         target_modules=PEFT_TARGETS[family][:1]))
     finally:
         torch.set_default_dtype(torch.float32)
-    randomise([p for n, p in sorted(theirs.named_parameters()) if "lora_" in n or "ia3_l" in n or "prompt_encoder" in n])
+    randomise([p for n, p in sorted(theirs.named_parameters())
+               if "lora_" in n or "ia3_l" in n or "prompt_encoder" in n or "vera_lambda" in n])
     theirs.eval().save_pretrained(tmp_path)
     ours = load_adapter(copy.deepcopy(plain), tmp_path).eval()
     assert (logits(ours) - logits(plain)).abs().max() > 1e-3  # not vacuous

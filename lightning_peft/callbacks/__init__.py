@@ -14,9 +14,11 @@ from lightning_peft.callbacks.multi_lora import MultiLoRA
 from lightning_peft.callbacks.prefix_tuning import PrefixTuning
 from lightning_peft.callbacks.prompt_tuning import PromptTuning
 from lightning_peft.callbacks.token_pruning import TokenPruning
+from lightning_peft.callbacks.vera import VeRA
 from lightning_peft.peft.checkpoint import restore_adapters
 
 __all__ = [
     "IA3", "ActivationCheckpointing", "BottleneckAdapters", "Curriculum", "GradientAccumulation", "GradientNoise", "LayerwiseLRDecay", "LoRA",
-    "MergeOnSave", "MultiLoRA", "PrefixTuning", "PromptTuning", "TokenPruning", "load_from_checkpoint", "restore_adapters",
+    "MergeOnSave", "MultiLoRA", "PrefixTuning", "PromptTuning", "TokenPruning", "VeRA", "load_from_checkpoint",
+    "restore_adapters",
 ]

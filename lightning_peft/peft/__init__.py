@@ -41,6 +41,7 @@ from .lora import (
 )
 from .modules_to_save import ModulesToSave
 from .quantize import quantize_base
+from .vera import VeraAdapter, VeraConfig, inject_vera, unload_vera
 from .prompt import (
     PrefixEncoder,
     PrefixTuningAdapter,
@@ -79,6 +80,8 @@ __all__ = [
     "PromptEmbedding",
     "PromptTuningAdapter",
     "Routing",
+    "VeraAdapter",
+    "VeraConfig",
     "active_adapter",
     "adapter_state_dict",
     "add_adapter",
@@ -93,6 +96,7 @@ __all__ = [
     "inject_lora",
     "inject_prefix_tuning",
     "inject_prompt_tuning",
+    "inject_vera",
     "load_adapter",
     "loraplus_groups",
     "lora_layers",
@@ -112,5 +116,6 @@ __all__ = [
     "unload_lora",
     "unload_prefix_tuning",
     "unload_prompt_tuning",
+    "unload_vera",
     "unmerge_lora",
 ]

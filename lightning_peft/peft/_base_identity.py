@@ -45,6 +45,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from ._adapter_files import KEY_PREFIX
 from ._common import is_quantized
 from .adapter import clean_key, unwrap
 
@@ -135,8 +136,9 @@ def adapted_layers(model: nn.Module, adapter: Any, keys: Iterable[str]) -> dict[
     """The base layers, by clean module name, of the modules ``adapter`` wrapped that some key of ``keys`` is under."""
     wrapped = {clean_key(name): module.base_layer for name, module in adapter.wrapped(model).items()}
     found: dict[str, nn.Module] = {}
+    prefix = getattr(adapter, "peft_key_prefix", KEY_PREFIX)
     for key in keys:
-        parts = key.split(".")
+        parts = (prefix + key).removeprefix(KEY_PREFIX).split(".")  # a module path (VeRA's keys start higher)
         for end in range(1, len(parts)):
             name = ".".join(parts[:end])
             if name in wrapped:

@@ -43,6 +43,7 @@ from lightning_peft.callbacks import (
     PrefixTuning,
     PromptTuning,
     TokenPruning,
+    VeRA,
 )
 from tests.matrix import kinds
 
@@ -232,6 +233,7 @@ ROWS = [
     Row("LoRA, trainable_token_indices", lambda kind: [_lora(kind, trainable_token_indices={"word_embeddings": [5, 7]})]),
     Row("LoRA+, lora_bias, PiSSA, layers_to_transform", lambda kind: [_lora(
         kind, loraplus_lr_ratio=4.0, lora_bias=True, init="pissa", layers_to_transform=[0])]),
+    Row("VeRA", lambda kind: [VeRA(rank=8, **_targets(kind))]),
 ]
 
 

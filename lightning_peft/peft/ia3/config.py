@@ -10,6 +10,7 @@ from typing import Any
 
 from ..._checks import boolean, names, regex
 from .._common import config_of
+from .._wrapping import listed, peft_dict
 
 Targets = list[str] | str
 
@@ -82,26 +83,15 @@ class IA3Config:
         """Translate a Hugging Face PEFT ``IA3Config`` (object or dict) to an
         [`IA3Config`][lightning_peft.peft.IA3Config] (``fan_in_fan_out`` is not read: PEFT sets it per layer, as
         lightning-peft does)."""
-        if not isinstance(config, dict):
-            config = config.to_dict()
-        if config.get("peft_type") not in (PEFT_TYPE, None):
-            raise ValueError(f"load_adapter: {source} has peft_type={config.get('peft_type')!r}, not {PEFT_TYPE!r}.")
-        if config.get("target_modules") is None:
-            raise ValueError(f"load_adapter: {source} has target_modules=None; lightning-peft does not guess PEFT's "
-                             "per-architecture defaults. Name them in the config.")
+        config = peft_dict(config, PEFT_TYPE, source)
         try:
-            return cls(target_modules=_listed(config["target_modules"]),
-                       feedforward_modules=_listed(config.get("feedforward_modules")),
-                       exclude_modules=_listed(config.get("exclude_modules")),
+            return cls(target_modules=listed(config["target_modules"]),
+                       feedforward_modules=listed(config.get("feedforward_modules")),
+                       exclude_modules=listed(config.get("exclude_modules")),
                        modules_to_save=config.get("modules_to_save"),
                        init_ia3_weights=config.get("init_ia3_weights", True))
         except (TypeError, ValueError) as err:  # a value IA3Config refuses: the message names the file
             raise type(err)(f"load_adapter: {source} holds a value IA³ refuses: {err}") from None
-
-
-def _listed(value: object) -> object:
-    """A PEFT config's set (its in-memory form) as a sorted list; anything else as it is."""
-    return sorted(value) if isinstance(value, (set, frozenset)) else value
 
 
 def _as_targets(field: str, value: object) -> Targets:

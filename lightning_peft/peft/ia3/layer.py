@@ -18,21 +18,16 @@ scale computes its base output. Whether the input or the output is scaled is the
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from .._common import LayerWrapper, adapter_dtype, dense_weight, is_quantized
+from .._wrapping import conv1d_type
 from ..adapter import DEFAULT
 
 CONVOLUTIONS = (nn.Conv2d, nn.Conv3d)
-
-
-def conv1d_type() -> type | None:
-    """transformers' ``Conv1D`` if ``transformers`` is imported (a model can only hold one then), else None."""
-    return getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
 
 
 def linear_kinds() -> tuple[type, ...]:
