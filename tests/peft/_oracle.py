@@ -143,6 +143,8 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "MLP": MLP,
     "EmbConv1D": EmbConv1D,
     "Conv1d": lambda: ConvModel(1),
+    "Conv1dGroups": lambda: ConvModel(1, groups=2, channels=(8, 6)),
+    "Conv1dBigger": lambda: ConvModel(1, kernel=2, channels=(64, 16)),
     "Conv2d": lambda: ConvModel(2),
     "Conv2d1x1": lambda: ConvModel(2, kernel=1),
     "Conv2dGroups": lambda: ConvModel(2, groups=2, channels=(4, 6)),

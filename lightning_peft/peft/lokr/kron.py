@@ -56,21 +56,19 @@ def factorization(dimension: int, factor: int = -1) -> tuple[int, int]:
     return (n, m) if m > n else (m, n)
 
 
-def factor_shapes(weight_shape: tuple[int, ...], groups: int, r: int, decompose_both: bool = False,
+def factor_shapes(weight_shape: tuple[int, ...], r: int, decompose_both: bool = False,
                   decompose_factor: int = -1, use_effective_conv2d: bool = False) -> dict[str, tuple[int, ...]]:
     """The LoKr factors of a layer, by PEFT's parameter names, and their shapes.
 
     Args:
         weight_shape: The base weight's shape: (out, in) for ``nn.Linear``; (out, in / groups, *kernel) for
-            ``nn.Conv1d`` / ``nn.Conv2d``.
-        groups: The convolution's groups (1 for a linear layer); the factors cover one group's input channels.
+            ``nn.Conv1d`` / ``nn.Conv2d`` (the factors cover one group's input channels).
         r: The rank of the low-rank factors.
         decompose_both: Make ``W1`` low-rank too (when ``r < max(a, c) / 2``).
         decompose_factor: Passed to `factorization` (-1: near the square root).
         use_effective_conv2d: A Tucker core ``lokr_t2`` for a convolution whose kernel is not all ones.
     """
     out, per_group_in, *kernel = weight_shape
-    del groups  # the weight already holds in / groups input channels
     (a, b), (c, d) = factorization(out, decompose_factor), factorization(per_group_in, decompose_factor)
     shapes: dict[str, tuple[int, ...]] = {}
     if decompose_both and r < max(a, c) / 2:
