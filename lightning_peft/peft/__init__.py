@@ -15,6 +15,7 @@ from .bottleneck import (
 )
 from .._manifest import recover_export
 from .ia3 import IA3Adapter, IA3Config, inject_ia3, unload_ia3
+from .loha import LoHaAdapter, LoHaConfig, inject_loha, unload_loha
 from .io import load_adapter, peft_config, save_adapter
 from .loraplus import loraplus_groups
 from .lora import (
@@ -64,6 +65,8 @@ __all__ = [
     "BottleneckLayer",
     "IA3Adapter",
     "IA3Config",
+    "LoHaAdapter",
+    "LoHaConfig",
     "LoRAAdapter",
     "LoRAConfig",
     "LoRAConv",
@@ -90,6 +93,7 @@ __all__ = [
     "fold_prefix_projection",
     "inject_bottleneck_adapters",
     "inject_ia3",
+    "inject_loha",
     "inject_lora",
     "inject_prefix_tuning",
     "inject_prompt_tuning",
@@ -109,6 +113,7 @@ __all__ = [
     "trainable_parameters",
     "unload_bottleneck_adapters",
     "unload_ia3",
+    "unload_loha",
     "unload_lora",
     "unload_prefix_tuning",
     "unload_prompt_tuning",
