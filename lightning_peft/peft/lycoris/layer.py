@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._common import LayerWrapper, adapter_dtype, dense_weight, is_quantized
+from .._in_place import Switch
 from .config import LycorisConfig
 
 KINDS = (nn.Linear, nn.Conv1d, nn.Conv2d)
@@ -49,17 +50,6 @@ def effective_conv(base: nn.Module, config: LycorisConfig) -> bool:
     1: PEFT's rule, for Conv1d as well)."""
     return config.use_effective_conv2d and isinstance(base, (nn.Conv1d, nn.Conv2d)) and any(
         k != 1 for k in base.kernel_size)
-
-
-class Switch:
-    """Turns every layer of one LyCORIS adapter off (the base output), and its ``modules_to_save`` wrappers with them
-    (a `lightning_peft.peft.modules_to_save.BaseSamples`: disabled, they run the original module, as PEFT's do)."""
-
-    def __init__(self) -> None:
-        self.disabled = False
-
-    def base_samples(self) -> bool:
-        return self.disabled
 
 
 class LycorisLayer(LayerWrapper):

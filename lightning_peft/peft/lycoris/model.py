@@ -16,7 +16,6 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
-import torch
 from torch import Tensor, nn
 
 from .._base_identity import base_model_name
@@ -34,6 +33,7 @@ from .._common import (
     require,
     wraps_a_layer,
 )
+from .._in_place import Switch, folded, merge_layers, switched_off, unmerge_layers
 from ..adapter import (
     Adapter,
     attach,
@@ -56,7 +56,7 @@ from ..modules_to_save import (
     wrap_modules_to_save,
 )
 from .config import LycorisConfig
-from .layer import KINDS_TEXT, LycorisLayer, Switch, supported
+from .layer import KINDS_TEXT, LycorisLayer, supported
 
 log = logging.getLogger("lightning_peft.peft.lycoris")
 
@@ -158,26 +158,7 @@ def merge(model: nn.Module, adapter_class: type[LycorisAdapter]) -> list[str]:
     """
     who = f"merge_{adapter_class.kind}"
     _required(model, adapter_class, who)
-    model = unwrap(model)
-    layers = {n: layer for n, layer in layers_of(model, adapter_class.layer_class).items() if not layer.merged}
-    owners: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(param), []).append(name)
-    for name, layer in layers.items():
-        others = [o for o in owners.get(id(layer.base_layer.weight), []) if not o.startswith(f"{name}.")]
-        if others:
-            raise RuntimeError(f"{who}: the weight of {name!r} is tied to {others[0]!r}; merging in place would "
-                               "change both. Use merged_state_dict(model) for an export, or untie the weights first.")
-    done: list[str] = []
-    for name, layer in layers.items():
-        try:
-            layer.merge()
-        except RuntimeError as err:
-            for merged in reversed(done):
-                layers[merged].unmerge()
-            raise RuntimeError(f"{who}: layer {name!r}: {err}") from None
-        done.append(name)
-    return done
+    return merge_layers(unwrap(model), layers_of(model, adapter_class.layer_class), who)
 
 
 def unmerge(model: nn.Module, adapter_class: type[LycorisAdapter]) -> list[str]:
@@ -186,15 +167,10 @@ def unmerge(model: nn.Module, adapter_class: type[LycorisAdapter]) -> list[str]:
     Raises:
         RuntimeError: If no layer is merged.
     """
-    who = f"unmerge_{adapter_class.kind}"
-    _required(model, adapter_class, who)
-    merged = {n: layer for n, layer in layers_of(model, adapter_class.layer_class).items() if layer.merged}
-    if not merged:
-        raise RuntimeError(f"{who}: no {adapter_class.config_class.who} layer of {type(unwrap(model)).__name__} is "
-                           f"merged; call merge_{adapter_class.kind} first.")
-    for layer in merged.values():
-        layer.unmerge()
-    return list(merged)
+    kind = adapter_class.kind
+    _required(model, adapter_class, f"unmerge_{kind}")
+    return unmerge_layers(unwrap(model), layers_of(model, adapter_class.layer_class), f"unmerge_{kind}",
+                          adapter_class.config_class.who, f"merge_{kind}")
 
 
 @contextlib.contextmanager
@@ -207,14 +183,9 @@ def disable(model: nn.Module, adapter_class: type[LycorisAdapter]) -> Iterator[N
     """
     kind = adapter_class.kind
     switch = _required(model, adapter_class, f"disable_{kind}").switch
-    if any(layer.merged for layer in layers_of(model, adapter_class.layer_class).values()):
-        raise RuntimeError(f"disable_{kind}: the updates are merged into the base weights; call unmerge_{kind}(model) "
-                           "first.")
-    before, switch.disabled = switch.disabled, True
-    try:
+    with switched_off(switch, layers_of(model, adapter_class.layer_class), f"disable_{kind}", "updates",
+                      f"unmerge_{kind}"):
         yield
-    finally:
-        switch.disabled = before
 
 
 def unload(model: nn.Module, adapter_class: type[LycorisAdapter], merge: bool = True) -> nn.Module:
@@ -226,17 +197,6 @@ def unload(model: nn.Module, adapter_class: type[LycorisAdapter], merge: bool = 
             finite.
     """
     return remove_adapter(model, _required(model, adapter_class, f"unload_{adapter_class.kind}"), merge)
-
-
-def _folded(model: nn.Module, targets: Iterable[str], who: str) -> dict[str, dict[str, Tensor]]:
-    """Every target's merged weights (`LycorisLayer.merged_weights`); raises, naming the layer, if one is not
-    finite."""
-    folded = {name: model.get_submodule(name).merged_weights() for name in targets}
-    for name, tensors in folded.items():
-        if not all(torch.isfinite(t).all() for t in tensors.values()):
-            raise RuntimeError(f"{who}: layer {name!r}: the merged weight would hold inf or NaN; check the training "
-                               "for divergence. Nothing was merged.")
-    return folded
 
 
 # --- the adapter protocol ------------------------------------------------------------------------------------
@@ -299,14 +259,14 @@ class LycorisAdapter(Adapter):
 
     def merged_state(self, model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
         model = unwrap(model)
-        folded = _folded(model, self.targets, "merged_state_dict")
+        merged = folded(model, self.targets, "merged_state_dict")
         for name, layer in self.layers(model).items():
             for p in layer.parameter_names:
                 state.pop(f"{name}.{p}", None)
             prefix = f"{name}.base_layer."
             for key in [k for k in state if k.startswith(prefix)]:
                 state[f"{name}.{key[len(prefix):]}"] = state.pop(key)
-            state.update({f"{name}.{key}": value for key, value in folded[name].items()})
+            state.update({f"{name}.{key}": value for key, value in merged[name].items()})
         return fold_modules_to_save(model, state)
 
     def unload(self, model: nn.Module, merge: bool) -> None:
@@ -318,8 +278,8 @@ class LycorisAdapter(Adapter):
             if quantized:
                 raise RuntimeError(f"{who}: the base weight of {quantized[0]!r} is quantized; merging would have to "
                                    "requantize it. Export merged_state_dict(model) instead.")
-            folded = _folded(model, [n for n, layer in layers.items() if not layer.merged], who)
-            for name, tensors in folded.items():
+            merged = folded(model, [n for n, layer in layers.items() if not layer.merged], who)
+            for name, tensors in merged.items():
                 layers[name].write(tensors["weight"])
         for name, layer in layers.items():
             if not merge:
