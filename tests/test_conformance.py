@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader
 from lightning_peft.callbacks import (
     IA3,
     BottleneckAdapters,
+    LoKr,
     LoRA,
     MultiLoRA,
     PrefixTuning,
@@ -46,6 +47,7 @@ from lightning_peft.peft import (
     attached,
     inject_bottleneck_adapters,
     inject_ia3,
+    inject_lokr,
     inject_lora,
     inject_prefix_tuning,
     inject_prompt_tuning,
@@ -83,6 +85,7 @@ ADAPTERS = {
 BOTTLENECK = {"placement": "houlsby", "reduction_factor": 4, "non_linearity": "gelu", "modules_to_save": ["classifier"]}
 PREFIX = {"num_virtual_tokens": 3, "modules_to_save": ["classifier"]}
 IA3_ARGS = {"target_modules": ["key", "value", "output.dense"], "feedforward_modules": ["output.dense"]}
+LOKR_ARGS = {"target_modules": ["query", "value"], "r": 2, "alpha": 4, "decompose_both": True}
 ROUTES = [["news", "sport", None, "news"], [1, 0, 0, -1], ["sport", "sport", "news", None], [None, "news", 1, "sport"]]
 
 
@@ -187,6 +190,16 @@ TECHNIQUES: dict[str, Technique] = {
                                                    feedforward_modules=["mlp.c_proj"]),
         keeps_float32=True,
     ),
+    "lokr": Technique(  # GPT-2's Conv1D is not a LoKr layer (PEFT's neither): its lm_head; PEFT's files: tests/peft/lokr
+        callback=lambda **kw: LoKr(**LOKR_ARGS, **kw),
+        data=loader,
+        refused={"r": (lambda **kw: LoKr(**{**LOKR_ARGS, "r": 1}, **kw),
+                       (r"LoKr: the checkpoint's lokr adapter on 'model' was trained with r=2; this run has r=1\. "
+                        r"Resume with the checkpoint's settings"))},
+        inject={"bert": lambda m: inject_lokr(m, **LOKR_ARGS),
+                "gpt2": lambda m: inject_lokr(m, target_modules=["lm_head"])},
+        keeps_float32=True,
+    ),
     "prompt_tuning": Technique(
         callback=lambda **kw: PromptTuning(num_virtual_tokens=4, **kw),
         data=loader,
@@ -227,7 +240,7 @@ def test_every_registered_technique_has_a_row():
     from lightning_peft.peft import adapter
 
     registered = {kind for kind, cls in adapter._REGISTRY.items() if cls.__module__.startswith("lightning_peft.")}
-    covered = {"lora", "bottleneck", "ia3", "prompt_tuning", "prefix_tuning"}  # multi_lora is LoRA's protocol row as well
+    covered = {"lora", "bottleneck", "ia3", "lokr", "prompt_tuning", "prefix_tuning"}  # multi_lora is LoRA's protocol row as well
     assert registered == covered, f"add a conformance row for {sorted(registered - covered)}"
     assert {name.split("_projection")[0] for name in TECHNIQUES} - {"multi_lora", "lora_dora"} == covered
 
