@@ -2,7 +2,8 @@
 before the optimizer exists.
 
 The math lives in `lightning_peft.peft.lokr`; `AdapterCallback` calls [`inject_lokr`][lightning_peft.peft.inject_lokr]
-at ``setup``. ``adapter_only_checkpoint=True`` keeps what trains (the factors, ``modules_to_save``) and buffers; a
+at ``setup`` (refused under tensor parallelism, which splits the rows and columns that ``ΔW`` ties together).
+``adapter_only_checkpoint=True`` keeps what trains (the factors, ``modules_to_save``) and buffers; a
 resume with other settings is refused, naming both; ``MergeOnSave`` adds ``ΔW`` to the weights and writes the adapter
 in Hugging Face PEFT's LoKr format.
 
@@ -23,6 +24,7 @@ from typing import Any
 import lightning.pytorch as pl
 from torch import nn
 
+from lightning_peft._seams import refuse, tensor_parallel_size
 from lightning_peft.callbacks._adapter import AdapterCallback
 from lightning_peft.peft.lokr import LoKrAdapter, LoKrConfig, inject_lokr
 
@@ -75,6 +77,12 @@ class LoKr(AdapterCallback):
 
     def own_dropout(self) -> float:
         return max(self.config.rank_dropout, self.config.module_dropout)
+
+    def check(self, trainer: pl.Trainer) -> None:
+        if tensor_parallel_size(trainer.strategy) > 1:
+            raise refuse("LoKr", trainer.strategy, "ΔW = kron(W1, W2) ties every output row of a layer to every input "
+                         "column, while tensor parallelism gives each rank a share of them", "use LoRA under tensor "
+                         "parallelism, or LoKr under DDP, ZeRO, the pipeline or one process")
 
     def inject(self, trainer: pl.Trainer, model: nn.Module) -> str:
         layers = inject_lokr(model, self.config)

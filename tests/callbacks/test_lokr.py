@@ -60,3 +60,14 @@ def test_the_callback_is_built_from_lightning_cli_yaml():
                                          rank_dropout=0.1, module_dropout=0.2, modules_to_save=["classifier"])
     assert callback.adapter_only_checkpoint
     assert callback.own_dropout() == 0.2  # the larger of its two dropouts, for the eval-mode warning
+
+
+def test_tensor_parallelism_is_refused_at_setup_naming_both():
+    from lightning.pytorch import Trainer
+
+    from lightning_peft.strategies import TensorParallelStrategy
+
+    run = Trainer(accelerator="cpu", devices=2, strategy=TensorParallelStrategy(tensor_parallel_size=2), logger=False)
+    with pytest.raises(RuntimeError, match=r"LoKr under TensorParallelStrategy: ΔW = kron\(W1, W2\) ties every output "
+                                           r"row .* Use LoRA under tensor parallelism, or LoKr under DDP"):
+        LoKr(**ARGS).check(run)

@@ -36,6 +36,7 @@ from lightning_peft.callbacks import (
     GradientAccumulation,
     GradientNoise,
     LayerwiseLRDecay,
+    LoKr,
     LoRA,
     MergeOnSave,
     MultiLoRA,
@@ -222,6 +223,8 @@ ROWS = [
     Row("LoRA, trainable_token_indices", lambda kind: [_lora(kind, trainable_token_indices={"word_embeddings": [5, 7]})]),
     Row("LoRA+, lora_bias, PiSSA, layers_to_transform", lambda kind: [_lora(
         kind, loraplus_lr_ratio=4.0, lora_bias=True, init="pissa", layers_to_transform=[0])]),
+    # the other PEFT methods
+    Row("LoKr", lambda kind: [LoKr(r=2, alpha=4.0, decompose_both=True, **_targets(kind))]),
 ]
 
 
