@@ -1,5 +1,5 @@
 """LoKr's settings: [`LoKrConfig`][lightning_peft.peft.LoKrConfig], Hugging Face PEFT's ``LoKrConfig`` under its own
-field names: the fields LyCORIS methods share ([`LycorisConfig`][lightning_peft.peft.lycoris.LycorisConfig]) and
+field names: the fields LyCORIS methods share (`lightning_peft.peft.lycoris.LycorisConfig`) and
 LoKr's own (how the sizes are factored, a low-rank ``W1``, the rescaled rank dropout, the "lycoris" initialisation).
 See `lightning_peft.peft.lokr.model` for the technique."""
 
@@ -16,7 +16,7 @@ PEFT_TYPE = "LOKR"
 
 @dataclass(frozen=True)
 class LoKrConfig(LycorisConfig):
-    """Which modules LoKr adapts, and how: the fields of [`LycorisConfig`][lightning_peft.peft.lycoris.LycorisConfig]
+    """Which modules LoKr adapts, and how: the fields of `lightning_peft.peft.lycoris.LycorisConfig`
     and LoKr's own (PEFT's ``LoKrConfig``'s, under its names).
 
     Args:

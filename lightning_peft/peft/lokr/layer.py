@@ -26,7 +26,7 @@ from .kron import NAMES, factor_shapes, init_factors, kron_weight
 
 class LoKrLayer(LycorisLayer):
     """``base_layer`` (frozen) plus LoKr's update (the module docstring); the arguments are
-    [`LycorisLayer`][lightning_peft.peft.lycoris.LycorisLayer]'s. ``rank_dropout_scale`` decides whether the rows
+    `lightning_peft.peft.lycoris.LycorisLayer`'s. ``rank_dropout_scale`` decides whether the rows
     kept by rank dropout are rescaled."""
 
     parameter_names: ClassVar[tuple[str, ...]] = NAMES

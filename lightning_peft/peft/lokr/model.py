@@ -49,7 +49,7 @@ from .layer import LoKrLayer
 @register
 class LoKrAdapter(lycoris.LycorisAdapter):
     """LoKr's side of the adapter protocol: what [`inject_lokr`][lightning_peft.peft.inject_lokr] did to a model
-    (the arguments are [`LycorisAdapter`][lightning_peft.peft.lycoris.LycorisAdapter]'s)."""
+    (the arguments are `lightning_peft.peft.lycoris.LycorisAdapter`'s)."""
 
     kind: ClassVar[str] = "lokr"
     peft_type: ClassVar[str] = PEFT_TYPE
