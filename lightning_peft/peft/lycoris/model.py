@@ -2,9 +2,9 @@
 disable, unload, and the side of the adapter protocol they share (with Hugging Face PEFT's file format: one
 ``<module>.<parameter>`` key per factor, ``adapter_config.json`` with PEFT's fields).
 
-A method supplies a [`LycorisConfig`][lightning_peft.peft.lycoris.LycorisConfig] subclass, a
-[`LycorisLayer`][lightning_peft.peft.lycoris.LycorisLayer] subclass and a registered
-[`LycorisAdapter`][lightning_peft.peft.lycoris.LycorisAdapter] subclass naming both (``kind``, ``peft_type``,
+A method supplies a `lightning_peft.peft.lycoris.LycorisConfig` subclass, a
+`lightning_peft.peft.lycoris.LycorisLayer` subclass and a registered
+`lightning_peft.peft.lycoris.LycorisAdapter` subclass naming both (``kind``, ``peft_type``,
 ``config_class``, ``layer_class``); its public functions call the ones here with that adapter class.
 """
 
