@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader
 from lightning_peft.callbacks import (
     IA3,
     BottleneckAdapters,
+    LoHa,
     LoKr,
     LoRA,
     MultiLoRA,
@@ -47,6 +48,7 @@ from lightning_peft.peft import (
     attached,
     inject_bottleneck_adapters,
     inject_ia3,
+    inject_loha,
     inject_lokr,
     inject_lora,
     inject_prefix_tuning,
@@ -85,6 +87,7 @@ ADAPTERS = {
 BOTTLENECK = {"placement": "houlsby", "reduction_factor": 4, "non_linearity": "gelu", "modules_to_save": ["classifier"]}
 PREFIX = {"num_virtual_tokens": 3, "modules_to_save": ["classifier"]}
 IA3_ARGS = {"target_modules": ["key", "value", "output.dense"], "feedforward_modules": ["output.dense"]}
+LOHA_ARGS = {"target_modules": ["query", "value"], "r": 2, "alpha": 4, "rank_dropout": 0.2, "module_dropout": 0.1}
 LOKR_ARGS = {"target_modules": ["query", "value"], "r": 2, "alpha": 4, "decompose_both": True}
 ROUTES = [["news", "sport", None, "news"], [1, 0, 0, -1], ["sport", "sport", "news", None], [None, "news", 1, "sport"]]
 
@@ -190,7 +193,16 @@ TECHNIQUES: dict[str, Technique] = {
                                                    feedforward_modules=["mlp.c_proj"]),
         keeps_float32=True,
     ),
-    "lokr": Technique(  # GPT-2's Conv1D is not a LoKr layer (PEFT's neither): its lm_head; PEFT's files: tests/peft/lokr
+    "loha": Technique(  # GPT-2's layers are transformers Conv1D, which PEFT's LoHa does not adapt: its lm_head
+        callback=lambda **kw: LoHa(**LOHA_ARGS, **kw),
+        data=loader,
+        refused={"r": (lambda **kw: LoHa(**{**LOHA_ARGS, "r": 3}, **kw),
+                       r"LoHa: the checkpoint's loha adapter on 'model' was trained with r=2; this run has r=3")},
+        inject={"bert": lambda m: inject_loha(m, **LOHA_ARGS), "gpt2": lambda m: inject_loha(m, target_modules=["lm_head"])},
+        peft_config=lambda targets: peft.LoHaConfig(task_type="CAUSAL_LM", target_modules=["lm_head"]),
+        keeps_float32=True,
+    ),
+    "lokr": Technique(  # GPT-2's layers are transformers Conv1D, which PEFT's LoKr does not adapt: its lm_head
         callback=lambda **kw: LoKr(**LOKR_ARGS, **kw),
         data=loader,
         refused={"r": (lambda **kw: LoKr(**{**LOKR_ARGS, "r": 1}, **kw),
@@ -198,6 +210,7 @@ TECHNIQUES: dict[str, Technique] = {
                         r"Resume with the checkpoint's settings"))},
         inject={"bert": lambda m: inject_lokr(m, **LOKR_ARGS),
                 "gpt2": lambda m: inject_lokr(m, target_modules=["lm_head"])},
+        peft_config=lambda targets: peft.LoKrConfig(task_type="CAUSAL_LM", target_modules=["lm_head"]),
         keeps_float32=True,
     ),
     "prompt_tuning": Technique(
@@ -240,7 +253,7 @@ def test_every_registered_technique_has_a_row():
     from lightning_peft.peft import adapter
 
     registered = {kind for kind, cls in adapter._REGISTRY.items() if cls.__module__.startswith("lightning_peft.")}
-    covered = {"lora", "bottleneck", "ia3", "lokr", "prompt_tuning", "prefix_tuning"}  # multi_lora is LoRA's protocol row as well
+    covered = {"lora", "bottleneck", "ia3", "loha", "lokr", "prompt_tuning", "prefix_tuning"}  # multi_lora is LoRA's protocol row as well
     assert registered == covered, f"add a conformance row for {sorted(registered - covered)}"
     assert {name.split("_projection")[0] for name in TECHNIQUES} - {"multi_lora", "lora_dora"} == covered
 
@@ -456,7 +469,8 @@ def test_we_load_a_peft_adapter_with_its_outputs(name, family, tmp_path):
                                                         target_modules=PEFT_TARGETS[family][:1]))
     finally:
         torch.set_default_dtype(torch.float32)
-    randomise([p for n, p in sorted(theirs.named_parameters()) if "lora_" in n or "ia3_l" in n or "prompt_encoder" in n])
+    randomise([p for n, p in sorted(theirs.named_parameters()) if "lora_" in n or "ia3_l" in n or "prompt_encoder" in n
+              or "hada_" in n or "lokr_" in n])
     theirs.eval().save_pretrained(tmp_path)
     ours = load_adapter(copy.deepcopy(plain), tmp_path).eval()
     assert (logits(ours) - logits(plain)).abs().max() > 1e-3  # not vacuous

@@ -68,6 +68,6 @@ def test_tensor_parallelism_is_refused_at_setup_naming_both():
     from lightning_peft.strategies import TensorParallelStrategy
 
     run = Trainer(accelerator="cpu", devices=2, strategy=TensorParallelStrategy(tensor_parallel_size=2), logger=False)
-    with pytest.raises(RuntimeError, match=r"LoKr under TensorParallelStrategy: ΔW = kron\(W1, W2\) ties every output "
-                                           r"row .* Use LoRA under tensor parallelism, or LoKr under DDP"):
+    with pytest.raises(RuntimeError, match=r"LoKr under TensorParallelStrategy: the tensor-parallel plan splits a base "
+                                           r"weight .* Train LoKr under data parallelism"):
         LoKr(**ARGS).check(run)

@@ -32,7 +32,7 @@ from ..lycoris.layer import LycorisLayer, effective_conv, flat_shape
 
 class LoHaLayer(LycorisLayer):
     """``base_layer`` (frozen) plus LoHa's update (the module docstring); the arguments are
-    [`LycorisLayer`][lightning_peft.peft.lycoris.LycorisLayer]'s."""
+    `lightning_peft.peft.lycoris.LycorisLayer`'s."""
 
     parameter_names: ClassVar[tuple[str, ...]] = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1",
                                                   "hada_t2")

@@ -4,7 +4,7 @@ config, its layer and its names.
 
 Paper: Hyeon-Woo, Ye-Bin and Oh, "FedPara: Low-Rank Hadamard Product for Communication-Efficient Federated Learning",
 arXiv:2108.06098, as LyCORIS adapts it to fine-tuning. The frozen weight ``W`` gets an update of rank up to ``r²``
-from ``4 r (out + in)`` parameters (LoRA's rank ``r`` takes ``r (out + in)``):
+from ``2 r (out + in)`` parameters (LoRA's rank ``r`` takes ``r (out + in)``):
 
 ```text
 y = W x + ΔW x        ΔW = alpha / r * (w1_a w1_b) ⊙ (w2_a w2_b)        (⊙: elementwise)
@@ -45,7 +45,7 @@ from .layer import LoHaLayer
 @register
 class LoHaAdapter(lycoris.LycorisAdapter):
     """LoHa's side of the adapter protocol: what [`inject_loha`][lightning_peft.peft.inject_loha] did to a model
-    (the arguments are [`LycorisAdapter`][lightning_peft.peft.lycoris.LycorisAdapter]'s)."""
+    (the arguments are `lightning_peft.peft.lycoris.LycorisAdapter`'s)."""
 
     kind: ClassVar[str] = "loha"
     peft_type: ClassVar[str] = PEFT_TYPE

@@ -1,4 +1,4 @@
-"""The settings LyCORIS methods (LoHa, LoKr) share: [`LycorisConfig`][lightning_peft.peft.lycoris.LycorisConfig], the
+"""The settings LyCORIS methods (LoHa, LoKr) share: `lightning_peft.peft.lycoris.LycorisConfig`, the
 fields of Hugging Face PEFT's ``LycorisConfig`` and of what its ``LoHaConfig`` / ``LoKrConfig`` have in common, under
 PEFT's own names, and their reading of a PEFT config (an object or an ``adapter_config.json``). A method subclasses
 it, adds its own fields and sets the class attributes ``who``, ``peft_type`` and ``example``."""

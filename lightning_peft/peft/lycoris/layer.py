@@ -11,7 +11,7 @@ In training, as Hugging Face PEFT 0.21.2's ``LycorisLayer``: ``module_dropout`` 
 forward, ``rank_dropout`` zeroes rows (output channels) of ``ΔW`` for one forward, the kept rows rescaled by the
 inverse of the kept share where the method says so (LoHa always). The random draws are PEFT's, in PEFT's order (one
 ``torch.rand(1)`` per layer and forward in training, then ``torch.rand(out)``), so a seeded step equals PEFT's. Merging
-adds ``ΔW`` to the base weight. A method subclasses [`LycorisLayer`][lightning_peft.peft.lycoris.LycorisLayer] with
+adds ``ΔW`` to the base weight. A method subclasses `lightning_peft.peft.lycoris.LycorisLayer` with
 its parameters (`parameter_shapes`, `reset_parameters`) and its product (`delta`).
 """
 

@@ -2,9 +2,9 @@
 disable, unload, and the side of the adapter protocol they share (with Hugging Face PEFT's file format: one
 ``<module>.<parameter>`` key per factor, ``adapter_config.json`` with PEFT's fields).
 
-A method supplies a [`LycorisConfig`][lightning_peft.peft.lycoris.LycorisConfig] subclass, a
-[`LycorisLayer`][lightning_peft.peft.lycoris.LycorisLayer] subclass and a registered
-[`LycorisAdapter`][lightning_peft.peft.lycoris.LycorisAdapter] subclass naming both (``kind``, ``peft_type``,
+A method supplies a `lightning_peft.peft.lycoris.LycorisConfig` subclass, a
+`lightning_peft.peft.lycoris.LycorisLayer` subclass and a registered
+`lightning_peft.peft.lycoris.LycorisAdapter` subclass naming both (``kind``, ``peft_type``,
 ``config_class``, ``layer_class``); its public functions call the ones here with that adapter class.
 """
 
@@ -311,6 +311,13 @@ class LycorisAdapter(Adapter):
         })
         return fields
 
+    def peft_problems(self, model: nn.Module) -> list[str]:
+        """A convolution padded other than with zeros: PEFT pads the update with zeros (``F.conv2d(padding=...)``),
+        ours as the base is padded, so PEFT would compute other outputs from the same file."""
+        return [f"{name!r} is a convolution with padding_mode={layer.base_layer.padding_mode!r}, and PEFT's "
+                f"{self.config_class.who} pads the update with zeros" for name, layer in self.layers(model).items()
+                if getattr(layer.base_layer, "padding_mode", "zeros") != "zeros"]
+
     def check_peft_config(self, model: nn.Module, config: Any, source: str) -> None:
         """A file loaded into this existing adapter must mean the same update: the same rank, alpha and settings per
         layer (a different alpha would load silently with this adapter's scale)."""
@@ -344,20 +351,22 @@ class LycorisAdapter(Adapter):
             return  # the existing adapter's shapes are checked against the file's
         ours = cls.config_class.from_peft(config, str(files.config))
         model = unwrap(model)
-        with contextlib.suppress(ValueError, TypeError):  # from_peft raises the same, with the file named
+        try:
             targets, _ = select(model, dataclasses.replace(ours, modules_to_save=[]))
-            missing = []
-            for name in targets:
-                rank = ours.rank_for(clean_key(name))
-                base = model.get_submodule(name)
-                for parameter, shape in cls.layer_class.parameter_shapes(base, rank, ours).items():
-                    key = f"{clean_key(name)}.{parameter}"
-                    if key not in shapes:
-                        missing.append(key)
-                        continue
-                    _check_rank(files, key, shapes[key], shape, rank, ours.rank_field(clean_key(name)))
-            if missing:
-                raise files.lacking(missing, "its adapter config asks for", type(model).__name__)
+        except (ValueError, TypeError):
+            return  # from_peft raises the same, naming the file
+        missing = []
+        for name in targets:
+            rank = ours.rank_for(clean_key(name))
+            base = model.get_submodule(name)
+            for parameter, shape in cls.layer_class.parameter_shapes(base, rank, ours).items():
+                key = f"{clean_key(name)}.{parameter}"
+                if key not in shapes:
+                    missing.append(key)
+                    continue
+                _check_rank(files, key, shapes[key], shape, rank, ours.rank_field(clean_key(name)))
+        if missing:
+            raise files.lacking(missing, "its adapter config asks for", type(model).__name__)
 
     @classmethod
     def from_peft(cls, model: nn.Module, config: dict[str, Any], source: str) -> LycorisAdapter:
