@@ -34,6 +34,8 @@ from torch.utils.data import DataLoader
 from lightning_peft.callbacks import (
     IA3,
     BottleneckAdapters,
+    LoHa,
+    LoKr,
     LoRA,
     MultiLoRA,
     PrefixTuning,
@@ -47,6 +49,8 @@ from lightning_peft.peft import (
     attached,
     inject_bottleneck_adapters,
     inject_ia3,
+    inject_loha,
+    inject_lokr,
     inject_lora,
     inject_prefix_tuning,
     inject_prompt_tuning,
@@ -87,6 +91,8 @@ BOTTLENECK = {"placement": "houlsby", "reduction_factor": 4, "non_linearity": "g
 PREFIX = {"num_virtual_tokens": 3, "modules_to_save": ["classifier"]}
 IA3_ARGS = {"target_modules": ["key", "value", "output.dense"], "feedforward_modules": ["output.dense"]}
 VERA_ARGS = {"target_modules": ["query", "value", "intermediate.dense"], "rank": 8}
+LOHA_ARGS = {"target_modules": ["query", "value"], "r": 2, "alpha": 4, "rank_dropout": 0.2, "module_dropout": 0.1}
+LOKR_ARGS = {"target_modules": ["query", "value"], "r": 2, "alpha": 4, "decompose_both": True}
 ROUTES = [["news", "sport", None, "news"], [1, 0, 0, -1], ["sport", "sport", "news", None], [None, "news", 1, "sport"]]
 
 
@@ -202,6 +208,26 @@ TECHNIQUES: dict[str, Technique] = {
         peft_config=lambda targets: peft.VeraConfig(task_type="CAUSAL_LM", target_modules=[*targets, "mlp.c_proj"], r=8),
         keeps_float32=True,
     ),
+    "loha": Technique(  # GPT-2's layers are transformers Conv1D, which PEFT's LoHa does not adapt: its lm_head
+        callback=lambda **kw: LoHa(**LOHA_ARGS, **kw),
+        data=loader,
+        refused={"r": (lambda **kw: LoHa(**{**LOHA_ARGS, "r": 3}, **kw),
+                       r"LoHa: the checkpoint's loha adapter on 'model' was trained with r=2; this run has r=3")},
+        inject={"bert": lambda m: inject_loha(m, **LOHA_ARGS), "gpt2": lambda m: inject_loha(m, target_modules=["lm_head"])},
+        peft_config=lambda targets: peft.LoHaConfig(task_type="CAUSAL_LM", target_modules=["lm_head"]),
+        keeps_float32=True,
+    ),
+    "lokr": Technique(  # GPT-2's layers are transformers Conv1D, which PEFT's LoKr does not adapt: its lm_head
+        callback=lambda **kw: LoKr(**LOKR_ARGS, **kw),
+        data=loader,
+        refused={"r": (lambda **kw: LoKr(**{**LOKR_ARGS, "r": 1}, **kw),
+                       (r"LoKr: the checkpoint's lokr adapter on 'model' was trained with r=2; this run has r=1\. "
+                        r"Resume with the checkpoint's settings"))},
+        inject={"bert": lambda m: inject_lokr(m, **LOKR_ARGS),
+                "gpt2": lambda m: inject_lokr(m, target_modules=["lm_head"])},
+        peft_config=lambda targets: peft.LoKrConfig(task_type="CAUSAL_LM", target_modules=["lm_head"]),
+        keeps_float32=True,
+    ),
     "prompt_tuning": Technique(
         callback=lambda **kw: PromptTuning(num_virtual_tokens=4, **kw),
         data=loader,
@@ -242,7 +268,7 @@ def test_every_registered_technique_has_a_row():
     from lightning_peft.peft import adapter
 
     registered = {kind for kind, cls in adapter._REGISTRY.items() if cls.__module__.startswith("lightning_peft.")}
-    covered = {"lora", "bottleneck", "ia3", "vera", "prompt_tuning", "prefix_tuning"}  # multi_lora is LoRA's protocol row as well
+    covered = {"lora", "bottleneck", "ia3", "vera", "loha", "lokr", "prompt_tuning", "prefix_tuning"}  # multi_lora is LoRA's protocol row as well
     assert registered == covered, f"add a conformance row for {sorted(registered - covered)}"
     assert {name.split("_projection")[0] for name in TECHNIQUES} - {"multi_lora", "lora_dora"} == covered
 
@@ -460,7 +486,8 @@ def test_we_load_a_peft_adapter_with_its_outputs(name, family, tmp_path):
     finally:
         torch.set_default_dtype(torch.float32)
     randomise([p for n, p in sorted(theirs.named_parameters())
-               if "lora_" in n or "ia3_l" in n or "prompt_encoder" in n or "vera_lambda" in n])
+               if "lora_" in n or "ia3_l" in n or "prompt_encoder" in n or "vera_lambda" in n or "hada_" in n
+               or "lokr_" in n])
     theirs.eval().save_pretrained(tmp_path)
     ours = load_adapter(copy.deepcopy(plain), tmp_path).eval()
     assert (logits(ours) - logits(plain)).abs().max() > 1e-3  # not vacuous

@@ -8,6 +8,8 @@ from lightning_peft.callbacks.gradient_accumulation import GradientAccumulation
 from lightning_peft.callbacks.gradient_noise import GradientNoise
 from lightning_peft.callbacks.ia3 import IA3
 from lightning_peft.callbacks.layerwise_lr_decay import LayerwiseLRDecay
+from lightning_peft.callbacks.loha import LoHa
+from lightning_peft.callbacks.lokr import LoKr
 from lightning_peft.callbacks.lora import LoRA
 from lightning_peft.callbacks.merge_on_save import MergeOnSave
 from lightning_peft.callbacks.multi_lora import MultiLoRA
@@ -18,7 +20,7 @@ from lightning_peft.callbacks.vera import VeRA
 from lightning_peft.peft.checkpoint import restore_adapters
 
 __all__ = [
-    "IA3", "ActivationCheckpointing", "BottleneckAdapters", "Curriculum", "GradientAccumulation", "GradientNoise", "LayerwiseLRDecay", "LoRA",
-    "MergeOnSave", "MultiLoRA", "PrefixTuning", "PromptTuning", "TokenPruning", "VeRA", "load_from_checkpoint",
-    "restore_adapters",
+    "IA3", "ActivationCheckpointing", "BottleneckAdapters", "Curriculum", "GradientAccumulation", "GradientNoise",
+    "LayerwiseLRDecay", "LoHa", "LoKr", "LoRA", "MergeOnSave", "MultiLoRA", "PrefixTuning", "PromptTuning",
+    "TokenPruning", "VeRA", "load_from_checkpoint", "restore_adapters",
 ]

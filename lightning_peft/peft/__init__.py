@@ -15,6 +15,8 @@ from .bottleneck import (
 )
 from .._manifest import recover_export
 from .ia3 import IA3Adapter, IA3Config, inject_ia3, unload_ia3
+from .loha import LoHaAdapter, LoHaConfig, inject_loha, unload_loha
+from .lokr import LoKrAdapter, LoKrConfig, inject_lokr, unload_lokr
 from .io import load_adapter, peft_config, save_adapter
 from .loraplus import loraplus_groups
 from .lora import (
@@ -65,6 +67,10 @@ __all__ = [
     "BottleneckLayer",
     "IA3Adapter",
     "IA3Config",
+    "LoHaAdapter",
+    "LoHaConfig",
+    "LoKrAdapter",
+    "LoKrConfig",
     "LoRAAdapter",
     "LoRAConfig",
     "LoRAConv",
@@ -93,6 +99,8 @@ __all__ = [
     "fold_prefix_projection",
     "inject_bottleneck_adapters",
     "inject_ia3",
+    "inject_loha",
+    "inject_lokr",
     "inject_lora",
     "inject_prefix_tuning",
     "inject_prompt_tuning",
@@ -113,6 +121,8 @@ __all__ = [
     "trainable_parameters",
     "unload_bottleneck_adapters",
     "unload_ia3",
+    "unload_loha",
+    "unload_lokr",
     "unload_lora",
     "unload_prefix_tuning",
     "unload_prompt_tuning",

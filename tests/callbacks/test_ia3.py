@@ -8,12 +8,12 @@ import logging
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.testing import assert_close
 
 from lightning_peft.callbacks import IA3, MergeOnSave
 from lightning_peft.peft import IA3Config, adapter_state_dict
 from lightning_peft.peft.ia3 import ia3_layers
 from tests._models import Classifier, loader, trainer
+from tests.callbacks._exports import assert_merge_on_save_exports
 
 transformers = pytest.importorskip("transformers")
 
@@ -59,21 +59,8 @@ def test_an_adapter_only_checkpoint_resumes_bit_for_bit(tiny_bert_config, tmp_pa
 
 
 def test_merge_on_save_writes_a_model_plain_transformers_loads_and_a_peft_adapter(tiny_bert_config, tmp_path):
-    from peft import PeftModel
-
-    torch.manual_seed(0)
-    base_state = {k: v.clone() for k, v in Classifier(tiny_bert_config).model.state_dict().items()}
-    module = fit(tiny_bert_config, tmp_path, 1, callbacks=[MergeOnSave(dirpath=str(tmp_path / "out"))])
-    ids = torch.randint(0, 64, (3, 8))
-    module.model.eval()
-    expected = module.model(input_ids=ids).logits
-    merged = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "out" / "merged").eval()
-    assert type(merged) is transformers.BertForSequenceClassification and not ia3_layers(merged)
-    assert_close(merged(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-6)
-    base = transformers.BertForSequenceClassification(tiny_bert_config)
-    base.load_state_dict(base_state)
-    theirs = PeftModel.from_pretrained(base, tmp_path / "out" / "adapter").eval()
-    assert_close(theirs(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-6)
+    assert_merge_on_save_exports(tiny_bert_config, tmp_path / "out", lambda: fit(tiny_bert_config, tmp_path, 1, callbacks=[MergeOnSave(dirpath=str(tmp_path / "out"))]),
+                                 ia3_layers)
 
 
 def test_the_callback_is_built_from_lightning_cli_yaml():

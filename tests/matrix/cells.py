@@ -37,6 +37,8 @@ from lightning_peft.callbacks import (
     GradientAccumulation,
     GradientNoise,
     LayerwiseLRDecay,
+    LoHa,
+    LoKr,
     LoRA,
     MergeOnSave,
     MultiLoRA,
@@ -211,7 +213,9 @@ ROWS = [
     Row("BottleneckAdapters", lambda kind: [BottleneckAdapters(bottleneck_size=4, init_scale=0.1)]),
     Row("PromptTuning", lambda kind: [PromptTuning(num_virtual_tokens=3)]),
     Row("PrefixTuning", lambda kind: [PrefixTuning(num_virtual_tokens=3)]),
+    # the other PEFT methods
     Row("IA3", lambda kind: [_ia3(kind)]),
+    Row("LoHa", lambda kind: [LoHa(r=2, alpha=4, **_targets(kind))]),
     Row("MergeOnSave", lambda kind: [_lora(kind)], save_merged=True),
     Row("GradientNoise", lambda kind: [_lora(kind), GradientNoise(eta=1e-3)]),
     Row("LayerwiseLRDecay", lambda kind: [_lora(kind), LayerwiseLRDecay(decay=0.5)]),
@@ -234,6 +238,7 @@ ROWS = [
     Row("LoRA+, lora_bias, PiSSA, layers_to_transform", lambda kind: [_lora(
         kind, loraplus_lr_ratio=4.0, lora_bias=True, init="pissa", layers_to_transform=[0])]),
     Row("VeRA", lambda kind: [VeRA(rank=8, **_targets(kind))]),
+    Row("LoKr", lambda kind: [LoKr(r=2, alpha=4.0, decompose_both=True, **_targets(kind))]),
 ]
 
 
