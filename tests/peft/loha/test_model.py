@@ -48,7 +48,6 @@ def reference(layer, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch
     ({"target_modules": ["0"], "rank_dropout": 1.0}, ValueError,
      r"LoHa\(rank_dropout=1\.0\): rank_dropout must be a number in \[0, 1\)"),
     ({"target_modules": ["0"], "module_dropout": "x"}, TypeError, r"LoHa\(module_dropout='x'\)"),
-    ({"target_modules": "all-linear"}, ValueError, r"LoHa\(target_modules='all-linear'\): not supported .* name the"),
     ({"target_modules": []}, TypeError, r"LoHa\(target_modules=\[\]\): give a non-empty list of module names"),
     ({"target_modules": ["0"], "init_weights": 1}, TypeError, r"LoHa\(init_weights=1\): .* True or False"),
     ({"target_modules": ["0"], "use_effective_conv2d": "yes"}, TypeError, r"LoHa\(use_effective_conv2d='yes'\)"),
@@ -119,6 +118,23 @@ def test_exclude_modules_and_layers_to_transform_pick_the_modules_peft_picks():
         inject_loha(Stack(), target_modules=["0"], layers_to_transform=[5])
     with pytest.raises(ValueError, match=r"LoHa\(exclude_modules=\['3'\]\): '3' matched no module"):
         inject_loha(Stack(), target_modules=["0"], exclude_modules=["3"])
+
+
+def test_all_linear_picks_what_peft_picks_and_a_transformers_conv1d_among_them_is_refused():
+    from tests._models import bert_model, gpt2_model
+
+    torch.manual_seed(0)
+    base = bert_model().eval()
+    theirs = peft.get_peft_model(copy.deepcopy(base), peft.LoHaConfig(target_modules="all-linear", task_type="SEQ_CLS"))
+    expected = sorted(n.removeprefix("base_model.model.") for n, m in theirs.named_modules() if hasattr(m, "hada_w1_a"))
+    ours = copy.deepcopy(base)
+    assert sorted(inject_loha(ours, target_modules="all-linear")) == expected  # every Linear but the classifier
+    assert "bert.pooler.dense" in expected
+    gpt2 = gpt2_model()
+    with pytest.raises(TypeError, match=r"LoHa\(target_modules='all-linear'\): 'transformer\.h\.0\.attn\.c_attn' is a "
+                                        r"Conv1D; LoHa adapts nn\.Linear, nn\.Conv1d, nn\.Conv2d"):
+        inject_loha(gpt2, target_modules="all-linear")
+    assert not loha_layers(gpt2)
 
 
 def test_evaluation_is_deterministic_and_training_draws_module_and_rank_dropout():
