@@ -205,6 +205,28 @@ def _tucker_delta(t1, w1a, w1b, t2, w2a, w2b):
     return rebuild(t1, w1a, w1b) * rebuild(t2, w2a, w2b)
 
 
+@pytest.mark.parametrize("base", [nn.Linear(12, 10), nn.Conv2d(3, 10, 3)], ids=["linear", "tucker"])
+def test_backward_keeps_the_factors_not_the_two_weight_sized_products(base):
+    model = nn.Sequential(base.double())
+    inject_loha(model, target_modules=["0"], r=2, use_effective_conv2d=True, init_weights=False)
+    x = torch.randn(4, 12, dtype=torch.float64) if isinstance(base, nn.Linear) else torch.randn(
+        4, 3, 5, 5, dtype=torch.float64)
+    x.requires_grad_(True)  # as inside a network: the input's gradient needs the weights
+    weight_sized = []
+
+    def pack(tensor):
+        if tensor.numel() == base.weight.numel():  # a Linear keeps its weights transposed
+            weight_sized.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(x).sum().backward()
+    # the frozen base weight and ΔW (F.linear / the convolution keep them for the input's gradient), not the
+    # products (w1_a w1_b) and (w2_a w2_b): those are recomputed in backward
+    assert len(weight_sized) == 2, [tuple(t.shape) for t in weight_sized]
+    assert all(p.grad is not None and p.grad.abs().max() > 0 for p in model[0].parameters() if p.requires_grad)
+
+
 def test_merge_unmerge_unload_and_the_merged_export_all_give_the_adapted_outputs():
     base, model = mlp(target_modules=["0", "2"], r=3, alpha=5)
     x = inputs(nn.Linear(10, 2))
