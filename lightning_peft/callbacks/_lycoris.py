@@ -25,7 +25,8 @@ class LycorisCallback(AdapterCallback):
         if tensor_parallel_size(trainer.strategy) > 1:
             raise refuse(self.who, trainer.strategy, "the tensor-parallel plan splits a base weight together with the "
                          "one adapter factor that splits with it (LoRA's lora_B or lora_A), while a LyCORIS update is "
-                         "formed from several factors (LoHa: (w1_a w1_b) ⊙ (w2_a w2_b)) that the plan does not split",
+                         "formed from several factors (LoHa's Hadamard and LoKr's Kronecker products) that the plan does "
+                         "not split",
                          f"train {self.who} under data parallelism (DDP, ZeRO), the pipeline or the device map, or "
                          "use LoRA under tensor parallelism")
 

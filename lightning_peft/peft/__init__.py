@@ -1,4 +1,4 @@
-"""Parameter-efficient fine-tuning in pure PyTorch (no Lightning import): LoRA and named multi-LoRA, IA³, bottleneck
+"""Parameter-efficient fine-tuning in pure PyTorch (no Lightning import): LoRA and named multi-LoRA, IA³, LoHa, bottleneck
 adapters, prompt tuning, prefix tuning; a quantized frozen base (QLoRA: ``quantize_base``); the adapter protocol they
 share; PEFT-format I/O."""
 

@@ -475,8 +475,8 @@ def _case_use_dora_without_magnitudes(d: Path) -> tuple[type, str]:
 
 def _case_other_peft_type(d: Path) -> tuple[type, str]:
     _write_adapter(d)
-    _edit_config(d, peft_type="LOHA")
-    return ValueError, r"has peft_type='LOHA'; lightning-peft reads \[.*'LORA'.*\]"
+    _edit_config(d, peft_type="HRA")  # a PEFT method lightning-peft does not implement
+    return ValueError, r"has peft_type='HRA'; lightning-peft reads \[.*'LORA'.*\]"
 
 
 def _case_missing_config(d: Path) -> tuple[type, str]:
@@ -650,11 +650,11 @@ def test_load_into_injected_model_with_other_alpha_is_not_silent(tmp_path):
 
 def test_load_into_injected_model_checks_the_config(tmp_path):
     _write_adapter(tmp_path)
-    _edit_config(tmp_path, peft_type="LOHA")
+    _edit_config(tmp_path, peft_type="HRA")
     model = _fresh(_base("bert"), "bert")
     inject_lora(model, rank=4, alpha=8, target_modules=["query", "value"])
 
-    with pytest.raises(ValueError, match=r"has peft_type='LOHA'; lightning-peft reads \[.*'LORA'.*\]"):
+    with pytest.raises(ValueError, match=r"has peft_type='HRA'; lightning-peft reads \[.*'LORA'.*\]"):
         load_adapter(model, tmp_path)
 
 

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from ..lycoris.config import LycorisConfig
 from ..lycoris.layer import LycorisLayer, effective_conv, flat_shape
@@ -66,10 +67,44 @@ class LoHaLayer(LycorisLayer):
         self.peft_scaling = float(torch.tensor(self.scaling, dtype=torch.float32))
 
     def delta(self) -> Tensor:
-        if not self.tucker:  # (out, r) @ (r, in) twice: (out, in)
-            return (self.hada_w1_a @ self.hada_w1_b) * (self.hada_w2_a @ self.hada_w2_b) * self.peft_scaling
-        return _tucker(self.hada_t1, self.hada_w1_a, self.hada_w1_b) * \
-            _tucker(self.hada_t2, self.hada_w2_a, self.hada_w2_b) * self.peft_scaling
+        # Both forms keep only the factors for backward and recompute the two (out, in) products there, as PEFT's
+        # do: autograd would hold both products per layer (twice the adapted weights, in float32) until backward.
+        if not self.tucker:
+            return HadamardProduct.apply(self.hada_w1_a, self.hada_w1_b, self.hada_w2_a, self.hada_w2_b,
+                                         self.peft_scaling)
+        factors = (self.hada_t1, self.hada_w1_a, self.hada_w1_b, self.hada_t2, self.hada_w2_a, self.hada_w2_b)
+        if not torch.is_grad_enabled():
+            return _tucker_pair(*factors, self.peft_scaling)
+        return checkpoint(_tucker_pair, *factors, self.peft_scaling, use_reentrant=False)
+
+
+class HadamardProduct(torch.autograd.Function):
+    """``scale * (w1_a @ w1_b) ⊙ (w2_a @ w2_b)`` (out, in) from w1_a, w2_a (out, r) and w1_b, w2_b (r, in), saving only
+    the factors: backward recomputes each product where it needs it.
+
+    ``∂L/∂(w1_a w1_b) = s G ⊙ (w2_a w2_b)``, then ``∂L/∂w1_a = (that) w1_bᵀ`` and ``∂L/∂w1_b = w1_aᵀ (that)``; the
+    same for pair 2 with pair 1's product.
+    """
+
+    @staticmethod
+    def forward(ctx, w1_a: Tensor, w1_b: Tensor, w2_a: Tensor, w2_b: Tensor, scale: float) -> Tensor:
+        ctx.save_for_backward(w1_a, w1_b, w2_a, w2_b)
+        ctx.scale = scale
+        return (w1_a @ w1_b) * (w2_a @ w2_b) * scale
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        w1_a, w1_b, w2_a, w2_b = ctx.saved_tensors
+        grad = grad * ctx.scale
+        first = grad * (w2_a @ w2_b)  # ∂L/∂(w1_a w1_b): (out, in)
+        second = grad * (w1_a @ w1_b)  # ∂L/∂(w2_a w2_b)
+        return first @ w1_b.T, w1_a.T @ first, second @ w2_b.T, w2_a.T @ second, None
+
+
+def _tucker_pair(t1: Tensor, w1_a: Tensor, w1_b: Tensor, t2: Tensor, w2_a: Tensor, w2_b: Tensor,
+                 scale: float) -> Tensor:
+    """``scale * (t1 ×₁ w1_aᵀ ×₂ w1_bᵀ) ⊙ (t2 ×₁ w2_aᵀ ×₂ w2_bᵀ)``: (out, in, k1, k2)."""
+    return _tucker(t1, w1_a, w1_b) * _tucker(t2, w2_a, w2_b) * scale
 
 
 def _tucker(core: Tensor, out_factor: Tensor, in_factor: Tensor) -> Tensor:

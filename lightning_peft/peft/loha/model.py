@@ -14,9 +14,11 @@ y = W x + ΔW x        ΔW = alpha / r * (w1_a w1_b) ⊙ (w2_a w2_b)        (⊙
 convolution forms (Conv1d, Conv2d, grouped, and ``use_effective_conv2d``'s Tucker core): `lightning_peft.peft.loha.layer`.
 
 Equal to Hugging Face PEFT 0.21.2's LoHa (``peft_type: "LOHA"``): the same targets for a config, the same outputs,
-merged weights, files (``<module>.hada_w1_a``, ...) and training step (its dropout draws too). Two deliberate
-differences: a ``rank_dropout`` draw that drops every row gives a zero update (PEFT's divides 0 by 0: NaN), and a
-convolution with a ``padding_mode`` other than zeros pads the update as it pads the base (PEFT pads it with zeros).
+merged weights, files (``<module>.hada_w1_a``, ...) and training step (its dropout draws too). Three deliberate
+differences: the Tucker form's gradients of ``hada_w1_a`` / ``hada_w2_a`` are autograd's (PEFT's hand-written backward
+gets them wrong), a ``rank_dropout`` draw that drops every row gives a zero update (PEFT's divides 0 by 0: NaN), and a
+convolution with a ``padding_mode`` other than zeros pads the update as it pads the base (PEFT pads it with zeros, so
+such an adapter is not saved in PEFT's format).
 
 Examples:
     >>> from torch import nn

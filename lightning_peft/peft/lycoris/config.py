@@ -28,6 +28,9 @@ class LycorisConfig:
     Args:
         target_modules: The modules adapted: names or dotted suffixes (list), or a regular expression matched against
             the full name (string). ``nn.Linear``, ``nn.Conv1d``, ``nn.Conv2d`` (grouped too): PEFT's layers.
+            ``"all-linear"``: every ``nn.Linear`` (and transformers ``Conv1D``, which is then refused, as PEFT refuses
+            it) but the output head (the model's output embeddings, else its last linear layer) and
+            ``modules_to_save``.
         exclude_modules: Modules never adapted, matched as ``target_modules``; it wins over them.
         r: The rank of the factors.
         alpha: The update is scaled by ``alpha / r``.
@@ -93,9 +96,8 @@ class LycorisConfig:
         boolean(self.who, "init_weights", self.init_weights)
 
     def _targets(self, name: str, value: object) -> Targets:
-        if value == "all-linear":
-            raise ValueError(f"{self.who}({name}='all-linear'): not supported by lightning-peft's {self.who}; name the "
-                             f"modules, e.g. {self.example}.")
+        if value == "all-linear" and name == "target_modules":
+            return value
         if isinstance(value, str):
             return regex(self.who, name, value)
         if name == "target_modules" and (value is None or not value):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import sys
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
@@ -26,6 +27,7 @@ from .._common import (
     inside,
     is_quantized,
     name_matches,
+    output_head,
     refuse_absent,
     refuse_no_target,
     refuse_second_injection,
@@ -83,7 +85,13 @@ def select(model: nn.Module, config: LycorisConfig) -> tuple[list[str], list[str
     who = config.who
     names = [n for n, _ in model.named_modules() if n]
     to_save = select_modules_to_save(model, config.modules_to_save, who)
-    chosen = chosen_by_name(who, config.target_modules, names, model, describe_modules)
+    if config.target_modules == "all-linear":
+        view = dict(model.named_modules())
+        linear = _linear_types()
+        head = output_head(model, view, linear)
+        chosen = [n for n in names if isinstance(view[n], linear) and n != head]
+    else:
+        chosen = chosen_by_name(who, config.target_modules, names, model, describe_modules)
     if config.layers_to_transform is not None and chosen:
         chosen = in_layers(who, chosen, config.target_modules, config.layers_to_transform, config.layers_pattern,
                            model)
@@ -104,6 +112,12 @@ def select(model: nn.Module, config: LycorisConfig) -> tuple[list[str], list[str
                             f"{type(module).__name__}; {who} adapts {KINDS_TEXT} (Hugging Face PEFT's {who} layers). "
                             f"{type(model).__name__} has: {describe_modules(model)}.")
     return chosen, to_save
+
+
+def _linear_types() -> tuple[type, ...]:
+    """What ``"all-linear"`` picks, as PEFT: ``nn.Linear`` and, once transformers is imported, its ``Conv1D``."""
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    return (nn.Linear,) if conv1d is None else (nn.Linear, conv1d)
 
 
 def inject(model: nn.Module, config: LycorisConfig, adapter_class: type[LycorisAdapter],

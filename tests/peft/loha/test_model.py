@@ -48,7 +48,6 @@ def reference(layer, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch
     ({"target_modules": ["0"], "rank_dropout": 1.0}, ValueError,
      r"LoHa\(rank_dropout=1\.0\): rank_dropout must be a number in \[0, 1\)"),
     ({"target_modules": ["0"], "module_dropout": "x"}, TypeError, r"LoHa\(module_dropout='x'\)"),
-    ({"target_modules": "all-linear"}, ValueError, r"LoHa\(target_modules='all-linear'\): not supported .* name the"),
     ({"target_modules": []}, TypeError, r"LoHa\(target_modules=\[\]\): give a non-empty list of module names"),
     ({"target_modules": ["0"], "init_weights": 1}, TypeError, r"LoHa\(init_weights=1\): .* True or False"),
     ({"target_modules": ["0"], "use_effective_conv2d": "yes"}, TypeError, r"LoHa\(use_effective_conv2d='yes'\)"),
@@ -121,6 +120,23 @@ def test_exclude_modules_and_layers_to_transform_pick_the_modules_peft_picks():
         inject_loha(Stack(), target_modules=["0"], exclude_modules=["3"])
 
 
+def test_all_linear_picks_what_peft_picks_and_a_transformers_conv1d_among_them_is_refused():
+    from tests._models import bert_model, gpt2_model
+
+    torch.manual_seed(0)
+    base = bert_model().eval()
+    theirs = peft.get_peft_model(copy.deepcopy(base), peft.LoHaConfig(target_modules="all-linear", task_type="SEQ_CLS"))
+    expected = sorted(n.removeprefix("base_model.model.") for n, m in theirs.named_modules() if hasattr(m, "hada_w1_a"))
+    ours = copy.deepcopy(base)
+    assert sorted(inject_loha(ours, target_modules="all-linear")) == expected  # every Linear but the classifier
+    assert "bert.pooler.dense" in expected
+    gpt2 = gpt2_model()
+    with pytest.raises(TypeError, match=r"LoHa\(target_modules='all-linear'\): 'transformer\.h\.0\.attn\.c_attn' is a "
+                                        r"Conv1D; LoHa adapts nn\.Linear, nn\.Conv1d, nn\.Conv2d"):
+        inject_loha(gpt2, target_modules="all-linear")
+    assert not loha_layers(gpt2)
+
+
 def test_evaluation_is_deterministic_and_training_draws_module_and_rank_dropout():
     _, model = mlp(target_modules=["0"], module_dropout=0.5, rank_dropout=0.3)
     layer, x = model[0], inputs(nn.Linear(10, 2))
@@ -187,6 +203,28 @@ def _tucker_delta(t1, w1a, w1b, t2, w2a, w2b):
     def rebuild(t, a, b):
         return torch.einsum("ijkl,ip,jq->pqkl", t, a, b)
     return rebuild(t1, w1a, w1b) * rebuild(t2, w2a, w2b)
+
+
+@pytest.mark.parametrize("base", [nn.Linear(12, 10), nn.Conv2d(3, 10, 3)], ids=["linear", "tucker"])
+def test_backward_keeps_the_factors_not_the_two_weight_sized_products(base):
+    model = nn.Sequential(base.double())
+    inject_loha(model, target_modules=["0"], r=2, use_effective_conv2d=True, init_weights=False)
+    x = torch.randn(4, 12, dtype=torch.float64) if isinstance(base, nn.Linear) else torch.randn(
+        4, 3, 5, 5, dtype=torch.float64)
+    x.requires_grad_(True)  # as inside a network: the input's gradient needs the weights
+    weight_sized = []
+
+    def pack(tensor):
+        if tensor.numel() == base.weight.numel():  # a Linear keeps its weights transposed
+            weight_sized.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(x).sum().backward()
+    # the frozen base weight and ΔW (F.linear / the convolution keep them for the input's gradient), not the
+    # products (w1_a w1_b) and (w2_a w2_b): those are recomputed in backward
+    assert len(weight_sized) == 2, [tuple(t.shape) for t in weight_sized]
+    assert all(p.grad is not None and p.grad.abs().max() > 0 for p in model[0].parameters() if p.requires_grad)
 
 
 def test_merge_unmerge_unload_and_the_merged_export_all_give_the_adapted_outputs():
