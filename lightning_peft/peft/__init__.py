@@ -3,6 +3,16 @@ adapters, prompt tuning, prefix tuning; a quantized frozen base (QLoRA: ``quanti
 share; PEFT-format I/O."""
 
 from . import _model_methods  # noqa: F401  (what save_pretrained, set_adapter, ... do on an adapted model)
+from .adalora import (  # AdaLoRA
+    AdaLoraAdapter,
+    AdaLoraConfig,
+    disable_adalora,
+    inject_adalora,
+    merge_adalora,
+    unload_adalora,
+    unmerge_adalora,
+    update_and_allocate,
+)
 from .adapter import Adapter, ParameterReport, adapter_state_dict, attached, merged_state_dict, trainable_parameters
 from .bottleneck import (
     Bottleneck,
@@ -57,6 +67,14 @@ from .prompt import (
 )
 
 __all__ = [
+    "AdaLoraAdapter",  # AdaLoRA
+    "AdaLoraConfig",
+    "disable_adalora",
+    "inject_adalora",
+    "merge_adalora",
+    "unload_adalora",
+    "unmerge_adalora",
+    "update_and_allocate",
     "Adapter",
     "Bottleneck",
     "BottleneckAdapter",

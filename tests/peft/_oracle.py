@@ -197,6 +197,8 @@ class Method:
         peft_cannot_merge: ``{model_id: what PEFT's merge raises}``; those models run ``merge_without_peft``
             ``(model_id, ours, theirs, base, x, adapted)`` instead of the comparison of merges.
         peft_unmerge_tolerance: How close PEFT's own unmerge comes back (IA³'s divides by ``l + 1e-8``).
+        fix_peft: Corrects a quirk of PEFT's model in place before the comparison (AdaLoRA's ``ranknum``, left
+            trainable on a float64 model); None: none.
     """
 
     config: type
@@ -209,6 +211,7 @@ class Method:
     peft_cannot_merge: dict[str, type] = field(default_factory=dict)
     merge_without_peft: Callable[..., None] | None = None
     peft_unmerge_tolerance: float = TOLERANCE
+    fix_peft: Callable[[nn.Module], None] | None = None
 
 
 def adapted_pair(model_id: str, peft_kwargs: dict[str, Any], method: Method, rename: Callable[[str], str] | None = None,
@@ -217,6 +220,8 @@ def adapted_pair(model_id: str, peft_kwargs: dict[str, Any], method: Method, ren
     rename = rename or method.rename
     base = base_model(model_id)
     theirs = peft.get_peft_model(copy.deepcopy(base), method.config(**peft_kwargs)).eval()
+    if method.fix_peft is not None:
+        method.fix_peft(theirs)
     ours = copy.deepcopy(base)
     method.inject(ours, method.config(**peft_kwargs))
     ours.eval()

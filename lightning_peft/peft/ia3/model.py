@@ -32,10 +32,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
-import torch
 from torch import Tensor, nn
 
 from .._base_identity import base_model_name
@@ -43,32 +42,35 @@ from .._common import (
     chosen_by_name,
     exact_choice,
     inside,
-    is_quantized,
     name_matches,
     refuse_absent,
     refuse_no_target,
     refuse_second_injection,
     refuse_unmatched,
     require,
-    wraps_a_layer,
+)
+from .._wrapped_layers import (
+    check_targets,
+    describe_adaptable,
+    disabled,
+    merge_layers,
+    merged_state,
+    unload_layers,
+    unmerge_layers,
 )
 from ..adapter import (
     Adapter,
     attach,
     attached,
     clean_key,
-    detach,
     register,
     remove_adapter,
     trainable_parameters,
     unwrap,
 )
 from ..modules_to_save import (
-    ModulesToSave,
-    fold_modules_to_save,
     plain_key,
     present_modules,
-    restore_modules,
     saved_state,
     select_modules_to_save,
     set_submodule,
@@ -111,13 +113,7 @@ def inject_ia3(model: nn.Module, config: IA3Config | None = None, **kwargs: Any)
 
 def describe_modules(model: nn.Module) -> str:
     """'k, v (x2 each), ...': leaf names of the modules IA³ can scale, for messages."""
-    counts: dict[str, int] = {}
-    for name, module in model.named_modules():
-        if name and supported(module) and not name.endswith(".base_layer"):
-            counts[name.rsplit(".", 1)[-1]] = counts.get(name.rsplit(".", 1)[-1], 0) + 1
-    if not counts:
-        return f"none (IA³ scales {_KINDS}, and {type(model).__name__} has no such module)"
-    return ", ".join(f"{leaf} (x{n})" if n > 1 else leaf for leaf, n in counts.items())
+    return describe_adaptable(model, supported, _KINDS, "IA³", "scales")
 
 
 def select(model: nn.Module, config: IA3Config) -> tuple[list[str], list[str]]:
@@ -132,15 +128,7 @@ def select(model: nn.Module, config: IA3Config) -> tuple[list[str], list[str]]:
     if not chosen:
         refuse_no_target(WHO, config.target_modules, model, "scale", describe_modules(model),
                          "encoder.block.0.layer.0.SelfAttention.k")
-    for name in chosen:
-        module = model.get_submodule(name)
-        if isinstance(module, ModulesToSave) or wraps_a_layer(module):
-            raise ValueError(f"{WHO}: {name!r} is already wrapped by another technique ({type(module).__name__}); an "
-                             "IA³ layer around it would move that technique's parameters. Keep IA³ off this module.")
-        if not supported(module):
-            raise TypeError(f"{WHO}(target_modules={config.target_modules!r}): {name!r} is a {type(module).__name__}; "
-                            f"IA³ scales {_KINDS} (Hugging Face PEFT's IA³ layers). {type(model).__name__} has: "
-                            f"{describe_modules(model)}.")
+    check_targets(WHO, model, chosen, config.target_modules, supported, _KINDS, "IA³", "scales")
     return chosen, to_save
 
 
@@ -188,26 +176,7 @@ def merge_ia3(model: nn.Module) -> list[str]:
             or a merged weight is not finite (the layers merged by this call are unmerged again).
     """
     require(model, IA3Adapter.kind, "merge_ia3", "IA³ adapter", "inject_ia3")
-    model = unwrap(model)
-    layers = {n: layer for n, layer in ia3_layers(model).items() if not layer.merged}
-    owners: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(param), []).append(name)
-    for name, layer in layers.items():
-        others = [o for o in owners.get(id(layer.base_layer.weight), []) if not o.startswith(f"{name}.")]
-        if others:
-            raise RuntimeError(f"merge_ia3: the weight of {name!r} is tied to {others[0]!r}; merging in place would "
-                               "change both. Use merged_state_dict(model) for an export, or untie the weights first.")
-    done: list[str] = []
-    for name, layer in layers.items():
-        try:
-            layer.merge()
-        except RuntimeError as err:
-            for merged in reversed(done):
-                layers[merged].unmerge()
-            raise RuntimeError(f"merge_ia3: layer {name!r}: {err}") from None
-        done.append(name)
-    return done
+    return merge_layers(model, ia3_layers(model), "merge_ia3")
 
 
 def unmerge_ia3(model: nn.Module) -> list[str]:
@@ -217,17 +186,10 @@ def unmerge_ia3(model: nn.Module) -> list[str]:
         RuntimeError: If no IA³ layer is merged.
     """
     require(model, IA3Adapter.kind, "unmerge_ia3", "IA³ adapter", "inject_ia3")
-    merged = {n: layer for n, layer in ia3_layers(model).items() if layer.merged}
-    if not merged:
-        raise RuntimeError(f"unmerge_ia3: no IA³ layer of {type(unwrap(model)).__name__} is merged; call merge_ia3 "
-                           "first.")
-    for layer in merged.values():
-        layer.unmerge()
-    return list(merged)
+    return unmerge_layers(model, ia3_layers(model), "unmerge_ia3", "IA³", "merge_ia3")
 
 
-@contextlib.contextmanager
-def disable_ia3(model: nn.Module) -> Iterator[None]:
+def disable_ia3(model: nn.Module) -> contextlib.AbstractContextManager[None]:
     """Context manager: inside it every IA³ layer computes its base layer's output, and every ``modules_to_save``
     wrapper its original module's.
 
@@ -235,23 +197,7 @@ def disable_ia3(model: nn.Module) -> Iterator[None]:
         RuntimeError: If ``model`` has no IA³, or a layer is merged (the base output is then not available).
     """
     switch = require(model, IA3Adapter.kind, "disable_ia3", "IA³ adapter", "inject_ia3").switch
-    if any(layer.merged for layer in ia3_layers(model).values()):
-        raise RuntimeError("disable_ia3: the vectors are merged into the base weights; call unmerge_ia3(model) first.")
-    before, switch.disabled = switch.disabled, True
-    try:
-        yield
-    finally:
-        switch.disabled = before
-
-
-def _folded(model: nn.Module, targets: Iterable[str], who: str) -> dict[str, dict[str, Tensor]]:
-    """Every target's merged weights (`IA3Layer.merged_weights`); raises, naming the layer, if one is not finite."""
-    folded = {name: model.get_submodule(name).merged_weights() for name in targets}
-    for name, tensors in folded.items():
-        if not all(torch.isfinite(t).all() for t in tensors.values()):
-            raise RuntimeError(f"{who}: layer {name!r}: the merged weight would hold inf or NaN; check the training "
-                               "for divergence. Nothing was merged.")
-    return folded
+    return disabled(switch, ia3_layers(model).values(), "disable_ia3", "unmerge_ia3", "vectors")
 
 
 # --- the adapter protocol ------------------------------------------------------------------------------------
@@ -318,33 +264,10 @@ class IA3Adapter(Adapter):
         return attached(model)[cls.kind]
 
     def merged_state(self, model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
-        model = unwrap(model)
-        folded = _folded(model, self.targets, "merged_state_dict")
-        for name in self.targets:
-            state.pop(f"{name}.ia3_l")
-            prefix = f"{name}.base_layer."
-            for key in [k for k in state if k.startswith(prefix)]:
-                state[f"{name}.{key[len(prefix):]}"] = state.pop(key)
-            state.update({f"{name}.{key}": value for key, value in folded[name].items()})
-        return fold_modules_to_save(model, state)
+        return merged_state(model, self.targets, ("ia3_l",), state)
 
     def unload(self, model: nn.Module, merge: bool) -> None:
-        model = unwrap(model)
-        layers = {name: model.get_submodule(name) for name in self.targets}
-        if merge:
-            quantized = [n for n, layer in layers.items() if is_quantized(layer.base_layer.weight)]
-            if quantized:
-                raise RuntimeError(f"unload_ia3(merge=True): the base weight of {quantized[0]!r} is quantized; "
-                                   "merging would have to requantize it. Export merged_state_dict(model) instead.")
-            folded = _folded(model, [n for n, layer in layers.items() if not layer.merged], "unload_ia3")
-            for name, tensors in folded.items():
-                layers[name]._write(tensors)  # no zero check: nothing divides it back
-        for name, layer in layers.items():
-            if not merge:
-                layer.unmerge()
-            set_submodule(model, name, layer.base_layer)
-        restore_modules(model, self.modules_to_save, trained=merge)
-        detach(model, self.kind)
+        unload_layers(model, self, merge, "unload_ia3")
 
     def peft_state(self, model: nn.Module) -> dict[str, Tensor]:
         return {clean_key(plain_key(k)): v for k, v in self.state(model).items()}
