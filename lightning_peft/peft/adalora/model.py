@@ -27,7 +27,7 @@ Examples:
     >>> sorted(inject_adalora(model, target_modules=["0", "2"], init_r=4, target_r=2))
     ['0', '2']
     >>> trainable_parameters(model).trainable  # '0': A 4x8, E 4, B 16x4; '2': A 4x16, E 4, B 2x4
-    208
+    176
 """
 
 from __future__ import annotations
