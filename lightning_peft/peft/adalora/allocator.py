@@ -144,7 +144,8 @@ class RankAllocator:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("total_step") != self.total_step:
             raise ValueError(f"{WHO}: the checkpoint's schedule ran over total_step={state.get('total_step')}, this "
-                             f"run over total_step={self.total_step}; resume with the same total_step.")
+                             f"run over total_step={self.total_step} (the trainer's estimate when not given). Resume with "
+                             f"AdaLoRA(total_step={state.get('total_step')}).")
         device = next(iter(self.layers.values())).lora_E.device
         self.average = {k: v.to(device) for k, v in state["average"].items()}
         self.uncertainty = {k: v.to(device) for k, v in state["uncertainty"].items()}
