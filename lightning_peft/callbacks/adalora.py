@@ -64,7 +64,7 @@ class AdaLoRA(AdapterCallback):
             where = {"deepspeed": "DeepSpeed keeps them in its own partitions", "dtensor": "they are DTensor shards"}
             raise refuse(self.who, trainer.strategy, "the rank allocation reads every factor's whole gradient from "
                          f"p.grad after the optimizer step, and here {where.get(family, 'each rank holds some layers')}",
-                         "train AdaLoRA under DDP or a single device")
+                         "train AdaLoRA on one device, under DDP or native ZeRO-1 (ZeROStrategy(stage=1, backend='native'))")
 
     def inject(self, trainer: pl.Trainer, model: nn.Module) -> str:
         layers = inject_adalora(model, self.config)

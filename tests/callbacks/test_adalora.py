@@ -99,3 +99,20 @@ def test_a_resume_with_another_target_r_is_refused():
     with pytest.raises(ValueError, match=r"AdaLoRA: the checkpoint was trained with target_r=2; this run has "
                                          r"target_r=3\. Resume with the checkpoint's settings"):
         AdaLoRA(**{**ARGS, "target_r": 3}).load_state_dict(state)
+
+
+def test_a_strategy_that_keeps_gradients_out_of_p_grad_is_refused_at_setup(tiny_bert_config, tmp_path):
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    run = trainer(tmp_path, max_epochs=1, callbacks=[AdaLoRA(**ARGS)],
+                  strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1))
+    module = Classifier(tiny_bert_config)
+    try:
+        with pytest.raises(RuntimeError, match=r"AdaLoRA under ModelParallelStrategy: the rank allocation reads every "
+                                               r"factor's whole gradient from p\.grad .* here they are DTensor "
+                                               r"shards\. Train AdaLoRA on one device, under DDP or native ZeRO-1"):
+            run.fit(module, loader())
+    finally:  # the strategy started a one-rank process group before the callback's setup refused
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert not attached(module.model)  # refused before anything changed

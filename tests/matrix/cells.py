@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from lightning_peft._seams import data_parallel
 from lightning_peft.callbacks import (
     ActivationCheckpointing,
+    AdaLoRA,
     BottleneckAdapters,
     Curriculum,
     GradientAccumulation,
@@ -222,6 +223,8 @@ ROWS = [
     Row("LoRA, trainable_token_indices", lambda kind: [_lora(kind, trainable_token_indices={"word_embeddings": [5, 7]})]),
     Row("LoRA+, lora_bias, PiSSA, layers_to_transform", lambda kind: [_lora(
         kind, loraplus_lr_ratio=4.0, lora_bias=True, init="pissa", layers_to_transform=[0])]),
+    # the PEFT methods of issue 30 (their rank schedules and layers, each under every strategy)
+    Row("AdaLoRA", lambda kind: [AdaLoRA(**_targets(kind), init_r=4, target_r=2, tinit=1, tfinal=1)]),  # masks at 2-5
 ]
 
 
