@@ -390,6 +390,29 @@ class AdaLoraAdapter(Adapter):
                                  "Load it into a model without AdaLoRA.")
 
     @classmethod
+    def check_peft_shapes(cls, model: nn.Module, config: dict[str, Any], shapes: dict[str, tuple[int, ...]],
+                          files: Any, inject: bool) -> None:
+        """Every factor has the rank the file's config gives its module (``init_r``, or its ``rank_pattern``'s
+        count), and (``inject``) every factor the config would allocate is in the file; before anything is
+        allocated."""
+        ours = AdaLoraConfig.from_peft(config, str(files.config))
+        for key, shape in shapes.items():
+            path, _, factor = key.rpartition(".")
+            if factor not in FACTORS:
+                continue
+            keep = (ours.rank_pattern or {}).get(f"{path}.lora_E")
+            rank, dim = (sum(keep) if keep is not None else ours.init_r), (1 if factor == "lora_B" else 0)
+            if len(shape) != 2 or shape[dim] != rank:
+                field = f"rank_pattern[{path + '.lora_E'!r}]" if keep is not None else "init_r"
+                raise files.torn(key, shape, dim, field, rank)
+        if inject:
+            saved = present_modules(unwrap(model), ours.modules_to_save, str(files.config))
+            targets, _ = select(unwrap(model), dataclasses.replace(ours, modules_to_save=saved))
+            missing = [f"{clean_key(t)}.{f}" for t in targets for f in FACTORS if f"{clean_key(t)}.{f}" not in shapes]
+            if missing:
+                raise files.lacking(missing, "its adapter config asks for", type(unwrap(model)).__name__)
+
+    @classmethod
     def from_peft(cls, model: nn.Module, config: dict[str, Any], source: str) -> AdaLoraAdapter:
         ours = AdaLoraConfig.from_peft(config, source)
         # PEFT's task types write ["classifier", "score"] whatever the model calls its head: the absent are dropped
