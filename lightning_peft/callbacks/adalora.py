@@ -34,8 +34,8 @@ from lightning_peft.peft.adalora.model import add_orthogonal_gradient, start_all
 class AdaLoRA(AdapterCallback):
     """Inject AdaLoRA into the model at ``setup``, freeze the rest, and run the rank allocation.
 
-    Args: the fields of [`AdaLoraConfig`][lightning_peft.peft.AdaLoraConfig] (PEFT's names), ``adapter_only_checkpoint``
-        (checkpoints keep the factors and ``modules_to_save``) and ``model_attribute`` (`AdapterCallback`'s rule).
+    Its arguments are the fields of [`AdaLoraConfig`][lightning_peft.peft.AdaLoraConfig] (PEFT's names),
+    ``adapter_only_checkpoint`` (checkpoints keep the factors and ``modules_to_save``) and ``model_attribute``.
     """
 
     who, kind, what = "AdaLoRA", "adalora", "AdaLoRA factors"

@@ -174,7 +174,7 @@ def _inject(model: nn.Module, config: AdaLoraConfig, targets: list[str], to_save
 
 
 def start_allocation(model: nn.Module, total_step: int | None = None) -> RankAllocator:
-    """Create the [`RankAllocator`][lightning_peft.peft.adalora.allocator.RankAllocator] of ``model``'s AdaLoRA
+    """Create the `lightning_peft.peft.adalora.allocator.RankAllocator` of ``model``'s AdaLoRA
     adapter over ``total_step`` optimizer steps (None: the config's ``total_step``) and return it."""
     adapter = require(model, AdaLoraAdapter.kind, "update_and_allocate", "AdaLoRA adapter", "inject_adalora")
     total = total_step if total_step is not None else adapter.config.total_step
@@ -275,7 +275,7 @@ def disable_adalora(model: nn.Module) -> contextlib.AbstractContextManager[None]
 @register
 class AdaLoraAdapter(Adapter):
     """AdaLoRA's side of the adapter protocol: what [`inject_adalora`][lightning_peft.peft.inject_adalora] did to a
-    model, and its [`RankAllocator`][lightning_peft.peft.adalora.allocator.RankAllocator] once allocation started.
+    model, and its `lightning_peft.peft.adalora.allocator.RankAllocator` once allocation started.
 
     Args:
         config: The config used.
