@@ -2,10 +2,9 @@
 
 The math lives in `lightning_peft.peft.adalora`; `AdapterCallback` injects at ``setup``. At train start the allocator
 is built over ``total_step`` steps (None: ``trainer.estimated_stepping_batches``). Before each optimizer step (after
-AMP unscaling, before clipping) the orthogonal regularisation's gradient is added, as if in the loss. After each
-optimizer step, its gradients still in ``p.grad`` (Lightning zeroes them in the next closure), the allocator runs once
-(``on_train_batch_end`` once ``global_step`` moved: once per step under accumulation) with PEFT's 0-based step. Its
-scores, pattern and step are in the callback's checkpoint state. Under DDP every rank allocates alike.
+unscaling, before clipping) the orthogonal regularisation's gradient is added, as if in the loss. After each optimizer
+step, its gradients still in ``p.grad`` (zeroed in the next closure), the allocator runs once (``on_train_batch_end``
+once ``global_step`` moved) with PEFT's 0-based step; its state is the callback's checkpoint state.
 
 YAML (LightningCLI):
 
@@ -59,12 +58,14 @@ class AdaLoRA(AdapterCallback):
         return {"config": self.config.to_dict()}
 
     def check(self, trainer: pl.Trainer) -> None:
-        family = strategy_family(trainer.strategy)
-        if family != "plain" or splits_layers(trainer.strategy):
-            where = {"deepspeed": "DeepSpeed keeps them in its own partitions", "dtensor": "they are DTensor shards"}
+        fix = "train AdaLoRA on one device, under DDP or native ZeRO-1 (ZeROStrategy(stage=1, backend='native'))"
+        where = {"deepspeed": "DeepSpeed keeps them in its own partitions", "dtensor": "they are DTensor shards"}.get(
+            strategy_family(trainer.strategy), "each rank holds some layers" if splits_layers(trainer.strategy) else None)
+        if getattr(trainer.precision_plugin, "scaler", None) is not None:  # a skipped step leaves inf in p.grad
+            where, fix = "a GradScaler (16-mixed) may leave them scaled or inf", "use precision='bf16-mixed' or '32-true'"
+        if where:
             raise refuse(self.who, trainer.strategy, "the rank allocation reads every factor's whole gradient from "
-                         f"p.grad after the optimizer step, and here {where.get(family, 'each rank holds some layers')}",
-                         "train AdaLoRA on one device, under DDP or native ZeRO-1 (ZeROStrategy(stage=1, backend='native'))")
+                         f"p.grad after the optimizer step, and here {where}", fix)
 
     def inject(self, trainer: pl.Trainer, model: nn.Module) -> str:
         layers = inject_adalora(model, self.config)
@@ -73,8 +74,7 @@ class AdaLoRA(AdapterCallback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        total = self.config.total_step or int(trainer.estimated_stepping_batches)
-        self.allocator = start_allocation(self.adapted_model, total)
+        self.allocator = start_allocation(self.adapted_model, self.config.total_step or trainer.estimated_stepping_batches)
         if self._restored is not None:
             self.allocator.load_state_dict(self._restored)
 

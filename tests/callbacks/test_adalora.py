@@ -116,3 +116,17 @@ def test_a_strategy_that_keeps_gradients_out_of_p_grad_is_refused_at_setup(tiny_
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     assert not attached(module.model)  # refused before anything changed
+
+
+def test_a_gradscaler_and_an_endless_run_without_total_step_are_refused(tiny_bert_config, tmp_path):
+    from lightning.pytorch.plugins import MixedPrecision
+
+    scaled = trainer(tmp_path, max_epochs=1, callbacks=[AdaLoRA(**ARGS)],
+                     plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))])
+    with pytest.raises(RuntimeError, match=r"AdaLoRA under SingleDeviceStrategy: the rank allocation reads .* here a "
+                                           r"GradScaler \(16-mixed\) may leave them scaled or inf\. Use "
+                                           r"precision='bf16-mixed' or '32-true'"):
+        scaled.fit(Classifier(tiny_bert_config), loader())
+    endless = trainer(tmp_path, max_epochs=-1, max_steps=-1, limit_train_batches=None, callbacks=[AdaLoRA(**ARGS)])
+    with pytest.raises(ValueError, match=r"AdaLoraConfig\(total_step=None\) and total_step=inf; give total_step"):
+        endless.fit(Classifier(tiny_bert_config), loader())

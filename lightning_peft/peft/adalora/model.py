@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -173,14 +174,15 @@ def _inject(model: nn.Module, config: AdaLoraConfig, targets: list[str], to_save
 # --- the schedule --------------------------------------------------------------------------------------------
 
 
-def start_allocation(model: nn.Module, total_step: int | None = None) -> RankAllocator:
+def start_allocation(model: nn.Module, total_step: float | None = None) -> RankAllocator:
     """Create the `lightning_peft.peft.adalora.allocator.RankAllocator` of ``model``'s AdaLoRA
     adapter over ``total_step`` optimizer steps (None: the config's ``total_step``) and return it."""
     adapter = require(model, AdaLoraAdapter.kind, "update_and_allocate", "AdaLoRA adapter", "inject_adalora")
     total = total_step if total_step is not None else adapter.config.total_step
-    if total is None:
-        raise ValueError("update_and_allocate: AdaLoraConfig(total_step=None); give total_step (the run's optimizer "
-                         "steps) in the config or here. The AdaLoRA callback takes the trainer's.")
+    if total is None or not math.isfinite(total):  # an unsized dataset without max_steps: the trainer's is inf
+        raise ValueError(f"update_and_allocate: AdaLoraConfig(total_step=None) and total_step={total}; give "
+                         "total_step (the run's optimizer steps) in the config or here. The AdaLoRA callback takes "
+                         "trainer.estimated_stepping_batches when it is finite.")
     adapter.allocator = RankAllocator(adalora_layers(model), adapter.config, int(total))
     return adapter.allocator
 

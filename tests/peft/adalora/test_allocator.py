@@ -136,7 +136,8 @@ def test_allocation_without_total_step_or_with_a_bad_schedule_is_refused():
 
     bare = base_model("MLP")
     inject_adalora(bare, AdaLoraConfig(**kwargs))
-    with pytest.raises(ValueError, match=r"update_and_allocate: AdaLoraConfig\(total_step=None\); give total_step"):
+    with pytest.raises(ValueError, match=r"update_and_allocate: AdaLoraConfig\(total_step=None\) and "
+                                         r"total_step=None; give total_step"):
         update_and_allocate(bare, 0)
     with pytest.raises(ValueError, match=r"AdaLoRA\(tinit=2, tfinal=3, total_step=5\): the schedule leaves no step"):
         start_allocation(ours, 5)
