@@ -1,11 +1,11 @@
 """What a technique that wraps base layers in layers of its own (IA³, AdaLoRA) does around them, written once: which
-modules it can take (for messages), the checks on its chosen targets, merging all or nothing, disabling, the merged
-export and unloading.
+modules it can take (for messages), the checks on its chosen targets, the on/off `Switch`, merging all or nothing,
+disabling, the merged export and unloading.
 
 A technique supplies its layers, each with ``base_layer``, ``merged`` (bool), ``merge()`` / ``unmerge()`` (in place,
 raising ``RuntimeError`` with the reason), ``merged_weights()`` (the base layer's tensors with the update folded in,
 by attribute name: ``{"weight": ...}``, and ``"bias"`` where the technique changes it) and ``_write(tensors)``; its
-adapter has ``targets``, ``modules_to_save``, ``kind`` and a ``switch`` with ``disabled``.
+adapter has ``targets``, ``modules_to_save``, ``kind`` and a `Switch` its layers share.
 """
 
 from __future__ import annotations
@@ -20,6 +20,18 @@ from torch import Tensor, nn
 from ._common import is_quantized, wraps_a_layer
 from .adapter import detach, unwrap
 from .modules_to_save import ModulesToSave, fold_modules_to_save, restore_modules, set_submodule
+
+
+class Switch:
+    """Turns every layer of one technique on one model off (the base output), and its ``modules_to_save`` wrappers
+    with them (a `lightning_peft.peft.modules_to_save.BaseSamples`: disabled, they run the original module, as PEFT's
+    do)."""
+
+    def __init__(self) -> None:
+        self.disabled = False
+
+    def base_samples(self) -> bool:
+        return self.disabled
 
 
 def describe_adaptable(model: nn.Module, supported: Callable[[nn.Module], bool], kinds: str, technique: str,

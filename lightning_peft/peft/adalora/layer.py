@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._common import LayerWrapper, adapter_dtype, dense_weight, is_quantized
-from ..ia3.layer import Switch
+from .._wrapped_layers import Switch
 
 __all__ = ["SVDLayer", "Switch", "supported"]
 
