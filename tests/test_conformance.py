@@ -1,7 +1,8 @@
 """Every registered PEFT technique keeps the same promises, through its public callback and functions only.
 
-One row per technique (LoRA, LoRA with DoRA, named multi-LoRA, bottleneck adapters, IA³, prompt tuning, prefix
-tuning with and without its projection MLP); for each:
+One row per technique (LoRA, LoRA with DoRA, named multi-LoRA, bottleneck adapters, IA³, AdaLoRA (its allocation
+runs during the fits, so a resume must restore the allocator's scores and step), prompt tuning, prefix tuning with and
+without its projection MLP); for each:
 
 - resume: a fit resumed from an epoch-boundary checkpoint (adapter-only or full) ends with the straight run's
   weights, bit for bit; resuming with other settings is refused, naming both values;
@@ -33,6 +34,7 @@ from torch.utils.data import DataLoader
 
 from lightning_peft.callbacks import (
     IA3,
+    AdaLoRA,
     BottleneckAdapters,
     LoHa,
     LoKr,
@@ -47,6 +49,7 @@ from lightning_peft.peft import (
     adapter_state_dict,
     add_adapter,
     attached,
+    inject_adalora,
     inject_bottleneck_adapters,
     inject_ia3,
     inject_loha,
@@ -93,6 +96,10 @@ IA3_ARGS = {"target_modules": ["key", "value", "output.dense"], "feedforward_mod
 VERA_ARGS = {"target_modules": ["query", "value", "intermediate.dense"], "rank": 8}
 LOHA_ARGS = {"target_modules": ["query", "value"], "r": 2, "alpha": 4, "rank_dropout": 0.2, "module_dropout": 0.1}
 LOKR_ARGS = {"target_modules": ["query", "value"], "r": 2, "alpha": 4, "decompose_both": True}
+# masks from step 2 of the straight run's 8, the final one at step 6: the resume (at step 4) needs the allocator's
+# state; total_step is given, so that the 1-epoch run follows the 2-epoch schedule
+ADALORA_ARGS = {"target_modules": ["query", "value"], "init_r": 4, "target_r": 2, "tinit": 1, "tfinal": 2,
+                "total_step": 8}
 ROUTES = [["news", "sport", None, "news"], [1, 0, 0, -1], ["sport", "sport", "news", None], [None, "news", 1, "sport"]]
 
 
@@ -228,6 +235,19 @@ TECHNIQUES: dict[str, Technique] = {
         peft_config=lambda targets: peft.LoKrConfig(task_type="CAUSAL_LM", target_modules=["lm_head"]),
         keeps_float32=True,
     ),
+    "adalora": Technique(
+        callback=lambda **kw: AdaLoRA(**ADALORA_ARGS, **kw),
+        data=loader,
+        refused={"target_r": (
+            lambda **kw: AdaLoRA(**{**ADALORA_ARGS, "target_r": 3}, **kw),
+            r"AdaLoRA: the checkpoint's adalora adapter on 'model' was trained with target_r=2; this run has "
+            r"target_r=3\. Resume with the checkpoint's settings")},
+        inject={"bert": lambda m: inject_adalora(m, target_modules=["query", "value"], init_r=4),
+                "gpt2": lambda m: inject_adalora(m, target_modules=["c_attn"], init_r=4)},
+        peft_config=lambda targets: peft.AdaLoraConfig(task_type="CAUSAL_LM", target_modules=targets, init_r=4,
+                                                       total_step=10),
+        keeps_float32=True,
+    ),
     "prompt_tuning": Technique(
         callback=lambda **kw: PromptTuning(num_virtual_tokens=4, **kw),
         data=loader,
@@ -268,7 +288,7 @@ def test_every_registered_technique_has_a_row():
     from lightning_peft.peft import adapter
 
     registered = {kind for kind, cls in adapter._REGISTRY.items() if cls.__module__.startswith("lightning_peft.")}
-    covered = {"lora", "bottleneck", "ia3", "vera", "loha", "lokr", "prompt_tuning", "prefix_tuning"}  # multi_lora is LoRA's protocol row as well
+    covered = {"lora", "bottleneck", "ia3", "vera", "loha", "lokr", "adalora", "prompt_tuning", "prefix_tuning"}  # multi_lora is LoRA's protocol row as well
     assert registered == covered, f"add a conformance row for {sorted(registered - covered)}"
     assert {name.split("_projection")[0] for name in TECHNIQUES} - {"multi_lora", "lora_dora"} == covered
 

@@ -2,6 +2,7 @@
 
 from lightning_peft.callbacks._checkpoint import load_from_checkpoint
 from lightning_peft.callbacks.activation_checkpointing import ActivationCheckpointing
+from lightning_peft.callbacks.adalora import AdaLoRA
 from lightning_peft.callbacks.bottleneck import BottleneckAdapters
 from lightning_peft.callbacks.curriculum import Curriculum
 from lightning_peft.callbacks.gradient_accumulation import GradientAccumulation
@@ -20,7 +21,7 @@ from lightning_peft.callbacks.vera import VeRA
 from lightning_peft.peft.checkpoint import restore_adapters
 
 __all__ = [
-    "IA3", "ActivationCheckpointing", "BottleneckAdapters", "Curriculum", "GradientAccumulation", "GradientNoise",
-    "LayerwiseLRDecay", "LoHa", "LoKr", "LoRA", "MergeOnSave", "MultiLoRA", "PrefixTuning", "PromptTuning",
-    "TokenPruning", "VeRA", "load_from_checkpoint", "restore_adapters",
+    "IA3", "ActivationCheckpointing", "AdaLoRA", "BottleneckAdapters", "Curriculum", "GradientAccumulation",
+    "GradientNoise", "LayerwiseLRDecay", "LoHa", "LoKr", "LoRA", "MergeOnSave", "MultiLoRA", "PrefixTuning",
+    "PromptTuning", "TokenPruning", "VeRA", "load_from_checkpoint", "restore_adapters",
 ]

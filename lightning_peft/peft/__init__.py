@@ -2,8 +2,26 @@
 adapters, prompt tuning, prefix tuning; a quantized frozen base (QLoRA: ``quantize_base``); the adapter protocol they
 share; PEFT-format I/O."""
 
+from .._manifest import recover_export
 from . import _model_methods  # noqa: F401  (what save_pretrained, set_adapter, ... do on an adapted model)
-from .adapter import Adapter, ParameterReport, adapter_state_dict, attached, merged_state_dict, trainable_parameters
+from .adalora import (  # AdaLoRA
+    AdaLoraAdapter,
+    AdaLoraConfig,
+    disable_adalora,
+    inject_adalora,
+    merge_adalora,
+    unload_adalora,
+    unmerge_adalora,
+    update_and_allocate,
+)
+from .adapter import (
+    Adapter,
+    ParameterReport,
+    adapter_state_dict,
+    attached,
+    merged_state_dict,
+    trainable_parameters,
+)
 from .bottleneck import (
     Bottleneck,
     BottleneckAdapter,
@@ -13,12 +31,10 @@ from .bottleneck import (
     inject_bottleneck_adapters,
     unload_bottleneck_adapters,
 )
-from .._manifest import recover_export
 from .ia3 import IA3Adapter, IA3Config, inject_ia3, unload_ia3
+from .io import load_adapter, peft_config, save_adapter
 from .loha import LoHaAdapter, LoHaConfig, inject_loha, unload_loha
 from .lokr import LoKrAdapter, LoKrConfig, inject_lokr, unload_lokr
-from .io import load_adapter, peft_config, save_adapter
-from .loraplus import loraplus_groups
 from .lora import (
     LoRAAdapter,
     LoRAConfig,
@@ -41,9 +57,8 @@ from .lora import (
     unload_lora,
     unmerge_lora,
 )
+from .loraplus import loraplus_groups
 from .modules_to_save import ModulesToSave
-from .quantize import quantize_base
-from .vera import VeraAdapter, VeraConfig, inject_vera, unload_vera
 from .prompt import (
     PrefixEncoder,
     PrefixTuningAdapter,
@@ -58,8 +73,12 @@ from .prompt import (
     unload_prefix_tuning,
     unload_prompt_tuning,
 )
+from .quantize import quantize_base
+from .vera import VeraAdapter, VeraConfig, inject_vera, unload_vera
 
 __all__ = [
+    "AdaLoraAdapter",  # AdaLoRA
+    "AdaLoraConfig",
     "Adapter",
     "Bottleneck",
     "BottleneckAdapter",
@@ -95,8 +114,10 @@ __all__ = [
     "bottleneck_layers",
     "combine_adapters",
     "delete_adapter",
+    "disable_adalora",
     "disable_adapters",
     "fold_prefix_projection",
+    "inject_adalora",
     "inject_bottleneck_adapters",
     "inject_ia3",
     "inject_loha",
@@ -106,8 +127,9 @@ __all__ = [
     "inject_prompt_tuning",
     "inject_vera",
     "load_adapter",
-    "loraplus_groups",
     "lora_layers",
+    "loraplus_groups",
+    "merge_adalora",
     "merge_lora",
     "merged_state_dict",
     "peft_config",
@@ -119,6 +141,7 @@ __all__ = [
     "save_adapter",
     "set_adapter",
     "trainable_parameters",
+    "unload_adalora",
     "unload_bottleneck_adapters",
     "unload_ia3",
     "unload_loha",
@@ -127,5 +150,7 @@ __all__ = [
     "unload_prefix_tuning",
     "unload_prompt_tuning",
     "unload_vera",
+    "unmerge_adalora",
     "unmerge_lora",
+    "update_and_allocate",
 ]

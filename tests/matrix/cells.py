@@ -32,6 +32,7 @@ from lightning_peft._seams import data_parallel
 from lightning_peft.callbacks import (
     IA3,
     ActivationCheckpointing,
+    AdaLoRA,
     BottleneckAdapters,
     Curriculum,
     GradientAccumulation,
@@ -216,6 +217,9 @@ ROWS = [
     # the other PEFT methods
     Row("IA3", lambda kind: [_ia3(kind)]),
     Row("LoHa", lambda kind: [LoHa(r=2, alpha=4, **_targets(kind))]),
+    Row("LoKr", lambda kind: [LoKr(r=2, alpha=4.0, decompose_both=True, **_targets(kind))]),
+    Row("VeRA", lambda kind: [VeRA(rank=8, **_targets(kind))]),
+    Row("AdaLoRA", lambda kind: [AdaLoRA(**_targets(kind), init_r=4, target_r=2, tinit=1, tfinal=1)]),  # masks at 2-5
     Row("MergeOnSave", lambda kind: [_lora(kind)], save_merged=True),
     Row("GradientNoise", lambda kind: [_lora(kind), GradientNoise(eta=1e-3)]),
     Row("LayerwiseLRDecay", lambda kind: [_lora(kind), LayerwiseLRDecay(decay=0.5)]),
@@ -237,8 +241,6 @@ ROWS = [
     Row("LoRA, trainable_token_indices", lambda kind: [_lora(kind, trainable_token_indices={"word_embeddings": [5, 7]})]),
     Row("LoRA+, lora_bias, PiSSA, layers_to_transform", lambda kind: [_lora(
         kind, loraplus_lr_ratio=4.0, lora_bias=True, init="pissa", layers_to_transform=[0])]),
-    Row("VeRA", lambda kind: [VeRA(rank=8, **_targets(kind))]),
-    Row("LoKr", lambda kind: [LoKr(r=2, alpha=4.0, decompose_both=True, **_targets(kind))]),
 ]
 
 

@@ -202,6 +202,8 @@ class Method:
         peft_wrong_gradients: ``(peft_kwargs) -> suffixes`` of our parameter names whose gradient PEFT computes wrong
             for those kwargs (a bug of its own backward); those gradients and steps are left out of the comparison
             and checked against autograd in the method's own tests.
+        fix_peft: Corrects a quirk of PEFT's model in place before the comparison (AdaLoRA's ``ranknum``, left
+            trainable on a float64 model); None: none.
     """
 
     config: type
@@ -215,6 +217,7 @@ class Method:
     merge_without_peft: Callable[..., None] | None = None
     peft_unmerge_tolerance: float = TOLERANCE
     peft_wrong_gradients: Callable[[dict[str, Any]], tuple[str, ...]] = lambda kwargs: ()
+    fix_peft: Callable[[nn.Module], None] | None = None
 
 
 def adapted_pair(model_id: str, peft_kwargs: dict[str, Any], method: Method, rename: Callable[[str], str] | None = None,
@@ -223,6 +226,8 @@ def adapted_pair(model_id: str, peft_kwargs: dict[str, Any], method: Method, ren
     rename = rename or method.rename
     base = base_model(model_id)
     theirs = peft.get_peft_model(copy.deepcopy(base), method.config(**peft_kwargs)).eval()
+    if method.fix_peft is not None:
+        method.fix_peft(theirs)
     ours = copy.deepcopy(base)
     method.inject(ours, method.config(**peft_kwargs))
     ours.eval()

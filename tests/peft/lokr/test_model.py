@@ -28,7 +28,6 @@ def mlp() -> nn.Module:
     ({"decompose_both": "yes"}, TypeError, r"LoKr\(decompose_both='yes'\)"),
     ({"rank_dropout_scale": 1}, TypeError, r"LoKr\(rank_dropout_scale=1\)"),
     ({"init_weights": "gaussian"}, TypeError, r"LoKr\(init_weights='gaussian'\)"),
-    ({"target_modules": "all-linear"}, ValueError, r"LoKr\(target_modules='all-linear'\): not supported"),
 ])
 def test_bad_settings_are_refused_naming_the_field(kwargs, error, message):
     with pytest.raises(error, match=message):
