@@ -1,5 +1,5 @@
 """Parameter-efficient fine-tuning in pure PyTorch (no Lightning import): LoRA and named multi-LoRA, IA³, bottleneck
-adapters, prompt tuning, prefix tuning; a quantized frozen base (QLoRA: ``quantize_base``); the adapter protocol they
+adapters, prompt tuning, P-tuning, prefix tuning; a quantized frozen base (QLoRA: ``quantize_base``); the adapter protocol they
 share; PEFT-format I/O."""
 
 from . import _model_methods  # noqa: F401  (what save_pretrained, set_adapter, ... do on an adapted model)
@@ -42,6 +42,12 @@ from .lora import (
 from .modules_to_save import ModulesToSave
 from .quantize import quantize_base
 from .prompt import (
+    PTuningAdapter,
+    PTuningConfig,
+    PTuningEncoder,
+    fold_prompt_encoder,
+    inject_p_tuning,
+    unload_p_tuning,
     PrefixEncoder,
     PrefixTuningAdapter,
     PrefixTuningConfig,
@@ -73,6 +79,9 @@ __all__ = [
     "LoRALinear",
     "ModulesToSave",
     "ParameterReport",
+    "PTuningAdapter",
+    "PTuningConfig",
+    "PTuningEncoder",
     "PrefixEncoder",
     "PrefixTuningAdapter",
     "PrefixTuningConfig",
@@ -88,9 +97,11 @@ __all__ = [
     "delete_adapter",
     "disable_adapters",
     "fold_prefix_projection",
+    "fold_prompt_encoder",
     "inject_bottleneck_adapters",
     "inject_ia3",
     "inject_lora",
+    "inject_p_tuning",
     "inject_prefix_tuning",
     "inject_prompt_tuning",
     "load_adapter",
@@ -110,6 +121,7 @@ __all__ = [
     "unload_bottleneck_adapters",
     "unload_ia3",
     "unload_lora",
+    "unload_p_tuning",
     "unload_prefix_tuning",
     "unload_prompt_tuning",
     "unmerge_lora",
