@@ -41,6 +41,7 @@ from lightning_peft.callbacks import (
     MultiLoRA,
     PrefixTuning,
     PromptTuning,
+    PTuning,
     TokenPruning,
 )
 from tests.matrix import kinds
@@ -201,6 +202,7 @@ ROWS = [
     Row("BottleneckAdapters", lambda kind: [BottleneckAdapters(bottleneck_size=4, init_scale=0.1)]),
     Row("PromptTuning", lambda kind: [PromptTuning(num_virtual_tokens=3)]),
     Row("PrefixTuning", lambda kind: [PrefixTuning(num_virtual_tokens=3)]),
+    Row("PTuning", lambda kind: [PTuning(num_virtual_tokens=3, encoder_hidden_size=8)]),
     Row("MergeOnSave", lambda kind: [_lora(kind)], save_merged=True),
     Row("GradientNoise", lambda kind: [_lora(kind), GradientNoise(eta=1e-3)]),
     Row("LayerwiseLRDecay", lambda kind: [_lora(kind), LayerwiseLRDecay(decay=0.5)]),
