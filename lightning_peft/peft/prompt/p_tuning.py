@@ -220,19 +220,31 @@ class PTuningEncoder(SoftPrompt):
 
     def table(self) -> Tensor:
         """The prompt ``(n, d)``: the encoder's output (with the LSTM's dropout in training mode), or the table."""
-        x = self.embedding.weight  # (n, d)
-        if self.lstm_head is not None:
-            x = self.lstm_head(x.unsqueeze(0))[0].squeeze(0)  # (1, n, d) -> (1, n, 2h) -> (n, 2h)
-        return x if self.mlp_head is None else self.mlp_head(x)  # (n, d)
+        # Through the modules' calls, as PEFT does: sharding strategies (ZeRO-3) gather a module's parameters around
+        # its own forward, and the embedding is never called otherwise.
+        x = self.embedding(torch.arange(self.num_virtual_tokens, device=self.embedding.weight.device))  # (n, d)
+        return self._encode(x, nn.Module.__call__)
 
     def inference_table(self) -> Tensor:
-        """The prompt ``(n, d)`` as the model in eval mode uses it (no dropout): what PEFT's file holds."""
+        """The prompt ``(n, d)`` as the model in eval mode uses it (no dropout): what PEFT's file holds.
+
+        It runs the modules' ``forward`` without their hooks: a save computes it on one rank, inside parameters
+        gathered on every rank, where a sharding strategy's hooks would start a collective the other ranks never join.
+        """
         mode = self.training
         self.eval()
         try:
-            return self.table()
+            return self._encode(self.embedding.weight, lambda module, x: module.forward(x))
         finally:
             self.train(mode)
+
+    def _encode(self, x: Tensor, run) -> Tensor:
+        """The encoder on the table ``x`` (n, d); ``run(module, input)`` runs one module."""
+        if self.lstm_head is not None:
+            x = run(self.lstm_head, x.unsqueeze(0))[0].squeeze(0)  # (1, n, d) -> (1, n, 2h) -> (n, 2h)
+        for layer in self.mlp_head or ():
+            x = run(layer, x)
+        return x  # (n, d)
 
 
 # --- the technique --------------------------------------------------------------------------------------------
@@ -372,8 +384,10 @@ class PTuningAdapter(PromptLearningAdapter):
         return attached(model)[cls.kind]
 
     def table(self, model: nn.Module) -> Tensor:
-        """The prompt ``(n, d)`` without dropout (the folded table itself once folded)."""
-        return self.encoder(model).inference_table()
+        """The prompt ``(n, d)`` without dropout; once folded, the table parameter itself (what a PEFT file loads
+        into)."""
+        encoder = self.encoder(model)
+        return encoder.embedding.weight if encoder.folded else encoder.inference_table()
 
     def remove_hook(self, model: nn.Module) -> None:
         remove_prompt_hook(model)

@@ -198,6 +198,22 @@ def test_saved_files_are_peft_layout_and_hold_the_eval_prompt_in_any_mode(tmp_pa
         assert not torch.equal(encoder.train().table(), tensors["prompt_embeddings"])  # dropout draws differ
 
 
+def test_saving_runs_the_encoder_without_module_hooks(tmp_path):
+    # Under ZeRO-3 a save computes the prompt on rank 0 alone, inside gathered parameters: a module hook there (the
+    # strategy's gathering) would start a collective the other ranks never join. The forward keeps its hooks.
+    _, ours = theirs_and_ours("gpt2", "LSTM")
+    expected = logits(ours, "gpt2")
+    encoder = getattr(ours, PROMPT_MODULE)
+    calls = []
+    for module in (encoder.embedding, encoder.lstm_head, encoder.mlp_head[0]):
+        module.register_forward_pre_hook(lambda module, args: calls.append(type(module).__name__))
+    save_adapter(ours, tmp_path)
+    assert calls == []
+    logits(ours, "gpt2")
+    assert calls == ["Embedding", "LSTM", "Linear"]
+    assert torch.equal(logits(load_adapter(base("gpt2"), tmp_path), "gpt2"), expected)
+
+
 def test_round_trip_and_loading_into_a_folded_prompt(tmp_path):
     _, ours = theirs_and_ours("llama", "LSTM")
     save_adapter(ours, tmp_path)
