@@ -1,8 +1,8 @@
 """Every registered PEFT technique keeps the same promises, through its public callback and functions only.
 
-One row per technique (LoRA, LoRA with DoRA, named multi-LoRA, bottleneck adapters, IA³, AdaLoRA (its allocation
-runs during the fits, so a resume must restore the allocator's scores and step), prompt tuning, prefix tuning with and
-without its projection MLP); for each:
+One row per technique (LoRA, LoRA with DoRA, named multi-LoRA, bottleneck adapters, IA³, LoHa, LoKr, VeRA, AdaLoRA
+(its allocation runs during the fits, so a resume must restore the allocator's scores and step), prompt tuning,
+P-tuning, prefix tuning with and without its projection MLP); for each:
 
 - resume: a fit resumed from an epoch-boundary checkpoint (adapter-only or full) ends with the straight run's
   weights, bit for bit; resuming with other settings is refused, naming both values;
@@ -41,6 +41,7 @@ from lightning_peft.callbacks import (
     LoRA,
     MultiLoRA,
     PrefixTuning,
+    PTuning,
     PromptTuning,
     VeRA,
     load_from_checkpoint,
@@ -55,6 +56,7 @@ from lightning_peft.peft import (
     inject_loha,
     inject_lokr,
     inject_lora,
+    inject_p_tuning,
     inject_prefix_tuning,
     inject_prompt_tuning,
     inject_vera,
@@ -92,6 +94,8 @@ ADAPTERS = {
 }
 BOTTLENECK = {"placement": "houlsby", "reduction_factor": 4, "non_linearity": "gelu", "modules_to_save": ["classifier"]}
 PREFIX = {"num_virtual_tokens": 3, "modules_to_save": ["classifier"]}
+P_TUNING = {"num_virtual_tokens": 3, "encoder_reparameterization_type": "LSTM", "encoder_hidden_size": 4,
+            "encoder_num_layers": 2}  # the LSTM (with its dropout: the resume restores the draws) over the MLP
 IA3_ARGS = {"target_modules": ["key", "value", "output.dense"], "feedforward_modules": ["output.dense"]}
 VERA_ARGS = {"target_modules": ["query", "value", "intermediate.dense"], "rank": 8}
 LOHA_ARGS = {"target_modules": ["query", "value"], "r": 2, "alpha": 4, "rank_dropout": 0.2, "module_dropout": 0.1}
@@ -257,6 +261,17 @@ TECHNIQUES: dict[str, Technique] = {
         inject={family: lambda m: inject_prompt_tuning(m, num_virtual_tokens=4) for family in ("bert", "gpt2")},
         peft_config=lambda targets: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
     ),
+    "p_tuning": Technique(  # trains an encoder; save_adapter writes its output (PEFT's file), checkpoints the encoder
+        callback=lambda **kw: PTuning(**P_TUNING, encoder_dropout=0.1, **kw),
+        data=loader,
+        refused={"encoder_hidden_size": (
+            lambda **kw: PTuning(**{**P_TUNING, "encoder_hidden_size": 8}, **kw),
+            r"PTuning: the checkpoint's p_tuning adapter on 'model' was trained with encoder_hidden_size=4; this run "
+            r"has encoder_hidden_size=8")},
+        inject={family: lambda m: inject_p_tuning(m, **P_TUNING) for family in ("bert", "gpt2")},
+        peft_config=lambda targets: peft.PromptEncoderConfig(task_type="CAUSAL_LM", **P_TUNING),
+        folds_on_save=True,
+    ),
     "prefix_tuning": Technique(
         callback=lambda **kw: PrefixTuning(**PREFIX, **kw),
         data=padded_loader,
@@ -288,7 +303,7 @@ def test_every_registered_technique_has_a_row():
     from lightning_peft.peft import adapter
 
     registered = {kind for kind, cls in adapter._REGISTRY.items() if cls.__module__.startswith("lightning_peft.")}
-    covered = {"lora", "bottleneck", "ia3", "vera", "loha", "lokr", "adalora", "prompt_tuning", "prefix_tuning"}  # multi_lora is LoRA's protocol row as well
+    covered = {"lora", "bottleneck", "ia3", "vera", "loha", "lokr", "adalora", "p_tuning", "prompt_tuning", "prefix_tuning"}  # multi_lora is LoRA's protocol row as well
     assert registered == covered, f"add a conformance row for {sorted(registered - covered)}"
     assert {name.split("_projection")[0] for name in TECHNIQUES} - {"multi_lora", "lora_dora"} == covered
 

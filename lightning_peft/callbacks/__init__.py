@@ -14,6 +14,7 @@ from lightning_peft.callbacks.lokr import LoKr
 from lightning_peft.callbacks.lora import LoRA
 from lightning_peft.callbacks.merge_on_save import MergeOnSave
 from lightning_peft.callbacks.multi_lora import MultiLoRA
+from lightning_peft.callbacks.p_tuning import PTuning
 from lightning_peft.callbacks.prefix_tuning import PrefixTuning
 from lightning_peft.callbacks.prompt_tuning import PromptTuning
 from lightning_peft.callbacks.token_pruning import TokenPruning
@@ -22,6 +23,6 @@ from lightning_peft.peft.checkpoint import restore_adapters
 
 __all__ = [
     "IA3", "ActivationCheckpointing", "AdaLoRA", "BottleneckAdapters", "Curriculum", "GradientAccumulation",
-    "GradientNoise", "LayerwiseLRDecay", "LoHa", "LoKr", "LoRA", "MergeOnSave", "MultiLoRA", "PrefixTuning",
+    "GradientNoise", "LayerwiseLRDecay", "LoHa", "LoKr", "LoRA", "MergeOnSave", "MultiLoRA", "PTuning", "PrefixTuning",
     "PromptTuning", "TokenPruning", "VeRA", "load_from_checkpoint", "restore_adapters",
 ]

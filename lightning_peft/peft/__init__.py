@@ -1,5 +1,6 @@
-"""Parameter-efficient fine-tuning in pure PyTorch (no Lightning import): LoRA and named multi-LoRA, IA³, LoHa, bottleneck
-adapters, prompt tuning, prefix tuning; a quantized frozen base (QLoRA: ``quantize_base``); the adapter protocol they
+"""Parameter-efficient fine-tuning in pure PyTorch (no Lightning import): LoRA and named multi-LoRA, IA³, LoHa, LoKr,
+VeRA, AdaLoRA, bottleneck adapters, prompt tuning, P-tuning, prefix tuning; a quantized frozen base (QLoRA:
+``quantize_base``); the adapter protocol they
 share; PEFT-format I/O."""
 
 from .._manifest import recover_export
@@ -65,11 +66,17 @@ from .prompt import (
     PrefixTuningConfig,
     PromptEmbedding,
     PromptTuningAdapter,
+    PTuningAdapter,
+    PTuningConfig,
+    PTuningEncoder,
     fold_prefix_projection,
+    fold_prompt_encoder,
+    inject_p_tuning,
     inject_prefix_tuning,
     inject_prompt_tuning,
     prefix_tuning_spec,
     prompt_embedding,
+    unload_p_tuning,
     unload_prefix_tuning,
     unload_prompt_tuning,
 )
@@ -98,6 +105,9 @@ __all__ = [
     "LoRALayer",
     "LoRALinear",
     "ModulesToSave",
+    "PTuningAdapter",
+    "PTuningConfig",
+    "PTuningEncoder",
     "ParameterReport",
     "PrefixEncoder",
     "PrefixTuningAdapter",
@@ -117,12 +127,14 @@ __all__ = [
     "disable_adalora",
     "disable_adapters",
     "fold_prefix_projection",
+    "fold_prompt_encoder",
     "inject_adalora",
     "inject_bottleneck_adapters",
     "inject_ia3",
     "inject_loha",
     "inject_lokr",
     "inject_lora",
+    "inject_p_tuning",
     "inject_prefix_tuning",
     "inject_prompt_tuning",
     "inject_vera",
@@ -147,6 +159,7 @@ __all__ = [
     "unload_loha",
     "unload_lokr",
     "unload_lora",
+    "unload_p_tuning",
     "unload_prefix_tuning",
     "unload_prompt_tuning",
     "unload_vera",

@@ -45,6 +45,7 @@ from lightning_peft.callbacks import (
     MultiLoRA,
     PrefixTuning,
     PromptTuning,
+    PTuning,
     TokenPruning,
     VeRA,
 )
@@ -220,6 +221,7 @@ ROWS = [
     Row("LoKr", lambda kind: [LoKr(r=2, alpha=4.0, decompose_both=True, **_targets(kind))]),
     Row("VeRA", lambda kind: [VeRA(rank=8, **_targets(kind))]),
     Row("AdaLoRA", lambda kind: [AdaLoRA(**_targets(kind), init_r=4, target_r=2, tinit=1, tfinal=1)]),  # masks at 2-5
+    Row("PTuning", lambda kind: [PTuning(num_virtual_tokens=3, encoder_hidden_size=8)]),
     Row("MergeOnSave", lambda kind: [_lora(kind)], save_merged=True),
     Row("GradientNoise", lambda kind: [_lora(kind), GradientNoise(eta=1e-3)]),
     Row("LayerwiseLRDecay", lambda kind: [_lora(kind), LayerwiseLRDecay(decay=0.5)]),

@@ -13,8 +13,9 @@ import torch
 from torch import Tensor, nn
 
 from ..._pretrained import resolve_pretrained
-from .._common import adapter_dtype
+from .._common import adapter_dtype, refuse_second_injection
 from .._hf_call import bind, cached_length, extend_mask, given_cache, prefixed, shift_positions, the_input
+from ..adapter import attached
 
 #: Name of the module that holds the prompt on the adapted model (chosen so no Hugging Face model has it).
 PROMPT_MODULE = "lightning_peft_prompt"
@@ -22,7 +23,30 @@ _SPAN_LABELS = ("start_positions", "end_positions")
 _WHO = "PromptTuning"
 
 
-class PromptEmbedding(nn.Module):
+class SoftPrompt(nn.Module):
+    """What `prepend_prompt` reads from the module at `PROMPT_MODULE`: the prompt ``(n, d)`` (`table`), the model's
+    position limit, and ``who`` (the technique's name in messages). Prompt tuning's
+    [`PromptEmbedding`][lightning_peft.peft.PromptEmbedding] holds the table itself; P-tuning's
+    [`PTuningEncoder`][lightning_peft.peft.PTuningEncoder] computes it with its encoder.
+    """
+
+    who: str = _WHO
+    position_limit: int | None = None
+
+    def table(self) -> Tensor:
+        """The prompt, (n, d)."""
+        raise NotImplementedError(f"{type(self).__name__} must define table()")
+
+    @property
+    def num_virtual_tokens(self) -> int:
+        raise NotImplementedError(f"{type(self).__name__} must define num_virtual_tokens")
+
+    def forward(self, batch_size: int, dtype: torch.dtype) -> Tensor:
+        """The prompt for a batch, (B, n, d), in ``dtype`` (the input embeddings' dtype, as PEFT casts it)."""
+        return self.table().to(dtype).unsqueeze(0).expand(batch_size, -1, -1)
+
+
+class PromptEmbedding(SoftPrompt):
     """The soft prompt: ``weight`` (n, d), and the model's position limit (None: no learned position table).
 
     Args:
@@ -39,9 +63,8 @@ class PromptEmbedding(nn.Module):
     def num_virtual_tokens(self) -> int:
         return self.weight.shape[0]
 
-    def forward(self, batch_size: int, dtype: torch.dtype) -> Tensor:
-        """The prompt for a batch, (B, n, d), in ``dtype`` (the input embeddings' dtype, as PEFT casts it)."""
-        return self.weight.to(dtype).unsqueeze(0).expand(batch_size, -1, -1)
+    def table(self) -> Tensor:
+        return self.weight
 
     def extra_repr(self) -> str:
         return f"num_virtual_tokens={self.weight.shape[0]}, dim={self.weight.shape[1]}"
@@ -52,8 +75,9 @@ def input_embeddings(model: nn.Module, who: str) -> nn.Module:
     embeddings = get() if callable(get) else None
     if not isinstance(embeddings, nn.Module) or not isinstance(getattr(embeddings, "weight", None), Tensor):
         raise TypeError(
-            f"{who}: {type(model).__name__} has no get_input_embeddings() returning an embedding module; prompt "
-            "tuning needs a Hugging Face model (the PreTrainedModel itself, e.g. BertForSequenceClassification)."
+            f"{who}: {type(model).__name__} has no get_input_embeddings() returning an embedding module; a soft "
+            "prompt (prompt tuning, P-tuning) needs a Hugging Face model (the PreTrainedModel itself, e.g. "
+            "BertForSequenceClassification)."
         )
     return embeddings
 
@@ -78,6 +102,25 @@ def position_limit(model: nn.Module) -> int | None:
         if isinstance(module, nn.Embedding) and module is not words and module.num_embeddings == limit:
             return limit - (module.padding_idx + 1 if module.padding_idx is not None else 0)
     return None
+
+
+def check_model(model: nn.Module, num_virtual_tokens: int, who: str, technique: str) -> None:
+    """Raise if ``model`` cannot take a soft prompt of ``num_virtual_tokens``: an encoder-decoder model, one that has
+    a soft prompt already (prompt tuning's or P-tuning's: one model holds one), or too few learned positions."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise ValueError(
+            f"{who}: {type(model).__name__} is an encoder-decoder model; {technique} here supports encoder-only and "
+            "decoder-only models. Use Hugging Face PEFT (task_type='SEQ_2_SEQ_LM') for it."
+        )
+    there = hasattr(model, PROMPT_MODULE) or any(
+        getattr(a, "module_name", None) == PROMPT_MODULE for a in attached(model).values())
+    refuse_second_injection(who, model, f"a soft prompt ({PROMPT_MODULE})" if there else None, f"{technique} was")
+    limit = position_limit(model)
+    if limit is not None and num_virtual_tokens >= limit:
+        raise ValueError(
+            f"{who}(num_virtual_tokens={num_virtual_tokens}): {type(model).__name__} has {limit} learned positions, "
+            "so the prompt leaves no room for a real token. Use fewer virtual tokens."
+        )
 
 
 # --- the initial prompt ----------------------------------------------------------------------------------------
@@ -153,14 +196,15 @@ def prepend_prompt(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tup
     It reads the prompt from the module it is called on, so a deep copy of the model uses its own prompt.
     """
     prompt = model._modules[PROMPT_MODULE]
-    inputs = bind(model, args, kwargs, _WHO)
-    length = the_input(inputs, model, _WHO).shape[1]
+    who = prompt.who
+    inputs = bind(model, args, kwargs, who)
+    length = the_input(inputs, model, who).shape[1]
     cached = cached_length(given_cache(inputs))
     n = prompt.num_virtual_tokens
     prefill = cached == 0
     _check_positions(model, prompt, cached + (n if prefill else 0) + length)
     if inputs.get("attention_mask") is not None:
-        inputs["attention_mask"] = extend_mask(inputs["attention_mask"], n, model, _WHO)
+        inputs["attention_mask"] = extend_mask(inputs["attention_mask"], n, model, who)
     for key in ("position_ids", "cache_position"):
         if inputs.get(key) is not None:
             inputs[key] = shift_positions(inputs[key], n, head=prefill)
@@ -169,7 +213,14 @@ def prepend_prompt(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tup
     return (), inputs
 
 
-def _prepend(model: nn.Module, prompt: PromptEmbedding, inputs: dict[str, Any], length: int) -> None:
+def remove_prompt_hook(model: nn.Module) -> None:
+    """Remove `prepend_prompt` from ``model``'s forward pre-hooks."""
+    for key in [key for key, hook in model._forward_pre_hooks.items() if hook is prepend_prompt]:
+        del model._forward_pre_hooks[key]
+        model._forward_pre_hooks_with_kwargs.pop(key, None)
+
+
+def _prepend(model: nn.Module, prompt: SoftPrompt, inputs: dict[str, Any], length: int) -> None:
     """Put the prompt in front of the embeddings, token types and labels of ``inputs``, in place."""
     n = prompt.num_virtual_tokens
     embeds = inputs.get("inputs_embeds")
@@ -187,12 +238,12 @@ def _prepend(model: nn.Module, prompt: PromptEmbedding, inputs: dict[str, Any], 
             inputs[key] = inputs[key] + n
 
 
-def _check_positions(model: nn.Module, prompt: PromptEmbedding, total: int) -> None:
+def _check_positions(model: nn.Module, prompt: SoftPrompt, total: int) -> None:
     limit = prompt.position_limit
     if limit is not None and total > limit:
         n = prompt.num_virtual_tokens
         raise ValueError(
-            f"PromptTuning: prompt longer than the position limit: {n} virtual tokens + {total - n} real tokens = "
+            f"{prompt.who}: prompt longer than the position limit: {n} virtual tokens + {total - n} real tokens = "
             f"{total} positions, but {type(model).__name__} has {limit} learned positions. Truncate the input to "
             f"{limit - n} tokens (e.g. the tokenizer's max_length) or use fewer virtual tokens."
         )

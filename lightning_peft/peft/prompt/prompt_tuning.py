@@ -55,14 +55,16 @@ import torch
 from torch import Tensor, nn
 
 from ..._checks import choice, integer, names
-from .._common import adapter_dtype, refuse_absent, refuse_second_injection, require
+from .._common import adapter_dtype, refuse_absent, require
 from .embedding import (
     PROMPT_MODULE,
     PromptEmbedding,
+    check_model,
     initial_prompt,
     input_embeddings,
     position_limit,
     prepend_prompt,
+    remove_prompt_hook,
     token_dim,
     tokenizer_name,
 )
@@ -71,7 +73,7 @@ from .shared import (
     PEFT_PROMPT_KEY,
     PROMPT_LEARNING_FIELDS,
     PromptLearningAdapter,
-    task_type,
+    check_token_dim,
 )
 from ..adapter import attach, attached, register, remove_adapter, unwrap
 from ..modules_to_save import present_modules, select_modules_to_save, wrap_modules_to_save
@@ -86,6 +88,7 @@ PromptInit = Literal["random", "vocab", "text"]
 _INITS = ("random", "vocab", "text")
 _PEFT_INITS = {"random": "RANDOM", "vocab": "SAMPLE_VOCAB", "text": "TEXT"}
 _WHO = "PromptTuning"
+_TECHNIQUE = "prompt tuning"
 
 
 # --- checks --------------------------------------------------------------------------------------------------
@@ -112,22 +115,6 @@ def check_options(num_virtual_tokens: object, init: object, init_text: object, m
         )
     if modules_to_save is not None:
         names(who, "modules_to_save", modules_to_save)
-
-
-def _check_model(model: nn.Module, num_virtual_tokens: int, who: str) -> None:
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        raise ValueError(
-            f"{who}: {type(model).__name__} is an encoder-decoder model; prompt tuning here supports encoder-only and "
-            "decoder-only models. Use Hugging Face PEFT (task_type='SEQ_2_SEQ_LM') for it."
-        )
-    there = hasattr(model, PROMPT_MODULE) or PromptTuningAdapter.kind in attached(model)
-    refuse_second_injection(who, model, f"a soft prompt ({PROMPT_MODULE})" if there else None, "prompt tuning was")
-    limit = position_limit(model)
-    if limit is not None and num_virtual_tokens >= limit:
-        raise ValueError(
-            f"{who}(num_virtual_tokens={num_virtual_tokens}): {type(model).__name__} has {limit} learned positions, "
-            "so the prompt leaves no room for a real token. Use fewer virtual tokens."
-        )
 
 
 # --- the technique --------------------------------------------------------------------------------------------
@@ -183,7 +170,7 @@ def inject_prompt_tuning(
     check_options(num_virtual_tokens, init, init_text, modules_to_save, who)
     model = unwrap(model)
     embeddings = input_embeddings(model, who)
-    _check_model(model, int(num_virtual_tokens), who)
+    check_model(model, int(num_virtual_tokens), who, _TECHNIQUE)
     to_save = select_modules_to_save(model, None if modules_to_save is None else list(modules_to_save), who)
     weight = initial_prompt(embeddings, int(num_virtual_tokens), init, init_text, tokenizer, who)
     record = {"init": init, "init_text": init_text, "tokenizer": tokenizer_name(tokenizer)}
@@ -274,7 +261,7 @@ class PromptTuningAdapter(PromptLearningAdapter):
         model = unwrap(model)
         n = config["config"]["num_virtual_tokens"]
         weight = _empty_prompt(model, n, _WHO)
-        _check_model(model, n, _WHO)
+        check_model(model, n, _WHO, _TECHNIQUE)
         refuse_absent(model, config["modules_to_save"], "PromptTuning: the recorded adapter")
         _inject(model, weight, config["config"]["init"], list(config["modules_to_save"]))
         return attached(model)[cls.kind]
@@ -283,23 +270,17 @@ class PromptTuningAdapter(PromptLearningAdapter):
         return unwrap(model).get_submodule(PROMPT_MODULE).weight
 
     def remove_hook(self, model: nn.Module) -> None:
-        for key in [key for key, hook in model._forward_pre_hooks.items() if hook is prepend_prompt]:
-            del model._forward_pre_hooks[key]
-            model._forward_pre_hooks_with_kwargs.pop(key, None)
+        remove_prompt_hook(model)
 
     def peft_config(self, model: nn.Module) -> dict[str, Any]:
         model = unwrap(model)
-        config = getattr(model, "config", None)
         init = _PEFT_INITS.get(self.init.get("init"), "RANDOM")
         if init == "TEXT" and not self.init.get("tokenizer"):
             # PEFT's config refuses TEXT without a tokenizer name; a nameless tokenizer object is recorded as
             # RANDOM (loading never re-runs the initialisation: the weights come from the file).
             init = "RANDOM"
         return {
-            **self.peft_common(model, task_type(model) or "FEATURE_EXTRACTION", self.num_virtual_tokens,
-                               token_dim(input_embeddings(model, "save_adapter")),
-                               _config_value(config, "num_attention_heads", "n_head", "num_heads"),
-                               _config_value(config, "num_hidden_layers", "num_layers", "n_layer")),
+            **self.soft_prompt_common(model, self.num_virtual_tokens),
             "prompt_tuning_init": init,
             "prompt_tuning_init_text": self.init.get("init_text"),
             "tokenizer_name_or_path": self.init.get("tokenizer") if init == "TEXT" else None,
@@ -307,24 +288,15 @@ class PromptTuningAdapter(PromptLearningAdapter):
         }
 
     def check_peft_config(self, model: nn.Module, config: Any, source: str) -> None:
-        n = self.peft_num_virtual_tokens(config, source)
-        if n != self.num_virtual_tokens:
-            raise ValueError(
-                f"load_adapter: {source} has num_virtual_tokens={n}, but the model's prompt has "
-                f"{self.num_virtual_tokens}. Load it into a model without a prompt."
-            )
+        self.check_prompt_length(config, source, self.num_virtual_tokens)
 
     @classmethod
     def from_peft(cls, model: nn.Module, config: dict[str, Any], source: str) -> PromptTuningAdapter:
         n = cls.peft_num_virtual_tokens(config, source)
         model = unwrap(model)
+        check_token_dim(model, config, source)
         weight = _empty_prompt(model, n, "load_adapter")
-        if config.get("token_dim") not in (None, weight.shape[1]):
-            raise ValueError(
-                f"load_adapter: {source} has token_dim={config['token_dim']}, but {type(model).__name__}'s input "
-                f"embeddings are {weight.shape[1]} wide. The adapter was trained on another model."
-            )
-        _check_model(model, n, "load_adapter")
+        check_model(model, n, "load_adapter", _TECHNIQUE)
         present = present_modules(model, config.get("modules_to_save"), source)
         to_save = select_modules_to_save(model, present, "load_adapter")
         peft_init = {v: k for k, v in _PEFT_INITS.items()}.get(str(config.get("prompt_tuning_init")), "random")
@@ -334,10 +306,3 @@ class PromptTuningAdapter(PromptLearningAdapter):
         _inject(model, weight, record, to_save)
         return attached(model)[cls.kind]
 
-
-def _config_value(config: Any, *keys: str) -> int | None:
-    for key in keys:
-        value = getattr(config, key, None)
-        if isinstance(value, int):
-            return value
-    return None

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from .._base_identity import base_model_name
 from ..adapter import Adapter, clean_key, detach, unwrap
 from ..modules_to_save import peft_saved_state, restore_modules, saved_state
+from .embedding import input_embeddings, token_dim
 
 #: The key of the prompt (prompt tuning) or prefix table (prefix tuning) in PEFT's ``adapter_model.safetensors``.
 PEFT_PROMPT_KEY = "prompt_embeddings"
@@ -113,6 +114,23 @@ class PromptLearningAdapter(Adapter):
             "modules_to_save": [clean_key(n) for n in self.modules_to_save] or None,
         }
 
+    def soft_prompt_common(self, model: nn.Module, num_virtual_tokens: int) -> dict[str, Any]:
+        """`peft_common` for a prompt prepended to the input embeddings (prompt tuning, P-tuning)."""
+        config = getattr(model, "config", None)
+        return self.peft_common(model, task_type(model) or "FEATURE_EXTRACTION", num_virtual_tokens,
+                                token_dim(input_embeddings(model, "save_adapter")),
+                                _config_value(config, "num_attention_heads", "n_head", "num_heads"),
+                                _config_value(config, "num_hidden_layers", "num_layers", "n_layer"))
+
+    def check_prompt_length(self, config: Any, source: str, have: int) -> None:
+        """Raise if a PEFT config's ``num_virtual_tokens`` is not ``have``, the model's prompt's."""
+        n = self.peft_num_virtual_tokens(config, source)
+        if n != have:
+            raise ValueError(
+                f"load_adapter: {source} has num_virtual_tokens={n}, but the model's {self.thing} has {have}. Load it "
+                f"into a model without {self.technique}."
+            )
+
     @classmethod
     def check_peft_shapes(cls, model: nn.Module, config: dict[str, Any], shapes: dict[str, tuple[int, ...]], files,
                           inject: bool) -> None:
@@ -144,3 +162,22 @@ class PromptLearningAdapter(Adapter):
             raise ValueError(f"load_adapter: {source} has num_virtual_tokens={n!r}; it is not a complete "
                              f"{cls.technique} config (a positive integer is needed).")
         return n
+
+
+def check_token_dim(model: nn.Module, config: dict[str, Any], source: str) -> int:
+    """The width ``d`` of ``model``'s input embeddings; raises if a PEFT config's ``token_dim`` is another."""
+    width = token_dim(input_embeddings(model, "load_adapter"))
+    if config.get("token_dim") not in (None, width):
+        raise ValueError(
+            f"load_adapter: {source} has token_dim={config['token_dim']}, but {type(model).__name__}'s input "
+            f"embeddings are {width} wide. The adapter was trained on another model."
+        )
+    return width
+
+
+def _config_value(config: Any, *keys: str) -> int | None:
+    for key in keys:
+        value = getattr(config, key, None)
+        if isinstance(value, int):
+            return value
+    return None
