@@ -265,8 +265,9 @@ def _check_types(model, config, chosen, modules, inside_fused) -> None:
                    "and out-projections together, as PEFT does" if inside_fused[name] == "MultiheadAttention" else
                    "Exclude it (exclude_modules), or build the block from separate Linear layers")
             raise TypeError(
-                f"LoRA: {name!r} belongs to an nn.{inside_fused[name]}, which reads its children's weights directly "
-                f"(fused fast path), so an adapter there would be silently ignored. {fix}."
+                f"LoRA(target_modules={config.target_modules!r}) matched {name!r}, which belongs to an "
+                f"nn.{inside_fused[name]}: that module reads its children's weights directly (fused fast path), so "
+                f"an adapter there would be silently ignored. {fix}."
             )
         if getattr(module, "groups", 1) > 1:
             refuse_rank("LoRA", name, module, config.rank_for(name))

@@ -116,7 +116,9 @@ def test_a_layer_or_pattern_that_finds_nothing_is_refused_naming_the_layers_foun
      (r"LoRA\(layers_pattern='layer'\): layers_pattern only says where layers_to_transform counts layers; give "
      r"layers_to_transform too")),
     ({"target_modules": ["query"], "layers_to_transform": [0, -1]}, ValueError,
-     r"LoRA\(layers_to_transform=-1\): layers_to_transform must be an integer >= 0"),
+     r"LoRA\(layers_to_transform=\[0, -1\]\): layers_to_transform\[1\]=-1 must be an integer >= 0, e\.g\. \[0, 1\]\."),
+    ({"target_modules": ["query"], "layers_to_transform": 0, "layers_pattern": ["layer", "h("]}, ValueError,
+     r"LoRA\(layers_pattern=\['layer', 'h\('\]\): layers_pattern\[1\]='h\(' is not a valid regular expression"),
     ({"target_modules": ["query"], "layers_to_transform": "0"}, TypeError,
      r"LoRA\(layers_to_transform='0'\): layers_to_transform must be an integer >= 0"),
     ({"target_modules": ["query"], "layers_to_transform": [], "layers_pattern": None}, TypeError,
