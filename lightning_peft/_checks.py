@@ -4,6 +4,8 @@ Every message reads ``who(name=value): name must be <requirement>[, e.g. <exampl
 what was given and what would be accepted. A wrong type raises `TypeError`, a value out of range
 `ValueError`. ``bool`` is never accepted as a number (``True`` is an ``int`` in Python, never a rank).
 Each check returns the normalised value (``int`` / ``float``), so a caller writes ``rank = integer(...)``.
+An element of a list or dict argument is checked with ``of=(argument, as given)``: the message names the argument as
+the user gave it, then the element (``LoRA(layers_to_transform=[0, -1]): layers_to_transform[1]=-1 must be ...``).
 
 >>> integer("LoRA", "rank", 8, minimum=1)
 8
@@ -33,9 +35,15 @@ T = TypeVar("T")
 
 
 def _fail(error: type[Exception], who: str, name: str, value: object, requirement: str, example: str | None,
-          meaning: str | None) -> Exception:
+          meaning: str | None, of: tuple[str, object] | None = None) -> Exception:
     tail = (f", e.g. {example}" if example else "") + (f" ({meaning})" if meaning else "")
-    return error(f"{who}({name}={value!r}): {name} must be {requirement}{tail}.")
+    return error(f"{_given(who, name, value, of)} must be {requirement}{tail}.")
+
+
+def _given(who: str, name: str, value: object, of: tuple[str, object] | None) -> str:
+    """``who(name=value): name`` or, for an element ``name`` of the argument ``of = (argument, as given)``,
+    ``who(argument=given): name=value``: a message names what the user wrote, then the bad part."""
+    return f"{who}({name}={value!r}): {name}" if of is None else f"{who}({of[0]}={of[1]!r}): {name}={value!r}"
 
 
 def _bound(minimum: float | None, maximum: float | None, open_low: bool, open_high: bool) -> str:
@@ -55,32 +63,38 @@ def _in_range(value: float, minimum: float | None, maximum: float | None, open_l
 
 
 def integer(who: str, name: str, value: object, *, minimum: int | None = None, maximum: int | None = None,
-            example: str | None = None, meaning: str | None = None) -> int:
-    """``value`` as an ``int``: an integral number (not a bool) within ``[minimum, maximum]``."""
+            example: str | None = None, meaning: str | None = None, of: tuple[str, object] | None = None) -> int:
+    """``value`` as an ``int``: an integral number (not a bool) within ``[minimum, maximum]``.
+
+    >>> integer("LoRA", "layers_to_transform[1]", -1, minimum=0, of=("layers_to_transform", [0, -1]))
+    Traceback (most recent call last):
+    ValueError: LoRA(layers_to_transform=[0, -1]): layers_to_transform[1]=-1 must be an integer >= 0.
+    """
     requirement = " ".join(part for part in ("an integer", _bound(minimum, maximum, False, False)) if part)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise _fail(TypeError, who, name, value, requirement, example, meaning)
+        raise _fail(TypeError, who, name, value, requirement, example, meaning, of)
     if not _in_range(value, minimum, maximum, False, False):
-        raise _fail(ValueError, who, name, value, requirement, example, meaning)
+        raise _fail(ValueError, who, name, value, requirement, example, meaning, of)
     return int(value)
 
 
 def real(who: str, name: str, value: object, *, minimum: float | None = None, maximum: float | None = None,
          open_low: bool = False, open_high: bool = False, example: str | None = None,
-         meaning: str | None = None) -> float:
+         meaning: str | None = None, of: tuple[str, object] | None = None) -> float:
     """``value`` as a ``float``: a finite real number (not a bool) within the given bounds."""
     bound = _bound(minimum, maximum, open_low, open_high)
     requirement = f"a finite number {bound}" if bound else "a finite number"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise _fail(TypeError, who, name, value, requirement, example, meaning)
+        raise _fail(TypeError, who, name, value, requirement, example, meaning, of)
     if not math.isfinite(value) or not _in_range(value, minimum, maximum, open_low, open_high):
-        raise _fail(ValueError, who, name, value, requirement, example, meaning)
+        raise _fail(ValueError, who, name, value, requirement, example, meaning, of)
     return float(value)
 
 
-def positive(who: str, name: str, value: object, *, example: str | None = None, meaning: str | None = None) -> float:
+def positive(who: str, name: str, value: object, *, example: str | None = None, meaning: str | None = None,
+             of: tuple[str, object] | None = None) -> float:
     """``value`` as a ``float`` > 0 and finite."""
-    return real(who, name, value, minimum=0, open_low=True, example=example, meaning=meaning)
+    return real(who, name, value, minimum=0, open_low=True, example=example, meaning=meaning, of=of)
 
 
 def probability(who: str, name: str, value: object, *, example: str | None = "0.1",
@@ -138,18 +152,18 @@ def path(who: str, name: str, value: object, *, example: str | None = None) -> s
     return value
 
 
-def regex(who: str, name: str, value: object) -> str:
+def regex(who: str, name: str, value: object, of: tuple[str, object] | None = None) -> str:
     """``value`` if it is a string that compiles as a regular expression matched in bounded time (`_regex`)."""
     if not isinstance(value, str):
-        raise TypeError(f"{who}({name}={value!r}): {name} must be a regular expression string.")
+        raise TypeError(f"{_given(who, name, value, of)} must be a regular expression string.")
     try:
         re.compile(value)
     except re.error as error:
-        raise ValueError(f"{who}({name}={value!r}): {name} is not a valid regular expression ({error}).") from None
+        raise ValueError(f"{_given(who, name, value, of)} is not a valid regular expression ({error}).") from None
     why = backtracking(value)
     if why:
         raise ValueError(
-            f"{who}({name}={value!r}): {name} has {why}, so matching it against a module name can take time that "
+            f"{_given(who, name, value, of)} has {why}, so matching it against a module name can take time that "
             "grows exponentially with the name's length (catastrophic backtracking); it is refused before matching. "
             r"Write it so each part of a name can be matched one way only (e.g. '.*\.(q|v)_proj', "
             r"'model\.layers\.\d+\.self_attn\.q_proj'), or give a list of module names."

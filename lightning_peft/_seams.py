@@ -12,7 +12,8 @@ Callbacks meet strategies at three seams, and each has one function here:
   parallelism), ``"deepspeed"`` (the engine's own partitions; ``p.grad`` is None at stages 2 and 3). The pure half,
   reading and changing those gradients, is `lightning_peft._grads`.
 - `refuse` -- what a strategy cannot run is refused at setup, naming the callback, the strategy and why,
-  never run as a no-op that logs as if it had worked.
+  never run as a no-op that logs as if it had worked. A check whose answer can differ between ranks (it reads what
+  one rank holds) decides with `refuse_together`, so that no rank goes on into a collective the others left.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import atexit
 from typing import Any, Literal
 
-__all__ = ["Family", "data_parallel", "refuse", "splits_layers", "strategy_family", "strategy_name",
+__all__ = ["Family", "data_parallel", "refuse", "refuse_together", "splits_layers", "strategy_family", "strategy_name",
            "tensor_parallel_size"]
 
 Family = Literal["plain", "dtensor", "deepspeed"]
@@ -90,6 +91,27 @@ def refuse(who: str, strategy: Any, why: str, fix: str) -> RuntimeError:
     """
     fix = fix[:1].upper() + fix[1:]
     return RuntimeError(f"{who} under {strategy_name(strategy)}: {why}. {fix}.")
+
+
+def refuse_together(error: Exception | None) -> None:
+    """Raises on every rank if any rank found ``error`` (the first such rank's, naming it); every rank must call.
+
+    A refusal that only some ranks reach leaves the others waiting in their next collective for ever (a pipeline
+    stage's send, a gradient all-reduce): one ``all_gather_object`` over the default process group decides for all.
+    Without a process group, ``error`` is raised as it is.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    found: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, None if error is None else (type(error), str(error)))
+    rank = next((r for r, e in enumerate(found) if e is not None), None)
+    if rank is not None:
+        kind, message = found[rank]
+        raise kind(message if rank == dist.get_rank() else f"(found on rank {rank}) {message}")
 
 
 def _destroy_process_group() -> None:

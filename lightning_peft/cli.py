@@ -145,7 +145,9 @@ def _configs(args: ArgsType) -> list[tuple[str, dict]]:
 
 def check_callback_entries(callbacks: Any, source: str) -> None:
     """Raise for a ``trainer.callbacks`` entry whose arguments sit beside ``class_path`` instead of under
-    ``init_args``, and for a lightning-peft callback given Hugging Face PEFT's name of an argument (``r``).
+    ``init_args``, and for a lightning-peft callback given Hugging Face PEFT's name of an argument (``r``) or a
+    misspelt one close to an argument it has (``rnak``: did you mean ``rank``?). A key close to none is left to
+    jsonargparse, whose message names it.
 
     Raises:
         ValueError: Naming the file, the entry, the key and the fix.
@@ -172,19 +174,30 @@ def check_callback_entries(callbacks: Any, source: str) -> None:
                     f"lightning-peft: {source}: trainer.callbacks[{index}]: {name} has no argument {key!r}; Hugging "
                     f"Face PEFT's {key} is {ours!r} here. Write {ours}: {init_args[key]!r} under init_args."
                 )
+            close = difflib.get_close_matches(key, taken, n=1) if key not in taken else []
+            if close:
+                raise ValueError(
+                    f"lightning-peft: {source}: trainer.callbacks[{index}]: {name} has no argument {key!r}; did you "
+                    f"mean {close[0]!r}? Write {close[0]}: {init_args[key]!r} under init_args ({name} takes "
+                    f"{', '.join(taken)})."
+                )
 
 
-def _parameters(class_path: str) -> set[str]:
-    """The constructor arguments of a lightning-peft callback named by ``class_path`` (bare names resolve as the
-    parser resolves them); empty for another class or one that cannot be imported."""
+def _parameters(class_path: str) -> list[str]:
+    """The named constructor arguments of a lightning-peft callback named by ``class_path``, in order (bare names
+    resolve as the parser resolves them); empty for another class, one that cannot be imported, or one whose
+    ``**kwargs`` may take more (LoRA's ``**peft_names`` only catches PEFT's names, to refuse them)."""
     module, _, name = class_path.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module or "lightning_peft.callbacks"), name)
     except (ImportError, AttributeError, ValueError):
-        return set()
+        return []
     if not inspect.isclass(cls) or not cls.__module__.startswith("lightning_peft."):
-        return set()
-    return set(inspect.signature(cls.__init__).parameters) - {"self"}
+        return []
+    parameters = inspect.signature(cls.__init__).parameters
+    if any(p.kind is p.VAR_KEYWORD and n != "peft_names" for n, p in parameters.items()):
+        return []
+    return [n for n, p in parameters.items() if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def _format_test_results(results: list[dict[str, float]]) -> str:

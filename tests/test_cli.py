@@ -151,14 +151,15 @@ def test_short_class_names_resolve_in_a_fresh_process() -> None:
 def test_yaml_typo_in_a_callback_argument_names_the_key(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """A key close to none of the callback's arguments is left to jsonargparse, whose message names it."""
     path = tmp_path / "typo.yaml"
-    callback = {"class_path": "LoRA", "init_args": {"rnak": 8}}
+    callback = {"class_path": "LoRA", "init_args": {"frobnicate": 8}}
     path.write_text(yaml.safe_dump({"trainer": {"callbacks": [callback]}}))
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", *BORING, "--config", str(path)])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    match = r"class_path 'lightning_peft\.callbacks\.LoRA':\s+Option 'rnak' is not accepted"
+    match = r"class_path 'lightning_peft\.callbacks\.LoRA':\s+Option 'frobnicate' is not accepted"
     assert re.search(match, err), err
 
 
@@ -167,6 +168,11 @@ def test_yaml_typo_in_a_callback_argument_names_the_key(
      (r"typo\.yaml: trainer\.callbacks\[0\]: LoRA has no argument 'r'; Hugging Face PEFT's r is 'rank' here\. Write "
       r"rank: 4 under init_args\.")),
     ({"class_path": "LoRA", "init_args": {"lora_alpha": 16}}, r"LoRA has no argument 'lora_alpha'; .* is 'alpha'"),
+    ({"class_path": "LoRA", "init_args": {"rnak": 8}},
+     (r"typo\.yaml: trainer\.callbacks\[0\]: LoRA has no argument 'rnak'; did you mean 'rank'\? Write rank: 8 under "
+      r"init_args \(LoRA takes rank, alpha, dropout, target_modules, .*, model_attribute\)\.$")),
+    ({"class_path": "lightning_peft.callbacks.MergeOnSave", "init_args": {"dir_path": "out"}},
+     r"MergeOnSave has no argument 'dir_path'; did you mean 'dirpath'\? Write dirpath: 'out' under init_args"),
     ({"class_path": "lightning_peft.callbacks.LoRA", "rank": 4},
      (r"typo\.yaml: trainer\.callbacks\[0\] \(LoRA\) gives 'rank' beside class_path; a callback's arguments go "
       r"under init_args:\n  - class_path: lightning_peft\.callbacks\.LoRA\n    init_args:\n      rank: 4")),

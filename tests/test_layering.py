@@ -169,9 +169,11 @@ PACKAGE_FILE_LINES = 800
 #: Parameter), DoRA as a variant object on them, four of PEFT's starts from the base weight (PiSSA, its fast-SVD form,
 #: OLoRA, LoftQ), named adapters with per-sample routing and PEFT's file format both ways, one concept per file
 #: (each under the file cap): its total after issue 29's cleanup (3,793), plus the merge check MergeOnSave asks before
-#: training and the reproducible fast-SVD start (65), plus the refusal of lora_bias on attention: not a number to
+#: training and the reproducible fast-SVD start (65), plus the refusal of lora_bias on attention, plus (issue 30) the
+#: refusal of target_parameters that layers_to_transform / exclude_modules cannot narrow and PEFT files read as PEFT
+#: reads them (+27, less 15 from folding exact_targets into _common.exact_choice and one name tally): not a number to
 #: grow into.
-OVER_THE_GOAL = {"lora": 3866}
+OVER_THE_GOAL = {"lora": 3878}
 
 
 def _package_over(package: Path, root: Path = PACKAGE) -> str | None:

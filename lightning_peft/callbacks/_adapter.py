@@ -29,6 +29,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_peft._checkpoint_io import use_atomic_checkpoint_io
+from lightning_peft._seams import refuse_together
 from lightning_peft.callbacks._lightning import refuse_changed_settings, refuse_earlier_model_copies
 from lightning_peft.callbacks._quantize import check_quantized_shards, check_quantized_strategy
 from lightning_peft.callbacks._rng import keep_rng
@@ -221,23 +222,24 @@ def _load_hook(module, state_dict, prefix, local_metadata, strict, missing, unex
 
 
 def check_optimizer_holds_adapters(trainer: pl.Trainer, model: nn.Module, who: str) -> None:
-    """Raises if the optimizers hold the model's frozen parameters but none that trains.
+    """Raises, on every rank, if a rank's optimizers hold its frozen parameters but none of those that train.
 
     That is an optimizer built before the adapters were injected: LightningCLI's ``optimizer:`` section builds it
-    over ``model.parameters()`` before the Trainer starts, and such a run would train nothing. (Strategies that
-    flatten parameters into their own buffers, as DeepSpeed's ZeRO does, hold none of the model's parameters and are
-    not checked.)
+    over ``model.parameters()`` before the Trainer starts, and such a run would train nothing. Each rank looks at
+    the parameters it holds (under a pipeline the other stages' are ``meta`` tensors, and a stage with nothing to
+    train is legitimate); the ranks decide together (`refuse_together`). (Strategies that flatten parameters into
+    their own buffers, as DeepSpeed's ZeRO does, hold none of the model's parameters and are not checked.)
     """
     held = {id(p) for optimizer in trainer.optimizers for group in optimizer.param_groups for p in group["params"]}
-    named = list(model.named_parameters())
+    named = [(name, p) for name, p in model.named_parameters() if p.device.type != "meta"]
     trained = [name for name, p in named if p.requires_grad]
-    if not trained or any(id(p) in held for name, p in named if p.requires_grad):
-        return
-    if any(id(p) in held for _, p in named):
-        raise RuntimeError(
+    error = None
+    if trained and not any(id(p) in held for _, p in named if p.requires_grad) and any(id(p) in held for _, p in named):
+        error = RuntimeError(
             f"{who}: the optimizer holds none of the {len(trained)} parameters that train ({trained[0]}, ...): it was "
             "built before the adapters were injected, so this run would train nothing. LightningCLI's optimizer: "
             "section does that (it builds the optimizer over model.parameters() before the Trainer starts); build the "
             "optimizer in the LightningModule's configure_optimizers instead (HFSequenceClassifier has one: drop the "
             "optimizer: and lr_scheduler: sections)."
         )
+    refuse_together(error)

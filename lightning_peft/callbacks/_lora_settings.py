@@ -9,7 +9,9 @@ from typing import Any
 from torch import nn
 
 from lightning_peft._seams import refuse, strategy_family
+from lightning_peft.peft.adapter import unwrap
 from lightning_peft.peft.lora import LoRAAdapter, LoRAConfig
+from lightning_peft.peft.lora.targets import select_targets
 
 
 class LoRASettings:
@@ -51,13 +53,18 @@ class NamedLoRASettings(LoRASettings):
         return {name: config for name, (config, _) in adapter.adapters.items()}
 
 
-def refuse_attention_under_deepspeed_zero3(layers: dict[str, nn.Module], strategy: Any) -> None:
+def refuse_attention_under_deepspeed_zero3(model: nn.Module, config: LoRAConfig, strategy: Any) -> None:
     """DeepSpeed ZeRO-3 gathers a module's partitioned parameters in hooks around that module's own forward; LoRA on
     ``nn.MultiheadAttention`` runs the module with its adapted weights in their place (``functional_call``), which
-    the hooks meet as plain tensors, and the module reads ``out_proj.weight`` without running ``out_proj``."""
-    attention = [name for name, layer in layers.items() if isinstance(layer.base_layer, nn.MultiheadAttention)]
+    the hooks meet as plain tensors, and the module reads ``out_proj.weight`` without running ``out_proj``. Asked
+    before injecting, so a refused model is left as it was."""
     stage = (getattr(strategy, "config", None) or {}).get("zero_optimization", {}).get("stage")
-    if attention and strategy_family(strategy) == "deepspeed" and stage == 3:
+    if strategy_family(strategy) != "deepspeed" or stage != 3:
+        return
+    model = unwrap(model)  # a torch.compile wrapper, as inject_lora looks through it
+    attention = [n for n in select_targets(model, config)[0]
+                 if isinstance(model.get_submodule(n), nn.MultiheadAttention)]
+    if attention:
         raise refuse(
             f"LoRA on the nn.MultiheadAttention {attention[0]!r}", strategy, "DeepSpeed ZeRO-3 gathers a module's "
             "partitioned parameters around that module's own forward, and the attention adapter runs "

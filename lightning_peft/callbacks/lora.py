@@ -90,8 +90,8 @@ class LoRA(LoRASettings, LoRAPlusOption, AdapterCallback):
         warn_emulated_bf16("LoRA", trainer)
 
     def inject(self, trainer: pl.Trainer, model: nn.Module) -> str:
+        refuse_attention_under_deepspeed_zero3(model, self.config, trainer.strategy)
         layers, dora = inject_lora(model, self.config), "DoRA, " if self.config.use_dora else ""
-        refuse_attention_under_deepspeed_zero3(layers, trainer.strategy)
         return (f"adapted {len(layers)} modules of {type(model).__name__} ({dora}rank {self.config.rank}, alpha "
                 f"{self.config.alpha}{self.saving(model)})")
 

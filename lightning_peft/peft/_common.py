@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -124,7 +125,9 @@ def in_layers(who: str, chosen: list[str], targets: list[str], layers: int | lis
               patterns: str | list[str] | None, model: nn.Module) -> list[str]:
     """The ``chosen`` modules inside the layers ``layers`` (``layers_to_transform``; `layer_of` finds a module's
     layer), and those a ``targets`` entry names in full (PEFT keeps them wherever they are). Raises if a pattern or
-    an index finds no layer among ``chosen``: a typo would adapt other layers, or none."""
+    an index finds no layer among ``chosen``: a typo would adapt other layers, or none. Warns, once, naming the
+    ``targets`` entries whose every module lies outside every layer list: PEFT drops them silently, and so does
+    this (a PEFT file means the same here), but a listed target that gets no adapter is worth a word."""
     wanted = [layers] if isinstance(layers, int) else list(layers)
     given = f"{who}(layers_to_transform={layers!r}{'' if patterns is None else f', layers_pattern={patterns!r}'})"
     fix = "Give the name of the ModuleList holding the layers (e.g. 'layers', 'h'), or leave layers_pattern out."
@@ -135,7 +138,17 @@ def in_layers(who: str, chosen: list[str], targets: list[str], layers: int | lis
     if missing:
         _refuse_layers(given, f"there is no layer {', '.join(map(str, missing))} in any", chosen, targets, patterns,
                        model, "Give indices of layers that exist.")
-    return [n for n in chosen if n in targets or (index[n] is not None and index[n][1] in wanted)]
+    kept = [n for n in chosen if n in targets or (index[n] is not None and index[n][1] in wanted)]
+    outside = {t: found for t in targets if (found := [n for n in chosen if name_matches(n, [t])])
+               and all(index[n] is None and n not in kept for n in found)}
+    if outside:
+        dropped = [n for found in outside.values() for n in found]
+        warnings.warn(f"{given}: target_modules={targets!r} lists {', '.join(map(repr, outside))}, which matched only "
+                      f"modules outside every numbered layer list ({', '.join(dropped[:4])}); "
+                      "layers_to_transform keeps only the modules of its layers (as PEFT does), so these get no "
+                      f"adapter. To adapt one, name it in full (e.g. {dropped[0]!r}: a full name is kept wherever it is); "
+                      "else remove the entry.", UserWarning, stacklevel=4)
+    return kept
 
 
 def _refuse_layers(given: str, problem: str, chosen: list[str], targets: list[str], patterns, model: nn.Module,

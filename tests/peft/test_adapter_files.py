@@ -234,16 +234,16 @@ def _deadline(seconds: float):
 
 
 @pytest.mark.parametrize("field, value, named", [
-    ("target_modules", "(.|.)*Z", r"target_modules='\(\.\|\.\)\*Z'"),
-    ("rank_pattern", {"(.|.)*Z": 2}, r"rank_pattern key='\(\.\|\.\)\*Z'"),
-    ("alpha_pattern", {"(a+)+Z": 2}, r"alpha_pattern key='\(a\+\)\+Z'"),
+    ("target_modules", "(.|.)*Z", r"target_modules='\(\.\|\.\)\*Z'\): target_modules"),
+    ("rank_pattern", {"(.|.)*Z": 2}, r"rank_pattern=\{'\(\.\|\.\)\*Z': 2\}\): rank_pattern key='\(\.\|\.\)\*Z'"),
+    ("alpha_pattern", {"(a+)+Z": 2}, r"alpha_pattern=\{'\(a\+\)\+Z': 2\}\): alpha_pattern key='\(a\+\)\+Z'"),
 ])
 def test_a_backtracking_pattern_is_refused_before_it_is_matched(field, value, named, tmp_path):
     _write_adapter(tmp_path)
     _edit_config(tmp_path, **{field: value})
     model = _model()
     snapshot = _snapshot(model)
-    match = (rf"{CONFIG} holds a value LoRA refuses: LoRA\({named}\): {field}.* has .*\(catastrophic backtracking\).*Write it so each part of a "
+    match = (rf"{CONFIG} holds a value LoRA refuses: LoRA\({named} has .*\(catastrophic backtracking\).*Write it so each part of a "
              "name can be matched one way only")
     with _deadline(5), pytest.raises(ValueError, match=match):
         load_adapter(model, tmp_path)

@@ -20,6 +20,7 @@ import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
+from lightning_peft._seams import refuse_together  # noqa: E402
 from lightning_peft.callbacks import LoRA, MergeOnSave  # noqa: E402
 from lightning_peft.modules import CausalLM  # noqa: E402
 from lightning_peft.strategies.pipeline import PipelineStrategy, consolidate_checkpoint  # noqa: E402
@@ -190,6 +191,46 @@ def case_lora_export(out: Path, rank: int) -> None:
         full = {n: p.detach().clone() for n, p in model.named_parameters()} if rank == 0 else None
     torch.save({"trainable": trainable, "full": full, "exported": sorted(getattr(export, "last_export", {}) or {})},
                out / f"lora_export-rank{rank}.pt")
+
+
+class AllParameters(CausalLM):
+    """An optimizer over every parameter, frozen ones included, as many projects build it."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class Seed(Callback):
+    """Seeds as the callbacks' setup begins (put first): adapters injected after it start alike on every strategy."""
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        torch.manual_seed(0)
+
+
+def case_empty_stage(out: Path, rank: int) -> None:
+    """LoRA on the second stage's layers only: the first stage trains nothing (its optimizer holds only frozen
+    weights) and still passes activations and gradients; the adapters equal one process. Then a refusal found on
+    one rank only is raised on both (refuse_together), instead of leaving the other in its next collective."""
+    def fit(strategy, root: str) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = AllParameters(vocab_size=VOCAB, decoder=DECODER, learning_rate=1e-2, warmup_fraction=0.0)
+        lora = LoRA(rank=2, alpha=4.0, target_modules=["q_proj", "v_proj"], layers_to_transform=[2, 3],
+                    init="gaussian")
+        data = loader(make_batches(2, padded=False))
+        if strategy is None:
+            single_process(model, out / root, data, callbacks=[Seed(), lora], max_steps=2)
+        else:
+            trainer(out / root, strategy, [Seed(), lora], max_steps=2).fit(model, data)
+        return {n: p.detach().clone() for n, p in model.named_parameters()
+                if p.requires_grad and p.device.type != "meta"}
+
+    result = {"trained": fit(PipelineStrategy(num_stages=2, num_microbatches=2, split_points=["layers.2"]), "empty"),
+              "single": fit(None, "empty-single")}
+    try:
+        refuse_together(ValueError("only rank 1 found this") if rank == 1 else None)
+    except ValueError as error:
+        result["refused"] = str(error)
+    torch.save(result, out / f"empty_stage-rank{rank}.pt")
 
 
 def single_process(model: pl.LightningModule, out: Path, data, fn: str = "fit", verbose: bool = True, **kwargs):
@@ -446,7 +487,7 @@ def case_buffers(out: Path, rank: int) -> None:
                out / f"buffers-rank{rank}.pt")
 
 
-CASES = ["gradients", "resume", "lora_export", "clip_tied", "bubble", "scaler", "logging", "buffers"]
+CASES = ["gradients", "resume", "lora_export", "empty_stage", "clip_tied", "bubble", "scaler", "logging", "buffers"]
 
 
 def run(out: Path) -> None:

@@ -333,6 +333,16 @@ def test_lora_and_merge_on_save_export_every_stage(runs):
 
 
 @pytest.mark.multiprocess
+def test_a_stage_with_nothing_to_train_runs_as_one_process_and_refusals_reach_every_rank(runs):
+    ranks = [_load(runs, "empty_stage", r) for r in (0, 1)]
+    assert ranks[0]["trained"] == {} and len(ranks[1]["trained"]) == 8  # lora_A, lora_B of q/v in layers 2 and 3
+    for key, value in ranks[1]["trained"].items():
+        assert_close(value, ranks[1]["single"][key], rtol=1e-5, atol=1e-6, msg=key)
+    assert ranks[1]["refused"] == "only rank 1 found this"
+    assert ranks[0]["refused"] == "(found on rank 1) only rank 1 found this"
+
+
+@pytest.mark.multiprocess
 def test_measured_bubble_follows_the_prediction(runs):
     for rank in (0, 1):
         bubble = _load(runs, "bubble", rank)

@@ -365,6 +365,45 @@ def test_an_optimizer_where_nothing_trains_is_refused_under_deepspeed(tmp_path: 
         trainer.fit(module)
 
 
+class _Attention(pl.LightningModule):
+    """A plain-PyTorch attention classifier: an nn.MultiheadAttention and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn, self.head = nn.MultiheadAttention(8, 2, batch_first=True), nn.Linear(8, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.head(self.attn(x, x, x)[0][:, 0]), y)  # (B, L, 8) -> (B, 2)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 3, 8), torch.tensor([0, 1] * 2)),
+                                           batch_size=2)
+
+
+def test_lora_on_multihead_attention_is_refused_at_setup_under_deepspeed_zero3(tmp_path: Path) -> None:
+    """DeepSpeed's ZeRO-3 hooks cannot gather the weights the attention adapter runs the module with: refused at the
+    LoRA callback's setup, naming both and the fix, before anything changes (one process reaches it, as two do)."""
+    from lightning_peft.callbacks import LoRA
+
+    module = _Attention()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=ZeROStrategy(stage=3), max_steps=1, logger=False,
+                         enable_progress_bar=False, enable_checkpointing=False, default_root_dir=tmp_path,
+                         callbacks=[LoRA(rank=2, target_modules=["attn"], modules_to_save=["head"])])
+    with pytest.raises(RuntimeError, match=(
+            r"^LoRA on the nn.MultiheadAttention 'attn' under ZeROStrategy\(stage=3, backend='deepspeed'\): DeepSpeed "
+            r"ZeRO-3 gathers a module's partitioned parameters around that module's own forward, .* which DeepSpeed "
+            r"cannot gather\. Use ZeROStrategy\(stage=3, backend='native'\) \(FSDP2\) or DeepSpeed stage 1 or 2, or "
+            r"leave the attention modules out of target_modules\.$")):
+        trainer.fit(module)
+    assert type(module.attn) is nn.MultiheadAttention and module.attn.in_proj_weight.requires_grad  # left as it was
+    assert trainer.global_step == 0
+
+
 @pytest.mark.parametrize(("strategy", "trainer_kwargs", "match"), [
     (lambda: ZeROStrategy(stage=3, offload_parameters=True), {}, r"offload_parameters=True\) with Trainer\(accelerator='cpu'\)"),
     (lambda: ZeROStrategy(stage=3, backend="native", offload_parameters=True), {}, "everything already is in CPU memory"),

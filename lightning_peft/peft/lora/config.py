@@ -105,8 +105,8 @@ class LoRAConfig:
             if not isinstance(patterns, dict):
                 raise TypeError(f"LoRA({what}={patterns!r}): give a dict {{regex: value}}, e.g. {{'query': 16}}.")
             for key in patterns:
-                _check_pattern(key, what)
-            normal(self, what, {k: check(v, f"{what}[{k!r}]") for k, v in patterns.items()})
+                regex("LoRA", f"{what} key", key, of=(what, patterns))
+            normal(self, what, {k: check(v, f"{what}[{k!r}]", (what, patterns)) for k, v in patterns.items()})
         choice("LoRA", "bias", self.bias, ("none", "lora_only", "all"))
         check_init(self.init)
         boolean("LoRA", "use_rslora", self.use_rslora)
@@ -153,15 +153,15 @@ class LoRAConfig:
         return config_from_peft(config, source, who="inject_lora")
 
 
-def _as_rank(value: object, what: str) -> int:
-    return integer("LoRA", what, value, minimum=1, example="8")
+def _as_rank(value: object, what: str, of: tuple[str, object] | None = None) -> int:
+    return integer("LoRA", what, value, minimum=1, example="8", of=of)
 
 
-def _as_alpha(value: object, what: str) -> float:
+def _as_alpha(value: object, what: str, of: tuple[str, object] | None = None) -> float:
     # An alpha above float32's largest value makes every output inf or NaN (`_limits`); the scale's limit for a
     # half-precision base is checked at inject, where the dtype is known.
-    alpha = positive("LoRA", what, value, example="16")
-    real("LoRA", what, value, maximum=FLOAT32_MAX, example="16",
+    alpha = positive("LoRA", what, value, example="16", of=of)
+    real("LoRA", what, value, maximum=FLOAT32_MAX, example="16", of=of,
          meaning="float32's largest value; an alpha beyond it makes every output inf or NaN")
     return value if isinstance(value, int) else alpha  # an int alpha stays an int (PEFT's files write it so)
 
@@ -183,10 +183,6 @@ def _as_parameters(config: LoRAConfig) -> list[str]:
     return chosen
 
 
-def _check_pattern(key: object, what: str) -> None:
-    regex("LoRA", f"{what} key", key)
-
-
 def _check_layers(config: LoRAConfig) -> None:
     """PEFT's rules for ``layers_to_transform`` / ``layers_pattern``; it refuses the same combinations."""
     layers, pattern = config.layers_to_transform, config.layers_pattern
@@ -198,8 +194,9 @@ def _check_layers(config: LoRAConfig) -> None:
                 r"the layers itself, e.g. r'.*\.layers\.(0|1)\.self_attn\.q_proj'."
             )
     if isinstance(layers, (list, tuple)) and layers:
-        object.__setattr__(config, "layers_to_transform", [
-            integer("LoRA", "layers_to_transform", i, minimum=0, example="[0, 1]") for i in layers])
+        object.__setattr__(config, "layers_to_transform", [integer(
+            "LoRA", f"layers_to_transform[{n}]", i, minimum=0, example="[0, 1]", of=("layers_to_transform", layers))
+            for n, i in enumerate(layers)])
     elif layers is not None:
         integer("LoRA", "layers_to_transform", layers, minimum=0, example="[0, 1] or 0")
     if pattern is None:
@@ -212,8 +209,9 @@ def _check_layers(config: LoRAConfig) -> None:
     if not entries or "" in entries:
         raise ValueError(f"LoRA(layers_pattern={pattern!r}): give the name of the ModuleList holding the layers, "
                          "e.g. 'layers' or 'h', or None for any.")
-    for entry in entries:
-        regex("LoRA", "layers_pattern", entry)
+    for n, entry in enumerate(entries):
+        regex("LoRA", "layers_pattern" if isinstance(pattern, str) else f"layers_pattern[{n}]", entry,
+              of=None if isinstance(pattern, str) else ("layers_pattern", pattern))
     if not isinstance(pattern, str):
         object.__setattr__(config, "layers_pattern", entries)
 

@@ -48,7 +48,8 @@ def refuse_unsupported(chosen: list[str], modules: dict[str, nn.Module], config)
         module = modules[name]
         if not module._qkv_same_embed_dim:
             raise TypeError(
-                f"LoRA: {name!r} is an nn.MultiheadAttention with separate query, key and value projections "
+                f"LoRA(target_modules={config.target_modules!r}) matched {name!r}, an nn.MultiheadAttention with "
+                "separate query, key and value projections "
                 f"(embed_dim={module.embed_dim}, kdim={module.kdim}, vdim={module.vdim}); LoRA adapts the fused "
                 "in-projection only (kdim = vdim = embed_dim), as Hugging Face PEFT does. Leave it out of "
                 "target_modules."

@@ -49,12 +49,13 @@ import torch
 from torch import Tensor, nn
 
 from ..._checks import integer
+from .._common import exact_choice
 from ..adapter import unwrap
 from .config import LoRAConfig
 from .layer import LoRALayer, Routing, require_spec
 from .mha import LoRAMultiheadAttention
 from .model import LoRAAdapter, add_adapter
-from .targets import adaptable_modules, exact_targets
+from .targets import adaptable_modules
 from .variants import refuse_routing
 
 Method = Literal["linear", "cat", "svd"]
@@ -230,7 +231,7 @@ def combine_adapters(
     pattern = {re.escape(t): r for t, r in ranks.items() if r != common}
     config = LoRAConfig(
         rank=common, alpha=common, rank_pattern=pattern, alpha_pattern=dict(pattern),
-        target_modules=exact_targets(list(layers), list(adaptable_modules(model))),
+        target_modules=exact_choice(list(layers), list(adaptable_modules(model))),
         modules_to_save=list(spec.modules_to_save),
     )
     added = add_adapter(model, name, config)

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from torch import Tensor, nn
 
 from .._base_identity import base_model_name
-from .._common import matched, pattern_matches, unmatched
+from .._common import exact_choice, matched, name_matches, pattern_matches, unmatched
 from .._limits import factor_problem, scale_problem
 from ..adapter import Adapter, clean_key, unwrap
 from ..modules_to_save import plain_key, present_modules
@@ -27,7 +27,7 @@ from .conv import LoRAConv
 from .layer import DEFAULT, Routing, lora_layers
 from .mha import PEFT_CONTAINERS, PEFT_OUT_PROJ, warn_doubled_out_proj
 from .param import LoRAParameter, plan_parameters
-from .targets import adaptable_modules, adaptable_parameters, exact_targets, select_parameters, select_targets
+from .targets import adaptable_modules, adaptable_parameters, select_parameters, select_targets
 from .variants import DoRA
 
 PEFT_FIELDS = frozenset((  # peft 0.21.2's LoraConfig
@@ -105,7 +105,7 @@ class LoRAPeftFormat(Adapter):
         specs = {n: layer.specs[name] for n, layer in every.items()}
         if starts.rewrites_base(config.init):
             config, specs = _converted_settings(config, specs, name, convert_to_lora)
-        targets = exact_targets(list(layers), [n for n in adaptable_modules(unwrap(model))])
+        targets = exact_choice(list(layers), [n for n in adaptable_modules(unwrap(model))])
         return {
             "peft_type": "LORA",
             "task_type": None,
@@ -248,7 +248,9 @@ def config_for_model(model: nn.Module, config: dict[str, Any], source: str) -> L
     if ours.exclude_modules is not None:  # PEFT ignores exclusions that match nothing: they change nothing it adapts
         ours = dataclasses.replace(ours, exclude_modules=matched(ours.exclude_modules, names))
     if ours.target_parameters:  # so are parameter entries, while one matches
-        found = matched(ours.target_parameters, adaptable_parameters(view))
+        found = matched(ours.target_parameters, parameters := adaptable_parameters(view))
+        if found and (ours.layers_to_transform is not None or ours.exclude_modules):  # they narrow no parameter
+            found = [n for n in parameters if name_matches(n, found)]  # in PEFT: each by its full name, as given
         ours = dataclasses.replace(ours, target_parameters=found or ours.target_parameters)
     return ours
 

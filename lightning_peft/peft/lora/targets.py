@@ -25,8 +25,8 @@ Target selection follows Hugging Face PEFT so that configs mean the same thing i
 from __future__ import annotations
 
 import logging
-import re
 import warnings
+from collections import Counter
 
 from torch import nn
 
@@ -36,6 +36,7 @@ from .._common import (
     chosen_by_name,
     in_layers,
     inside,
+    layer_of,
     matched,
     name_matches,
     pattern_matches,
@@ -79,16 +80,18 @@ def _inside_fused(modules: dict[str, nn.Module]) -> dict[str, str]:
 
 def _describe_modules(model: nn.Module) -> str:
     """'query, key, value (x6 each), ...' for error messages: leaf names of the adaptable modules."""
-    counts: dict[str, int] = {}
     modules = dict(model.named_modules())
     inside_fused = _inside_fused(modules)
-    for name, module in modules.items():
-        if isinstance(module, supported_types()) and name not in inside_fused:
-            leaf = name.rsplit(".", 1)[-1]
-            counts[leaf] = counts.get(leaf, 0) + 1
-    if not counts:
+    leaves = [n.rsplit(".", 1)[-1] for n, m in modules.items()
+              if isinstance(m, supported_types()) and n not in inside_fused]
+    if not leaves:
         return f"none (LoRA supports {_supported_names()}, and {type(model).__name__} has no such module)"
-    return ", ".join(f"{leaf} (x{n})" if n > 1 else leaf for leaf, n in counts.items())
+    return _tally(leaves)
+
+
+def _tally(leaves: list[str], most: int | None = None) -> str:
+    """'query, key (x6)': each name once, with its count (the first ``most`` names)."""
+    return ", ".join(f"{leaf} (x{n})" if n > 1 else leaf for leaf, n in list(Counter(leaves).items())[:most])
 
 
 def select_targets(model: nn.Module, config: LoRAConfig) -> tuple[list[str], list[str]]:
@@ -140,11 +143,7 @@ def select_parameters(model: nn.Module, config: LoRAConfig, modules: list[str] |
     chosen = {n: pair for n, pair in candidates.items() if name_matches(n, wanted)}
     missing = unmatched(wanted, chosen)
     if missing:
-        counts: dict[str, int] = {}
-        for name in candidates:
-            leaf = ".".join(name.split(".")[-2:])
-            counts[leaf] = counts.get(leaf, 0) + 1
-        listed = ", ".join(f"{leaf} (x{n})" if n > 1 else leaf for leaf, n in list(counts.items())[:24])
+        listed = _tally([".".join(name.split(".")[-2:]) for name in candidates], 24)
         raise ValueError(
             f"LoRA(target_parameters={wanted!r}): {', '.join(map(repr, missing))} matched no parameter of "
             f"{type(model).__name__} (an entry matches a parameter whose full name equals it or ends with '.' + it). "
@@ -152,6 +151,7 @@ def select_parameters(model: nn.Module, config: LoRAConfig, modules: list[str] |
         )
     for name, (module, _) in chosen.items():
         _check_parameter(model, config, name, module, modules or [])
+    _refuse_narrowing(config, chosen)
     existing = {layer.target_name for layer in lora_layers(model).values() if isinstance(layer, LoRAParameter)}
     if existing and existing != set(chosen):
         raise ValueError(
@@ -178,6 +178,26 @@ def _check_parameter(model: nn.Module, config: LoRAConfig, name: str, module: st
             f"{module!r} would be adapted twice, as a module and through its parameter {name!r}. Adapt it one way: "
             "leave it out of target_modules (target_modules=[] adapts the parameters only) or of target_parameters."
         )
+
+
+def _refuse_narrowing(config: LoRAConfig, chosen: dict[str, tuple[str, str]]) -> None:
+    """``layers_to_transform`` / ``layers_pattern`` and ``exclude_modules`` narrow ``target_modules`` only (PEFT adapts
+    ``target_parameters`` regardless): a parameter a suffix entry matched that they leave out is refused, not adapted
+    against the user's word; a full name is a choice made on purpose."""
+    layers, pattern, exclude = config.layers_to_transform, config.layers_pattern, config.exclude_modules
+    wanted = [layers] if isinstance(layers, int) else layers
+    for name, (module, _) in ((n, pair) for n, pair in chosen.items() if n not in config.target_parameters):
+        where = layer_of(name, pattern) if wanted is not None else None
+        given = (f"layers_to_transform={layers!r}" + ("" if pattern is None else f", layers_pattern={pattern!r}")
+                 if wanted is not None and (where is None or where[1] not in wanted) else f"exclude_modules={exclude!r}"
+                 if exclude and (name_matches(module, exclude) or name_matches(name, exclude)) else "")
+        if given:
+            arg = given.partition("=")[0]
+            raise ValueError(
+                f"LoRA(target_parameters={config.target_parameters!r}, {given}): {name!r} is outside what {arg} keeps, "
+                f"but {arg} narrows target_modules only: PEFT adapts target_parameters regardless of it, so this would "
+                f"adapt it anyway. Name the parameters to adapt in full in target_parameters, e.g. [{name!r}] (a full "
+                f"name is adapted as given), or drop {arg}.")
 
 
 def _refuse_unmatched_exclusion(model: nn.Module, exclude: Targets, names: list[str]) -> None:
@@ -263,8 +283,9 @@ def _check_types(model, config, chosen, modules, inside_fused) -> None:
                    "and out-projections together, as PEFT does" if inside_fused[name] == "MultiheadAttention" else
                    "Exclude it (exclude_modules), or build the block from separate Linear layers")
             raise TypeError(
-                f"LoRA: {name!r} belongs to an nn.{inside_fused[name]}, which reads its children's weights directly "
-                f"(fused fast path), so an adapter there would be silently ignored. {fix}."
+                f"LoRA(target_modules={config.target_modules!r}) matched {name!r}, which belongs to an "
+                f"nn.{inside_fused[name]}: that module reads its children's weights directly (fused fast path), so "
+                f"an adapter there would be silently ignored. {fix}."
             )
         if getattr(module, "groups", 1) > 1:
             refuse_rank("LoRA", name, module, config.rank_for(name))
@@ -331,13 +352,3 @@ def _max_rank(module: nn.Module) -> int:
         return min(module.in_features, module.out_features)
     weight = module.weight  # Conv1D (in, out), Embedding (V, d), ConvNd (out, in / groups, *kernel)
     return min(weight.shape[0], weight[0].numel())
-
-
-
-def exact_targets(targets: list[str], names: list[str]) -> list[str] | str:
-    """``targets`` as PEFT's ``target_modules``: the list of names when suffix matching picks exactly them, else
-    a regular expression that matches exactly them (a list entry ``"0"`` would also match ``"1.0"``)."""
-    chosen = set(targets)
-    if all(name in chosen for name in names if name and name_matches(name, targets)):
-        return list(targets)
-    return "(?:" + "|".join(re.escape(t) for t in targets) + ")"

@@ -230,15 +230,16 @@ def test_peft_files_with_a_rank_pattern_load(tmp_path):
 
 def test_refusals_name_the_attention_module_and_the_fix():
     seq = nn.Sequential(nn.MultiheadAttention(8, 2, kdim=4, vdim=6))
-    with pytest.raises(TypeError, match=r"LoRA: '0' is an nn.MultiheadAttention with separate query, key and value "
-                                        r"projections \(embed_dim=8, kdim=4, vdim=6\); LoRA adapts the fused"):
+    with pytest.raises(TypeError, match=r"LoRA\(target_modules=\['0'\]\) matched '0', an nn.MultiheadAttention "
+                                        r"with separate query, key and value projections \(embed_dim=8, kdim=4, vdim=6\); LoRA adapts the fused"):
         inject_lora(seq, target_modules=["0"])
     with pytest.raises(ValueError, match="Only same embed for query/key/value is supported"):  # PEFT refuses it too
         peft.get_peft_model(seq, peft.LoraConfig(target_modules=["0"]))
     for bias in ("all", "lora_only"):
         with pytest.raises(ValueError, match=rf"LoRA\(bias='{bias}'\) with the nn.MultiheadAttention 'mha': its "):
             inject_lora(MHA(), target_modules=["mha"], bias=bias)
-    with pytest.raises(TypeError, match=r"'mha.out_proj' belongs to an nn.MultiheadAttention, .* Target the attention "
+    with pytest.raises(TypeError, match=r"LoRA\(target_modules=\['out_proj'\]\) matched 'mha.out_proj', which "
+                                        r"belongs to an nn.MultiheadAttention: .* Target the attention "
                                         r"module itself \('mha'\): LoRA adapts its in- and out-projections together"):
         inject_lora(MHA(), target_modules=["out_proj"])
     with pytest.raises(TypeError, match=r"LoRA\(use_dora=True\): 'mha' is of type MultiheadAttention; DoRA supports"):

@@ -321,8 +321,11 @@ def test_inject_does_not_mutate_the_config_or_its_lists():
     ({"target_modules": []}, TypeError, r"LoRA\(target_modules=\[\]\): give a non-empty list"),
     ({"target_modules": "query("}, ValueError, r"is not a valid regular expression"),
     ({"modules_to_save": "head"}, TypeError, r"LoRA\(modules_to_save='head'\): modules_to_save must be a list of names"),
-    ({"rank_pattern": {"q": 0}}, ValueError, r"LoRA\(rank_pattern\['q'\]=0\): rank_pattern\['q'\] must be an integer >= 1"),
-    ({"alpha_pattern": {"q": -2}}, ValueError, r"LoRA\(alpha_pattern\['q'\]=-2\): alpha_pattern\['q'\] must be a finite number > 0"),
+    # an element's refusal names the argument as given, then the element
+    ({"rank_pattern": {"q": 4, "v": 0}}, ValueError,
+     r"LoRA\(rank_pattern=\{'q': 4, 'v': 0\}\): rank_pattern\['v'\]=0 must be an integer >= 1, e\.g\. 8\."),
+    ({"alpha_pattern": {"q": -2}}, ValueError,
+     r"LoRA\(alpha_pattern=\{'q': -2\}\): alpha_pattern\['q'\]=-2 must be a finite number > 0, e\.g\. 16\."),
     ({"bias": "some"}, ValueError, r"LoRA\(bias='some'\): bias must be one of 'none', 'lora_only', 'all'"),
     ({"init": "pissa_2"}, ValueError, r"LoRA\(init='pissa_2'\): init must be one of 'kaiming', 'gaussian', 'pissa'"),
 ])
@@ -489,14 +492,16 @@ def test_modules_that_read_their_childrens_weights_are_not_adapted():
     model = nn.Sequential(nn.TransformerEncoderLayer(d_model=8, nhead=2, batch_first=True), nn.Linear(8, 8), nn.Linear(8, 2))
     assert sorted(inject_lora(model, rank=2, target_modules="all-linear")) == ["1"]
     for target, owner in (["out_proj", "MultiheadAttention"], ["linear1", "TransformerEncoderLayer"]):
-        with pytest.raises(TypeError, match=rf"'0.*{target}' belongs to an nn.{owner}, which reads its children's "
-                                            r"weights directly \(fused fast path\), so an adapter there would be silently"):
+        with pytest.raises(TypeError, match=rf"LoRA\(target_modules=\['{target}'\]\) matched '0.*{target}', which "
+                                            rf"belongs to an nn.{owner}: that module reads its children's weights "
+                                            r"directly \(fused fast path\), so an adapter there would be silently"):
             inject_lora(nn.Sequential(nn.TransformerEncoderLayer(d_model=8, nhead=2, batch_first=True)), target_modules=[target])
 
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
-    ({"rank_pattern": {"q(": 2}}, ValueError, r"LoRA\(rank_pattern key='q\('\): rank_pattern key is not a valid regular"),
-    ({"alpha_pattern": {3: 2.0}}, TypeError, r"LoRA\(alpha_pattern key=3\): alpha_pattern key must be a regular expression string"),
+    ({"rank_pattern": {"q(": 2}}, ValueError, r"LoRA\(rank_pattern=\{'q\(': 2\}\): rank_pattern key='q\(' is not a valid regular"),
+    ({"alpha_pattern": {3: 2.0}}, TypeError,
+     r"LoRA\(alpha_pattern=\{3: 2.0\}\): alpha_pattern key=3 must be a regular expression string"),
     ({"alpha": float("inf")}, ValueError, r"LoRA\(alpha=inf\): alpha must be a finite number > 0"),
 ])
 def test_pattern_and_alpha_validation(kwargs, error, match):

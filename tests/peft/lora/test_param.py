@@ -20,6 +20,7 @@ from lightning_peft.peft import (
     add_adapter,
     combine_adapters,
     inject_lora,
+    load_adapter,
     lora_layers,
     merge_lora,
     merged_state_dict,
@@ -30,7 +31,7 @@ from lightning_peft.peft import (
 )
 from lightning_peft.peft.adapter import attached
 from lightning_peft.peft.lora.param import LoRAParameter
-from tests.peft.lora._oracle import adapted_pair, assert_equal_to_peft, base_model, inputs
+from tests.peft.lora._oracle import adapted_pair, assert_equal_to_peft, base_model, close, inputs, trainable
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
@@ -247,3 +248,54 @@ def test_parameters_that_cannot_be_wrapped_are_refused():
 def test_peft_configs_with_target_parameters_translate():
     ours = LoRAConfig.from_peft(peft.LoraConfig(r=4, target_parameters=EXPERTS))
     assert (ours.target_modules, ours.target_parameters) == ([], EXPERTS)
+
+
+class _TwoLayers(nn.Module):
+    """Two layers, each a Linear and a module holding a bare (out, in) parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList()
+        for _ in range(2):
+            layer = nn.Module()
+            layer.proj, layer.experts = nn.Linear(4, 4), nn.Module()
+            layer.experts.weight = nn.Parameter(torch.randn(4, 4))
+            self.layers.append(layer)
+
+
+def test_layers_and_exclusions_that_would_not_narrow_target_parameters_are_refused():
+    """PEFT applies layers_to_transform / exclude_modules to target_modules only: a suffix entry of target_parameters
+    still adapts every layer's parameter. Adapting a parameter the user left out is refused; a full name is kept."""
+    kwargs = {"target_modules": ["proj"], "layers_to_transform": [0], "layers_pattern": "layers"}
+    theirs = peft.get_peft_model(_TwoLayers(), peft.LoraConfig(r=2, target_parameters=["experts.weight"], **kwargs))
+    assert {n for n, m in theirs.named_modules() if type(m).__name__ == "ParamWrapper"} == {
+        f"base_model.model.layers.{i}.experts" for i in (0, 1)}  # PEFT: layer 1's too
+    model = _TwoLayers()
+    with pytest.raises(ValueError, match=(
+            r"LoRA\(target_parameters=\['experts.weight'\], layers_to_transform=\[0\], layers_pattern='layers'\): "
+            r"'layers.1.experts.weight' is outside what layers_to_transform keeps, but layers_to_transform narrows "
+            r"target_modules only: PEFT adapts target_parameters regardless of it, so this would adapt it anyway\. "
+            r"Name the parameters to adapt in full in target_parameters, e.g\. \['layers.1.experts.weight'\]")):
+        inject_lora(model, rank=2, target_parameters=["experts.weight"], **kwargs)
+    assert not lora_layers(model)
+    chosen = inject_lora(model, rank=2, target_parameters=["layers.0.experts.weight"], **kwargs)
+    assert sorted(chosen) == ["layers.0.experts", "layers.0.proj"]
+    with pytest.raises(ValueError, match=r"LoRA\(target_parameters=\['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'\], "
+                                         r"exclude_modules=\['experts'\]\): 'model.layers.0.mlp.experts.gate_up_proj' is "
+                                         r"outside what exclude_modules keeps"):
+        inject_lora(base_model("Mixtral"), target_modules=["q_proj"], exclude_modules=["experts"],
+                    target_parameters=EXPERTS)
+
+
+def test_a_peft_file_whose_exclusion_does_not_narrow_target_parameters_loads_as_peft_reads_it(tmp_path):
+    kwargs = {"r": 2, "target_modules": ["q_proj"], "exclude_modules": ["experts"], "target_parameters": EXPERTS}
+    torch.manual_seed(0)
+    theirs = peft.get_peft_model(base_model("Mixtral"), peft.LoraConfig(init_lora_weights=False, **kwargs))
+    theirs.save_pretrained(tmp_path)
+    ours = base_model("Mixtral")
+    load_adapter(ours, tmp_path)
+    assert {f"base_model.model.{n}" for n in trainable(ours)} == set(trainable(theirs))
+    x = inputs("Mixtral")
+    with torch.no_grad():
+        assert (ours(x) - base_model("Mixtral")(x)).abs().max() > 1e-3  # not a vacuous comparison
+        close(ours(x), theirs.eval()(x), "PEFT's file with exclude_modules beside target_parameters")

@@ -87,6 +87,27 @@ def test_layers_to_transform_adapts_what_peft_adapts_and_the_files_round_trip(fa
     torch.testing.assert_close(_out(back), _out(ours), rtol=1e-12, atol=1e-12)
 
 
+def test_a_target_outside_every_layer_list_gets_no_adapter_as_in_peft_and_a_warning_says_so(tmp_path):
+    kwargs = {"target_modules": ["query", "pooler.dense"], "layers_to_transform": [1], "modules_to_save": ["classifier"]}
+    peft_model = get_peft_model(seeded(partial(bert_model, num_hidden_layers=3)), LoraConfig(r=2, **kwargs))
+    expected = _peft_targets(peft_model)
+    assert expected == ["bert.encoder.layer.1.attention.self.query"]  # PEFT drops bert.pooler.dense, silently
+    warning = (r"LoRA\(layers_to_transform=\[1\]\): target_modules=\['query', 'pooler\.dense'\] lists 'pooler\.dense', "
+               r"which matched only modules outside every numbered layer list \(bert\.pooler\.dense\); "
+               r"layers_to_transform keeps only the modules of its layers \(as PEFT does\), so these get no adapter\. "
+               r"To adapt one, name it in full \(e\.g\. 'bert\.pooler\.dense': a full name is kept wherever it is\)")
+    with pytest.warns(UserWarning, match=warning) as caught:
+        assert sorted(inject_lora(bert_model(num_hidden_layers=3), rank=2, **kwargs)) == expected
+    assert len([w for w in caught if "numbered layer list" in str(w.message)]) == 1  # once, for every entry
+    peft_model.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match=warning.replace(r"\['query', 'pooler\.dense'\]", r"\[.*\]")):
+        # PEFT's file (target_modules saved from a set, in any order) loads as PEFT reads it, and says so too
+        load_adapter(back := bert_model(num_hidden_layers=3), tmp_path)
+    assert sorted(lora_layers(back)) == expected
+    kwargs["target_modules"] = ["query", "bert.pooler.dense"]  # the fix the warning gives
+    assert "bert.pooler.dense" in inject_lora(bert_model(num_hidden_layers=3), rank=2, **kwargs)
+
+
 @pytest.mark.parametrize(("family", "kwargs", "match"), [
     ("bert", {"target_modules": ["query"], "layers_to_transform": [0, 5]},
      (r"LoRA\(layers_to_transform=\[0, 5\]\): there is no layer 5 in any layer list holding a module that "
@@ -116,7 +137,9 @@ def test_a_layer_or_pattern_that_finds_nothing_is_refused_naming_the_layers_foun
      (r"LoRA\(layers_pattern='layer'\): layers_pattern only says where layers_to_transform counts layers; give "
      r"layers_to_transform too")),
     ({"target_modules": ["query"], "layers_to_transform": [0, -1]}, ValueError,
-     r"LoRA\(layers_to_transform=-1\): layers_to_transform must be an integer >= 0"),
+     r"LoRA\(layers_to_transform=\[0, -1\]\): layers_to_transform\[1\]=-1 must be an integer >= 0, e\.g\. \[0, 1\]\."),
+    ({"target_modules": ["query"], "layers_to_transform": 0, "layers_pattern": ["layer", "h("]}, ValueError,
+     r"LoRA\(layers_pattern=\['layer', 'h\('\]\): layers_pattern\[1\]='h\(' is not a valid regular expression"),
     ({"target_modules": ["query"], "layers_to_transform": "0"}, TypeError,
      r"LoRA\(layers_to_transform='0'\): layers_to_transform must be an integer >= 0"),
     ({"target_modules": ["query"], "layers_to_transform": [], "layers_pattern": None}, TypeError,
