@@ -40,6 +40,7 @@ from .lora import (
     unmerge_lora,
 )
 from .modules_to_save import ModulesToSave
+from .oft import OFTAdapter, OFTConfig, inject_oft, unload_oft
 from .quantize import quantize_base
 from .prompt import (
     PrefixEncoder,
@@ -72,6 +73,8 @@ __all__ = [
     "LoRALayer",
     "LoRALinear",
     "ModulesToSave",
+    "OFTAdapter",
+    "OFTConfig",
     "ParameterReport",
     "PrefixEncoder",
     "PrefixTuningAdapter",
@@ -91,6 +94,7 @@ __all__ = [
     "inject_bottleneck_adapters",
     "inject_ia3",
     "inject_lora",
+    "inject_oft",
     "inject_prefix_tuning",
     "inject_prompt_tuning",
     "load_adapter",
@@ -110,6 +114,7 @@ __all__ = [
     "unload_bottleneck_adapters",
     "unload_ia3",
     "unload_lora",
+    "unload_oft",
     "unload_prefix_tuning",
     "unload_prompt_tuning",
     "unmerge_lora",

@@ -70,12 +70,13 @@ class EmbConv1D(nn.Module):
 class ConvModel(nn.Module):
     """A convolution of ``dims`` spatial dimensions, flattened into ``lin0``."""
 
-    def __init__(self, dims: int, kernel: int = 3, groups: int = 1, channels: tuple[int, int] = (2, 6)) -> None:
+    def __init__(self, dims: int, kernel: int = 3, groups: int = 1, channels: tuple[int, int] = (2, 6),
+                 size: int | None = None) -> None:
         super().__init__()
         conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dims - 1]
         self.dims, self.channels = dims, channels
         setattr(self, f"conv{dims}d", conv(channels[0], channels[1], kernel, groups=groups))
-        self.size = {1: 9, 2: 5, 3: 4}[dims]
+        self.size = size or {1: 9, 2: 5, 3: 4}[dims]
         out = self.size - kernel + 1
         self.lin0 = nn.Linear(channels[1] * out**dims, 2)
 
@@ -148,6 +149,10 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "Conv2dGroups": lambda: ConvModel(2, groups=2, channels=(4, 6)),
     "Conv2dGroups2": lambda: ConvModel(2, groups=4, channels=(4, 8)),
     "Conv3d": lambda: ConvModel(3),
+    # PEFT's own "Conv2d" (5 -> 10 channels, 3x3 kernel, a 3x3 input: one patch per image), which its OFT rows
+    # size r for (5 * 3 * 3 = 45 rotated features)
+    "Conv2dPEFT": lambda: ConvModel(2, channels=(5, 10), size=3),
+    "Conv2dPEFT5x5": lambda: ConvModel(2, channels=(5, 10)),  # the same on a 5x5 input: patches overlap
     "Conv3d1x1": lambda: ConvModel(3, kernel=1),
     "MHA": MHA,
     "MlpUsingParameters": MlpUsingParameters,
@@ -197,6 +202,7 @@ class Method:
         peft_cannot_merge: ``{model_id: what PEFT's merge raises}``; those models run ``merge_without_peft``
             ``(model_id, ours, theirs, base, x, adapted)`` instead of the comparison of merges.
         peft_unmerge_tolerance: How close PEFT's own unmerge comes back (IA³'s divides by ``l + 1e-8``).
+        least_change: How far the adapted outputs must be from the base's for a row to compare anything.
     """
 
     config: type
@@ -209,6 +215,7 @@ class Method:
     peft_cannot_merge: dict[str, type] = field(default_factory=dict)
     merge_without_peft: Callable[..., None] | None = None
     peft_unmerge_tolerance: float = TOLERANCE
+    least_change: float = 1e-3
 
 
 def adapted_pair(model_id: str, peft_kwargs: dict[str, Any], method: Method, rename: Callable[[str], str] | None = None,
@@ -258,7 +265,7 @@ def assert_equal_to_peft(model_id: str, peft_kwargs: dict[str, Any], tmp_path: P
     x = inputs(base)
     reference = outputs(base, x)
     adapted = outputs(ours, x)
-    assert (adapted - reference).abs().max() > 1e-3, "the adapter does not change the output: nothing is compared"
+    assert (adapted - reference).abs().max() > method.least_change, "the adapter does not change the output: nothing is compared"
     close(adapted, outputs(theirs, x), "forward")
 
     with method.disable(ours), theirs.disable_adapter():

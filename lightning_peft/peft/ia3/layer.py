@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .._common import LayerWrapper, adapter_dtype, dense_weight, is_quantized
+from .._in_place import Switch
 
 CONVOLUTIONS = (nn.Conv2d, nn.Conv3d)
 
@@ -34,17 +35,6 @@ def supported(module: nn.Module) -> bool:
     """Whether IA³ (PEFT's layers) can scale ``module``."""
     conv1d = conv1d_type()
     return isinstance(module, (nn.Linear, *CONVOLUTIONS)) or (conv1d is not None and isinstance(module, conv1d))
-
-
-class Switch:
-    """Turns every IA³ layer of one model off (the base output), and its ``modules_to_save`` wrappers with them (a
-    `lightning_peft.peft.modules_to_save.BaseSamples`: disabled, they run the original module, as PEFT's do)."""
-
-    def __init__(self) -> None:
-        self.disabled = False
-
-    def base_samples(self) -> bool:
-        return self.disabled
 
 
 class IA3Layer(LayerWrapper):

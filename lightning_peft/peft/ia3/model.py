@@ -35,7 +35,6 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
-import torch
 from torch import Tensor, nn
 
 from .._base_identity import base_model_name
@@ -52,6 +51,7 @@ from .._common import (
     require,
     wraps_a_layer,
 )
+from .._in_place import Switch, folded, merge_layers, switched_off, unmerge_layers
 from ..adapter import (
     Adapter,
     attach,
@@ -75,7 +75,7 @@ from ..modules_to_save import (
     wrap_modules_to_save,
 )
 from .config import PEFT_FIELDS, PEFT_TYPE, WHO, IA3Config, as_config
-from .layer import IA3Layer, Switch, supported
+from .layer import IA3Layer, supported
 
 log = logging.getLogger("lightning_peft.peft.ia3")
 _KINDS = "nn.Linear, transformers Conv1D, nn.Conv2d, nn.Conv3d"
@@ -188,26 +188,7 @@ def merge_ia3(model: nn.Module) -> list[str]:
             or a merged weight is not finite (the layers merged by this call are unmerged again).
     """
     require(model, IA3Adapter.kind, "merge_ia3", "IA³ adapter", "inject_ia3")
-    model = unwrap(model)
-    layers = {n: layer for n, layer in ia3_layers(model).items() if not layer.merged}
-    owners: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(param), []).append(name)
-    for name, layer in layers.items():
-        others = [o for o in owners.get(id(layer.base_layer.weight), []) if not o.startswith(f"{name}.")]
-        if others:
-            raise RuntimeError(f"merge_ia3: the weight of {name!r} is tied to {others[0]!r}; merging in place would "
-                               "change both. Use merged_state_dict(model) for an export, or untie the weights first.")
-    done: list[str] = []
-    for name, layer in layers.items():
-        try:
-            layer.merge()
-        except RuntimeError as err:
-            for merged in reversed(done):
-                layers[merged].unmerge()
-            raise RuntimeError(f"merge_ia3: layer {name!r}: {err}") from None
-        done.append(name)
-    return done
+    return merge_layers(unwrap(model), ia3_layers(model), "merge_ia3")
 
 
 def unmerge_ia3(model: nn.Module) -> list[str]:
@@ -217,13 +198,7 @@ def unmerge_ia3(model: nn.Module) -> list[str]:
         RuntimeError: If no IA³ layer is merged.
     """
     require(model, IA3Adapter.kind, "unmerge_ia3", "IA³ adapter", "inject_ia3")
-    merged = {n: layer for n, layer in ia3_layers(model).items() if layer.merged}
-    if not merged:
-        raise RuntimeError(f"unmerge_ia3: no IA³ layer of {type(unwrap(model)).__name__} is merged; call merge_ia3 "
-                           "first.")
-    for layer in merged.values():
-        layer.unmerge()
-    return list(merged)
+    return unmerge_layers(unwrap(model), ia3_layers(model), "unmerge_ia3", "IA³", "merge_ia3")
 
 
 @contextlib.contextmanager
@@ -235,23 +210,8 @@ def disable_ia3(model: nn.Module) -> Iterator[None]:
         RuntimeError: If ``model`` has no IA³, or a layer is merged (the base output is then not available).
     """
     switch = require(model, IA3Adapter.kind, "disable_ia3", "IA³ adapter", "inject_ia3").switch
-    if any(layer.merged for layer in ia3_layers(model).values()):
-        raise RuntimeError("disable_ia3: the vectors are merged into the base weights; call unmerge_ia3(model) first.")
-    before, switch.disabled = switch.disabled, True
-    try:
+    with switched_off(switch, ia3_layers(model), "disable_ia3", "vectors", "unmerge_ia3"):
         yield
-    finally:
-        switch.disabled = before
-
-
-def _folded(model: nn.Module, targets: Iterable[str], who: str) -> dict[str, dict[str, Tensor]]:
-    """Every target's merged weights (`IA3Layer.merged_weights`); raises, naming the layer, if one is not finite."""
-    folded = {name: model.get_submodule(name).merged_weights() for name in targets}
-    for name, tensors in folded.items():
-        if not all(torch.isfinite(t).all() for t in tensors.values()):
-            raise RuntimeError(f"{who}: layer {name!r}: the merged weight would hold inf or NaN; check the training "
-                               "for divergence. Nothing was merged.")
-    return folded
 
 
 # --- the adapter protocol ------------------------------------------------------------------------------------
@@ -319,13 +279,13 @@ class IA3Adapter(Adapter):
 
     def merged_state(self, model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
         model = unwrap(model)
-        folded = _folded(model, self.targets, "merged_state_dict")
+        merged = folded(model, self.targets, "merged_state_dict")
         for name in self.targets:
             state.pop(f"{name}.ia3_l")
             prefix = f"{name}.base_layer."
             for key in [k for k in state if k.startswith(prefix)]:
                 state[f"{name}.{key[len(prefix):]}"] = state.pop(key)
-            state.update({f"{name}.{key}": value for key, value in folded[name].items()})
+            state.update({f"{name}.{key}": value for key, value in merged[name].items()})
         return fold_modules_to_save(model, state)
 
     def unload(self, model: nn.Module, merge: bool) -> None:
@@ -336,8 +296,8 @@ class IA3Adapter(Adapter):
             if quantized:
                 raise RuntimeError(f"unload_ia3(merge=True): the base weight of {quantized[0]!r} is quantized; "
                                    "merging would have to requantize it. Export merged_state_dict(model) instead.")
-            folded = _folded(model, [n for n, layer in layers.items() if not layer.merged], "unload_ia3")
-            for name, tensors in folded.items():
+            merged = folded(model, [n for n, layer in layers.items() if not layer.merged], "unload_ia3")
+            for name, tensors in merged.items():
                 layers[name]._write(tensors)  # no zero check: nothing divides it back
         for name, layer in layers.items():
             if not merge:
