@@ -11,6 +11,7 @@ from lightning_peft.callbacks.layerwise_lr_decay import LayerwiseLRDecay
 from lightning_peft.callbacks.lora import LoRA
 from lightning_peft.callbacks.merge_on_save import MergeOnSave
 from lightning_peft.callbacks.multi_lora import MultiLoRA
+from lightning_peft.callbacks.oft import OFT
 from lightning_peft.callbacks.prefix_tuning import PrefixTuning
 from lightning_peft.callbacks.prompt_tuning import PromptTuning
 from lightning_peft.callbacks.token_pruning import TokenPruning
@@ -18,5 +19,5 @@ from lightning_peft.peft.checkpoint import restore_adapters
 
 __all__ = [
     "IA3", "ActivationCheckpointing", "BottleneckAdapters", "Curriculum", "GradientAccumulation", "GradientNoise", "LayerwiseLRDecay", "LoRA",
-    "MergeOnSave", "MultiLoRA", "PrefixTuning", "PromptTuning", "TokenPruning", "load_from_checkpoint", "restore_adapters",
+    "MergeOnSave", "MultiLoRA", "OFT", "PrefixTuning", "PromptTuning", "TokenPruning", "load_from_checkpoint", "restore_adapters",
 ]
