@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 
 from lightning_peft.callbacks import (
     IA3,
+    OFT,
     BottleneckAdapters,
     LoRA,
     MultiLoRA,
@@ -47,6 +48,7 @@ from lightning_peft.peft import (
     inject_bottleneck_adapters,
     inject_ia3,
     inject_lora,
+    inject_oft,
     inject_prefix_tuning,
     inject_prompt_tuning,
     load_adapter,
@@ -83,6 +85,7 @@ ADAPTERS = {
 BOTTLENECK = {"placement": "houlsby", "reduction_factor": 4, "non_linearity": "gelu", "modules_to_save": ["classifier"]}
 PREFIX = {"num_virtual_tokens": 3, "modules_to_save": ["classifier"]}
 IA3_ARGS = {"target_modules": ["key", "value", "output.dense"], "feedforward_modules": ["output.dense"]}
+OFT_ARGS = {"target_modules": ["query", "value", "output.dense"], "oft_block_size": 4}
 ROUTES = [["news", "sport", None, "news"], [1, 0, 0, -1], ["sport", "sport", "news", None], [None, "news", 1, "sport"]]
 
 
@@ -187,6 +190,18 @@ TECHNIQUES: dict[str, Technique] = {
                                                    feedforward_modules=["mlp.c_proj"]),
         keeps_float32=True,
     ),
+    "oft": Technique(  # GPT-2's layers are transformers Conv1D, which PEFT's OFT has none for: its embeddings
+        callback=lambda **kw: OFT(**OFT_ARGS, **kw),
+        data=loader,
+        refused={"oft_block_size": (
+            lambda **kw: OFT(**{**OFT_ARGS, "oft_block_size": 8}, **kw),
+            r"OFT: the checkpoint's oft adapter on 'model' was trained with .*oft_block_size=4.*; this run has .*"
+            r"oft_block_size=8")},
+        inject={"bert": lambda m: inject_oft(m, **OFT_ARGS),
+                "gpt2": lambda m: inject_oft(m, target_modules=["wpe"], oft_block_size=4)},
+        peft_config=lambda targets: peft.OFTConfig(task_type="CAUSAL_LM", target_modules=["wpe"], oft_block_size=4),
+        keeps_float32=True,
+    ),
     "prompt_tuning": Technique(
         callback=lambda **kw: PromptTuning(num_virtual_tokens=4, **kw),
         data=loader,
@@ -227,7 +242,7 @@ def test_every_registered_technique_has_a_row():
     from lightning_peft.peft import adapter
 
     registered = {kind for kind, cls in adapter._REGISTRY.items() if cls.__module__.startswith("lightning_peft.")}
-    covered = {"lora", "bottleneck", "ia3", "prompt_tuning", "prefix_tuning"}  # multi_lora is LoRA's protocol row as well
+    covered = {"lora", "bottleneck", "ia3", "oft", "prompt_tuning", "prefix_tuning"}  # multi_lora is LoRA's protocol row as well
     assert registered == covered, f"add a conformance row for {sorted(registered - covered)}"
     assert {name.split("_projection")[0] for name in TECHNIQUES} - {"multi_lora", "lora_dora"} == covered
 
@@ -443,7 +458,8 @@ def test_we_load_a_peft_adapter_with_its_outputs(name, family, tmp_path):
                                                         target_modules=PEFT_TARGETS[family][:1]))
     finally:
         torch.set_default_dtype(torch.float32)
-    randomise([p for n, p in sorted(theirs.named_parameters()) if "lora_" in n or "ia3_l" in n or "prompt_encoder" in n])
+    randomise([p for n, p in sorted(theirs.named_parameters()) if "lora_" in n or "ia3_l" in n or "prompt_encoder" in n
+               or ".oft_" in n])
     theirs.eval().save_pretrained(tmp_path)
     ours = load_adapter(copy.deepcopy(plain), tmp_path).eval()
     assert (logits(ours) - logits(plain)).abs().max() > 1e-3  # not vacuous
