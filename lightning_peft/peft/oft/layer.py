@@ -19,7 +19,7 @@ whenever patches overlap).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -139,6 +139,10 @@ class OFTLayer(LayerWrapper):
         config: The settings.
         switch: The model's on/off switch (`disable_oft`); None: the layer's own.
     """
+
+    # Tensor parallelism plans a wrapper that declares this as one unit; empty: it cannot be split (a row-wise base
+    # gets its input sharded across the rotation's blocks), so a plan naming an OFT layer is refused at setup.
+    tensor_parallel_split: ClassVar[dict[str, str]] = {}
 
     def __init__(self, base_layer: nn.Module, block_size: int, config: OFTConfig, switch: Switch | None = None) -> None:
         super().__init__(base_layer)
