@@ -18,6 +18,6 @@ from lightning_peft.callbacks.token_pruning import TokenPruning
 from lightning_peft.peft.checkpoint import restore_adapters
 
 __all__ = [
-    "IA3", "ActivationCheckpointing", "BottleneckAdapters", "Curriculum", "GradientAccumulation", "GradientNoise", "LayerwiseLRDecay", "LoRA",
-    "MergeOnSave", "MultiLoRA", "OFT", "PrefixTuning", "PromptTuning", "TokenPruning", "load_from_checkpoint", "restore_adapters",
+    "IA3", "OFT", "ActivationCheckpointing", "BottleneckAdapters", "Curriculum", "GradientAccumulation", "GradientNoise", "LayerwiseLRDecay", "LoRA",
+    "MergeOnSave", "MultiLoRA", "PrefixTuning", "PromptTuning", "TokenPruning", "load_from_checkpoint", "restore_adapters",
 ]

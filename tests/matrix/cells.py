@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_peft._seams import data_parallel
 from lightning_peft.callbacks import (
+    OFT,
     ActivationCheckpointing,
     BottleneckAdapters,
     Curriculum,
@@ -39,7 +40,6 @@ from lightning_peft.callbacks import (
     LoRA,
     MergeOnSave,
     MultiLoRA,
-    OFT,
     PrefixTuning,
     PromptTuning,
     TokenPruning,
