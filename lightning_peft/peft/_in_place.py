@@ -1,14 +1,18 @@
-"""In-place merging and switching off, for techniques with one adapter per layer (IA³, OFT): each layer has
-``merged``, ``merge()`` (raising ``RuntimeError`` with the reason) and ``unmerge()``; the technique's layers and its
+"""In-place merging, switching off, merged exports and unloading, for techniques with one adapter per layer (IA³,
+OFT): each layer has ``merged``, ``merge()`` (raising ``RuntimeError`` with the reason), ``unmerge()``,
+``merged_weights()`` (its base tensors with the adapter folded in) and ``write(tensors)``; the technique's layers and its
 ``modules_to_save`` wrappers share one `Switch`."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
+
+from ._common import is_quantized
+from .modules_to_save import fold_modules_to_save, restore_modules, set_submodule
 
 
 class Switch:
@@ -84,3 +88,49 @@ def folded(model: nn.Module, targets: Iterable[str], who: str) -> dict[str, dict
             raise RuntimeError(f"{who}: layer {name!r}: the merged weight would hold inf or NaN; check the training "
                                "for divergence. Nothing was merged.")
     return tensors
+
+
+def fold_layers(model: nn.Module, targets: Iterable[str], own: Callable[[str], str],
+                state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` (a full state dict of ``model``) with each target layer replaced by its merged base: the layer's
+    own tensor ``own(name)`` dropped, ``<name>.base_layer.<key>`` renamed ``<name>.<key>``, the merged tensors in."""
+    merged = folded(model, targets, "merged_state_dict")
+    for name, tensors in merged.items():
+        state.pop(own(name))
+        prefix = f"{name}.base_layer."
+        for key in [k for k in state if k.startswith(prefix)]:
+            state[f"{name}.{key[len(prefix):]}"] = state.pop(key)
+        state.update({f"{name}.{key}": value for key, value in tensors.items()})
+    return fold_modules_to_save(model, state)
+
+
+def unload_layers(model: nn.Module, targets: Iterable[str], modules_to_save: Iterable[str], merge: bool,
+                  who: str) -> None:
+    """Put each target's base layer back (with ``merge``, its merged tensors written in, and the trained
+    ``modules_to_save`` copies kept; without, unmerged first). Refused before anything changes if a merge would write
+    a quantized weight or a non-finite one."""
+    layers = {name: model.get_submodule(name) for name in targets}
+    if merge:
+        quantized = [n for n, layer in layers.items() if is_quantized(layer.base_layer.weight)]
+        if quantized:
+            raise RuntimeError(f"{who}(merge=True): the base weight of {quantized[0]!r} is quantized; merging would "
+                               "have to requantize it. Export merged_state_dict(model) instead.")
+        for name, tensors in folded(model, [n for n, layer in layers.items() if not layer.merged], who).items():
+            layers[name].write(tensors)  # no unmerge follows: nothing needs to be invertible
+    for name, layer in layers.items():
+        if not merge:
+            layer.unmerge()
+        set_submodule(model, name, layer.base_layer)
+    restore_modules(model, modules_to_save, trained=merge)
+
+
+def describe_leaves(model: nn.Module, accepts: Callable[[nn.Module], bool], kinds: str, does: str) -> str:
+    """'k, v (x2 each), ...': leaf names of the modules of ``model`` that ``accepts`` takes, for messages (none:
+    what the technique ``does`` to which ``kinds``)."""
+    counts: dict[str, int] = {}
+    for name, module in model.named_modules():
+        if name and accepts(module) and not name.endswith(".base_layer"):
+            counts[name.rsplit(".", 1)[-1]] = counts.get(name.rsplit(".", 1)[-1], 0) + 1
+    if not counts:
+        return f"none ({does} {kinds}, and {type(model).__name__} has no such module)"
+    return ", ".join(f"{leaf} (x{n})" if n > 1 else leaf for leaf, n in counts.items())

@@ -118,7 +118,7 @@ class IA3Layer(LayerWrapper):
         merged = self.merged_weights()
         if not all(torch.isfinite(t).all() for t in merged.values()):
             raise RuntimeError("the merged weight would hold inf or NaN; nothing was merged.")
-        self._write(merged)
+        self.write(merged)
         self.merged = True
 
     def unmerge(self) -> None:
@@ -132,10 +132,10 @@ class IA3Layer(LayerWrapper):
         if base.bias is not None and not self.feedforward:
             bias = base.bias.detach()
             restored["bias"] = (bias.to(wide) / self.ia3_l.detach().reshape(bias.shape)).to(bias.dtype)
-        self._write(restored)
+        self.write(restored)
         self.merged = False
 
-    def _write(self, tensors: dict[str, Tensor]) -> None:
+    def write(self, tensors: dict[str, Tensor]) -> None:
         with torch.no_grad():
             for key, value in tensors.items():
                 getattr(self.base_layer, key).copy_(value)

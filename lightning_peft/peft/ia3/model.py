@@ -42,7 +42,6 @@ from .._common import (
     chosen_by_name,
     exact_choice,
     inside,
-    is_quantized,
     name_matches,
     refuse_absent,
     refuse_no_target,
@@ -51,7 +50,15 @@ from .._common import (
     require,
     wraps_a_layer,
 )
-from .._in_place import Switch, folded, merge_layers, switched_off, unmerge_layers
+from .._in_place import (
+    Switch,
+    describe_leaves,
+    fold_layers,
+    merge_layers,
+    switched_off,
+    unload_layers,
+    unmerge_layers,
+)
 from ..adapter import (
     Adapter,
     attach,
@@ -65,10 +72,8 @@ from ..adapter import (
 )
 from ..modules_to_save import (
     ModulesToSave,
-    fold_modules_to_save,
     plain_key,
     present_modules,
-    restore_modules,
     saved_state,
     select_modules_to_save,
     set_submodule,
@@ -111,13 +116,7 @@ def inject_ia3(model: nn.Module, config: IA3Config | None = None, **kwargs: Any)
 
 def describe_modules(model: nn.Module) -> str:
     """'k, v (x2 each), ...': leaf names of the modules IA³ can scale, for messages."""
-    counts: dict[str, int] = {}
-    for name, module in model.named_modules():
-        if name and supported(module) and not name.endswith(".base_layer"):
-            counts[name.rsplit(".", 1)[-1]] = counts.get(name.rsplit(".", 1)[-1], 0) + 1
-    if not counts:
-        return f"none (IA³ scales {_KINDS}, and {type(model).__name__} has no such module)"
-    return ", ".join(f"{leaf} (x{n})" if n > 1 else leaf for leaf, n in counts.items())
+    return describe_leaves(model, supported, _KINDS, "IA³ scales")
 
 
 def select(model: nn.Module, config: IA3Config) -> tuple[list[str], list[str]]:
@@ -279,31 +278,10 @@ class IA3Adapter(Adapter):
 
     def merged_state(self, model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
         model = unwrap(model)
-        merged = folded(model, self.targets, "merged_state_dict")
-        for name in self.targets:
-            state.pop(f"{name}.ia3_l")
-            prefix = f"{name}.base_layer."
-            for key in [k for k in state if k.startswith(prefix)]:
-                state[f"{name}.{key[len(prefix):]}"] = state.pop(key)
-            state.update({f"{name}.{key}": value for key, value in merged[name].items()})
-        return fold_modules_to_save(model, state)
+        return fold_layers(model, self.targets, lambda name: f"{name}.ia3_l", state)
 
     def unload(self, model: nn.Module, merge: bool) -> None:
-        model = unwrap(model)
-        layers = {name: model.get_submodule(name) for name in self.targets}
-        if merge:
-            quantized = [n for n, layer in layers.items() if is_quantized(layer.base_layer.weight)]
-            if quantized:
-                raise RuntimeError(f"unload_ia3(merge=True): the base weight of {quantized[0]!r} is quantized; "
-                                   "merging would have to requantize it. Export merged_state_dict(model) instead.")
-            merged = folded(model, [n for n, layer in layers.items() if not layer.merged], "unload_ia3")
-            for name, tensors in merged.items():
-                layers[name]._write(tensors)  # no zero check: nothing divides it back
-        for name, layer in layers.items():
-            if not merge:
-                layer.unmerge()
-            set_submodule(model, name, layer.base_layer)
-        restore_modules(model, self.modules_to_save, trained=merge)
+        unload_layers(unwrap(model), self.targets, self.modules_to_save, merge, "unload_ia3")
         detach(model, self.kind)
 
     def peft_state(self, model: nn.Module) -> dict[str, Tensor]:

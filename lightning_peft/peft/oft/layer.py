@@ -215,7 +215,7 @@ class OFTLayer(LayerWrapper):
         merged = self.merged_weights()["weight"]
         if not torch.isfinite(merged).all():
             raise RuntimeError("the merged weight would hold inf or NaN; nothing was merged.")
-        self._write(merged)
+        self.write({"weight": merged})
         self.merged = True
 
     def unmerge(self) -> None:
@@ -226,9 +226,11 @@ class OFTLayer(LayerWrapper):
         weight = self.base_layer.weight.detach()
         inverse = torch.linalg.inv(self.merge_blocks().to(torch.promote_types(compute_dtype(weight.dtype),
                                                                               self.rotation.weight.dtype)))
-        self._write(self._rotate_weight(weight, inverse).to(weight.dtype))
+        self.write({"weight": self._rotate_weight(weight, inverse).to(weight.dtype)})
         self.merged = False
 
-    def _write(self, weight: Tensor) -> None:
+    def write(self, tensors: dict[str, Tensor]) -> None:
+        """Copy ``tensors`` (``{"weight": ...}``) into the base layer, in place."""
         with torch.no_grad():
-            self.base_layer.weight.copy_(weight)
+            for key, value in tensors.items():
+                getattr(self.base_layer, key).copy_(value)

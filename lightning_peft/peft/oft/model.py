@@ -48,7 +48,6 @@ from .._common import (
     exact_choice,
     in_layers,
     inside,
-    is_quantized,
     name_matches,
     refuse_absent,
     refuse_no_target,
@@ -57,7 +56,15 @@ from .._common import (
     require,
     wraps_a_layer,
 )
-from .._in_place import Switch, folded, merge_layers, switched_off, unmerge_layers
+from .._in_place import (
+    Switch,
+    describe_leaves,
+    fold_layers,
+    merge_layers,
+    switched_off,
+    unload_layers,
+    unmerge_layers,
+)
 from ..adapter import (
     Adapter,
     attach,
@@ -71,10 +78,8 @@ from ..adapter import (
 )
 from ..modules_to_save import (
     ModulesToSave,
-    fold_modules_to_save,
     plain_key,
     present_modules,
-    restore_modules,
     saved_state,
     select_modules_to_save,
     set_submodule,
@@ -119,13 +124,8 @@ def inject_oft(model: nn.Module, config: OFTConfig | None = None, **kwargs: Any)
 
 def describe_modules(model: nn.Module) -> str:
     """'query, value (x2 each), ...': leaf names of the modules OFT can rotate, for messages."""
-    counts: dict[str, int] = {}
-    for name, module in model.named_modules():
-        if name and isinstance(module, (nn.Linear, nn.Conv2d, nn.Embedding)) and not name.endswith(".base_layer"):
-            counts[name.rsplit(".", 1)[-1]] = counts.get(name.rsplit(".", 1)[-1], 0) + 1
-    if not counts:
-        return f"none (OFT rotates {_KINDS}, and {type(model).__name__} has no such module)"
-    return ", ".join(f"{leaf} (x{n})" if n > 1 else leaf for leaf, n in counts.items())
+    return describe_leaves(model, lambda m: isinstance(m, (nn.Linear, nn.Conv2d, nn.Embedding)), _KINDS,
+                           "OFT rotates")
 
 
 def block_size(name: str, module: nn.Module, config: OFTConfig) -> int:
@@ -327,31 +327,10 @@ class OFTAdapter(Adapter):
 
     def merged_state(self, model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
         model = unwrap(model)
-        merged = folded(model, self.targets, "merged_state_dict")
-        for name in self.targets:
-            state.pop(f"{name}.{model.get_submodule(name).key}.weight")
-            prefix = f"{name}.base_layer."
-            for key in [k for k in state if k.startswith(prefix)]:
-                state[f"{name}.{key[len(prefix):]}"] = state.pop(key)
-            state[f"{name}.weight"] = merged[name]["weight"]
-        return fold_modules_to_save(model, state)
+        return fold_layers(model, self.targets, lambda name: f"{name}.{model.get_submodule(name).key}.weight", state)
 
     def unload(self, model: nn.Module, merge: bool) -> None:
-        model = unwrap(model)
-        layers = {name: model.get_submodule(name) for name in self.targets}
-        if merge:
-            quantized = [n for n, layer in layers.items() if is_quantized(layer.base_layer.weight)]
-            if quantized:
-                raise RuntimeError(f"unload_oft(merge=True): the base weight of {quantized[0]!r} is quantized; "
-                                   "merging would have to requantize it. Export merged_state_dict(model) instead.")
-            merged = folded(model, [n for n, layer in layers.items() if not layer.merged], "unload_oft")
-            for name, tensors in merged.items():
-                layers[name]._write(tensors["weight"])
-        for name, layer in layers.items():
-            if not merge:
-                layer.unmerge()
-            set_submodule(model, name, layer.base_layer)
-        restore_modules(model, self.modules_to_save, trained=merge)
+        unload_layers(unwrap(model), self.targets, self.modules_to_save, merge, "unload_oft")
         detach(model, self.kind)
 
     def peft_state(self, model: nn.Module) -> dict[str, Tensor]:
