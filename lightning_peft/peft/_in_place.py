@@ -11,8 +11,23 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import Tensor, nn
 
-from ._common import is_quantized
-from .modules_to_save import fold_modules_to_save, restore_modules, set_submodule
+from ._common import (
+    chosen_by_name,
+    in_layers,
+    inside,
+    is_quantized,
+    name_matches,
+    refuse_no_target,
+    refuse_unmatched,
+    wraps_a_layer,
+)
+from .modules_to_save import (
+    ModulesToSave,
+    fold_modules_to_save,
+    restore_modules,
+    select_modules_to_save,
+    set_submodule,
+)
 
 
 class Switch:
@@ -134,3 +149,42 @@ def describe_leaves(model: nn.Module, accepts: Callable[[nn.Module], bool], kind
     if not counts:
         return f"none ({does} {kinds}, and {type(model).__name__} has no such module)"
     return ", ".join(f"{leaf} (x{n})" if n > 1 else leaf for leaf, n in counts.items())
+
+
+def choose_targets(who: str, model: nn.Module, config, describe: Callable[[nn.Module], str], does: str,
+                   example: str) -> tuple[list[str], list[str]]:
+    """(targets, modules_to_save) full names that ``config`` (``target_modules``, ``layers_to_transform``,
+    ``layers_pattern``, ``exclude_modules``, ``modules_to_save``) picks in ``model``, as PEFT picks them; raises,
+    before anything changes, if a name matches nothing. ``describe(model)`` lists what the technique can adapt,
+    ``does`` is what it does ("rotate"), ``example`` a full module name for the messages."""
+    names = [n for n, _ in model.named_modules() if n]
+    to_save = select_modules_to_save(model, config.modules_to_save, who)
+    chosen = chosen_by_name(who, config.target_modules, names, model, describe)
+    if config.layers_to_transform is not None and chosen:
+        chosen = in_layers(who, chosen, config.target_modules, config.layers_to_transform, config.layers_pattern,
+                           model)
+    if config.exclude_modules is not None:
+        refuse_unmatched(who, config.exclude_modules, names, model, describe, "exclude_modules")
+        chosen = [n for n in chosen if not name_matches(n, config.exclude_modules)]
+    chosen = [n for n in chosen if not inside(n, to_save)]
+    if not chosen:
+        refuse_no_target(who, config.target_modules, model, does, describe(model), example)
+    for name in chosen:
+        module = model.get_submodule(name)
+        if isinstance(module, ModulesToSave) or wraps_a_layer(module):
+            raise ValueError(f"{who}: {name!r} is already wrapped by another technique ({type(module).__name__}); "
+                             f"wrapping it again would move that technique's parameters. Keep {who} off this module.")
+    return chosen, to_save
+
+
+def refuse_odd_conv(who: str, name: str, module: nn.Module) -> None:
+    """Raise if the Conv2d ``module`` is grouped, dilated or has a non-square kernel: PEFT's OFT and BOFT formats
+    rotate ``in_channels * k * k`` features, which says nothing true of those."""
+    odd = [f"{k}={v}" for k, v, plain in (("groups", module.groups, 1), ("dilation", module.dilation, (1, 1)))
+           if v != plain]
+    if module.kernel_size[0] != module.kernel_size[1]:
+        odd.append(f"kernel_size={module.kernel_size}")
+    if odd:
+        raise ValueError(f"{who}: the Conv2d {name!r} has {', '.join(odd)}; PEFT's {who} format has square, "
+                         "ungrouped, undilated convolutions only (its files could not say what this rotates). "
+                         "Leave it out of target_modules.")

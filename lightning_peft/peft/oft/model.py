@@ -44,23 +44,18 @@ from torch import Tensor, nn
 
 from .._base_identity import base_model_name
 from .._common import (
-    chosen_by_name,
     exact_choice,
-    in_layers,
-    inside,
-    name_matches,
     refuse_absent,
-    refuse_no_target,
     refuse_second_injection,
-    refuse_unmatched,
     require,
-    wraps_a_layer,
 )
 from .._in_place import (
     Switch,
+    choose_targets,
     describe_leaves,
     fold_layers,
     merge_layers,
+    refuse_odd_conv,
     switched_off,
     unload_layers,
     unmerge_layers,
@@ -77,11 +72,9 @@ from ..adapter import (
     unwrap,
 )
 from ..modules_to_save import (
-    ModulesToSave,
     plain_key,
     present_modules,
     saved_state,
-    select_modules_to_save,
     set_submodule,
     wrap_modules_to_save,
 )
@@ -145,42 +138,21 @@ def block_size(name: str, module: nn.Module, config: OFTConfig) -> int:
     return size_of_block
 
 
-def _check_kind(name: str, module: nn.Module, config: OFTConfig, model: nn.Module) -> None:
-    if isinstance(module, ModulesToSave) or wraps_a_layer(module):
-        raise ValueError(f"{WHO}: {name!r} is already wrapped by another technique ({type(module).__name__}); an "
-                         "OFT layer around it would move that technique's parameters. Keep OFT off this module.")
+def check_kind(name: str, module: nn.Module, config: OFTConfig, model: nn.Module) -> None:
+    """Raise if ``module`` is no layer PEFT's OFT has a format for."""
     if not isinstance(module, (nn.Linear, nn.Conv2d, nn.Embedding)):
         raise TypeError(f"{WHO}(target_modules={config.target_modules!r}): {name!r} is a {type(module).__name__}; "
                         f"OFT rotates {_KINDS} (Hugging Face PEFT's OFT layers; it has none for transformers Conv1D "
                         f"either). {type(model).__name__} has: {describe_modules(model)}.")
     if isinstance(module, nn.Conv2d):
-        odd = [f"{k}={v}" for k, v, plain in (("groups", module.groups, 1), ("dilation", module.dilation, (1, 1)))
-               if v != plain]
-        if module.kernel_size[0] != module.kernel_size[1]:
-            odd.append(f"kernel_size={module.kernel_size}")
-        if odd:
-            raise ValueError(f"{WHO}: the Conv2d {name!r} has {', '.join(odd)}; PEFT's OFT format has square, "
-                             "ungrouped, undilated convolutions only (its files could not say what this rotates). "
-                             "Leave it out of target_modules.")
+        refuse_odd_conv(WHO, name, module)
 
 
 def select(model: nn.Module, config: OFTConfig) -> tuple[dict[str, int], list[str]]:
     """({target: block size}, modules_to_save) by full name, as PEFT picks them; raises before anything changes."""
-    names = [n for n, _ in model.named_modules() if n]
-    to_save = select_modules_to_save(model, config.modules_to_save, WHO)
-    chosen = chosen_by_name(WHO, config.target_modules, names, model, describe_modules)
-    if config.layers_to_transform is not None and chosen:
-        chosen = in_layers(WHO, chosen, config.target_modules, config.layers_to_transform, config.layers_pattern,
-                           model)
-    if config.exclude_modules is not None:
-        refuse_unmatched(WHO, config.exclude_modules, names, model, describe_modules, "exclude_modules")
-        chosen = [n for n in chosen if not name_matches(n, config.exclude_modules)]
-    chosen = [n for n in chosen if not inside(n, to_save)]
-    if not chosen:
-        refuse_no_target(WHO, config.target_modules, model, "rotate", describe_modules(model),
-                         "model.layers.0.self_attn.q_proj")
+    chosen, to_save = choose_targets(WHO, model, config, describe_modules, "rotate", "model.layers.0.self_attn.q_proj")
     for name in chosen:
-        _check_kind(name, model.get_submodule(name), config, model)
+        check_kind(name, model.get_submodule(name), config, model)
     return {name: block_size(name, model.get_submodule(name), config) for name in chosen}, to_save
 
 
@@ -321,7 +293,7 @@ class OFTAdapter(Adapter):
         refuse_absent(model, [*targets, *to_save], "OFT: the recorded adapter")
         ours = OFTConfig(**config["config"])
         for name in targets:
-            _check_kind(name, model.get_submodule(name), ours, model)
+            check_kind(name, model.get_submodule(name), ours, model)
         _inject(model, ours, targets, to_save)
         return attached(model)[cls.kind]
 
