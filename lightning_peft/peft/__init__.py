@@ -4,6 +4,7 @@ share; PEFT-format I/O."""
 
 from . import _model_methods  # noqa: F401  (what save_pretrained, set_adapter, ... do on an adapted model)
 from .adapter import Adapter, ParameterReport, adapter_state_dict, attached, merged_state_dict, trainable_parameters
+from .boft import BOFTAdapter, BOFTConfig, inject_boft, unload_boft
 from .bottleneck import (
     Bottleneck,
     BottleneckAdapter,
@@ -59,6 +60,8 @@ from .prompt import (
 
 __all__ = [
     "Adapter",
+    "BOFTAdapter",
+    "BOFTConfig",
     "Bottleneck",
     "BottleneckAdapter",
     "BottleneckConfig",
@@ -91,6 +94,7 @@ __all__ = [
     "delete_adapter",
     "disable_adapters",
     "fold_prefix_projection",
+    "inject_boft",
     "inject_bottleneck_adapters",
     "inject_ia3",
     "inject_lora",
@@ -111,6 +115,7 @@ __all__ = [
     "save_adapter",
     "set_adapter",
     "trainable_parameters",
+    "unload_boft",
     "unload_bottleneck_adapters",
     "unload_ia3",
     "unload_lora",

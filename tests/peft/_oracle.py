@@ -54,6 +54,33 @@ class MLP(nn.Module):
         return self.lin1(self.relu(self.lin0(x)))
 
 
+class MLP2(nn.Module):
+    """PEFT's ``MLP2``: 10 -> 32 -> 2 (a 32-wide input for BOFT's butterfly rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin0 = nn.Linear(10, 32)
+        self.lin1 = nn.Linear(32, 2)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, 10) -> (B, 2)
+        return self.lin1(self.lin0(x).relu())
+
+
+class Conv2d2(nn.Module):
+    """PEFT's ``ModelConv2D2``: a linear layer into a 3x3 image of 8 channels, ``Conv2d(8, 32, 3)`` (72 rotated
+    features). PEFT's reshapes its 40 features across samples; here each sample has its own 72."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin0 = nn.Linear(10, 72)
+        self.conv2d = nn.Conv2d(8, 32, 3)
+        self.lin1 = nn.Linear(32, 2)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, 10) -> (B, 2)
+        image = self.lin0(x).relu().reshape(-1, 8, 3, 3)  # (B, 8, 3, 3)
+        return self.lin1(self.conv2d(image).relu().flatten(1))
+
+
 class EmbConv1D(nn.Module):
     """An embedding and a transformers ``Conv1D`` (weight (in, out)), as GPT-2 has."""
 
@@ -142,6 +169,8 @@ class MoE(nn.Module):
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "MLP": MLP,
+    "MLP2": MLP2,
+    "Conv2d2": Conv2d2,
     "EmbConv1D": EmbConv1D,
     "Conv1d": lambda: ConvModel(1),
     "Conv2d": lambda: ConvModel(2),
