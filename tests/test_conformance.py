@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_peft.callbacks import (
+    BOFT,
     IA3,
     OFT,
     BottleneckAdapters,
@@ -45,6 +46,7 @@ from lightning_peft.peft import (
     adapter_state_dict,
     add_adapter,
     attached,
+    inject_boft,
     inject_bottleneck_adapters,
     inject_ia3,
     inject_lora,
@@ -86,6 +88,7 @@ BOTTLENECK = {"placement": "houlsby", "reduction_factor": 4, "non_linearity": "g
 PREFIX = {"num_virtual_tokens": 3, "modules_to_save": ["classifier"]}
 IA3_ARGS = {"target_modules": ["key", "value", "output.dense"], "feedforward_modules": ["output.dense"]}
 OFT_ARGS = {"target_modules": ["query", "value", "output.dense"], "oft_block_size": 4}
+BOFT_ARGS = {"target_modules": ["query", "value", "output.dense"], "boft_block_size": 4, "boft_n_butterfly_factor": 2}
 ROUTES = [["news", "sport", None, "news"], [1, 0, 0, -1], ["sport", "sport", "news", None], [None, "news", 1, "sport"]]
 
 
@@ -202,6 +205,17 @@ TECHNIQUES: dict[str, Technique] = {
         peft_config=lambda targets: peft.OFTConfig(task_type="CAUSAL_LM", target_modules=["wpe"], oft_block_size=4),
         keeps_float32=True,
     ),
+    "boft": Technique(  # no peft_config: PEFT's GPT-2 layers are Conv1D, which its BOFT has none for
+        callback=lambda **kw: BOFT(**BOFT_ARGS, **kw),
+        data=loader,
+        refused={"boft_n_butterfly_factor": (
+            lambda **kw: BOFT(**{**BOFT_ARGS, "boft_n_butterfly_factor": 1}, **kw),
+            r"BOFT: the checkpoint's boft adapter on 'model' was trained with .*boft_n_butterfly_factor=2.*; this "
+            r"run has .*boft_n_butterfly_factor=1")},
+        inject={"bert": lambda m: inject_boft(m, **BOFT_ARGS),
+                "gpt2": lambda m: inject_boft(m, target_modules=["lm_head"], boft_block_size=4)},
+        keeps_float32=True,
+    ),
     "prompt_tuning": Technique(
         callback=lambda **kw: PromptTuning(num_virtual_tokens=4, **kw),
         data=loader,
@@ -242,7 +256,7 @@ def test_every_registered_technique_has_a_row():
     from lightning_peft.peft import adapter
 
     registered = {kind for kind, cls in adapter._REGISTRY.items() if cls.__module__.startswith("lightning_peft.")}
-    covered = {"lora", "bottleneck", "ia3", "oft", "prompt_tuning", "prefix_tuning"}  # multi_lora is LoRA's protocol row as well
+    covered = {"lora", "bottleneck", "ia3", "oft", "boft", "prompt_tuning", "prefix_tuning"}  # multi_lora is LoRA's protocol row as well
     assert registered == covered, f"add a conformance row for {sorted(registered - covered)}"
     assert {name.split("_projection")[0] for name in TECHNIQUES} - {"multi_lora", "lora_dora"} == covered
 

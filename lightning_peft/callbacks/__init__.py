@@ -2,6 +2,7 @@
 
 from lightning_peft.callbacks._checkpoint import load_from_checkpoint
 from lightning_peft.callbacks.activation_checkpointing import ActivationCheckpointing
+from lightning_peft.callbacks.boft import BOFT
 from lightning_peft.callbacks.bottleneck import BottleneckAdapters
 from lightning_peft.callbacks.curriculum import Curriculum
 from lightning_peft.callbacks.gradient_accumulation import GradientAccumulation
@@ -18,6 +19,6 @@ from lightning_peft.callbacks.token_pruning import TokenPruning
 from lightning_peft.peft.checkpoint import restore_adapters
 
 __all__ = [
-    "IA3", "OFT", "ActivationCheckpointing", "BottleneckAdapters", "Curriculum", "GradientAccumulation", "GradientNoise", "LayerwiseLRDecay", "LoRA",
+    "BOFT", "IA3", "OFT", "ActivationCheckpointing", "BottleneckAdapters", "Curriculum", "GradientAccumulation", "GradientNoise", "LayerwiseLRDecay", "LoRA",
     "MergeOnSave", "MultiLoRA", "PrefixTuning", "PromptTuning", "TokenPruning", "load_from_checkpoint", "restore_adapters",
 ]

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_peft._seams import data_parallel
 from lightning_peft.callbacks import (
+    BOFT,
     OFT,
     ActivationCheckpointing,
     BottleneckAdapters,
@@ -201,6 +202,7 @@ ROWS = [
         routing_key="adapter", modules_to_save=_targets(kind)["modules_to_save"])], adapter_name="a"),
     Row("BottleneckAdapters", lambda kind: [BottleneckAdapters(bottleneck_size=4, init_scale=0.1)]),
     Row("OFT", lambda kind: [OFT(oft_block_size=4, **_targets(kind))]),
+    Row("BOFT", lambda kind: [BOFT(boft_block_size=4, boft_n_butterfly_factor=2, **_targets(kind))]),
     Row("PromptTuning", lambda kind: [PromptTuning(num_virtual_tokens=3)]),
     Row("PrefixTuning", lambda kind: [PrefixTuning(num_virtual_tokens=3)]),
     Row("MergeOnSave", lambda kind: [_lora(kind)], save_merged=True),

@@ -100,8 +100,8 @@ class BOFTLayer(LayerWrapper):
         return t
 
     @property
-    def reads_base_weight(self) -> bool:  # a convolution rotates its weight in the forward
-        return self.conv
+    def reads_base_weight(self) -> bool:  # a convolution rotates its weight, a linear layer unscales its bias
+        return True
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         if self.merged or self.switch.disabled:
