@@ -105,13 +105,14 @@ def folded(model: nn.Module, targets: Iterable[str], who: str) -> dict[str, dict
     return tensors
 
 
-def fold_layers(model: nn.Module, targets: Iterable[str], own: Callable[[str], str],
+def fold_layers(model: nn.Module, targets: Iterable[str], own: Callable[[str], list[str]],
                 state: dict[str, Tensor]) -> dict[str, Tensor]:
     """``state`` (a full state dict of ``model``) with each target layer replaced by its merged base: the layer's
-    own tensor ``own(name)`` dropped, ``<name>.base_layer.<key>`` renamed ``<name>.<key>``, the merged tensors in."""
+    own tensors (keys ``own(name)``) dropped, ``<name>.base_layer.<key>`` renamed ``<name>.<key>``, the merged tensors in."""
     merged = folded(model, targets, "merged_state_dict")
     for name, tensors in merged.items():
-        state.pop(own(name))
+        for key in own(name):
+            state.pop(key)
         prefix = f"{name}.base_layer."
         for key in [k for k in state if k.startswith(prefix)]:
             state[f"{name}.{key[len(prefix):]}"] = state.pop(key)

@@ -26,38 +26,32 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
 from .._base_identity import base_model_name
-from .._common import exact_choice, refuse_absent, refuse_second_injection, require
+from .._block_adapter import BlockAdapter
+from .._common import exact_choice, refuse_second_injection, require
 from .._in_place import (
-    Switch,
     choose_targets,
     describe_leaves,
-    fold_layers,
     merge_layers,
     refuse_odd_conv,
     switched_off,
-    unload_layers,
     unmerge_layers,
 )
 from ..adapter import (
-    Adapter,
     attach,
-    attached,
     clean_key,
-    detach,
     register,
     remove_adapter,
     trainable_parameters,
     unwrap,
 )
-from ..modules_to_save import plain_key, present_modules, saved_state, set_submodule, wrap_modules_to_save
+from ..modules_to_save import set_submodule, wrap_modules_to_save
 from ..oft.layer import rotated_size
 from .config import PEFT_FIELDS, PEFT_TYPE, WHO, BOFTConfig, as_config
 from .layer import BOFTLayer
@@ -193,77 +187,30 @@ def disable_boft(model: nn.Module) -> Iterator[None]:
 
 
 @register
-class BOFTAdapter(Adapter):
-    """BOFT's side of the adapter protocol: what [`inject_boft`][lightning_peft.peft.inject_boft] did to a model."""
+class BOFTAdapter(BlockAdapter):
+    """BOFT's side of the adapter protocol: what [`inject_boft`][lightning_peft.peft.inject_boft] did to a model
+    (`lightning_peft.peft._block_adapter.BlockAdapter`)."""
 
     kind: ClassVar[str] = "boft"
     peft_type: ClassVar[str] = PEFT_TYPE
     peft_fields: ClassVar[frozenset[str]] = PEFT_FIELDS
-    mergeable: ClassVar[bool] = True
     training_only: ClassVar[tuple[str, ...]] = ("init_weights", "boft_dropout")
+    config_type, who = BOFTConfig, WHO
+    compared = ("boft_block_size", "boft_block_num", "boft_n_butterfly_factor", "bias")
 
-    def __init__(self, config: BOFTConfig, targets: dict[str, int], modules_to_save: Iterable[str]) -> None:
-        self.config = config
-        self.targets = tuple(targets)
-        self.block_sizes = dict(targets)
-        self.modules_to_save = tuple(modules_to_save)
-        self.switch = Switch()
-
-    def __repr__(self) -> str:
-        return f"BOFTAdapter({len(self.targets)} targets, modules_to_save={list(self.modules_to_save)})"
-
-    def state(self, model: nn.Module) -> dict[str, Tensor]:
-        model = unwrap(model)
-        state: dict[str, Tensor] = {}
-        for name in self.targets:
-            layer = model.get_submodule(name)
-            state.update({f"{name}.boft_R": layer.boft_R, f"{name}.boft_s": layer.boft_s})
-            if self.config.bias == "boft_only" and layer.base_layer._parameters.get("bias") is not None:
-                state[f"{name}.base_layer.bias"] = layer.base_layer.bias
-        if self.config.bias == "all":
-            for name, module in model.named_modules():
-                if module._parameters.get("bias") is not None and ".original_module" not in f".{name}":
-                    state[f"{name}.bias" if name else "bias"] = module._parameters["bias"]
-        return {**state, **saved_state(model, self.modules_to_save)}
-
-    def config_dict(self) -> dict[str, Any]:
-        return {"config": self.config.to_dict(), "targets": self.block_sizes,
-                "modules_to_save": list(self.modules_to_save)}
-
-    def matches(self, config: dict[str, Any]) -> bool:
-        if BOFTConfig(**config["config"]) != self.config:
-            return False
-        mine = {"targets": self.block_sizes, "modules_to_save": list(self.modules_to_save)}
-        return all(dict(config[key]) == value if key == "targets" else list(config[key]) == value
-                   for key, value in mine.items() if key in config)
-
-    def wrapped(self, model: nn.Module) -> dict[str, nn.Module]:
-        model = unwrap(model)
-        return {name: model.get_submodule(name) for name in self.targets}
+    def own(self, layer: nn.Module, name: str) -> dict[str, Tensor]:
+        return {f"{name}.boft_R": layer.boft_R, f"{name}.boft_s": layer.boft_s}
 
     @classmethod
-    def inject(cls, model: nn.Module, config: dict[str, Any]) -> BOFTAdapter:
-        model = unwrap(model)
+    def place(cls, model: nn.Module, config: BOFTConfig, targets: dict[str, int], to_save: list[str]) -> None:
         _refuse_second_injection(model)
-        targets, to_save = dict(config["targets"]), list(config["modules_to_save"])
-        refuse_absent(model, [*targets, *to_save], "BOFT: the recorded adapter")
-        ours = BOFTConfig(**config["config"])
         for name in targets:
-            _check_kind(name, model.get_submodule(name), ours, model)
-        _inject(model, ours, targets, to_save)
-        return attached(model)[cls.kind]
+            _check_kind(name, model.get_submodule(name), config, model)
+        _inject(model, config, targets, to_save)
 
-    def merged_state(self, model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
-        for name in self.targets:
-            state.pop(f"{name}.boft_s")
-        return fold_layers(unwrap(model), self.targets, lambda name: f"{name}.boft_R", state)
-
-    def unload(self, model: nn.Module, merge: bool) -> None:
-        unload_layers(unwrap(model), self.targets, self.modules_to_save, merge, "unload_boft")
-        detach(model, self.kind)
-
-    def peft_state(self, model: nn.Module) -> dict[str, Tensor]:
-        return {clean_key(plain_key(k)): v for k, v in self.state(model).items()}
+    @classmethod
+    def inject_config(cls, model: nn.Module, config: BOFTConfig) -> None:
+        inject_boft(model, config)
 
     def peft_config(self, model: nn.Module) -> dict[str, Any]:
         names = [n for n, _ in unwrap(model).named_modules() if n]
@@ -278,16 +225,6 @@ class BOFTAdapter(Adapter):
                                                           "init_weights")},
         }
 
-    def check_peft_config(self, model: nn.Module, config: Any, source: str) -> None:
-        if any(layer.merged for layer in boft_layers(model).values()):
-            raise RuntimeError("load_adapter: the BOFT rotations are merged; call unmerge_boft(model) before loading.")
-        theirs = BOFTConfig.from_peft(config, source)
-        fields = ("boft_block_size", "boft_block_num", "boft_n_butterfly_factor", "bias")
-        differ = [f"{f}={getattr(theirs, f)!r} (the model's: {getattr(self.config, f)!r})" for f in fields
-                  if getattr(theirs, f) != getattr(self.config, f)]
-        if differ:
-            raise ValueError(f"load_adapter: {source} has {', '.join(differ)}. Load it into a model without BOFT.")
-
     @classmethod
     def check_peft_shapes(cls, model: nn.Module, config: dict[str, Any], shapes: dict[str, tuple[int, ...]], files,
                           inject: bool) -> None:
@@ -301,13 +238,3 @@ class BOFTAdapter(Adapter):
                 f"{shapes[short[0]][0]} factor(s): PEFT without its CUDA extension (fbd_cuda) trains a single "
                 "factor whatever the config asks, and writes the number asked for. Set boft_n_butterfly_factor to "
                 f"{shapes[short[0]][0]} in that adapter_config.json to load what was trained.")
-
-    @classmethod
-    def from_peft(cls, model: nn.Module, config: dict[str, Any], source: str) -> BOFTAdapter:
-        ours = BOFTConfig.from_peft(config, source)
-        ours = dataclasses.replace(ours, modules_to_save=present_modules(unwrap(model), ours.modules_to_save, source))
-        try:
-            inject_boft(model, ours)
-        except ValueError as err:
-            raise ValueError(f"load_adapter: {source}: {err}") from None
-        return attached(model)[cls.kind]

@@ -278,7 +278,7 @@ class IA3Adapter(Adapter):
 
     def merged_state(self, model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
         model = unwrap(model)
-        return fold_layers(model, self.targets, lambda name: f"{name}.ia3_l", state)
+        return fold_layers(model, self.targets, lambda name: [f"{name}.ia3_l"], state)
 
     def unload(self, model: nn.Module, merge: bool) -> None:
         unload_layers(unwrap(model), self.targets, self.modules_to_save, merge, "unload_ia3")

@@ -35,46 +35,36 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
 from .._base_identity import base_model_name
+from .._block_adapter import BlockAdapter
 from .._common import (
     exact_choice,
-    refuse_absent,
     refuse_second_injection,
     require,
 )
 from .._in_place import (
-    Switch,
     choose_targets,
     describe_leaves,
-    fold_layers,
     merge_layers,
     refuse_odd_conv,
     switched_off,
-    unload_layers,
     unmerge_layers,
 )
 from ..adapter import (
-    Adapter,
     attach,
-    attached,
     clean_key,
-    detach,
     register,
     remove_adapter,
     trainable_parameters,
     unwrap,
 )
 from ..modules_to_save import (
-    plain_key,
-    present_modules,
-    saved_state,
     set_submodule,
     wrap_modules_to_save,
 )
@@ -228,85 +218,32 @@ def disable_oft(model: nn.Module) -> Iterator[None]:
 
 
 @register
-class OFTAdapter(Adapter):
-    """OFT's side of the adapter protocol: what [`inject_oft`][lightning_peft.peft.inject_oft] did to a model.
-
-    Args:
-        config: The config used.
-        targets: Full names of the rotated modules and their block sizes.
-        modules_to_save: Full names of the modules trained and saved in full.
-    """
+class OFTAdapter(BlockAdapter):
+    """OFT's side of the adapter protocol: what [`inject_oft`][lightning_peft.peft.inject_oft] did to a model
+    (`lightning_peft.peft._block_adapter.BlockAdapter`: targets with their block sizes, trained biases,
+    ``modules_to_save``)."""
 
     kind: ClassVar[str] = "oft"
     peft_type: ClassVar[str] = PEFT_TYPE
     peft_fields: ClassVar[frozenset[str]] = PEFT_FIELDS
-    mergeable: ClassVar[bool] = True
     training_only: ClassVar[tuple[str, ...]] = ("init_weights", "module_dropout")
+    config_type, who = OFTConfig, WHO
+    compared = ("r", "oft_block_size", "coft", "eps", "block_share", "use_cayley_neumann", "num_cayley_neumann_terms",
+                "bias")
 
-    def __init__(self, config: OFTConfig, targets: dict[str, int], modules_to_save: Iterable[str]) -> None:
-        self.config = config
-        self.targets = tuple(targets)
-        self.block_sizes = dict(targets)
-        self.modules_to_save = tuple(modules_to_save)
-        self.switch = Switch()  # shared by its layers and modules_to_save wrappers
-
-    def __repr__(self) -> str:
-        return f"OFTAdapter({len(self.targets)} targets, modules_to_save={list(self.modules_to_save)})"
-
-    def state(self, model: nn.Module) -> dict[str, Tensor]:
-        model = unwrap(model)
-        state: dict[str, Tensor] = {}
-        for name in self.targets:
-            layer = model.get_submodule(name)
-            state[f"{name}.{layer.key}.weight"] = layer.rotation.weight
-            if self.config.bias == "oft_only" and layer.base_layer._parameters.get("bias") is not None:
-                state[f"{name}.base_layer.bias"] = layer.base_layer.bias
-        if self.config.bias == "all":  # every bias of the model, as PEFT trains and saves them
-            for name, module in model.named_modules():
-                if module._parameters.get("bias") is not None and ".original_module" not in f".{name}":
-                    state[f"{name}.bias" if name else "bias"] = module._parameters["bias"]
-        return {**state, **saved_state(model, self.modules_to_save)}
-
-    def config_dict(self) -> dict[str, Any]:
-        return {"config": self.config.to_dict(), "targets": self.block_sizes,
-                "modules_to_save": list(self.modules_to_save)}
-
-    def matches(self, config: dict[str, Any]) -> bool:
-        """Whether this is the adapter ``config`` describes (a `config_dict`, or a callback's request
-        ``{"config": OFTConfig.to_dict()}``, whose names are not resolved yet)."""
-        if OFTConfig(**config["config"]) != self.config:
-            return False
-        mine = {"targets": self.block_sizes, "modules_to_save": list(self.modules_to_save)}
-        return all(dict(config[key]) == value if key == "targets" else list(config[key]) == value
-                   for key, value in mine.items() if key in config)
-
-    def wrapped(self, model: nn.Module) -> dict[str, nn.Module]:
-        model = unwrap(model)
-        return {name: model.get_submodule(name) for name in self.targets}
+    def own(self, layer: nn.Module, name: str) -> dict[str, Tensor]:
+        return {f"{name}.{layer.key}.weight": layer.rotation.weight}
 
     @classmethod
-    def inject(cls, model: nn.Module, config: dict[str, Any]) -> OFTAdapter:
-        """Inject at the recorded names (the same modules whatever the rules would pick today)."""
-        model = unwrap(model)
+    def place(cls, model: nn.Module, config: OFTConfig, targets: dict[str, int], to_save: list[str]) -> None:
         _refuse_second_injection(model)
-        targets, to_save = dict(config["targets"]), list(config["modules_to_save"])
-        refuse_absent(model, [*targets, *to_save], "OFT: the recorded adapter")
-        ours = OFTConfig(**config["config"])
         for name in targets:
-            check_kind(name, model.get_submodule(name), ours, model)
-        _inject(model, ours, targets, to_save)
-        return attached(model)[cls.kind]
+            check_kind(name, model.get_submodule(name), config, model)
+        _inject(model, config, targets, to_save)
 
-    def merged_state(self, model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
-        model = unwrap(model)
-        return fold_layers(model, self.targets, lambda name: f"{name}.{model.get_submodule(name).key}.weight", state)
-
-    def unload(self, model: nn.Module, merge: bool) -> None:
-        unload_layers(unwrap(model), self.targets, self.modules_to_save, merge, "unload_oft")
-        detach(model, self.kind)
-
-    def peft_state(self, model: nn.Module) -> dict[str, Tensor]:
-        return {clean_key(plain_key(k)): v for k, v in self.state(model).items()}
+    @classmethod
+    def inject_config(cls, model: nn.Module, config: OFTConfig) -> None:
+        inject_oft(model, config)
 
     def peft_config(self, model: nn.Module) -> dict[str, Any]:
         names = [n for n, _ in unwrap(model).named_modules() if n]
@@ -327,27 +264,3 @@ class OFTAdapter(Adapter):
                                                      "block_share", "use_cayley_neumann",
                                                      "num_cayley_neumann_terms", "init_weights")},
         }
-
-    def check_peft_config(self, model: nn.Module, config: Any, source: str) -> None:
-        """The file must describe this adapter's rotation (a block size or a variant of another kind would load into
-        tensors of the same shape, or fail late)."""
-        if any(layer.merged for layer in oft_layers(model).values()):
-            raise RuntimeError("load_adapter: the OFT rotations are merged; call unmerge_oft(model) before loading.")
-        theirs = OFTConfig.from_peft(config, source)
-        fields = ("r", "oft_block_size", "coft", "eps", "block_share", "use_cayley_neumann",
-                  "num_cayley_neumann_terms", "bias")
-        differ = [f"{f}={getattr(theirs, f)!r} (the model's: {getattr(self.config, f)!r})" for f in fields
-                  if getattr(theirs, f) != getattr(self.config, f)]
-        if differ:
-            raise ValueError(f"load_adapter: {source} has {', '.join(differ)}. Load it into a model without OFT.")
-
-    @classmethod
-    def from_peft(cls, model: nn.Module, config: dict[str, Any], source: str) -> OFTAdapter:
-        ours = OFTConfig.from_peft(config, source)
-        # PEFT's task types write ["classifier", "score"] whatever the model calls its head: the absent are dropped
-        ours = dataclasses.replace(ours, modules_to_save=present_modules(unwrap(model), ours.modules_to_save, source))
-        try:
-            inject_oft(model, ours)
-        except ValueError as err:
-            raise ValueError(f"load_adapter: {source}: {err}") from None
-        return attached(model)[cls.kind]
