@@ -33,8 +33,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_peft.callbacks import (
+    BOFT,
     IA3,
     AdaLoRA,
+    OFT,
     BottleneckAdapters,
     LoHa,
     LoKr,
@@ -51,12 +53,14 @@ from lightning_peft.peft import (
     add_adapter,
     attached,
     inject_adalora,
+    inject_boft,
     inject_bottleneck_adapters,
     inject_ia3,
     inject_loha,
     inject_lokr,
     inject_lora,
     inject_p_tuning,
+    inject_oft,
     inject_prefix_tuning,
     inject_prompt_tuning,
     inject_vera,
@@ -104,6 +108,8 @@ LOKR_ARGS = {"target_modules": ["query", "value"], "r": 2, "alpha": 4, "decompos
 # state; total_step is given, so that the 1-epoch run follows the 2-epoch schedule
 ADALORA_ARGS = {"target_modules": ["query", "value"], "init_r": 4, "target_r": 2, "tinit": 1, "tfinal": 2,
                 "total_step": 8}
+OFT_ARGS = {"target_modules": ["query", "value", "output.dense"], "oft_block_size": 4}
+BOFT_ARGS = {"target_modules": ["query", "value", "output.dense"], "boft_block_size": 4, "boft_n_butterfly_factor": 2}
 ROUTES = [["news", "sport", None, "news"], [1, 0, 0, -1], ["sport", "sport", "news", None], [None, "news", 1, "sport"]]
 
 
@@ -252,6 +258,29 @@ TECHNIQUES: dict[str, Technique] = {
                                                        total_step=10),
         keeps_float32=True,
     ),
+    "oft": Technique(  # GPT-2's layers are transformers Conv1D, which PEFT's OFT has none for: its embeddings
+        callback=lambda **kw: OFT(**OFT_ARGS, **kw),
+        data=loader,
+        refused={"oft_block_size": (
+            lambda **kw: OFT(**{**OFT_ARGS, "oft_block_size": 8}, **kw),
+            r"OFT: the checkpoint's oft adapter on 'model' was trained with .*oft_block_size=4.*; this run has .*"
+            r"oft_block_size=8")},
+        inject={"bert": lambda m: inject_oft(m, **OFT_ARGS),
+                "gpt2": lambda m: inject_oft(m, target_modules=["wpe"], oft_block_size=4)},
+        peft_config=lambda targets: peft.OFTConfig(task_type="CAUSAL_LM", target_modules=["wpe"], oft_block_size=4),
+        keeps_float32=True,
+    ),
+    "boft": Technique(  # no peft_config: PEFT's GPT-2 layers are Conv1D, which its BOFT has none for
+        callback=lambda **kw: BOFT(**BOFT_ARGS, **kw),
+        data=loader,
+        refused={"boft_n_butterfly_factor": (
+            lambda **kw: BOFT(**{**BOFT_ARGS, "boft_n_butterfly_factor": 1}, **kw),
+            r"BOFT: the checkpoint's boft adapter on 'model' was trained with .*boft_n_butterfly_factor=2.*; this "
+            r"run has .*boft_n_butterfly_factor=1")},
+        inject={"bert": lambda m: inject_boft(m, **BOFT_ARGS),
+                "gpt2": lambda m: inject_boft(m, target_modules=["lm_head"], boft_block_size=4)},
+        keeps_float32=True,
+    ),
     "prompt_tuning": Technique(
         callback=lambda **kw: PromptTuning(num_virtual_tokens=4, **kw),
         data=loader,
@@ -303,7 +332,7 @@ def test_every_registered_technique_has_a_row():
     from lightning_peft.peft import adapter
 
     registered = {kind for kind, cls in adapter._REGISTRY.items() if cls.__module__.startswith("lightning_peft.")}
-    covered = {"lora", "bottleneck", "ia3", "vera", "loha", "lokr", "adalora", "p_tuning", "prompt_tuning", "prefix_tuning"}  # multi_lora is LoRA's protocol row as well
+    covered = {"lora", "bottleneck", "ia3", "vera", "loha", "lokr", "adalora", "p_tuning", "oft", "boft", "prompt_tuning", "prefix_tuning"}  # multi_lora is LoRA's protocol row as well
     assert registered == covered, f"add a conformance row for {sorted(registered - covered)}"
     assert {name.split("_projection")[0] for name in TECHNIQUES} - {"multi_lora", "lora_dora"} == covered
 
@@ -522,7 +551,7 @@ def test_we_load_a_peft_adapter_with_its_outputs(name, family, tmp_path):
         torch.set_default_dtype(torch.float32)
     randomise([p for n, p in sorted(theirs.named_parameters())
                if "lora_" in n or "ia3_l" in n or "prompt_encoder" in n or "vera_lambda" in n or "hada_" in n
-               or "lokr_" in n])
+               or "lokr_" in n or ".oft_" in n])
     theirs.eval().save_pretrained(tmp_path)
     ours = load_adapter(copy.deepcopy(plain), tmp_path).eval()
     assert (logits(ours) - logits(plain)).abs().max() > 1e-3  # not vacuous

@@ -3,6 +3,7 @@
 from lightning_peft.callbacks._checkpoint import load_from_checkpoint
 from lightning_peft.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_peft.callbacks.adalora import AdaLoRA
+from lightning_peft.callbacks.boft import BOFT
 from lightning_peft.callbacks.bottleneck import BottleneckAdapters
 from lightning_peft.callbacks.curriculum import Curriculum
 from lightning_peft.callbacks.gradient_accumulation import GradientAccumulation
@@ -14,6 +15,7 @@ from lightning_peft.callbacks.lokr import LoKr
 from lightning_peft.callbacks.lora import LoRA
 from lightning_peft.callbacks.merge_on_save import MergeOnSave
 from lightning_peft.callbacks.multi_lora import MultiLoRA
+from lightning_peft.callbacks.oft import OFT
 from lightning_peft.callbacks.p_tuning import PTuning
 from lightning_peft.callbacks.prefix_tuning import PrefixTuning
 from lightning_peft.callbacks.prompt_tuning import PromptTuning
@@ -22,7 +24,7 @@ from lightning_peft.callbacks.vera import VeRA
 from lightning_peft.peft.checkpoint import restore_adapters
 
 __all__ = [
-    "IA3", "ActivationCheckpointing", "AdaLoRA", "BottleneckAdapters", "Curriculum", "GradientAccumulation",
-    "GradientNoise", "LayerwiseLRDecay", "LoHa", "LoKr", "LoRA", "MergeOnSave", "MultiLoRA", "PTuning", "PrefixTuning",
-    "PromptTuning", "TokenPruning", "VeRA", "load_from_checkpoint", "restore_adapters",
+    "BOFT", "IA3", "OFT", "ActivationCheckpointing", "AdaLoRA", "BottleneckAdapters", "Curriculum",
+    "GradientAccumulation", "GradientNoise", "LayerwiseLRDecay", "LoHa", "LoKr", "LoRA", "MergeOnSave", "MultiLoRA",
+    "PTuning", "PrefixTuning", "PromptTuning", "TokenPruning", "VeRA", "load_from_checkpoint", "restore_adapters",
 ]

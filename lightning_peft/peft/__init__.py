@@ -23,6 +23,7 @@ from .adapter import (
     merged_state_dict,
     trainable_parameters,
 )
+from .boft import BOFTAdapter, BOFTConfig, inject_boft, unload_boft
 from .bottleneck import (
     Bottleneck,
     BottleneckAdapter,
@@ -60,6 +61,7 @@ from .lora import (
 )
 from .loraplus import loraplus_groups
 from .modules_to_save import ModulesToSave
+from .oft import OFTAdapter, OFTConfig, inject_oft, unload_oft
 from .prompt import (
     PrefixEncoder,
     PrefixTuningAdapter,
@@ -87,6 +89,8 @@ __all__ = [
     "AdaLoraAdapter",  # AdaLoRA
     "AdaLoraConfig",
     "Adapter",
+    "BOFTAdapter",
+    "BOFTConfig",
     "Bottleneck",
     "BottleneckAdapter",
     "BottleneckConfig",
@@ -105,6 +109,8 @@ __all__ = [
     "LoRALayer",
     "LoRALinear",
     "ModulesToSave",
+    "OFTAdapter",
+    "OFTConfig",
     "PTuningAdapter",
     "PTuningConfig",
     "PTuningEncoder",
@@ -129,11 +135,13 @@ __all__ = [
     "fold_prefix_projection",
     "fold_prompt_encoder",
     "inject_adalora",
+    "inject_boft",
     "inject_bottleneck_adapters",
     "inject_ia3",
     "inject_loha",
     "inject_lokr",
     "inject_lora",
+    "inject_oft",
     "inject_p_tuning",
     "inject_prefix_tuning",
     "inject_prompt_tuning",
@@ -154,11 +162,13 @@ __all__ = [
     "set_adapter",
     "trainable_parameters",
     "unload_adalora",
+    "unload_boft",
     "unload_bottleneck_adapters",
     "unload_ia3",
     "unload_loha",
     "unload_lokr",
     "unload_lora",
+    "unload_oft",
     "unload_p_tuning",
     "unload_prefix_tuning",
     "unload_prompt_tuning",

@@ -31,6 +31,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from lightning_peft._seams import data_parallel
 from lightning_peft.callbacks import (
     IA3,
+    BOFT,
+    OFT,
     ActivationCheckpointing,
     AdaLoRA,
     BottleneckAdapters,
@@ -222,6 +224,8 @@ ROWS = [
     Row("VeRA", lambda kind: [VeRA(rank=8, **_targets(kind))]),
     Row("AdaLoRA", lambda kind: [AdaLoRA(**_targets(kind), init_r=4, target_r=2, tinit=1, tfinal=1)]),  # masks at 2-5
     Row("PTuning", lambda kind: [PTuning(num_virtual_tokens=3, encoder_hidden_size=8)]),
+    Row("OFT", lambda kind: [OFT(oft_block_size=4, **_targets(kind))]),
+    Row("BOFT", lambda kind: [BOFT(boft_block_size=4, boft_n_butterfly_factor=2, **_targets(kind))]),
     Row("MergeOnSave", lambda kind: [_lora(kind)], save_merged=True),
     Row("GradientNoise", lambda kind: [_lora(kind), GradientNoise(eta=1e-3)]),
     Row("LayerwiseLRDecay", lambda kind: [_lora(kind), LayerwiseLRDecay(decay=0.5)]),

@@ -54,6 +54,33 @@ class MLP(nn.Module):
         return self.lin1(self.relu(self.lin0(x)))
 
 
+class MLP2(nn.Module):
+    """PEFT's ``MLP2``: 10 -> 32 -> 2 (a 32-wide input for BOFT's butterfly rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin0 = nn.Linear(10, 32)
+        self.lin1 = nn.Linear(32, 2)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, 10) -> (B, 2)
+        return self.lin1(self.lin0(x).relu())
+
+
+class Conv2d2(nn.Module):
+    """PEFT's ``ModelConv2D2``: a linear layer into a 3x3 image of 8 channels, ``Conv2d(8, 32, 3)`` (72 rotated
+    features). PEFT's reshapes its 40 features across samples; here each sample has its own 72."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin0 = nn.Linear(10, 72)
+        self.conv2d = nn.Conv2d(8, 32, 3)
+        self.lin1 = nn.Linear(32, 2)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, 10) -> (B, 2)
+        image = self.lin0(x).relu().reshape(-1, 8, 3, 3)  # (B, 8, 3, 3)
+        return self.lin1(self.conv2d(image).relu().flatten(1))
+
+
 class EmbConv1D(nn.Module):
     """An embedding and a transformers ``Conv1D`` (weight (in, out)), as GPT-2 has."""
 
@@ -70,12 +97,13 @@ class EmbConv1D(nn.Module):
 class ConvModel(nn.Module):
     """A convolution of ``dims`` spatial dimensions, flattened into ``lin0``."""
 
-    def __init__(self, dims: int, kernel: int = 3, groups: int = 1, channels: tuple[int, int] = (2, 6)) -> None:
+    def __init__(self, dims: int, kernel: int = 3, groups: int = 1, channels: tuple[int, int] = (2, 6),
+                 size: int | None = None) -> None:
         super().__init__()
         conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dims - 1]
         self.dims, self.channels = dims, channels
         setattr(self, f"conv{dims}d", conv(channels[0], channels[1], kernel, groups=groups))
-        self.size = {1: 9, 2: 5, 3: 4}[dims]
+        self.size = size or {1: 9, 2: 5, 3: 4}[dims]
         out = self.size - kernel + 1
         self.lin0 = nn.Linear(channels[1] * out**dims, 2)
 
@@ -141,6 +169,8 @@ class MoE(nn.Module):
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "MLP": MLP,
+    "MLP2": MLP2,
+    "Conv2d2": Conv2d2,
     "EmbConv1D": EmbConv1D,
     "Conv1d": lambda: ConvModel(1),
     "Conv1dGroups": lambda: ConvModel(1, groups=2, channels=(4, 6)),
@@ -150,6 +180,10 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "Conv2dGroups": lambda: ConvModel(2, groups=2, channels=(4, 6)),
     "Conv2dGroups2": lambda: ConvModel(2, groups=4, channels=(4, 8)),
     "Conv3d": lambda: ConvModel(3),
+    # PEFT's own "Conv2d" (5 -> 10 channels, 3x3 kernel, a 3x3 input: one patch per image), which its OFT rows
+    # size r for (5 * 3 * 3 = 45 rotated features)
+    "Conv2dPEFT": lambda: ConvModel(2, channels=(5, 10), size=3),
+    "Conv2dPEFT5x5": lambda: ConvModel(2, channels=(5, 10)),  # the same on a 5x5 input: patches overlap
     "Conv3d1x1": lambda: ConvModel(3, kernel=1),
     "MHA": MHA,
     "MlpUsingParameters": MlpUsingParameters,
@@ -204,6 +238,7 @@ class Method:
             and checked against autograd in the method's own tests.
         fix_peft: Corrects a quirk of PEFT's model in place before the comparison (AdaLoRA's ``ranknum``, left
             trainable on a float64 model); None: none.
+        least_change: How far the adapted outputs must be from the base's for a row to compare anything.
     """
 
     config: type
@@ -218,6 +253,7 @@ class Method:
     peft_unmerge_tolerance: float = TOLERANCE
     peft_wrong_gradients: Callable[[dict[str, Any]], tuple[str, ...]] = lambda kwargs: ()
     fix_peft: Callable[[nn.Module], None] | None = None
+    least_change: float = 1e-3
 
 
 def adapted_pair(model_id: str, peft_kwargs: dict[str, Any], method: Method, rename: Callable[[str], str] | None = None,
@@ -269,7 +305,7 @@ def assert_equal_to_peft(model_id: str, peft_kwargs: dict[str, Any], tmp_path: P
     x = inputs(base)
     reference = outputs(base, x)
     adapted = outputs(ours, x)
-    assert (adapted - reference).abs().max() > 1e-3, "the adapter does not change the output: nothing is compared"
+    assert (adapted - reference).abs().max() > method.least_change, "the adapter does not change the output: nothing is compared"
     close(adapted, outputs(theirs, x), "forward")
 
     with method.disable(ours), theirs.disable_adapter():

@@ -215,4 +215,4 @@ def test_every_registered_technique_declares_named_adapters_consistently():
             for method in ("peft_config", "peft_state", "check_peft_config", "check_peft_shapes", "from_peft"):
                 assert "adapter_name" in inspect.signature(getattr(cls, method)).parameters, (cls.kind, method)
             assert "name" in inspect.signature(cls.merged_state).parameters, cls.kind
-    assert {kind for kind, cls in _REGISTRY.items() if cls.named} == {"lora"}
+    assert {kind for kind, cls in _REGISTRY.items() if cls.named} == {"lora", "ia3"}

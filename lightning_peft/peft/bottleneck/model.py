@@ -79,10 +79,25 @@ Examples:
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
+from .._base_identity import base_model_name
+from .._common import adapter_dtype, refuse_absent, refuse_second_injection, require
+from ..adapter import (
+    Adapter,
+    attach,
+    attached,
+    clean_key,
+    detach,
+    register,
+    remove_adapter,
+    trainable_parameters,
+    unwrap,
+)
+from ..modules_to_save import plain_key, restore_modules, saved_state, set_submodule, wrap_modules_to_save
 from .config import (
     DEFAULT_INIT_SCALE,
     DEFAULT_REDUCTION_FACTOR,
@@ -97,13 +112,6 @@ from .config import (
 )
 from .layer import NON_LINEARITIES, Bottleneck, BottleneckLayer, Projection, output_size
 from .select import check_targets, select
-from .._base_identity import base_model_name
-from .._common import adapter_dtype, refuse_absent, refuse_second_injection, require
-from ..adapter import (
-    Adapter, attach, attached, clean_key, detach, register, remove_adapter, trainable_parameters,
-    unwrap,
-)
-from ..modules_to_save import plain_key, restore_modules, saved_state, set_submodule, wrap_modules_to_save
 
 __all__ = ["DEFAULT_INIT_SCALE", "DEFAULT_REDUCTION_FACTOR", "FILE_FIELDS", "FORMAT_VERSION", "NON_LINEARITIES",
            "PEFT_TYPE", "Bottleneck", "BottleneckAdapter", "BottleneckConfig", "BottleneckLayer", "Placement",
