@@ -1,15 +1,12 @@
-"""What every technique that wraps its target layers in layers of its own and merges them in place (IA³, VeRA, AdaLoRA,
-the LyCORIS methods LoHa and LoKr) does around those layers, written once: the on/off `Switch`, which modules it can
-take (for messages) and the checks on its chosen targets, merging all or nothing, unmerging, disabling, the merged
-export, unloading, reading a PEFT config, and the adapter protocol's bookkeeping (`TargetsAdapter`). A technique
-supplies its layer and its words.
+"""What every technique that wraps its targets in layers of its own and merges them in place (IA³, VeRA, AdaLoRA, the
+LyCORIS methods LoHa and LoKr) does around those layers, written once: the on/off `Switch`, the choice of targets and
+its messages (`Targeting`), merging all or nothing, unmerging, disabling, the merged export, unloading, reading a PEFT
+config, and the adapter's bookkeeping (`TargetsAdapter`). A technique supplies its layer and its words.
 
-A technique's layer (an `InPlaceLayer`; `AdditiveLayer` where the update is added, ``W + ΔW``) has ``base_layer``,
-``merged``, ``merge()`` / ``unmerge()`` (in place, raising ``RuntimeError`` with the reason), ``merged_weights()`` (the
-base layer's tensors with the update folded in, as new tensors, by attribute name: ``{"weight": ...}``, and
-``"bias"`` where the technique changes it) and ``_write(tensors)`` (those tensors into the base layer, in place). A
-technique with named adapters (IA³) takes the adapter's name in ``merged_weights(name)``; its `Switch` says which
-one runs.
+Its layer (an `InPlaceLayer`) has ``base_layer``, ``merged``, ``merge()`` / ``unmerge()`` (in place, raising
+``RuntimeError`` with the reason) and ``merged_weights()`` (the base layer's tensors with the update folded in, as new
+tensors by attribute name: ``{"weight": ...}``, and ``"bias"`` where it changes); with named adapters (IA³),
+``merged_weights(name)``, and its `Switch` says which one runs.
 """
 
 from __future__ import annotations
@@ -26,10 +23,17 @@ from torch import Tensor, nn
 from ._base_identity import base_model_name
 from ._common import (
     LayerWrapper,
+    all_linear,
+    chosen_by_name,
     dense_weight,
     exact_choice,
+    in_layers,
+    inside,
     is_quantized,
+    name_matches,
+    refuse_no_target,
     refuse_second_injection,
+    refuse_unmatched,
     wraps_a_layer,
 )
 from .adapter import DEFAULT, Adapter, clean_key, detach, unwrap
@@ -38,6 +42,7 @@ from .modules_to_save import (
     fold_modules_to_save,
     present_modules,
     restore_modules,
+    select_modules_to_save,
     set_submodule,
 )
 
@@ -54,8 +59,6 @@ class Switch:
     def base_samples(self) -> bool:
         return self.disabled
 
-
-# --- targets -------------------------------------------------------------------------------------------------
 
 
 def conv1d_type() -> type | None:
@@ -74,36 +77,71 @@ def layers_of(model: nn.Module, layer_class: type) -> dict[str, Any]:
     return {name: m for name, m in unwrap(model).named_modules() if isinstance(m, layer_class)}
 
 
-def describe_modules(model: nn.Module, supported: Callable[[nn.Module], bool], does: str) -> str:
-    """'k, v (x2 each), ...': leaf names of the modules of ``model`` that ``supported`` accepts, for messages;
-    ``does`` says what the technique adapts (``"IA³ scales nn.Linear, ..."``)."""
-    counts: dict[str, int] = {}
-    for name, module in model.named_modules():
-        if name and supported(module) and not name.endswith(".base_layer"):
-            counts[name.rsplit(".", 1)[-1]] = counts.get(name.rsplit(".", 1)[-1], 0) + 1
-    if not counts:
-        return f"none ({does}, and {type(model).__name__} has no such module)"
-    return ", ".join(f"{leaf} (x{n})" if n > 1 else leaf for leaf, n in counts.items())
+@dataclasses.dataclass(frozen=True)
+class Targeting:
+    """What a technique can adapt, how its messages name it, and its choice of targets, as PEFT chooses them."""
 
+    who: str  # who speaks in the messages (the config's name: "IA3")
+    technique: str  # its name in words ("IA³")
+    verb: str  # what it does to a target ("scale", "adapt")
+    kinds: str  # the layer types it can adapt, in words
+    supported: Callable[[nn.Module], bool]  # whether it can adapt a module
+    example: str  # a full module name, for the message when nothing matches
 
-def check_targets(model: nn.Module, chosen: Iterable[str], targets: object, who: str, technique: str, does: str,
-                  supported: Callable[[nn.Module], bool], describe: Callable[[nn.Module], str],
-                  view: dict[str, nn.Module] | None = None) -> None:
-    """Raise if a chosen module is already another technique's wrapper (`ValueError`) or of a kind the technique
-    cannot adapt (`TypeError`). ``who`` speaks in the messages, ``technique`` is its name in words (``"IA³"``),
-    ``does`` what it adapts, ``describe`` lists what ``model`` has; ``view``: modules standing for others (a named
-    adapter's layer for its base layer)."""
-    view = view or {}
-    for name in chosen:
-        module = view[name] if name in view else model.get_submodule(name)
-        if isinstance(module, ModulesToSave) or wraps_a_layer(module):
-            article = "an" if technique[0] in "AEIOU" else "a"
-            raise ValueError(f"{who}: {name!r} is already wrapped by another technique ({type(module).__name__}); "
-                             f"{article} {technique} layer around it would move that technique's parameters. Keep "
-                             f"{technique} off this module.")
-        if not supported(module):
-            raise TypeError(f"{who}(target_modules={targets!r}): {name!r} is a {type(module).__name__}; {does} "
-                            f"(Hugging Face PEFT's {technique} layers). {type(model).__name__} has: {describe(model)}.")
+    def describe(self, model: nn.Module) -> str:
+        """'query, value (x2 each), ...': leaf names of the modules of ``model`` it can adapt, for messages."""
+        counts: dict[str, int] = {}
+        for name, module in model.named_modules():
+            if name and self.supported(module) and not name.endswith(".base_layer"):
+                counts[name.rsplit(".", 1)[-1]] = counts.get(name.rsplit(".", 1)[-1], 0) + 1
+        if not counts:
+            return f"none ({self.technique} {self.verb}s {self.kinds}, and {type(model).__name__} has no such module)"
+        return ", ".join(f"{leaf} (x{n})" if n > 1 else leaf for leaf, n in counts.items())
+
+    def select(self, model: nn.Module, config: Any, names: list[str] | None = None,
+               view: dict[str, nn.Module] | None = None,
+               to_save: list[str] | None = None) -> tuple[list[str], list[str]]:
+        """(targets, modules_to_save) full names for ``config`` (its ``target_modules``, ``modules_to_save`` and,
+        where it has them, ``layers_to_transform`` / ``layers_pattern`` and ``exclude_modules``), as PEFT picks them;
+        raises before anything is changed. ``names``: the module names it may pick (default: all); ``view``: the
+        modules as it sees them (`check`); ``to_save``: the model's ``modules_to_save`` already."""
+        who = self.who
+        names = [n for n, _ in model.named_modules() if n] if names is None else names
+        if to_save is None:
+            to_save = select_modules_to_save(model, config.modules_to_save, who)
+        if config.target_modules == "all-linear":
+            chosen = all_linear(model, view or dict(model.named_modules()), linear_kinds())
+        else:
+            chosen = chosen_by_name(who, config.target_modules, names, model, self.describe)
+        if getattr(config, "layers_to_transform", None) is not None and chosen:
+            chosen = in_layers(who, chosen, config.target_modules, config.layers_to_transform, config.layers_pattern,
+                               model)
+        if getattr(config, "exclude_modules", None) is not None:
+            refuse_unmatched(who, config.exclude_modules, names, model, self.describe, "exclude_modules")
+            chosen = [n for n in chosen if not name_matches(n, config.exclude_modules)]
+        chosen = [n for n in chosen if not inside(n, to_save)]
+        if not chosen:
+            refuse_no_target(who, config.target_modules, model, self.verb, self.describe(model), self.example)
+        self.check(model, chosen, config.target_modules, view)
+        return chosen, to_save
+
+    def check(self, model: nn.Module, chosen: Iterable[str], targets: object,
+              view: dict[str, nn.Module] | None = None) -> None:
+        """Raise if a chosen module is already another technique's wrapper (`ValueError`) or of a kind the technique
+        cannot adapt (`TypeError`); ``view``: modules standing for others (a named adapter's layer for its base
+        layer)."""
+        view, technique = view or {}, self.technique
+        for name in chosen:
+            module = view[name] if name in view else model.get_submodule(name)
+            if isinstance(module, ModulesToSave) or wraps_a_layer(module):
+                article = "an" if technique[0] in "AEIOU" else "a"
+                raise ValueError(f"{self.who}: {name!r} is already wrapped by another technique "
+                                 f"({type(module).__name__}); {article} {technique} layer around it would move that "
+                                 f"technique's parameters. Keep {technique} off this module.")
+            if not self.supported(module):
+                raise TypeError(f"{self.who}(target_modules={targets!r}): {name!r} is a {type(module).__name__}; "
+                                f"{technique} {self.verb}s {self.kinds} (Hugging Face PEFT's {technique} layers). "
+                                f"{type(model).__name__} has: {self.describe(model)}.")
 
 
 def refuse_second(model: nn.Module, layer_class: type, who: str, technique: str) -> None:
@@ -112,8 +150,6 @@ def refuse_second(model: nn.Module, layer_class: type, who: str, technique: str)
     found = f"{technique} layers (e.g. {next(iter(existing))!r})" if existing else None
     refuse_second_injection(who, model, found, technique)
 
-
-# --- the layers ----------------------------------------------------------------------------------------------
 
 
 class InPlaceLayer(LayerWrapper):
@@ -142,10 +178,6 @@ class AdditiveLayer(InPlaceLayer):
     at first) and ``delta_weight()`` (``ΔW`` in the base weight's layout)."""
 
     merged: bool
-
-    def delta_weight(self) -> Tensor:
-        raise NotImplementedError(f"{type(self).__name__} must define delta_weight(), its ΔW in the base weight's "
-                                  "layout.")
 
     def merged_weights(self) -> dict[str, Tensor]:
         """The base weight with ``ΔW`` added: a new tensor, computed in the wider of the two dtypes (the update's is
@@ -177,8 +209,6 @@ class AdditiveLayer(InPlaceLayer):
         wide = torch.promote_types(weight.dtype, delta.dtype)
         return (weight.to(wide) + sign * delta.to(wide)).to(weight.dtype)
 
-
-# --- merge, unmerge, disable, export, unload -------------------------------------------------------------------
 
 
 def merge_layers(model: nn.Module, layers: dict[str, Any], who: str) -> list[str]:
@@ -293,8 +323,6 @@ def unload_layers(model: nn.Module, adapter: Any, merge: bool, who: str) -> None
     detach(model, adapter.kind)
 
 
-# --- Hugging Face PEFT's configs -------------------------------------------------------------------------------
-
 
 def peft_dict(config: Any, peft_type: str, source: str) -> dict[str, Any]:
     """A Hugging Face PEFT config (object or dict) as a dict, refused if it is another method's or names no
@@ -342,18 +370,10 @@ def inject_from_peft(model: nn.Module, config: Any, source: str, inject: Callabl
         raise ValueError(f"load_adapter: {source}: {err}") from None
 
 
-# --- the adapter protocol ------------------------------------------------------------------------------------
-
 
 class TargetsAdapter(Adapter):
-    """An adapter made of a frozen-dataclass ``config``, the wrapped ``targets`` and the ``modules_to_save`` (full
-    names), whose layers and ``modules_to_save`` wrappers share its `Switch`.
-
-    Args:
-        config: The config used.
-        targets: Full names of the adapted modules.
-        modules_to_save: Full names of the modules trained and saved in full.
-    """
+    """The adapter protocol's bookkeeping for an adapter made of a frozen-dataclass ``config`` (the one used), its
+    ``targets`` and ``modules_to_save`` (full names), whose layers and ``modules_to_save`` wrappers share its `Switch`."""
 
     #: The names it resolved at injection (recorded in `config_dict`, compared by `matches`).
     resolved: ClassVar[tuple[str, ...]] = ("targets", "modules_to_save")

@@ -44,13 +44,7 @@ from torch import Tensor, nn
 
 from .. import _wrapping as wrapping
 from .._common import (
-    chosen_by_name,
-    in_layers,
-    inside,
-    name_matches,
     refuse_absent,
-    refuse_no_target,
-    refuse_unmatched,
     require,
 )
 from ..adapter import (
@@ -66,7 +60,6 @@ from ..modules_to_save import (
     plain_key,
     present_modules,
     saved_state,
-    select_modules_to_save,
     set_submodule,
     wrap_modules_to_save,
 )
@@ -75,7 +68,9 @@ from .config import PEFT_FIELDS, PEFT_TYPE, WHO, AdaLoraConfig, as_config
 from .layer import SVDLayer, supported
 
 log = logging.getLogger("lightning_peft.peft.adalora")
-_KINDS = "nn.Linear, transformers Conv1D, ungrouped nn.Conv2d"
+TARGETING = wrapping.Targeting(WHO, "AdaLoRA", "adapt", "nn.Linear, transformers Conv1D, ungrouped nn.Conv2d",
+                               supported, "encoder.layer.0.query")
+describe_modules = TARGETING.describe
 
 
 def adalora_layers(model: nn.Module) -> dict[str, SVDLayer]:
@@ -106,27 +101,10 @@ def inject_adalora(model: nn.Module, config: AdaLoraConfig | None = None, **kwar
     return _inject(model, config, targets, to_save)
 
 
-def describe_modules(model: nn.Module) -> str:
-    """'query, value (x2 each), ...': leaf names of the modules AdaLoRA can adapt, for messages."""
-    return wrapping.describe_modules(model, supported, f"AdaLoRA adapts {_KINDS}")
-
-
 def select(model: nn.Module, config: AdaLoraConfig) -> tuple[list[str], list[str]]:
-    """(targets, modules_to_save) full names, as PEFT picks them; raises before anything is changed."""
-    names = [n for n, _ in model.named_modules() if n]
-    to_save = select_modules_to_save(model, config.modules_to_save, WHO)
-    chosen = chosen_by_name(WHO, config.target_modules, names, model, describe_modules)
-    if config.layers_to_transform is not None:
-        chosen = in_layers(WHO, chosen, list(config.target_modules), config.layers_to_transform,
-                           config.layers_pattern, model)
-    if config.exclude_modules is not None:
-        refuse_unmatched(WHO, config.exclude_modules, names, model, describe_modules, "exclude_modules")
-        chosen = [n for n in chosen if not name_matches(n, config.exclude_modules)]
-    chosen = [n for n in chosen if not inside(n, to_save)]
-    if not chosen:
-        refuse_no_target(WHO, config.target_modules, model, "adapt", describe_modules(model), "encoder.layer.0.query")
-    wrapping.check_targets(model, chosen, config.target_modules, WHO, "AdaLoRA", f"AdaLoRA adapts {_KINDS}",
-                           supported, describe_modules)
+    """(targets, modules_to_save) full names, as PEFT picks them (a ``rank_pattern`` must name each target);
+    raises before anything is changed."""
+    chosen, to_save = TARGETING.select(model, config)
     if config.rank_pattern is not None:
         missing = [n for n in chosen if f"{clean_key(n)}.lora_E" not in config.rank_pattern]
         if missing:

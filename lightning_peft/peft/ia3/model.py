@@ -41,14 +41,9 @@ from torch import Tensor, nn
 
 from .. import _wrapping as wrapping
 from .._common import (
-    all_linear,
-    chosen_by_name,
     exact_choice,
-    inside,
     name_matches,
     refuse_absent,
-    refuse_no_target,
-    refuse_unmatched,
     require,
     usable_adapter_name,
     wraps_a_layer,
@@ -68,16 +63,17 @@ from ..modules_to_save import (
     ModulesToSave,
     plain_key,
     saved_state,
-    select_modules_to_save,
     set_submodule,
     wrap_modules_to_save,
 )
 from .config import PEFT_FIELDS, PEFT_TYPE, WHO, IA3Config, as_config
-from .layer import IA3Layer, Switch, linear_kinds, supported
+from .layer import IA3Layer, Switch, supported
 
 log = logging.getLogger("lightning_peft.peft.ia3")
-_KINDS = "nn.Linear, transformers Conv1D, nn.Conv2d, nn.Conv3d"
 _KEY = "ia3_l.<name>"  # where an adapter name goes in the parameter names
+TARGETING = wrapping.Targeting(WHO, "IA³", "scale", "nn.Linear, transformers Conv1D, nn.Conv2d, nn.Conv3d", supported,
+                               "encoder.block.0.layer.0.SelfAttention.k")
+describe_modules = TARGETING.describe
 
 
 def ia3_layers(model: nn.Module) -> dict[str, IA3Layer]:
@@ -188,33 +184,12 @@ def _refuse_merged(model: nn.Module, who: str) -> None:
                            "unmerge_ia3(model) first.")
 
 
-def describe_modules(model: nn.Module) -> str:
-    """'k, v (x2 each), ...': leaf names of the modules IA³ can scale, for messages."""
-    return wrapping.describe_modules(model, supported, f"IA³ scales {_KINDS}")
-
-
 def select(model: nn.Module, config: IA3Config, to_save: list[str] | None = None) -> tuple[list[str], list[str]]:
     """(targets, modules_to_save) full names, as PEFT picks them; raises before anything is changed. An IA³ layer
     stands for its base layer (another named adapter may scale it too); ``to_save``: the model's already."""
-    view = _view(model)
     inner = [f"{n}." for n, m in model.named_modules() if isinstance(m, IA3Layer)]
     names = [n for n, _ in model.named_modules() if n and not any(n.startswith(i) for i in inner)]
-    if to_save is None:
-        to_save = select_modules_to_save(model, config.modules_to_save, WHO)
-    if config.target_modules == "all-linear":
-        chosen = all_linear(model, view, linear_kinds())
-    else:
-        chosen = chosen_by_name(WHO, config.target_modules, names, model, describe_modules)
-    if config.exclude_modules is not None:
-        refuse_unmatched(WHO, config.exclude_modules, names, model, describe_modules, "exclude_modules")
-        chosen = [n for n in chosen if not name_matches(n, config.exclude_modules)]
-    chosen = [n for n in chosen if not inside(n, to_save)]
-    if not chosen:
-        refuse_no_target(WHO, config.target_modules, model, "scale", describe_modules(model),
-                         "encoder.block.0.layer.0.SelfAttention.k")
-    wrapping.check_targets(model, chosen, config.target_modules, WHO, "IA³", f"IA³ scales {_KINDS}", supported,
-                           describe_modules, view)
-    return chosen, to_save
+    return TARGETING.select(model, config, names, _view(model), to_save)
 
 
 def _view(model: nn.Module) -> dict[str, nn.Module]:

@@ -20,14 +20,7 @@ from torch import Tensor, nn
 
 from .. import _wrapping as wrapping
 from .._common import (
-    all_linear,
-    chosen_by_name,
-    in_layers,
-    inside,
-    name_matches,
     refuse_absent,
-    refuse_no_target,
-    refuse_unmatched,
     require,
 )
 from ..adapter import (
@@ -41,7 +34,6 @@ from ..adapter import (
 from ..modules_to_save import (
     plain_key,
     saved_state,
-    select_modules_to_save,
     set_submodule,
     wrap_modules_to_save,
 )
@@ -56,33 +48,14 @@ def layers_of(model: nn.Module, layer_class: type[LycorisLayer]) -> dict[str, Ly
     return wrapping.layers_of(model, layer_class)
 
 
-def describe_modules(model: nn.Module) -> str:
-    """'lin0, conv (x2), ...': leaf names of the modules a LyCORIS layer can wrap, for messages."""
-    return wrapping.describe_modules(model, supported, f"LyCORIS layers wrap {KINDS_TEXT}")
+def targeting(who: str) -> wrapping.Targeting:
+    """What method ``who`` (``"LoHa"``) can adapt, and its choice of targets."""
+    return wrapping.Targeting(who, who, "adapt", KINDS_TEXT, supported, "encoder.layer.0.attention.self.query")
 
 
 def select(model: nn.Module, config: LycorisConfig) -> tuple[list[str], list[str]]:
     """(targets, modules_to_save) full names, as PEFT picks them; raises before anything is changed."""
-    who = config.who
-    names = [n for n, _ in model.named_modules() if n]
-    to_save = select_modules_to_save(model, config.modules_to_save, who)
-    if config.target_modules == "all-linear":
-        chosen = all_linear(model, dict(model.named_modules()), wrapping.linear_kinds())
-    else:
-        chosen = chosen_by_name(who, config.target_modules, names, model, describe_modules)
-    if config.layers_to_transform is not None and chosen:
-        chosen = in_layers(who, chosen, config.target_modules, config.layers_to_transform, config.layers_pattern,
-                           model)
-    if config.exclude_modules is not None:
-        refuse_unmatched(who, config.exclude_modules, names, model, describe_modules, "exclude_modules")
-        chosen = [n for n in chosen if not name_matches(n, config.exclude_modules)]
-    chosen = [n for n in chosen if not inside(n, to_save)]
-    if not chosen:
-        refuse_no_target(who, config.target_modules, model, "adapt", describe_modules(model),
-                         "encoder.layer.0.attention.self.query")
-    wrapping.check_targets(model, chosen, config.target_modules, who, who, f"{who} adapts {KINDS_TEXT}", supported,
-                           describe_modules)
-    return chosen, to_save
+    return targeting(config.who).select(model, config)
 
 
 def inject(model: nn.Module, config: LycorisConfig, adapter_class: type[LycorisAdapter],

@@ -46,11 +46,7 @@ from torch import Tensor, nn
 from .. import _wrapping as wrapping
 from .._common import (
     adapter_dtype,
-    chosen_by_name,
-    in_layers,
-    inside,
     refuse_absent,
-    refuse_no_target,
     require,
 )
 from ..adapter import (
@@ -65,7 +61,6 @@ from ..adapter import (
 from ..modules_to_save import (
     plain_key,
     saved_state,
-    select_modules_to_save,
     set_submodule,
     wrap_modules_to_save,
 )
@@ -74,7 +69,9 @@ from .layer import Projections, VeraLayer, draw_projections, sizes, supported
 
 log = logging.getLogger("lightning_peft.peft.vera")
 PROJECTIONS = "vera_projections"  # the submodule of the first VeRA layer that holds the shared matrices
-_KINDS = "nn.Linear and transformers Conv1D"
+TARGETING = wrapping.Targeting(WHO, "VeRA", "adapt", "nn.Linear and transformers Conv1D", supported,
+                               "bert.encoder.layer.0.attention.self.query")
+describe_modules = TARGETING.describe
 
 
 def vera_layers(model: nn.Module) -> dict[str, VeraLayer]:
@@ -106,26 +103,9 @@ def inject_vera(model: nn.Module, config: VeraConfig | None = None, **kwargs: An
     return _inject(model, config, targets, to_save)
 
 
-def describe_modules(model: nn.Module) -> str:
-    """'query, value (x2 each), ...': leaf names of the modules VeRA can adapt, for messages."""
-    return wrapping.describe_modules(model, supported, f"VeRA adapts {_KINDS}")
-
-
 def select(model: nn.Module, config: VeraConfig) -> tuple[list[str], list[str]]:
     """(targets, modules_to_save) full names, as PEFT picks them; raises before anything is changed."""
-    names = [n for n, _ in model.named_modules() if n]
-    to_save = select_modules_to_save(model, config.modules_to_save, WHO)
-    chosen = chosen_by_name(WHO, config.target_modules, names, model, describe_modules)
-    if config.layers_to_transform is not None and chosen:
-        chosen = in_layers(WHO, chosen, config.target_modules, config.layers_to_transform, config.layers_pattern,
-                           model)
-    chosen = [n for n in chosen if not inside(n, to_save)]
-    if not chosen:
-        refuse_no_target(WHO, config.target_modules, model, "adapt", describe_modules(model),
-                         "bert.encoder.layer.0.attention.self.query")
-    wrapping.check_targets(model, chosen, config.target_modules, WHO, "VeRA", f"VeRA adapts {_KINDS}", supported,
-                           describe_modules)
-    return chosen, to_save
+    return TARGETING.select(model, config)
 
 
 def shared_projections(model: nn.Module, config: VeraConfig, targets: list[str]) -> Projections:
