@@ -70,7 +70,6 @@ from .layer import SVDLayer, supported
 log = logging.getLogger("lightning_peft.peft.adalora")
 TARGETING = wrapping.Targeting(WHO, "AdaLoRA", "adapt", "nn.Linear, transformers Conv1D, ungrouped nn.Conv2d",
                                supported, "encoder.layer.0.query")
-describe_modules = TARGETING.describe
 
 
 def adalora_layers(model: nn.Module) -> dict[str, SVDLayer]:

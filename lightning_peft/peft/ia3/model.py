@@ -73,7 +73,6 @@ log = logging.getLogger("lightning_peft.peft.ia3")
 _KEY = "ia3_l.<name>"  # where an adapter name goes in the parameter names
 TARGETING = wrapping.Targeting(WHO, "IA³", "scale", "nn.Linear, transformers Conv1D, nn.Conv2d, nn.Conv3d", supported,
                                "encoder.block.0.layer.0.SelfAttention.k")
-describe_modules = TARGETING.describe
 
 
 def ia3_layers(model: nn.Module) -> dict[str, IA3Layer]:
@@ -378,7 +377,9 @@ class IA3Adapter(Adapter):
             fields.update({f"{prefix}{k}": v for k, v in flat.items() if k not in cls.training_only})
         return fields
 
-    wrapped = wrapping.TargetsAdapter.wrapped
+    def wrapped(self, model: nn.Module) -> dict[str, nn.Module]:
+        model = unwrap(model)
+        return {name: model.get_submodule(name) for name in self.targets}
 
     @classmethod
     def inject(cls, model: nn.Module, config: dict[str, Any]) -> IA3Adapter:

@@ -71,7 +71,6 @@ log = logging.getLogger("lightning_peft.peft.vera")
 PROJECTIONS = "vera_projections"  # the submodule of the first VeRA layer that holds the shared matrices
 TARGETING = wrapping.Targeting(WHO, "VeRA", "adapt", "nn.Linear and transformers Conv1D", supported,
                                "bert.encoder.layer.0.attention.self.query")
-describe_modules = TARGETING.describe
 
 
 def vera_layers(model: nn.Module) -> dict[str, VeraLayer]:
