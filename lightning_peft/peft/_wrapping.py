@@ -60,7 +60,6 @@ class Switch:
         return self.disabled
 
 
-
 def conv1d_type() -> type | None:
     """transformers' ``Conv1D`` if ``transformers`` is imported (a model can only hold one then), else None."""
     return getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
@@ -151,7 +150,6 @@ def refuse_second(model: nn.Module, layer_class: type, who: str, technique: str)
     refuse_second_injection(who, model, found, technique)
 
 
-
 class InPlaceLayer(LayerWrapper):
     """A technique's layer around ``base_layer`` whose update can be folded into the base tensors in place (the
     module docstring lists what a subclass supplies)."""
@@ -208,7 +206,6 @@ class AdditiveLayer(InPlaceLayer):
             delta = self.delta_weight()
         wide = torch.promote_types(weight.dtype, delta.dtype)
         return (weight.to(wide) + sign * delta.to(wide)).to(weight.dtype)
-
 
 
 def merge_layers(model: nn.Module, layers: dict[str, Any], who: str) -> list[str]:
@@ -323,7 +320,6 @@ def unload_layers(model: nn.Module, adapter: Any, merge: bool, who: str) -> None
     detach(model, adapter.kind)
 
 
-
 def peft_dict(config: Any, peft_type: str, source: str) -> dict[str, Any]:
     """A Hugging Face PEFT config (object or dict) as a dict, refused if it is another method's or names no
     ``target_modules`` (PEFT's per-architecture defaults are not guessed)."""
@@ -368,7 +364,6 @@ def inject_from_peft(model: nn.Module, config: Any, source: str, inject: Callabl
         inject(config)
     except ValueError as err:
         raise ValueError(f"load_adapter: {source}: {err}") from None
-
 
 
 class TargetsAdapter(Adapter):
