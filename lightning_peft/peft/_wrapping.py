@@ -379,6 +379,9 @@ class TargetsAdapter(Adapter):
         self.modules_to_save = tuple(modules_to_save)
         self.switch = Switch()  # shared by its layers and modules_to_save wrappers
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self.targets)} targets, modules_to_save={list(self.modules_to_save)})"
+
     def config_dict(self) -> dict[str, Any]:
         return {"config": self.config.to_dict(), **{key: list(getattr(self, key)) for key in self.resolved}}
 

@@ -255,9 +255,6 @@ class AdaLoraAdapter(wrapping.TargetsAdapter):
         super().__init__(config, targets, modules_to_save)
         self.allocator: RankAllocator | None = None
 
-    def __repr__(self) -> str:
-        return f"AdaLoraAdapter({len(self.targets)} targets, modules_to_save={list(self.modules_to_save)})"
-
     def rank_pattern(self) -> dict[str, list[bool]] | None:
         """The triplets kept per layer (``"<module>.lora_E"``): the allocation's, else the loaded file's."""
         allocated = self.allocator.rank_pattern if self.allocator is not None else None

@@ -167,9 +167,6 @@ class LycorisAdapter(wrapping.TargetsAdapter):
     mergeable: ClassVar[bool] = True
     training_only: ClassVar[tuple[str, ...]] = ("init_weights",)
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({len(self.targets)} targets, modules_to_save={list(self.modules_to_save)})"
-
     def state(self, model: nn.Module) -> dict[str, Tensor]:
         state = {f"{name}.{p}": getattr(layer, p) for name, layer in self.wrapped(model).items()
                  for p in layer.parameter_names if p in layer._parameters}
