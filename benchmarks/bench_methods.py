@@ -98,6 +98,7 @@ class Method:
     ours_config: str | None = None
     inject: str | None = None
     allocates: bool = False  # AdaLoRA: its step adds the orthogonal loss and runs the rank allocation (docstring)
+    prompt_learning: bool = False  # PEFT loads such files for inference only (build_pair)
 
     def our_names(self) -> tuple[str, str]:
         config = self.ours_config or self.peft_config
@@ -116,7 +117,7 @@ METHODS = (
     Method("AdaLoRA", "AdaLoraConfig", {**ADAPTED, "init_r": 12, "target_r": 8, "lora_alpha": 16, "tinit": 0,
                                             "total_step": 1000}, allocates=True),
     Method("P-tuning", "PromptEncoderConfig", {"num_virtual_tokens": 20, "encoder_hidden_size": 128},
-           ours_config="PTuningConfig", inject="inject_p_tuning"),
+           ours_config="PTuningConfig", inject="inject_p_tuning", prompt_learning=True),
 )
 
 
@@ -171,9 +172,19 @@ def build_pair(method: Method, build: Any, base: nn.Module, batch: dict, seed: i
     with warnings.catch_warnings(), tempfile.TemporaryDirectory() as directory:
         warnings.simplefilter("ignore")
         save_adapter(ours, directory)
-        theirs = peft.PeftModel.from_pretrained(copy.deepcopy(base), directory, is_trainable=True)
+        # a prompt-learning file is PEFT's inference artefact (the encoder's output): PEFT loads it frozen only, so
+        # PEFT's timed model is its own, given our values by name (checked against the file's logits below)
+        loaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), directory, is_trainable=not method.prompt_learning)
         own = peft.get_peft_model(copy.deepcopy(base), peft_config(method))
-    if shapes(own) != shapes(theirs):
+    theirs = loaded
+    if method.prompt_learning:
+        theirs = own
+        copy_by_name(ours, own)
+        file_logits = max_diff(logits(ours, batch), logits(loaded, batch))
+        if not file_logits <= TOLERANCE:
+            sys.exit(f"bench_methods: {method.name}: PEFT's model from our file computes other logits: {file_logits}")
+        loaded = own
+    if shapes(own) != shapes(loaded):
         differ = sorted(set(shapes(own).items()) ^ set(shapes(theirs).items()))[:3]
         sys.exit(f"bench_methods: {method.name}: PEFT's get_peft_model makes other trainable tensors than it loads "
                  f"from our files: {differ}")
@@ -185,6 +196,20 @@ def build_pair(method: Method, build: Any, base: nn.Module, batch: dict, seed: i
     if not agreement["(scale) logits ours vs plain base"] > MIN_EFFECT:
         sys.exit(f"bench_methods: {method.name}: the adapter barely changes the logits, the check is void: {agreement}")
     return ours, theirs, agreement
+
+
+PEFT_NAMES = (("classifier.trained_module.", "base_model.classifier.modules_to_save.default."),
+              ("lightning_peft_prompt.", "prompt_encoder.default."))
+
+
+@torch.no_grad()
+def copy_by_name(ours: nn.Module, theirs: nn.Module) -> None:
+    """Our trainable values into PEFT's tensors of the same role (a soft prompt's encoder, the saved head)."""
+    targets = trainable(theirs)
+    for name, value in trainable(ours).items():
+        for mine, peft_name in PEFT_NAMES:
+            name = name.replace(mine, peft_name)
+        targets[name].copy_(value)
 
 
 def count(model: nn.Module) -> int:

@@ -15,6 +15,7 @@ from lightning_peft.callbacks import AdaLoRA
 from lightning_peft.peft import AdaLoraConfig, inject_adalora, save_adapter
 from lightning_peft.peft.adapter import attached
 from tests._models import Classifier, loader, trainer
+from tests.callbacks import _technique as technique
 from tests.peft.adalora._oracle import peft_name
 
 peft = pytest.importorskip("peft")
@@ -75,14 +76,9 @@ def test_the_schedule_under_a_trainer_equals_peft_s_loop_with_gradient_accumulat
 
 
 def test_the_callback_is_built_from_lightning_cli_yaml():
-    from jsonargparse import ArgumentParser
-
-    parser = ArgumentParser()
-    parser.add_argument("--callback", type=AdaLoRA)
-    yaml = ("callback:\n  class_path: lightning_peft.callbacks.AdaLoRA\n  init_args: {target_modules: [query, value], "
-            "init_r: 6, target_r: 2, tinit: 10, tfinal: 20, deltaT: 5, orth_reg_weight: 0.1, total_step: 200, "
-            "adapter_only_checkpoint: true}\n")
-    callback = parser.instantiate_classes(parser.parse_string(yaml)).callback
+    callback = technique.from_cli_yaml(AdaLoRA, "target_modules: [query, value], init_r: 6, target_r: 2, tinit: 10, "
+                                                "tfinal: 20, deltaT: 5, orth_reg_weight: 0.1, total_step: 200, "
+                                                "adapter_only_checkpoint: true")
     assert callback.config == AdaLoraConfig(target_modules=["query", "value"], init_r=6, target_r=2, tinit=10,
                                             tfinal=20, deltaT=5, orth_reg_weight=0.1, total_step=200)
     assert callback.adapter_only_checkpoint

@@ -3,17 +3,16 @@ that plain transformers loads, LightningCLI YAML."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_peft.callbacks import IA3, MergeOnSave
 from lightning_peft.peft import IA3Config, adapter_state_dict
 from lightning_peft.peft.ia3 import ia3_layers
-from tests._models import Classifier, loader, trainer
-from tests.callbacks._exports import assert_merge_on_save_exports
+from tests.callbacks import _technique as technique
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,14 +20,8 @@ ARGS = {"target_modules": ["key", "value", "intermediate.dense", "output.dense"]
         "feedforward_modules": r".*\.layer\.\d+\.output\.dense"}  # a regular expression: not the attention's
 
 
-def fit(config, root, epochs, ckpt_path=None, callbacks=()):
-    torch.manual_seed(0)
-    module = Classifier(config)
-    checkpoint = ModelCheckpoint(dirpath=root, filename="{epoch}", save_top_k=-1)
-    run = trainer(root, max_epochs=epochs, callbacks=[IA3(**ARGS, adapter_only_checkpoint=True), checkpoint,
-                                                      *callbacks], enable_checkpointing=True)
-    run.fit(module, loader(), ckpt_path=ckpt_path)
-    return module
+def fit(config, root, epochs, **kwargs):
+    return technique.fit(IA3(**ARGS, adapter_only_checkpoint=True), config, root, epochs, **kwargs)
 
 
 def test_it_trains_the_vectors_and_the_head_only_and_logs_what_it_injected(tiny_bert_config, tmp_path, caplog):
@@ -49,28 +42,19 @@ def test_it_trains_the_vectors_and_the_head_only_and_logs_what_it_injected(tiny_
 
 
 def test_an_adapter_only_checkpoint_resumes_bit_for_bit(tiny_bert_config, tmp_path):
-    straight = fit(tiny_bert_config, tmp_path / "straight", 2)
-    saved = torch.load(tmp_path / "straight" / "epoch=0.ckpt", weights_only=False)
-    assert set(saved["state_dict"]) == straight.trainable_names_at_configure  # the vectors and the head alone
-    resumed = fit(tiny_bert_config, tmp_path / "resumed", 2, ckpt_path=tmp_path / "straight" / "epoch=0.ckpt")
-    reference = straight.state_dict()
-    assert resumed.state_dict().keys() == reference.keys()
-    assert all(torch.equal(resumed.state_dict()[k], v) for k, v in reference.items())
+    technique.assert_resumes_bit_for_bit(functools.partial(fit, tiny_bert_config), tmp_path)
 
 
 def test_merge_on_save_writes_a_model_plain_transformers_loads_and_a_peft_adapter(tiny_bert_config, tmp_path):
-    assert_merge_on_save_exports(tiny_bert_config, tmp_path / "out", lambda: fit(tiny_bert_config, tmp_path, 1, callbacks=[MergeOnSave(dirpath=str(tmp_path / "out"))]),
-                                 ia3_layers)
+    out = tmp_path / "out"
+    technique.assert_merge_on_save_exports(
+        tiny_bert_config, out, lambda: fit(tiny_bert_config, tmp_path, 1, callbacks=[MergeOnSave(dirpath=str(out))]),
+        ia3_layers)
 
 
 def test_the_callback_is_built_from_lightning_cli_yaml():
-    from jsonargparse import ArgumentParser
-
-    parser = ArgumentParser()
-    parser.add_argument("--callback", type=IA3)
-    yaml = ("callback:\n  class_path: lightning_peft.callbacks.IA3\n  init_args: {target_modules: [key, value, wo], "
-            "feedforward_modules: [wo], modules_to_save: [classifier], adapter_only_checkpoint: true}\n")
-    callback = parser.instantiate_classes(parser.parse_string(yaml)).callback
+    callback = technique.from_cli_yaml(IA3, "target_modules: [key, value, wo], feedforward_modules: [wo], "
+                                            "modules_to_save: [classifier], adapter_only_checkpoint: true")
     assert callback.config == IA3Config(target_modules=["key", "value", "wo"], feedforward_modules=["wo"],
                                         modules_to_save=["classifier"])
     assert callback.adapter_only_checkpoint

@@ -4,17 +4,15 @@ YAML."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
-import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.testing import assert_close
 
 from lightning_peft.callbacks import LoHa, MergeOnSave
 from lightning_peft.peft import LoHaConfig, adapter_state_dict
 from lightning_peft.peft.loha import loha_layers
-from tests._models import Classifier, loader, trainer
+from tests.callbacks import _technique as technique
 
 transformers = pytest.importorskip("transformers")
 
@@ -22,14 +20,8 @@ ARGS = {"target_modules": ["query", "value"], "r": 2, "alpha": 4, "rank_dropout"
         "rank_pattern": {r"layer\.1\.attention\.self\.value": 3}}
 
 
-def fit(config, root, epochs, ckpt_path=None, callbacks=()):
-    torch.manual_seed(0)
-    module = Classifier(config)
-    checkpoint = ModelCheckpoint(dirpath=root, filename="{epoch}", save_top_k=-1)
-    run = trainer(root, max_epochs=epochs, callbacks=[LoHa(**ARGS, adapter_only_checkpoint=True), checkpoint,
-                                                      *callbacks], enable_checkpointing=True)
-    run.fit(module, loader(), ckpt_path=ckpt_path)
-    return module
+def fit(config, root, epochs, **kwargs):
+    return technique.fit(LoHa(**ARGS, adapter_only_checkpoint=True), config, root, epochs, **kwargs)
 
 
 def test_it_trains_the_factors_and_the_head_only_and_logs_what_it_injected(tiny_bert_config, tmp_path, caplog):
@@ -47,42 +39,20 @@ def test_it_trains_the_factors_and_the_head_only_and_logs_what_it_injected(tiny_
 
 
 def test_an_adapter_only_checkpoint_resumes_bit_for_bit(tiny_bert_config, tmp_path):
-    straight = fit(tiny_bert_config, tmp_path / "straight", 2)
-    saved = torch.load(tmp_path / "straight" / "epoch=0.ckpt", weights_only=False)
-    assert set(saved["state_dict"]) == straight.trainable_names_at_configure  # the factors and the head alone
-    resumed = fit(tiny_bert_config, tmp_path / "resumed", 2, ckpt_path=tmp_path / "straight" / "epoch=0.ckpt")
-    reference = straight.state_dict()
-    assert resumed.state_dict().keys() == reference.keys()
-    assert all(torch.equal(resumed.state_dict()[k], v) for k, v in reference.items())
+    technique.assert_resumes_bit_for_bit(functools.partial(fit, tiny_bert_config), tmp_path)
 
 
 def test_merge_on_save_writes_a_model_plain_transformers_loads_and_a_peft_adapter(tiny_bert_config, tmp_path):
-    from peft import PeftModel
-
-    torch.manual_seed(0)
-    base_state = {k: v.clone() for k, v in Classifier(tiny_bert_config).model.state_dict().items()}
-    module = fit(tiny_bert_config, tmp_path, 1, callbacks=[MergeOnSave(dirpath=str(tmp_path / "out"))])
-    ids = torch.randint(0, 64, (3, 8))
-    module.model.eval()
-    expected = module.model(input_ids=ids).logits
-    merged = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "out" / "merged").eval()
-    assert type(merged) is transformers.BertForSequenceClassification and not loha_layers(merged)
-    assert_close(merged(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-6)
-    base = transformers.BertForSequenceClassification(tiny_bert_config)
-    base.load_state_dict(base_state)
-    theirs = PeftModel.from_pretrained(base, tmp_path / "out" / "adapter").eval()
-    assert_close(theirs(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-6)
+    out = tmp_path / "out"
+    technique.assert_merge_on_save_exports(
+        tiny_bert_config, out, lambda: fit(tiny_bert_config, tmp_path, 1, callbacks=[MergeOnSave(dirpath=str(out))]),
+        loha_layers)
 
 
 def test_the_callback_is_built_from_lightning_cli_yaml():
-    from jsonargparse import ArgumentParser
-
-    parser = ArgumentParser()
-    parser.add_argument("--callback", type=LoHa)
-    yaml = ("callback:\n  class_path: lightning_peft.callbacks.LoHa\n  init_args: {target_modules: [query, value], "
-            "r: 4, alpha: 8, rank_dropout: 0.1, use_effective_conv2d: true, rank_pattern: {value: 2}, "
-            "modules_to_save: [classifier], adapter_only_checkpoint: true}\n")
-    callback = parser.instantiate_classes(parser.parse_string(yaml)).callback
+    callback = technique.from_cli_yaml(LoHa, "target_modules: [query, value], r: 4, alpha: 8, rank_dropout: 0.1, "
+                                             "use_effective_conv2d: true, rank_pattern: {value: 2}, "
+                                             "modules_to_save: [classifier], adapter_only_checkpoint: true")
     assert callback.config == LoHaConfig(target_modules=["query", "value"], r=4, alpha=8, rank_dropout=0.1,
                                          use_effective_conv2d=True, rank_pattern={"value": 2},
                                          modules_to_save=["classifier"])

@@ -12,7 +12,7 @@ from lightning_peft.callbacks import LoKr, MergeOnSave
 from lightning_peft.peft import LoKrConfig, adapter_state_dict
 from lightning_peft.peft.lokr import lokr_layers
 from tests._models import Classifier, loader, trainer
-from tests.callbacks._exports import assert_merge_on_save_exports
+from tests.callbacks import _technique as technique
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,20 +41,17 @@ def test_it_trains_the_factors_and_the_head_only_and_logs_what_it_injected(tiny_
 
 
 def test_merge_on_save_writes_a_model_plain_transformers_loads_and_a_peft_adapter(tiny_bert_config, tmp_path):
-    assert_merge_on_save_exports(tiny_bert_config, tmp_path / "out", lambda: fit(tiny_bert_config, tmp_path, callbacks=[MergeOnSave(dirpath=str(tmp_path / "out"))]),
-                                 lokr_layers)
+    out = tmp_path / "out"
+    technique.assert_merge_on_save_exports(
+        tiny_bert_config, out, lambda: fit(tiny_bert_config, tmp_path, callbacks=[MergeOnSave(dirpath=str(out))]),
+        lokr_layers)
 
 
 def test_the_callback_is_built_from_lightning_cli_yaml():
-    from jsonargparse import ArgumentParser
-
-    parser = ArgumentParser()
-    parser.add_argument("--callback", type=LoKr)
-    yaml = ("callback:\n  class_path: lightning_peft.callbacks.LoKr\n  init_args: {target_modules: [query, value], "
-            "r: 4, alpha: 8, decompose_both: true, decompose_factor: 4, init_weights: lycoris, "
-            "rank_pattern: {value: 2}, rank_dropout: 0.1, module_dropout: 0.2, modules_to_save: [classifier], "
-            "adapter_only_checkpoint: true}\n")
-    callback = parser.instantiate_classes(parser.parse_string(yaml)).callback
+    callback = technique.from_cli_yaml(LoKr, "target_modules: [query, value], r: 4, alpha: 8, decompose_both: true, "
+                                             "decompose_factor: 4, init_weights: lycoris, rank_pattern: {value: 2}, "
+                                             "rank_dropout: 0.1, module_dropout: 0.2, modules_to_save: [classifier], "
+                                             "adapter_only_checkpoint: true")
     assert callback.config == LoKrConfig(target_modules=["query", "value"], r=4, alpha=8, decompose_both=True,
                                          decompose_factor=4, init_weights="lycoris", rank_pattern={"value": 2},
                                          rank_dropout=0.1, module_dropout=0.2, modules_to_save=["classifier"])

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..._checks import boolean, integer, names, probability, real, regex
 from .._common import config_of
+from .._wrapping import listed, peft_dict
 
 Targets = list[str] | str
 
@@ -119,13 +120,7 @@ class AdaLoraConfig:
         """Translate a Hugging Face PEFT ``AdaLoraConfig`` (object or dict) to an
         [`AdaLoraConfig`][lightning_peft.peft.AdaLoraConfig]. ``fan_in_fan_out`` is set per layer (as PEFT does);
         a LoRA-only setting AdaLoRA's layers do not have (``use_dora``, ``lora_bias``, ...) is refused."""
-        if not isinstance(config, dict):
-            config = config.to_dict()
-        if config.get("peft_type") not in (PEFT_TYPE, None):
-            raise ValueError(f"load_adapter: {source} has peft_type={config.get('peft_type')!r}, not {PEFT_TYPE!r}.")
-        if config.get("target_modules") is None:
-            raise ValueError(f"load_adapter: {source} has target_modules=None; lightning-peft does not guess PEFT's "
-                             "per-architecture defaults. Name them in the config.")
+        config = peft_dict(config, PEFT_TYPE, source)
         for field, default in _UNSUPPORTED.items():
             if config.get(field, default) not in (default, {}, []):
                 raise ValueError(f"load_adapter: {source} has {field}={config[field]!r}; lightning-peft's AdaLoRA "
@@ -135,8 +130,8 @@ class AdaLoraConfig:
             pattern = {k.replace(".lora_E.default", ".lora_E"): v for k, v in pattern.items()}
         fields = {f.name for f in dataclasses.fields(cls)} - {"rank_pattern", "target_modules"}
         try:
-            return cls(target_modules=_listed(config["target_modules"]), rank_pattern=pattern,
-                       **{k: _listed(config[k]) for k in fields if config.get(k) is not None})
+            return cls(target_modules=listed(config["target_modules"]), rank_pattern=pattern,
+                       **{k: listed(config[k]) for k in fields if config.get(k) is not None})
         except (TypeError, ValueError) as err:  # a value AdaLoraConfig refuses: the message names the file
             raise type(err)(f"load_adapter: {source} holds a value AdaLoRA refuses: {err}") from None
 
@@ -159,11 +154,6 @@ def _as_pattern(pattern: object, init_r: int) -> dict[str, list[bool]]:
         raise ValueError(f"{WHO}(rank_pattern={{{key!r}: {bad[key]!r}, ...}}): each entry must hold init_r={init_r} "
                          "booleans (which of the init_r triplets were kept).")
     return {k: list(v) for k, v in pattern.items()}
-
-
-def _listed(value: object) -> object:
-    """A PEFT config's set (its in-memory form) as a sorted list; anything else as it is."""
-    return sorted(value) if isinstance(value, (set, frozenset)) else value
 
 
 def _as_targets(field: str, value: object) -> Targets:

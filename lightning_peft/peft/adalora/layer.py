@@ -16,27 +16,22 @@ adds the transposed update when merged; ``nn.Conv2d`` reshapes it to (out, in, k
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._common import LayerWrapper, adapter_dtype, dense_weight, is_quantized
-from .._wrapped_layers import Switch
+from .._common import adapter_dtype
+from .._wrapping import AdditiveLayer, Switch, conv1d_type
 
 __all__ = ["SVDLayer", "Switch", "supported"]
-
-
-def _conv1d() -> type | None:
-    return getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
 
 
 def supported(module: nn.Module) -> bool:
     """Whether AdaLoRA (PEFT's layers) can adapt ``module``: ``nn.Linear``, transformers ``Conv1D``, an ungrouped
     ``nn.Conv2d``."""
-    conv1d = _conv1d()
+    conv1d = conv1d_type()
     if isinstance(module, nn.Conv2d):
         return module.groups == 1
     return isinstance(module, nn.Linear) or (conv1d is not None and isinstance(module, conv1d))
@@ -52,7 +47,7 @@ def _sizes(module: nn.Module) -> tuple[int, int]:
     return int(shape[0]), int(shape[1])
 
 
-class SVDLayer(LayerWrapper):
+class SVDLayer(AdditiveLayer):
     """``base_layer`` (frozen) plus ``B (A ⊙ E) * lora_alpha / (ranknum + 1e-5)``.
 
     Args:
@@ -114,15 +109,6 @@ class SVDLayer(LayerWrapper):
             return (product * self.scaling / (self.ranknum + 1e-5)).reshape(self.base_layer.weight.shape)
         return (product.T if self.fan_in_fan_out else product) * self.scaling / (self.ranknum + 1e-5)
 
-    def merged_weights(self) -> dict[str, Tensor]:
-        """The base weight with the update added: a new tensor, computed in float32 or wider and cast to the
-        weight's dtype. A layer merged in place returns its weight as it is."""
-        weight = dense_weight(self.base_layer.weight, self.base_layer).detach()
-        if self.merged:
-            return {"weight": weight}
-        wide = torch.promote_types(weight.dtype, self.lora_A.dtype)
-        return {"weight": (weight.to(wide) + self.delta_weight()).to(weight.dtype)}
-
     def orthogonality(self) -> list[Tensor]:
         """``||A A^T - I||_F`` and ``||B^T B - I||_F`` (differentiable), the terms of the orthogonal
         regularisation."""
@@ -131,32 +117,6 @@ class SVDLayer(LayerWrapper):
             terms.append(torch.norm(cov - torch.eye(*cov.shape, dtype=cov.dtype, device=cov.device), p="fro"))
         return terms
 
-    def merge(self) -> None:
-        """Add the update to the base weight in place (`unmerge` subtracts it again).
-
-        Raises:
-            RuntimeError: If the weight is quantized or the merged weight is not finite; nothing changes then.
-        """
-        if self.merged:
-            return
-        if is_quantized(self.base_layer.weight):
-            raise RuntimeError("its base weight is quantized; merging in place would have to requantize it. Use "
-                               "merged_state_dict(model) for an export.")
-        merged = self.merged_weights()
-        if not torch.isfinite(merged["weight"]).all():
-            raise RuntimeError("the merged weight would hold inf or NaN; nothing was merged.")
-        self._write(merged)
-        self.merged = True
-
-    def unmerge(self) -> None:
-        """Subtract the update from the merged base weight (exact up to one rounding in the weight's dtype)."""
-        if not self.merged:
-            return
-        weight = self.base_layer.weight.detach()
-        wide = torch.promote_types(weight.dtype, self.lora_A.dtype)
-        self._write({"weight": (weight.to(wide) - self.delta_weight()).to(weight.dtype)})
-        self.merged = False
-
     def resize(self, keep: list[bool]) -> None:
         """Keep only the triplets ``keep`` marks (PEFT's resize by a rank pattern); ``ranknum`` stays."""
         index = torch.tensor(keep, dtype=torch.bool, device=self.lora_E.device)
@@ -164,10 +124,6 @@ class SVDLayer(LayerWrapper):
             self.lora_A = nn.Parameter(self.lora_A[index].clone())
             self.lora_E = nn.Parameter(self.lora_E[index].clone())
             self.lora_B = nn.Parameter(self.lora_B[:, index].clone())
-
-    def _write(self, tensors: dict[str, Tensor]) -> None:
-        with torch.no_grad():
-            self.base_layer.weight.copy_(tensors["weight"])
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, ranknum={self.ranknum:g}, scaling={self.scaling:g}"

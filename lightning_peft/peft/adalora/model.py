@@ -42,30 +42,12 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from .._base_identity import base_model_name
+from .. import _wrapping as wrapping
 from .._common import (
-    chosen_by_name,
-    exact_choice,
-    in_layers,
-    inside,
-    name_matches,
     refuse_absent,
-    refuse_no_target,
-    refuse_second_injection,
-    refuse_unmatched,
     require,
 )
-from .._wrapped_layers import (
-    check_targets,
-    describe_adaptable,
-    disabled,
-    merge_layers,
-    merged_state,
-    unload_layers,
-    unmerge_layers,
-)
 from ..adapter import (
-    Adapter,
     attach,
     attached,
     clean_key,
@@ -78,21 +60,21 @@ from ..modules_to_save import (
     plain_key,
     present_modules,
     saved_state,
-    select_modules_to_save,
     set_submodule,
     wrap_modules_to_save,
 )
 from .allocator import FACTORS, RankAllocator, orthogonal_regularization
 from .config import PEFT_FIELDS, PEFT_TYPE, WHO, AdaLoraConfig, as_config
-from .layer import SVDLayer, Switch, supported
+from .layer import SVDLayer, supported
 
 log = logging.getLogger("lightning_peft.peft.adalora")
-_KINDS = "nn.Linear, transformers Conv1D, ungrouped nn.Conv2d"
+TARGETING = wrapping.Targeting(WHO, "AdaLoRA", "adapt", "nn.Linear, transformers Conv1D, ungrouped nn.Conv2d",
+                               supported, "encoder.layer.0.query")
 
 
 def adalora_layers(model: nn.Module) -> dict[str, SVDLayer]:
     """All AdaLoRA layers of ``model`` by full module name."""
-    return {name: m for name, m in unwrap(model).named_modules() if isinstance(m, SVDLayer)}
+    return wrapping.layers_of(model, SVDLayer)
 
 
 def inject_adalora(model: nn.Module, config: AdaLoraConfig | None = None, **kwargs: Any) -> dict[str, SVDLayer]:
@@ -113,43 +95,21 @@ def inject_adalora(model: nn.Module, config: AdaLoraConfig | None = None, **kwar
     """
     config = as_config(config, kwargs, "inject_adalora")
     model = unwrap(model)
-    _refuse_second_injection(model)
+    wrapping.refuse_second(model, SVDLayer, "inject_adalora", "AdaLoRA")
     targets, to_save = select(model, config)
     return _inject(model, config, targets, to_save)
 
 
-def describe_modules(model: nn.Module) -> str:
-    """'query, value (x2 each), ...': leaf names of the modules AdaLoRA can adapt, for messages."""
-    return describe_adaptable(model, supported, _KINDS, "AdaLoRA")
-
-
 def select(model: nn.Module, config: AdaLoraConfig) -> tuple[list[str], list[str]]:
-    """(targets, modules_to_save) full names, as PEFT picks them; raises before anything is changed."""
-    names = [n for n, _ in model.named_modules() if n]
-    to_save = select_modules_to_save(model, config.modules_to_save, WHO)
-    chosen = chosen_by_name(WHO, config.target_modules, names, model, describe_modules)
-    if config.layers_to_transform is not None:
-        chosen = in_layers(WHO, chosen, list(config.target_modules), config.layers_to_transform,
-                           config.layers_pattern, model)
-    if config.exclude_modules is not None:
-        refuse_unmatched(WHO, config.exclude_modules, names, model, describe_modules, "exclude_modules")
-        chosen = [n for n in chosen if not name_matches(n, config.exclude_modules)]
-    chosen = [n for n in chosen if not inside(n, to_save)]
-    if not chosen:
-        refuse_no_target(WHO, config.target_modules, model, "adapt", describe_modules(model), "encoder.layer.0.query")
-    check_targets(WHO, model, chosen, config.target_modules, supported, _KINDS, "AdaLoRA")
+    """(targets, modules_to_save) full names, as PEFT picks them (a ``rank_pattern`` must name each target);
+    raises before anything is changed."""
+    chosen, to_save = TARGETING.select(model, config)
     if config.rank_pattern is not None:
         missing = [n for n in chosen if f"{clean_key(n)}.lora_E" not in config.rank_pattern]
         if missing:
             raise ValueError(f"{WHO}(rank_pattern=...): no entry {clean_key(missing[0])}.lora_E for target "
                              f"{missing[0]!r}; the pattern holds {sorted(config.rank_pattern)}.")
     return chosen, to_save
-
-
-def _refuse_second_injection(model: nn.Module) -> None:
-    existing = adalora_layers(model)
-    found = f"AdaLoRA layers (e.g. {next(iter(existing))!r})" if existing else None
-    refuse_second_injection("inject_adalora", model, found, "AdaLoRA")
 
 
 def _inject(model: nn.Module, config: AdaLoraConfig, targets: list[str], to_save: list[str]) -> dict[str, SVDLayer]:
@@ -247,7 +207,7 @@ def merge_adalora(model: nn.Module) -> list[str]:
             is not finite (the layers merged by this call are unmerged again).
     """
     require(model, AdaLoraAdapter.kind, "merge_adalora", "AdaLoRA adapter", "inject_adalora")
-    return merge_layers(model, adalora_layers(model), "merge_adalora")
+    return wrapping.merge_layers(model, adalora_layers(model), "merge_adalora")
 
 
 def unmerge_adalora(model: nn.Module) -> list[str]:
@@ -257,7 +217,7 @@ def unmerge_adalora(model: nn.Module) -> list[str]:
         RuntimeError: If no AdaLoRA layer is merged.
     """
     require(model, AdaLoraAdapter.kind, "unmerge_adalora", "AdaLoRA adapter", "inject_adalora")
-    return unmerge_layers(model, adalora_layers(model), "unmerge_adalora", "AdaLoRA", "merge_adalora")
+    return wrapping.unmerge_layers(model, adalora_layers(model), "unmerge_adalora", "AdaLoRA", "merge_adalora")
 
 
 def disable_adalora(model: nn.Module) -> contextlib.AbstractContextManager[None]:
@@ -268,14 +228,14 @@ def disable_adalora(model: nn.Module) -> contextlib.AbstractContextManager[None]
         RuntimeError: If ``model`` has no AdaLoRA, or a layer is merged (the base output is then not available).
     """
     switch = require(model, AdaLoraAdapter.kind, "disable_adalora", "AdaLoRA adapter", "inject_adalora").switch
-    return disabled(switch, adalora_layers(model).values(), "disable_adalora", "unmerge_adalora")
+    return wrapping.disabled(switch, adalora_layers(model).values(), "disable_adalora", "unmerge_adalora")
 
 
 # --- the adapter protocol ------------------------------------------------------------------------------------
 
 
 @register
-class AdaLoraAdapter(Adapter):
+class AdaLoraAdapter(wrapping.TargetsAdapter):
     """AdaLoRA's side of the adapter protocol: what [`inject_adalora`][lightning_peft.peft.inject_adalora] did to a
     model, and its `lightning_peft.peft.adalora.allocator.RankAllocator` once allocation started.
 
@@ -292,14 +252,8 @@ class AdaLoraAdapter(Adapter):
     training_only: ClassVar[tuple[str, ...]] = ("init_lora_weights", "lora_dropout")
 
     def __init__(self, config: AdaLoraConfig, targets: Iterable[str], modules_to_save: Iterable[str]) -> None:
-        self.config = config
-        self.targets = tuple(targets)
-        self.modules_to_save = tuple(modules_to_save)
-        self.switch = Switch()  # shared by its layers and modules_to_save wrappers
+        super().__init__(config, targets, modules_to_save)
         self.allocator: RankAllocator | None = None
-
-    def __repr__(self) -> str:
-        return f"AdaLoraAdapter({len(self.targets)} targets, modules_to_save={list(self.modules_to_save)})"
 
     def rank_pattern(self) -> dict[str, list[bool]] | None:
         """The triplets kept per layer (``"<module>.lora_E"``): the allocation's, else the loaded file's."""
@@ -311,37 +265,22 @@ class AdaLoraAdapter(Adapter):
         state = {f"{name}.{f}": getattr(model.get_submodule(name), f) for name in self.targets for f in FACTORS}
         return {**state, **saved_state(model, self.modules_to_save)}
 
-    def config_dict(self) -> dict[str, Any]:
-        return {"config": self.config.to_dict(), "targets": list(self.targets),
-                "modules_to_save": list(self.modules_to_save)}
-
-    def matches(self, config: dict[str, Any]) -> bool:
-        """Whether this is the adapter ``config`` describes (a `config_dict`, or a callback's request
-        ``{"config": AdaLoraConfig.to_dict()}``, whose names are not resolved yet)."""
-        if AdaLoraConfig(**config["config"]) != self.config:
-            return False
-        return all(list(config[key]) == list(getattr(self, key)) for key in ("targets", "modules_to_save")
-                   if key in config)
-
-    def wrapped(self, model: nn.Module) -> dict[str, nn.Module]:
-        model = unwrap(model)
-        return {name: model.get_submodule(name) for name in self.targets}
-
     @classmethod
     def inject(cls, model: nn.Module, config: dict[str, Any]) -> AdaLoraAdapter:
         """Inject at the recorded names (the same modules whatever the rules would pick today)."""
         model = unwrap(model)
-        _refuse_second_injection(model)
+        wrapping.refuse_second(model, SVDLayer, "inject_adalora", "AdaLoRA")
         targets, to_save = list(config["targets"]), list(config["modules_to_save"])
         refuse_absent(model, [*targets, *to_save], "AdaLoRA: the recorded adapter")
         _inject(model, AdaLoraConfig(**config["config"]), targets, to_save)
         return attached(model)[cls.kind]
 
     def merged_state(self, model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
-        return merged_state(model, self.targets, FACTORS, state)
+        own = [f"{name}.{factor}" for name in self.targets for factor in FACTORS]
+        return wrapping.merged_state(model, state, self.targets, own)
 
     def unload(self, model: nn.Module, merge: bool) -> None:
-        unload_layers(model, self, merge, "unload_adalora")
+        wrapping.unload_layers(model, self, merge, "unload_adalora")
 
     def peft_state(self, model: nn.Module) -> dict[str, Tensor]:
         """PEFT's keys; after an allocation, each layer's factors cut to the triplets it kept (PEFT's resized save)."""
@@ -357,18 +296,12 @@ class AdaLoraAdapter(Adapter):
         return state
 
     def peft_config(self, model: nn.Module) -> dict[str, Any]:
-        names = [n for n, _ in unwrap(model).named_modules() if n]
         c = self.config
         total = self.allocator.total_step if self.allocator is not None else c.total_step
         return {
-            "peft_type": PEFT_TYPE,
-            "task_type": None,
-            "base_model_name_or_path": base_model_name(model),
-            "inference_mode": True,
-            "target_modules": exact_choice([clean_key(n) for n in self.targets], [clean_key(n) for n in names]),
+            **wrapping.peft_common(model, PEFT_TYPE, self.targets, self.modules_to_save),
             "exclude_modules": None,
             "fan_in_fan_out": any(layer.fan_in_fan_out for layer in self.wrapped(model).values()),
-            "modules_to_save": [clean_key(n) for n in self.modules_to_save] or None,
             "init_lora_weights": c.init_lora_weights,
             **{f: getattr(c, f) for f in ("init_r", "target_r", "lora_alpha", "lora_dropout", "tinit", "tfinal",
                                           "deltaT", "beta1", "beta2", "orth_reg_weight")},
@@ -379,9 +312,7 @@ class AdaLoraAdapter(Adapter):
 
     def check_peft_config(self, model: nn.Module, config: Any, source: str) -> None:
         """The file's ranks must be this adapter's (its factors are loaded into the layers as they are)."""
-        if any(layer.merged for layer in adalora_layers(model).values()):
-            raise RuntimeError("load_adapter: the AdaLoRA updates are merged; call unmerge_adalora(model) before "
-                               "loading.")
+        wrapping.refuse_merged_load(adalora_layers(model).values(), "AdaLoRA updates", "unmerge_adalora")
         theirs = AdaLoraConfig.from_peft(config, source)
         for name, layer in adalora_layers(model).items():
             keep = (theirs.rank_pattern or {}).get(f"{clean_key(name)}.lora_E")
@@ -416,11 +347,6 @@ class AdaLoraAdapter(Adapter):
 
     @classmethod
     def from_peft(cls, model: nn.Module, config: dict[str, Any], source: str) -> AdaLoraAdapter:
-        ours = AdaLoraConfig.from_peft(config, source)
-        # PEFT's task types write ["classifier", "score"] whatever the model calls its head: the absent are dropped
-        ours = dataclasses.replace(ours, modules_to_save=present_modules(unwrap(model), ours.modules_to_save, source))
-        try:
-            inject_adalora(model, ours)
-        except ValueError as err:
-            raise ValueError(f"load_adapter: {source}: {err}") from None
+        wrapping.inject_from_peft(model, AdaLoraConfig.from_peft(config, source), source,
+                                  lambda ours: inject_adalora(model, ours))
         return attached(model)[cls.kind]

@@ -23,17 +23,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._common import LayerWrapper, adapter_dtype, dense_weight, is_quantized
-from .._wrapping import conv1d_type
+from .._common import adapter_dtype, dense_weight
+from .._wrapping import InPlaceLayer, Switch, conv1d_type, linear_kinds
 from ..adapter import DEFAULT
 
+__all__ = ["CONVOLUTIONS", "IA3Layer", "Switch", "linear_kinds", "supported"]
+
 CONVOLUTIONS = (nn.Conv2d, nn.Conv3d)
-
-
-def linear_kinds() -> tuple[type, ...]:
-    """The layer types ``target_modules="all-linear"`` chooses: ``nn.Linear`` and (if imported) ``Conv1D``."""
-    conv1d = conv1d_type()
-    return (nn.Linear,) if conv1d is None else (nn.Linear, conv1d)
 
 
 def supported(module: nn.Module) -> bool:
@@ -42,20 +38,7 @@ def supported(module: nn.Module) -> bool:
     return isinstance(module, (nn.Linear, *CONVOLUTIONS)) or (conv1d is not None and isinstance(module, conv1d))
 
 
-class Switch:
-    """Which named adapter every IA³ layer of one model runs (``active``), or none (``disabled``: the base output), and
-    its ``modules_to_save`` wrappers with them (a `lightning_peft.peft.modules_to_save.BaseSamples`: disabled, they run
-    the original module, as PEFT's do)."""
-
-    def __init__(self, active: str = DEFAULT) -> None:
-        self.disabled = False
-        self.active = active
-
-    def base_samples(self) -> bool:
-        return self.disabled
-
-
-class IA3Layer(LayerWrapper):
+class IA3Layer(InPlaceLayer):
     """``base_layer`` (frozen) with its output, or its input if ``feedforward``, scaled channel-wise by ``ia3_l``.
 
     Args:
@@ -149,16 +132,10 @@ class IA3Layer(LayerWrapper):
         name = self.switch.active
         if self.merged or name not in self.ia3_l:
             return
-        if is_quantized(self.base_layer.weight):
-            raise RuntimeError("its base weight is quantized; merging in place would have to requantize it. Use "
-                               "merged_state_dict(model) for an export.")
         if (self.ia3_l[name] == 0).any():
             raise RuntimeError("ia3_l has a zero entry, so the merged weight could not be divided back (unmerge). Use "
                                "merged_state_dict(model) or unload_ia3(model, merge=True), which need no unmerge.")
-        merged = self.merged_weights()
-        if not all(torch.isfinite(t).all() for t in merged.values()):
-            raise RuntimeError("the merged weight would hold inf or NaN; nothing was merged.")
-        self._write(merged)
+        self._write(self.mergeable_weights())
         self.merged_adapter = name
 
     def unmerge(self) -> None:
@@ -174,11 +151,6 @@ class IA3Layer(LayerWrapper):
             restored["bias"] = (bias.to(wide) / vector.reshape(bias.shape)).to(bias.dtype)
         self._write(restored)
         self.merged_adapter = None
-
-    def _write(self, tensors: dict[str, Tensor]) -> None:
-        with torch.no_grad():
-            for key, value in tensors.items():
-                getattr(self.base_layer, key).copy_(value)
 
     def extra_repr(self) -> str:
         return f"feedforward={self.feedforward}"

@@ -37,21 +37,13 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
-import torch
 from torch import Tensor, nn
 
-from .._base_identity import base_model_name
+from .. import _wrapping as wrapping
 from .._common import (
-    all_linear,
-    chosen_by_name,
     exact_choice,
-    inside,
-    is_quantized,
     name_matches,
     refuse_absent,
-    refuse_no_target,
-    refuse_second_injection,
-    refuse_unmatched,
     require,
     usable_adapter_name,
     wraps_a_layer,
@@ -62,7 +54,6 @@ from ..adapter import (
     attach,
     attached,
     clean_key,
-    detach,
     register,
     remove_adapter,
     trainable_parameters,
@@ -70,26 +61,23 @@ from ..adapter import (
 )
 from ..modules_to_save import (
     ModulesToSave,
-    fold_modules_to_save,
     plain_key,
-    present_modules,
-    restore_modules,
     saved_state,
-    select_modules_to_save,
     set_submodule,
     wrap_modules_to_save,
 )
 from .config import PEFT_FIELDS, PEFT_TYPE, WHO, IA3Config, as_config
-from .layer import IA3Layer, Switch, linear_kinds, supported
+from .layer import IA3Layer, Switch, supported
 
 log = logging.getLogger("lightning_peft.peft.ia3")
-_KINDS = "nn.Linear, transformers Conv1D, nn.Conv2d, nn.Conv3d"
 _KEY = "ia3_l.<name>"  # where an adapter name goes in the parameter names
+TARGETING = wrapping.Targeting(WHO, "IA³", "scale", "nn.Linear, transformers Conv1D, nn.Conv2d, nn.Conv3d", supported,
+                               "encoder.block.0.layer.0.SelfAttention.k")
 
 
 def ia3_layers(model: nn.Module) -> dict[str, IA3Layer]:
     """All IA³ layers of ``model`` by full module name."""
-    return {name: m for name, m in unwrap(model).named_modules() if isinstance(m, IA3Layer)}
+    return wrapping.layers_of(model, IA3Layer)
 
 
 def inject_ia3(model: nn.Module, config: IA3Config | None = None, adapter_name: str = DEFAULT,
@@ -113,7 +101,7 @@ def inject_ia3(model: nn.Module, config: IA3Config | None = None, adapter_name: 
     config = as_config(config, kwargs, "inject_ia3")
     usable_adapter_name(adapter_name, "inject_ia3", _KEY)
     model = unwrap(model)
-    _refuse_second_injection(model)
+    wrapping.refuse_second(model, IA3Layer, "inject_ia3", "IA³")
     targets, to_save = select(model, config)
     return _inject(model, config, adapter_name, targets, [n for n in targets if config.is_feedforward(n)], to_save)
 
@@ -195,46 +183,12 @@ def _refuse_merged(model: nn.Module, who: str) -> None:
                            "unmerge_ia3(model) first.")
 
 
-def describe_modules(model: nn.Module) -> str:
-    """'k, v (x2 each), ...': leaf names of the modules IA³ can scale, for messages."""
-    counts: dict[str, int] = {}
-    for name, module in model.named_modules():
-        if name and supported(module) and not name.endswith(".base_layer"):
-            counts[name.rsplit(".", 1)[-1]] = counts.get(name.rsplit(".", 1)[-1], 0) + 1
-    if not counts:
-        return f"none (IA³ scales {_KINDS}, and {type(model).__name__} has no such module)"
-    return ", ".join(f"{leaf} (x{n})" if n > 1 else leaf for leaf, n in counts.items())
-
-
 def select(model: nn.Module, config: IA3Config, to_save: list[str] | None = None) -> tuple[list[str], list[str]]:
     """(targets, modules_to_save) full names, as PEFT picks them; raises before anything is changed. An IA³ layer
     stands for its base layer (another named adapter may scale it too); ``to_save``: the model's already."""
-    view = _view(model)
     inner = [f"{n}." for n, m in model.named_modules() if isinstance(m, IA3Layer)]
     names = [n for n, _ in model.named_modules() if n and not any(n.startswith(i) for i in inner)]
-    if to_save is None:
-        to_save = select_modules_to_save(model, config.modules_to_save, WHO)
-    if config.target_modules == "all-linear":
-        chosen = all_linear(model, view, linear_kinds())
-    else:
-        chosen = chosen_by_name(WHO, config.target_modules, names, model, describe_modules)
-    if config.exclude_modules is not None:
-        refuse_unmatched(WHO, config.exclude_modules, names, model, describe_modules, "exclude_modules")
-        chosen = [n for n in chosen if not name_matches(n, config.exclude_modules)]
-    chosen = [n for n in chosen if not inside(n, to_save)]
-    if not chosen:
-        refuse_no_target(WHO, config.target_modules, model, "scale", describe_modules(model),
-                         "encoder.block.0.layer.0.SelfAttention.k")
-    for name in chosen:
-        module = view[name] if name in view else model.get_submodule(name)
-        if isinstance(module, ModulesToSave) or wraps_a_layer(module):
-            raise ValueError(f"{WHO}: {name!r} is already wrapped by another technique ({type(module).__name__}); an "
-                             "IA³ layer around it would move that technique's parameters. Keep IA³ off this module.")
-        if not supported(module):
-            raise TypeError(f"{WHO}(target_modules={config.target_modules!r}): {name!r} is a {type(module).__name__}; "
-                            f"IA³ scales {_KINDS} (Hugging Face PEFT's IA³ layers). {type(model).__name__} has: "
-                            f"{describe_modules(model)}.")
-    return chosen, to_save
+    return TARGETING.select(model, config, names, _view(model), to_save)
 
 
 def _view(model: nn.Module) -> dict[str, nn.Module]:
@@ -249,12 +203,6 @@ def _view(model: nn.Module) -> dict[str, nn.Module]:
             if name and (isinstance(module, ModulesToSave) or wraps_a_layer(module)):
                 hidden.append(f"{name}.")
     return view
-
-
-def _refuse_second_injection(model: nn.Module) -> None:
-    existing = ia3_layers(model)
-    found = f"IA³ layers (e.g. {next(iter(existing))!r})" if existing else None
-    refuse_second_injection("inject_ia3", model, found, "IA³")
 
 
 def _inject(model: nn.Module, config: IA3Config, adapter_name: str, targets: list[str], feedforward: list[str],
@@ -304,26 +252,9 @@ def merge_ia3(model: nn.Module) -> list[str]:
             or a merged weight is not finite (the layers merged by this call are unmerged again).
     """
     require(model, IA3Adapter.kind, "merge_ia3", "IA³ adapter", "inject_ia3")
-    model = unwrap(model)
-    layers = {n: layer for n, layer in ia3_layers(model).items() if not layer.merged and layer.vector() is not None}
-    owners: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(param), []).append(name)
-    for name, layer in layers.items():
-        others = [o for o in owners.get(id(layer.base_layer.weight), []) if not o.startswith(f"{name}.")]
-        if others:
-            raise RuntimeError(f"merge_ia3: the weight of {name!r} is tied to {others[0]!r}; merging in place would "
-                               "change both. Use merged_state_dict(model) for an export, or untie the weights first.")
-    done: list[str] = []
-    for name, layer in layers.items():
-        try:
-            layer.merge()
-        except RuntimeError as err:
-            for merged in reversed(done):
-                layers[merged].unmerge()
-            raise RuntimeError(f"merge_ia3: layer {name!r}: {err}") from None
-        done.append(name)
-    return done
+    # a layer the active adapter does not scale has nothing to merge
+    layers = {n: layer for n, layer in ia3_layers(model).items() if layer.vector() is not None}
+    return wrapping.merge_layers(model, layers, "merge_ia3")
 
 
 def unmerge_ia3(model: nn.Module) -> list[str]:
@@ -333,13 +264,7 @@ def unmerge_ia3(model: nn.Module) -> list[str]:
         RuntimeError: If no IA³ layer is merged.
     """
     require(model, IA3Adapter.kind, "unmerge_ia3", "IA³ adapter", "inject_ia3")
-    merged = {n: layer for n, layer in ia3_layers(model).items() if layer.merged}
-    if not merged:
-        raise RuntimeError(f"unmerge_ia3: no IA³ layer of {type(unwrap(model)).__name__} is merged; call merge_ia3 "
-                           "first.")
-    for layer in merged.values():
-        layer.unmerge()
-    return list(merged)
+    return wrapping.unmerge_layers(model, ia3_layers(model), "unmerge_ia3", "IA³", "merge_ia3")
 
 
 @contextlib.contextmanager
@@ -351,25 +276,8 @@ def disable_ia3(model: nn.Module) -> Iterator[None]:
         RuntimeError: If ``model`` has no IA³, or a layer is merged (the base output is then not available).
     """
     switch = require(model, IA3Adapter.kind, "disable_ia3", "IA³ adapter", "inject_ia3").switch
-    if any(layer.merged for layer in ia3_layers(model).values()):
-        raise RuntimeError("disable_ia3: the vectors are merged into the base weights; call unmerge_ia3(model) first.")
-    before, switch.disabled = switch.disabled, True
-    try:
+    with wrapping.disabled(switch, ia3_layers(model).values(), "disable_ia3", "unmerge_ia3", "vectors"):
         yield
-    finally:
-        switch.disabled = before
-
-
-def _folded(model: nn.Module, targets: Iterable[str], who: str,
-            adapter_name: str | None = None) -> dict[str, dict[str, Tensor]]:
-    """Every target's merged weights (`IA3Layer.merged_weights`) with adapter ``adapter_name`` (default: the active
-    one); raises, naming the layer, if one is not finite."""
-    folded = {name: model.get_submodule(name).merged_weights(adapter_name) for name in targets}
-    for name, tensors in folded.items():
-        if not all(torch.isfinite(t).all() for t in tensors.values()):
-            raise RuntimeError(f"{who}: layer {name!r}: the merged weight would hold inf or NaN; check the training "
-                               "for divergence. Nothing was merged.")
-    return folded
 
 
 # --- the adapter protocol ------------------------------------------------------------------------------------
@@ -477,7 +385,7 @@ class IA3Adapter(Adapter):
     def inject(cls, model: nn.Module, config: dict[str, Any]) -> IA3Adapter:
         """Inject at the recorded names (the same modules whatever the rules would pick today)."""
         model = unwrap(model)
-        _refuse_second_injection(model)
+        wrapping.refuse_second(model, IA3Layer, "inject_ia3", "IA³")
         config = _named_form(config)
         recorded = [t for entry in config["adapters"].values() for t in entry["targets"]]
         refuse_absent(model, [*recorded, *config["modules_to_save"]], "IA3: the recorded adapter")
@@ -515,15 +423,8 @@ class IA3Adapter(Adapter):
         if merged and merged != {chosen}:
             raise RuntimeError(f"merged_state_dict: adapter {min(merged)!r} is merged into the base weights, not "
                                f"{chosen!r}; call unmerge_ia3(model) first.")
-        folded = _folded(model, self.targets, "merged_state_dict", chosen)
-        for target in self.targets:
-            for key in [k for k in state if k.startswith(f"{target}.ia3_l.")]:
-                state.pop(key)
-            prefix = f"{target}.base_layer."
-            for key in [k for k in state if k.startswith(prefix)]:
-                state[f"{target}.{key[len(prefix):]}"] = state.pop(key)
-            state.update({f"{target}.{key}": value for key, value in folded[target].items()})
-        return fold_modules_to_save(model, state)
+        own = [k for k in state if any(k.startswith(f"{target}.ia3_l.") for target in self.targets)]
+        return wrapping.merged_state(model, state, self.targets, own, chosen)
 
     def merge_problems(self, model: nn.Module, name: str | None = None) -> list[str]:
         if name is not None:
@@ -531,22 +432,7 @@ class IA3Adapter(Adapter):
         return []
 
     def unload(self, model: nn.Module, merge: bool) -> None:
-        model = unwrap(model)
-        layers = {name: model.get_submodule(name) for name in self.targets}
-        if merge:
-            quantized = [n for n, layer in layers.items() if is_quantized(layer.base_layer.weight)]
-            if quantized:
-                raise RuntimeError(f"unload_ia3(merge=True): the base weight of {quantized[0]!r} is quantized; "
-                                   "merging would have to requantize it. Export merged_state_dict(model) instead.")
-            folded = _folded(model, [n for n, layer in layers.items() if not layer.merged], "unload_ia3")
-            for name, tensors in folded.items():
-                layers[name]._write(tensors)  # no zero check: nothing divides it back
-        for name, layer in layers.items():
-            if not merge:
-                layer.unmerge()
-            set_submodule(model, name, layer.base_layer)
-        restore_modules(model, self.modules_to_save, trained=merge)
-        detach(model, self.kind)
+        wrapping.unload_layers(model, self, merge, "unload_ia3")
 
     def peft_state(self, model: nn.Module, adapter_name: str | None = None) -> dict[str, Tensor]:
         """Adapter ``adapter_name``'s (default: the active one) tensors under PEFT's file keys; ``modules_to_save`` is
@@ -562,28 +448,21 @@ class IA3Adapter(Adapter):
 
     def peft_config(self, model: nn.Module, adapter_name: str | None = None) -> dict[str, Any]:
         entry = self.adapters[self._name(adapter_name, "save_adapter")]
-        names = [n for n, _ in unwrap(model).named_modules() if n]
         targets = [clean_key(n) for n in entry.targets]
         return {
-            "peft_type": PEFT_TYPE,
-            "task_type": None,
-            "base_model_name_or_path": base_model_name(model),
-            "inference_mode": True,
-            "target_modules": exact_choice(targets, [clean_key(n) for n in names]),
+            **wrapping.peft_common(model, PEFT_TYPE, entry.targets, self.modules_to_save),
             # PEFT matches a feedforward list by plain suffix, among the targets only
             "feedforward_modules": exact_choice([clean_key(n) for n in entry.feedforward], targets,
                                                 lambda name, entries: any(name.endswith(e) for e in entries)),
             "exclude_modules": None,
-            "fan_in_fan_out": any(model.get_submodule(n).fan_in_fan_out for n in entry.targets),
-            "modules_to_save": [clean_key(n) for n in self.modules_to_save] or None,
+            "fan_in_fan_out": any(unwrap(model).get_submodule(n).fan_in_fan_out for n in entry.targets),
             "init_ia3_weights": entry.config.init_ia3_weights,
         }
 
     def check_peft_config(self, model: nn.Module, config: Any, source: str, adapter_name: str = DEFAULT) -> None:
         """The file's feed-forward choice must be this adapter's (a vector of the other kind may have the same shape
         when a layer is square, and would load silently into the wrong side)."""
-        if any(layer.merged for layer in ia3_layers(model).values()):
-            raise RuntimeError("load_adapter: the IA³ vectors are merged; call unmerge_ia3(model) before loading.")
+        wrapping.refuse_merged_load(ia3_layers(model).values(), "IA³ vectors", "unmerge_ia3")
         entry = self.adapters[adapter_name]
         theirs = [n for n in entry.targets if IA3Config.from_peft(config, source).is_feedforward(clean_key(n))]
         if theirs != list(entry.feedforward):
@@ -599,16 +478,13 @@ class IA3Adapter(Adapter):
     @classmethod
     def from_peft(cls, model: nn.Module, config: dict[str, Any], source: str,
                   adapter_name: str = DEFAULT) -> IA3Adapter:
-        ours = IA3Config.from_peft(config, source)
-        # PEFT's task types write ["classifier", "score"] whatever the model calls its head: the absent are dropped
-        ours = dataclasses.replace(ours, modules_to_save=present_modules(unwrap(model), ours.modules_to_save, source))
-        try:
+        def inject(ours: IA3Config) -> None:
             if attached(model).get(cls.kind) is None:
                 inject_ia3(model, ours, adapter_name)
             else:
                 add_ia3_adapter(model, adapter_name, ours)
-        except ValueError as err:
-            raise ValueError(f"load_adapter: {source}: {err}") from None
+
+        wrapping.inject_from_peft(model, IA3Config.from_peft(config, source), source, inject)
         return attached(model)[cls.kind]
 
 

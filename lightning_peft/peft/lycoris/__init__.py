@@ -7,15 +7,15 @@ from .config import LycorisConfig
 from .layer import LycorisLayer, Switch, effective_conv, flat_shape, supported
 from .model import (
            LycorisAdapter,
-           describe_modules,
            disable,
            inject,
            layers_of,
            merge,
            select,
+           targeting,
            unload,
            unmerge,
 )
 
-__all__ = ["LycorisAdapter", "LycorisConfig", "LycorisLayer", "Switch", "describe_modules", "disable",
-           "effective_conv", "flat_shape", "inject", "layers_of", "merge", "select", "supported", "unload", "unmerge"]
+__all__ = ["LycorisAdapter", "LycorisConfig", "LycorisLayer", "Switch", "disable",
+           "effective_conv", "flat_shape", "inject", "layers_of", "merge", "select", "supported", "targeting", "unload", "unmerge"]

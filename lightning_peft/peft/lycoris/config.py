@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 from ..._checks import boolean, integer, names, positive, probability, real, regex
 from .._common import config_of, pattern_matches
+from .._wrapping import listed, peft_dict
 
 Targets = list[str] | str
 
@@ -157,16 +158,9 @@ class LycorisConfig:
         """Translate a Hugging Face PEFT config of this method (object or dict) to ours: the fields have PEFT's
         names, so each is read as it is (a set as a sorted list)."""
         source = source or f"peft.{cls.__name__}"
-        if not isinstance(config, dict):
-            config = config.to_dict()
-        peft_type = getattr(config.get("peft_type"), "value", config.get("peft_type"))
-        if peft_type not in (cls.peft_type, None):
-            raise ValueError(f"load_adapter: {source} has peft_type={peft_type!r}, not {cls.peft_type!r}.")
-        if config.get("target_modules") is None:
-            raise ValueError(f"load_adapter: {source} has target_modules=None; lightning-peft does not guess PEFT's "
-                             "per-architecture defaults. Name them in the config.")
+        config = peft_dict(config, cls.peft_type, source)
         fields = {f.name for f in dataclasses.fields(cls)}
-        values = {k: _listed(v) for k, v in config.items() if k in fields and v is not None}
+        values = {k: listed(v) for k, v in config.items() if k in fields and v is not None}
         for name in ("rank_pattern", "alpha_pattern"):
             values[name] = values.get(name) or {}
         try:
@@ -178,11 +172,6 @@ class LycorisConfig:
     def of(cls, config: object, kwargs: dict[str, Any], who: str) -> LycorisConfig:
         """A config of this class from a config object or keyword arguments (not both)."""
         return config_of(cls, config, kwargs, who, f"{cls.who} layers")
-
-
-def _listed(value: object) -> object:
-    """A PEFT config's set (its in-memory form) as a sorted list; anything else as it is."""
-    return sorted(value) if isinstance(value, (set, frozenset)) else value
 
 
 def _rank(who: str, name: str, value: object) -> int:

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._common import LayerWrapper, adapter_dtype, dense_weight, is_quantized
-from .._in_place import Switch
+from .._common import adapter_dtype
+from .._wrapping import AdditiveLayer, Switch
 from .config import LycorisConfig
 
 KINDS = (nn.Linear, nn.Conv1d, nn.Conv2d)
@@ -52,7 +52,7 @@ def effective_conv(base: nn.Module, config: LycorisConfig) -> bool:
         k != 1 for k in base.kernel_size)
 
 
-class LycorisLayer(LayerWrapper):
+class LycorisLayer(AdditiveLayer):
     """``base_layer`` (frozen) plus the update ``ΔW`` of a LyCORIS method (the module docstring).
 
     Args:
@@ -127,50 +127,6 @@ class LycorisLayer(LayerWrapper):
         if self.rescale_rank_dropout:
             keep = keep / keep.mean().clamp_min(1 / rows)  # the mean is 0 or at least 1 / rows
         return keep.view(-1, *[1] * (delta.dim() - 1)).to(delta.device)
-
-    def merged_weights(self) -> dict[str, Tensor]:
-        """The base weight with ``ΔW`` added: a new tensor, computed in float32 or wider and cast to the weight's
-        dtype. A layer merged in place returns its weight as it is."""
-        weight = dense_weight(self.base_layer.weight, self.base_layer).detach()
-        if self.merged:
-            return {"weight": weight}
-        with torch.no_grad():
-            delta = self.delta_weight()
-        wide = torch.promote_types(weight.dtype, delta.dtype)
-        return {"weight": (weight.to(wide) + delta.to(wide)).to(weight.dtype)}
-
-    def merge(self) -> None:
-        """Add ``ΔW`` to the base weight in place (`unmerge` subtracts it again).
-
-        Raises:
-            RuntimeError: If the weight is quantized or the merged weight is not finite; nothing changes then.
-        """
-        if self.merged:
-            return
-        if is_quantized(self.base_layer.weight):
-            raise RuntimeError("its base weight is quantized; merging in place would have to requantize it. Use "
-                               "merged_state_dict(model) for an export.")
-        merged = self.merged_weights()["weight"]
-        if not torch.isfinite(merged).all():
-            raise RuntimeError("the merged weight would hold inf or NaN; nothing was merged.")
-        self.write(merged)
-        self.merged = True
-
-    def unmerge(self) -> None:
-        """Subtract ``ΔW`` from the merged base weight (exact up to one rounding in the weight's dtype)."""
-        if not self.merged:
-            return
-        weight = self.base_layer.weight.detach()
-        with torch.no_grad():
-            delta = self.delta_weight()
-        wide = torch.promote_types(weight.dtype, delta.dtype)
-        self.write((weight.to(wide) - delta.to(wide)).to(weight.dtype))
-        self.merged = False
-
-    def write(self, weight: Tensor) -> None:
-        """Copy ``weight`` into the base layer's weight, in place."""
-        with torch.no_grad():
-            self.base_layer.weight.copy_(weight)
 
     def extra_repr(self) -> str:
         return f"r={self.r}, alpha={self.alpha}"

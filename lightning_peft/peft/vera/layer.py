@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._common import LayerWrapper, dense_weight, is_quantized
-from .._wrapping import Switch, conv1d_type
+from .._wrapping import AdditiveLayer, Switch, conv1d_type
 
 
 def supported(module: nn.Module) -> bool:
@@ -66,7 +65,7 @@ class Projections(nn.Module):
         return f"rank={self.vera_A.shape[0]}, in_max={self.vera_A.shape[1]}, out_max={self.vera_B.shape[0]}"
 
 
-class VeraLayer(LayerWrapper):
+class VeraLayer(AdditiveLayer):
     """``base_layer`` (frozen) plus ``lambda_b ⊙ (B[:out] (lambda_d ⊙ (A[:, :in] dropout(x))))``.
 
     Args:
@@ -117,45 +116,6 @@ class VeraLayer(LayerWrapper):
         a, b = self.sliced()
         delta = (self.vera_lambda_b.detach()[:, None] * b) @ (self.vera_lambda_d.detach()[:, None] * a)  # (out, in)
         return delta.T if self.fan_in_fan_out else delta
-
-    def merged_weights(self) -> dict[str, Tensor]:
-        """The base weight with the update added: a new tensor, computed in the wider of the two dtypes and cast to
-        the weight's. A layer merged in place returns its weight as it is."""
-        weight = dense_weight(self.base_layer.weight, self.base_layer).detach()
-        if self.merged:
-            return {"weight": weight}
-        delta = self.delta_weight()
-        return {"weight": (weight.to(torch.promote_types(weight.dtype, delta.dtype)) + delta).to(weight.dtype)}
-
-    def merge(self) -> None:
-        """Add the update to the base weight in place (`unmerge` subtracts it again).
-
-        Raises:
-            RuntimeError: If the weight is quantized or the merged weight is not finite; nothing changes then.
-        """
-        if self.merged:
-            return
-        if is_quantized(self.base_layer.weight):
-            raise RuntimeError("its base weight is quantized; merging in place would have to requantize it. Use "
-                               "merged_state_dict(model) for an export.")
-        merged = self.merged_weights()
-        if not torch.isfinite(merged["weight"]).all():
-            raise RuntimeError("the merged weight would hold inf or NaN; nothing was merged.")
-        self._write(merged)
-        self.merged = True
-
-    def unmerge(self) -> None:
-        """Subtract the update from the merged base weight (exact up to one rounding in the weight's dtype)."""
-        if not self.merged:
-            return
-        weight = self.base_layer.weight.detach()
-        delta = self.delta_weight()
-        self._write({"weight": (weight.to(torch.promote_types(weight.dtype, delta.dtype)) - delta).to(weight.dtype)})
-        self.merged = False
-
-    def _write(self, tensors: dict[str, Tensor]) -> None:
-        with torch.no_grad():
-            self.base_layer.weight.copy_(tensors["weight"])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"

@@ -37,31 +37,22 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
 from .. import _wrapping as wrapping
-from .._base_identity import base_model_name
 from .._common import (
     adapter_dtype,
-    chosen_by_name,
-    exact_choice,
-    in_layers,
-    inside,
     refuse_absent,
-    refuse_no_target,
-    refuse_second_injection,
     require,
 )
 from ..adapter import (
     attach,
     attached,
     clean_key,
-    detach,
     register,
     remove_adapter,
     trainable_parameters,
@@ -69,23 +60,22 @@ from ..adapter import (
 )
 from ..modules_to_save import (
     plain_key,
-    present_modules,
     saved_state,
-    select_modules_to_save,
     set_submodule,
     wrap_modules_to_save,
 )
 from .config import PEFT_FIELDS, PEFT_TYPE, WHO, VeraConfig, as_config
-from .layer import Projections, Switch, VeraLayer, draw_projections, sizes, supported
+from .layer import Projections, VeraLayer, draw_projections, sizes, supported
 
 log = logging.getLogger("lightning_peft.peft.vera")
 PROJECTIONS = "vera_projections"  # the submodule of the first VeRA layer that holds the shared matrices
-_KINDS = "nn.Linear and transformers Conv1D"
+TARGETING = wrapping.Targeting(WHO, "VeRA", "adapt", "nn.Linear and transformers Conv1D", supported,
+                               "bert.encoder.layer.0.attention.self.query")
 
 
 def vera_layers(model: nn.Module) -> dict[str, VeraLayer]:
     """All VeRA layers of ``model`` by full module name."""
-    return {name: m for name, m in unwrap(model).named_modules() if isinstance(m, VeraLayer)}
+    return wrapping.layers_of(model, VeraLayer)
 
 
 def inject_vera(model: nn.Module, config: VeraConfig | None = None, **kwargs: Any) -> dict[str, VeraLayer]:
@@ -107,37 +97,14 @@ def inject_vera(model: nn.Module, config: VeraConfig | None = None, **kwargs: An
     """
     config = as_config(config, kwargs, "inject_vera")
     model = unwrap(model)
-    _refuse_second_injection(model)
+    wrapping.refuse_second(model, VeraLayer, "inject_vera", "VeRA")
     targets, to_save = select(model, config)
     return _inject(model, config, targets, to_save)
 
 
-def describe_modules(model: nn.Module) -> str:
-    """'query, value (x2 each), ...': leaf names of the modules VeRA can adapt, for messages."""
-    return wrapping.describe_modules(model, supported, f"VeRA adapts {_KINDS}")
-
-
 def select(model: nn.Module, config: VeraConfig) -> tuple[list[str], list[str]]:
     """(targets, modules_to_save) full names, as PEFT picks them; raises before anything is changed."""
-    names = [n for n, _ in model.named_modules() if n]
-    to_save = select_modules_to_save(model, config.modules_to_save, WHO)
-    chosen = chosen_by_name(WHO, config.target_modules, names, model, describe_modules)
-    if config.layers_to_transform is not None and chosen:
-        chosen = in_layers(WHO, chosen, config.target_modules, config.layers_to_transform, config.layers_pattern,
-                           model)
-    chosen = [n for n in chosen if not inside(n, to_save)]
-    if not chosen:
-        refuse_no_target(WHO, config.target_modules, model, "adapt", describe_modules(model),
-                         "bert.encoder.layer.0.attention.self.query")
-    wrapping.check_targets(model, chosen, config.target_modules, WHO, "VeRA", "a VeRA layer",
-                           f"VeRA adapts {_KINDS}", supported)
-    return chosen, to_save
-
-
-def _refuse_second_injection(model: nn.Module) -> None:
-    existing = vera_layers(model)
-    found = f"VeRA layers (e.g. {next(iter(existing))!r})" if existing else None
-    refuse_second_injection("inject_vera", model, found, "VeRA")
+    return TARGETING.select(model, config)
 
 
 def shared_projections(model: nn.Module, config: VeraConfig, targets: list[str]) -> Projections:
@@ -214,7 +181,7 @@ def disable_vera(model: nn.Module) -> Iterator[None]:
         RuntimeError: If ``model`` has no VeRA, or a layer is merged (the base output is then not available).
     """
     switch = require(model, VeraAdapter.kind, "disable_vera", "VeRA adapter", "inject_vera").switch
-    with wrapping.disabled(switch, vera_layers(model).values(), "disable_vera", "the updates are", "unmerge_vera"):
+    with wrapping.disabled(switch, vera_layers(model).values(), "disable_vera", "unmerge_vera"):
         yield
 
 
@@ -240,12 +207,6 @@ class VeraAdapter(wrapping.TargetsAdapter):
     peft_key_prefix: ClassVar[str] = "base_model."
     mergeable: ClassVar[bool] = True
     training_only: ClassVar[tuple[str, ...]] = ("init_weights", "d_initial", "save_projection")
-
-    def __init__(self, config: VeraConfig, targets: Iterable[str], modules_to_save: Iterable[str]) -> None:
-        self.config = config
-        self.targets = tuple(targets)
-        self.modules_to_save = tuple(modules_to_save)
-        self.switch = Switch()  # shared by its layers and modules_to_save wrappers
 
     def __repr__(self) -> str:
         return f"VeraAdapter({len(self.targets)} targets, rank {self.config.rank}, " \
@@ -274,16 +235,12 @@ class VeraAdapter(wrapping.TargetsAdapter):
             state.update({f"{name}.vera_lambda_b": layer.vera_lambda_b, f"{name}.vera_lambda_d": layer.vera_lambda_d})
         return {**state, **self.biases(model), **saved_state(model, self.modules_to_save)}
 
-    def config_dict(self) -> dict[str, Any]:
-        return {"config": self.config.to_dict(), "targets": list(self.targets),
-                "modules_to_save": list(self.modules_to_save)}
-
     @classmethod
     def inject(cls, model: nn.Module, config: dict[str, Any]) -> VeraAdapter:
         """Inject at the recorded names (the same modules, hence the same projection sizes, whatever the rules would
         pick today)."""
         model = unwrap(model)
-        _refuse_second_injection(model)
+        wrapping.refuse_second(model, VeraLayer, "inject_vera", "VeRA")
         targets, to_save = list(config["targets"]), list(config["modules_to_save"])
         refuse_absent(model, [*targets, *to_save], "VeRA: the recorded adapter")
         _inject(model, VeraConfig(**config["config"]), targets, to_save)
@@ -293,11 +250,10 @@ class VeraAdapter(wrapping.TargetsAdapter):
         prefix = self.projections(model)[0]
         own = [k for k in state if k.startswith(prefix)]
         own += [f"{name}.vera_lambda_{v}" for name in self.targets for v in "bd"]
-        return wrapping.merged_layers_state(model, state, self.targets, own)
+        return wrapping.merged_state(model, state, self.targets, own)
 
     def unload(self, model: nn.Module, merge: bool) -> None:
-        wrapping.unload_layers(model, self.targets, self.modules_to_save, merge, "unload_vera")
-        detach(model, self.kind)
+        wrapping.unload_layers(model, self, merge, "unload_vera")
 
     def peft_state(self, model: nn.Module) -> dict[str, Tensor]:
         prefix, projections = self.projections(model)
@@ -308,14 +264,9 @@ class VeraAdapter(wrapping.TargetsAdapter):
         return state
 
     def peft_config(self, model: nn.Module) -> dict[str, Any]:
-        names = [clean_key(n) for n, _ in unwrap(model).named_modules() if n]
         config = self.config
         return {
-            "peft_type": PEFT_TYPE,
-            "task_type": None,
-            "base_model_name_or_path": base_model_name(model),
-            "inference_mode": True,
-            "target_modules": exact_choice([clean_key(n) for n in self.targets], names),
+            **wrapping.peft_common(model, PEFT_TYPE, self.targets, self.modules_to_save),
             "r": config.rank,
             "projection_prng_key": config.projection_prng_key,
             "save_projection": config.save_projection,
@@ -323,7 +274,6 @@ class VeraAdapter(wrapping.TargetsAdapter):
             "d_initial": config.d_initial,
             "fan_in_fan_out": any(layer.fan_in_fan_out for layer in self.wrapped(model).values()),
             "bias": config.bias,
-            "modules_to_save": [clean_key(n) for n in self.modules_to_save] or None,
             "init_weights": config.init_weights,
             "layers_to_transform": None,  # the targets are written out exactly
             "layers_pattern": None,
@@ -331,8 +281,7 @@ class VeraAdapter(wrapping.TargetsAdapter):
 
     def check_peft_config(self, model: nn.Module, config: Any, source: str) -> None:
         """The file must fit this adapter: the same rank, and the same projections (the same key, or its own)."""
-        if any(layer.merged for layer in vera_layers(model).values()):
-            raise RuntimeError("load_adapter: the VeRA updates are merged; call unmerge_vera(model) before loading.")
+        wrapping.refuse_merged_load(vera_layers(model).values(), "VeRA updates", "unmerge_vera")
         theirs = VeraConfig.from_peft(config, source)
         ours = self.config
         for field in ("rank", "save_projection", "projection_prng_key"):
@@ -358,11 +307,6 @@ class VeraAdapter(wrapping.TargetsAdapter):
 
     @classmethod
     def from_peft(cls, model: nn.Module, config: dict[str, Any], source: str) -> VeraAdapter:
-        ours = VeraConfig.from_peft(config, source)
-        # PEFT's task types write ["classifier", "score"] whatever the model calls its head: the absent are dropped
-        ours = dataclasses.replace(ours, modules_to_save=present_modules(unwrap(model), ours.modules_to_save, source))
-        try:
-            inject_vera(model, ours)
-        except ValueError as err:
-            raise ValueError(f"load_adapter: {source}: {err}") from None
+        wrapping.inject_from_peft(model, VeraConfig.from_peft(config, source), source,
+                                  lambda ours: inject_vera(model, ours))
         return attached(model)[cls.kind]

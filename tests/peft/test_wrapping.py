@@ -1,0 +1,52 @@
+"""The scaffolding the wrap-and-merge-in-place techniques share (`lightning_peft.peft._wrapping`), checked once for
+all of them: reading another method's PEFT config, and a target another technique wraps already."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from lightning_peft.peft import (
+    AdaLoraConfig,
+    IA3Config,
+    LoHaConfig,
+    LoKrConfig,
+    VeraConfig,
+    inject_adalora,
+    inject_ia3,
+    inject_loha,
+    inject_lokr,
+    inject_lora,
+    inject_vera,
+)
+
+peft = pytest.importorskip("peft")
+
+#: (who speaks, the technique in words, its config, its inject function, its PEFT type)
+TECHNIQUES = [
+    ("IA3", "IA³", IA3Config, inject_ia3, "IA3"),
+    ("VeRA", "VeRA", VeraConfig, inject_vera, "VERA"),
+    ("AdaLoRA", "AdaLoRA", AdaLoraConfig, inject_adalora, "ADALORA"),
+    ("LoHa", "LoHa", LoHaConfig, inject_loha, "LOHA"),
+    ("LoKr", "LoKr", LoKrConfig, inject_lokr, "LOKR"),
+]
+
+
+@pytest.mark.parametrize(("who", "technique", "config", "inject", "peft_type"), TECHNIQUES, ids=[t[0] for t in TECHNIQUES])
+def test_another_methods_peft_config_object_is_refused_naming_both_types(who, technique, config, inject, peft_type):
+    theirs = peft.LoraConfig(target_modules=["0"])  # its peft_type is PEFT's enum, written as its value
+    with pytest.raises(ValueError, match=rf"load_adapter: x has peft_type='LORA', not '{peft_type}'\.$"):
+        config.from_peft(theirs, "x")
+
+
+@pytest.mark.parametrize(("who", "technique", "config", "inject", "peft_type"), TECHNIQUES, ids=[t[0] for t in TECHNIQUES])
+def test_a_target_another_technique_wraps_is_refused_before_anything_changes(who, technique, config, inject, peft_type):
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    inject_lora(model, target_modules=["0"], rank=2)
+    before = dict(model.named_modules())
+    article = "an" if technique in ("IA³", "AdaLoRA") else "a"
+    with pytest.raises(ValueError, match=rf"{who}: '0' is already wrapped by another technique \(\w+\); {article} "
+                                         rf"{technique} layer around it would move that technique's parameters\. "
+                                         rf"Keep {technique} off this module\.$"):
+        inject(model, target_modules=["0"])
+    assert dict(model.named_modules()) == before
