@@ -42,7 +42,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from .._base_identity import base_model_name
+from .._base_identity import adapter_task_type, base_model_name
 from .._common import (
     chosen_by_name,
     exact_choice,
@@ -362,7 +362,7 @@ class AdaLoraAdapter(Adapter):
         total = self.allocator.total_step if self.allocator is not None else c.total_step
         return {
             "peft_type": PEFT_TYPE,
-            "task_type": None,
+            "task_type": adapter_task_type(model, self.targets, self.modules_to_save),
             "base_model_name_or_path": base_model_name(model),
             "inference_mode": True,
             "target_modules": exact_choice([clean_key(n) for n in self.targets], [clean_key(n) for n in names]),

@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from .._base_identity import base_model_name
+from .._base_identity import adapter_task_type, base_model_name
 from .._common import (
     all_linear,
     chosen_by_name,
@@ -566,7 +566,7 @@ class IA3Adapter(Adapter):
         targets = [clean_key(n) for n in entry.targets]
         return {
             "peft_type": PEFT_TYPE,
-            "task_type": None,
+            "task_type": adapter_task_type(model, targets, self.modules_to_save),
             "base_model_name_or_path": base_model_name(model),
             "inference_mode": True,
             "target_modules": exact_choice(targets, [clean_key(n) for n in names]),

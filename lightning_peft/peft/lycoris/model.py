@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from .._base_identity import base_model_name
+from .._base_identity import adapter_task_type, base_model_name
 from .._common import (
     chosen_by_name,
     exact_choice,
@@ -314,7 +314,7 @@ class LycorisAdapter(Adapter):
         fields = self.config.to_dict()
         fields.update({
             "peft_type": self.peft_type,
-            "task_type": None,
+            "task_type": adapter_task_type(model, self.targets, self.modules_to_save),
             "base_model_name_or_path": base_model_name(model),
             "inference_mode": True,
             "target_modules": exact_choice([clean_key(n) for n in self.targets], names),

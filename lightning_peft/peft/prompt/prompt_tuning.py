@@ -55,6 +55,7 @@ import torch
 from torch import Tensor, nn
 
 from ..._checks import choice, integer, names
+from .._base_identity import task_type
 from .._common import adapter_dtype, refuse_absent, refuse_second_injection, require
 from .embedding import (
     PROMPT_MODULE,
@@ -71,7 +72,6 @@ from .shared import (
     PEFT_PROMPT_KEY,
     PROMPT_LEARNING_FIELDS,
     PromptLearningAdapter,
-    task_type,
 )
 from ..adapter import attach, attached, register, remove_adapter, unwrap
 from ..modules_to_save import present_modules, select_modules_to_save, wrap_modules_to_save

@@ -31,17 +31,6 @@ PROMPT_LEARNING_FIELDS = frozenset((
     "task_type", "token_dim",
 ))
 
-# PEFT's task type by Hugging Face model class-name suffix: which PeftModelFor* class from_pretrained builds.
-_TASK_TYPES = {"ForSequenceClassification": "SEQ_CLS", "ForCausalLM": "CAUSAL_LM", "LMHeadModel": "CAUSAL_LM",
-               "ForTokenClassification": "TOKEN_CLS", "ForQuestionAnswering": "QUESTION_ANS"}
-
-
-def task_type(model: nn.Module) -> str | None:
-    """PEFT's task type for a Hugging Face task model, else None."""
-    name = type(model).__name__
-    return next((task for suffix, task in _TASK_TYPES.items() if name.endswith(suffix)), None)
-
-
 class PromptLearningAdapter(Adapter):
     """The shared half of [`PromptTuningAdapter`][lightning_peft.peft.PromptTuningAdapter] and
     [`PrefixTuningAdapter`][lightning_peft.peft.PrefixTuningAdapter].

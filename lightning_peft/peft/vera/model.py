@@ -45,7 +45,7 @@ from typing import Any, ClassVar
 from torch import Tensor, nn
 
 from .. import _wrapping as wrapping
-from .._base_identity import base_model_name
+from .._base_identity import adapter_task_type, base_model_name
 from .._common import (
     adapter_dtype,
     chosen_by_name,
@@ -312,7 +312,7 @@ class VeraAdapter(wrapping.TargetsAdapter):
         config = self.config
         return {
             "peft_type": PEFT_TYPE,
-            "task_type": None,
+            "task_type": adapter_task_type(model, self.targets, self.modules_to_save),
             "base_model_name_or_path": base_model_name(model),
             "inference_mode": True,
             "target_modules": exact_choice([clean_key(n) for n in self.targets], names),
