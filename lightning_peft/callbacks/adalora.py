@@ -1,18 +1,16 @@
 """``AdaLoRA`` callback: AdaLoRA (arXiv:2303.10512) on a LightningModule's model, and its rank-allocation schedule.
 
 The math lives in `lightning_peft.peft.adalora`; `AdapterCallback` injects at ``setup``. At train start the allocator
-is built over ``total_step`` steps (None: ``trainer.estimated_stepping_batches``). Before each optimizer step (after
-unscaling, before clipping) the orthogonal regularisation's gradient is added, as if in the loss. After each optimizer
-step, its gradients still in ``p.grad`` (zeroed in the next closure), the allocator runs once (``on_train_batch_end``
-once ``global_step`` moved) with PEFT's 0-based step; its state is the callback's checkpoint state.
+is built over ``total_step`` steps (None: the fit's optimizer steps, `GradientAccumulation.total_steps`: exact under a
+changing schedule, where ``estimated_stepping_batches`` is an upper bound). Before each optimizer step (after unscaling,
+before clipping) the orthogonal regularisation's gradient is added, as if in the loss. After each optimizer step (its
+gradients still in ``p.grad``) the allocator runs once, with PEFT's 0-based step; its state is the checkpoint's.
 
 YAML (LightningCLI):
 
 ```yaml
 trainer:
-  callbacks:
-    - class_path: lightning_peft.callbacks.AdaLoRA
-      init_args: {target_modules: [query, value], init_r: 12, target_r: 4, tinit: 10, tfinal: 20}
+  callbacks: [{class_path: lightning_peft.callbacks.AdaLoRA, init_args: {target_modules: [query, value]}}]
 ```
 """
 
@@ -26,6 +24,7 @@ from typing_extensions import override
 
 from lightning_peft._seams import refuse, splits_layers, strategy_family
 from lightning_peft.callbacks._adapter import AdapterCallback
+from lightning_peft.callbacks.gradient_accumulation import GradientAccumulation
 from lightning_peft.peft.adalora import AdaLoraConfig, RankAllocator, inject_adalora
 from lightning_peft.peft.adalora.model import add_orthogonal_gradient, start_allocation
 
@@ -74,7 +73,8 @@ class AdaLoRA(AdapterCallback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        self.allocator = start_allocation(self.adapted_model, self.config.total_step or trainer.estimated_stepping_batches)
+        total = self.config.total_step or GradientAccumulation.total_steps(trainer)  # the estimate, or the exact count
+        self.allocator = start_allocation(self.adapted_model, total)
         if self._restored is not None:
             self.allocator.load_state_dict(self._restored)
 

@@ -50,6 +50,7 @@ from typing_extensions import override
 from lightning_peft._checks import boolean, path
 from lightning_peft._gather import gathered, reshard
 from lightning_peft._manifest import write_export
+from lightning_peft.callbacks._adapter import AdapterCallback
 from lightning_peft.callbacks._export_checks import (
     check_target,
     export_bytes,
@@ -110,7 +111,8 @@ class MergeOnSave(Callback):
         name, model = resolve_target(pl_module, self.model_attribute, "MergeOnSave")
         if not attached(model):
             raise RuntimeError(no_adapter("MergeOnSave", self.model_attribute, pl_module, name, model))
-        _refuse_trained_outside(pl_module, name, model)
+        adapting = [c.who for c in trainer.callbacks if isinstance(c, AdapterCallback)]  # type: ignore[attr-defined]
+        _refuse_trained_outside(pl_module, name, model, adapting)
         names = [name for adapter in attached(model).values() if adapter.named for name in adapter.names]
         if self.adapter_name is not None and self.adapter_name not in names:
             raise ValueError(f"MergeOnSave(adapter_name={self.adapter_name!r}): the model has no named adapter of that "
@@ -176,8 +178,9 @@ def adapter_parameters(model) -> list:
     return [t for t in adapter_tensors(model).values() if isinstance(t, nn.Parameter)]
 
 
-def _refuse_trained_outside(pl_module: pl.LightningModule, name: str, model) -> None:
-    """Parameters that train but live outside the exported model would be lost from the export."""
+def _refuse_trained_outside(pl_module: pl.LightningModule, name: str, model, adapting: list[str]) -> None:
+    """Parameters that train but live outside the exported model would be lost from the export; the message names
+    the PEFT callbacks on the trainer (``adapting``) that need ``model_attribute=''`` too."""
     inside = {id(p) for p in model.parameters()}
     outside = [n for n, p in pl_module.named_parameters() if p.requires_grad and id(p) not in inside]
     if outside:
@@ -185,7 +188,8 @@ def _refuse_trained_outside(pl_module: pl.LightningModule, name: str, model) -> 
         raise ValueError(
             f"MergeOnSave: {type(pl_module).__name__} trains parameters outside the exported model {name!r} "
             f"({shown}); the export would leave them out. Adapt and export the whole LightningModule instead: "
-            "model_attribute='' on both LoRA and MergeOnSave, with the extra module in modules_to_save "
+            f"model_attribute='' on both {' and '.join(adapting) or 'the PEFT callback'} and MergeOnSave, with the "
+            "extra module in modules_to_save "
             "(e.g. modules_to_save=['head']); or freeze those parameters."
         )
 

@@ -53,6 +53,32 @@ FIELD = "lightning_peft"
 _METHODS = {"NF4Tensor": "nf4", "Int8Tensor": "int8"}  # lightning-peft's quantize methods, by torchao's class
 
 
+# PEFT's task type by Hugging Face model class-name suffix: which PeftModelFor* class from_pretrained builds.
+_TASK_TYPES = {"ForSequenceClassification": "SEQ_CLS", "ForCausalLM": "CAUSAL_LM", "LMHeadModel": "CAUSAL_LM",
+               "ForTokenClassification": "TOKEN_CLS", "ForQuestionAnswering": "QUESTION_ANS"}
+# The heads PEFT's PeftModelFor<task> adds to modules_to_save (its classifier_module_names / qa_module_names).
+_TASK_HEADS = {"SEQ_CLS": ("classifier", "score"), "TOKEN_CLS": ("classifier", "score"), "QUESTION_ANS": ("qa_outputs",)}
+
+
+def task_type(model: nn.Module) -> str | None:
+    """PEFT's task type for a Hugging Face task model, else None."""
+    name = type(model).__name__
+    return next((task for suffix, task in _TASK_TYPES.items() if name.endswith(suffix)), None)
+
+
+def adapter_task_type(model: nn.Module, targets: Iterable[str], saved: Iterable[str]) -> str | None:
+    """The ``task_type`` a weight technique's file records (``targets``: the adapted modules, ``saved``: its
+    ``modules_to_save``): the task model's, so that PEFT's ``AutoPeftModelFor<Task>.from_pretrained`` can pick the
+    class (it cannot without one). PEFT's classifier classes wrap their head (``classifier`` / ``score``,
+    ``qa_outputs``) as a module to save and then need it in the file: None, so that PEFT loads a plain ``PeftModel``,
+    when such a head is not saved or holds an adapter (PEFT fails on its own file of that layout, a ``KeyError``)."""
+    task = task_type(unwrap(model))
+    heads = _TASK_HEADS.get(task or "", ())
+    present = {clean_key(n) for n, _ in unwrap(model).named_modules() if n.rsplit(".", 1)[-1] in heads}
+    adapted = any(part in heads for name in targets for part in clean_key(name).split("."))
+    return None if adapted or not present <= {clean_key(n) for n in saved} else task
+
+
 def base_model_name(model: nn.Module) -> str | None:
     """The ``base_model_name_or_path`` an adapter file records: portable, never an absolute path of this machine.
 

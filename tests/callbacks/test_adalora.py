@@ -75,6 +75,17 @@ def test_the_schedule_under_a_trainer_equals_peft_s_loop_with_gradient_accumulat
     assert written["rank_pattern"] == pattern and written["total_step"] == 8
 
 
+def test_total_step_is_the_fit_s_exact_step_count_under_a_changing_accumulation_schedule(tiny_bert_config, tmp_path):
+    from lightning_peft.callbacks import GradientAccumulation
+
+    callback = AdaLoRA(**ARGS)  # total_step=None: Lightning's estimate counts 12 steps (accumulation 1 throughout)
+    run = trainer(tmp_path, max_epochs=3, callbacks=[callback, GradientAccumulation(schedule={0: 1, 4: 2})])
+    run.fit(Classifier(tiny_bert_config), loader())
+    assert run.global_step == callback.allocator.total_step == 8 and callback.allocator.last_step == 7
+    pattern = callback.allocator.state_dict()["rank_pattern"]  # the final budget was reached: target_r per layer
+    assert sum(sum(v) for v in pattern.values()) == 4 * ARGS["target_r"]
+
+
 def test_the_callback_is_built_from_lightning_cli_yaml():
     callback = technique.from_cli_yaml(AdaLoRA, "target_modules: [query, value], init_r: 6, target_r: 2, tinit: 10, "
                                                 "tfinal: 20, deltaT: 5, orth_reg_weight: 0.1, total_step: 200, "

@@ -12,6 +12,7 @@ import torch
 from lightning_peft.callbacks import IA3, MergeOnSave
 from lightning_peft.peft import IA3Config, adapter_state_dict
 from lightning_peft.peft.ia3 import ia3_layers
+from tests._models import loader, trainer
 from tests.callbacks import _technique as technique
 
 transformers = pytest.importorskip("transformers")
@@ -65,3 +66,12 @@ def test_a_resume_with_other_feedforward_modules_is_refused(tiny_bert_config):
     with pytest.raises(ValueError, match=r"IA3: the checkpoint was trained with feedforward_modules='\.\*.*'; this run "
                                          r"has feedforward_modules=None\. Resume with the checkpoint's settings"):
         IA3(target_modules=ARGS["target_modules"]).load_state_dict(state)
+
+
+def test_merge_on_save_s_refusal_of_a_head_outside_the_export_names_the_ia3_callback(tiny_bert_config, tmp_path):
+    from tests.callbacks.test_checkpoint import BackboneAndHead
+
+    run = trainer(tmp_path, max_steps=1, callbacks=[IA3(target_modules=["key"]), MergeOnSave(dirpath=str(tmp_path))])
+    with pytest.raises(ValueError, match=r"trains parameters outside the exported model 'backbone' .* "
+                                         r"model_attribute='' on both IA3 and MergeOnSave, with the extra module"):
+        run.fit(BackboneAndHead(tiny_bert_config), loader())

@@ -228,3 +228,58 @@ def test_a_malformed_record_is_ignored_with_a_warning(tmp_path):
     save_file(load_file(weights), weights, metadata={"format": "pt", "lightning_peft": '"llama"'})
     with pytest.warns(UserWarning, match=r"has a 'lightning_peft' header entry that is not what lightning-peft writes"):
         load_adapter(Tiny(), tmp_path)
+
+
+# ------------------------------------------------------------------------ task_type: PEFT's AutoPeftModelFor<Task>
+
+INJECTS = {"lora": ("inject_lora", {"rank": 2}), "ia3": ("inject_ia3", {}), "loha": ("inject_loha", {"r": 2}),
+           "lokr": ("inject_lokr", {"r": 2}), "vera": ("inject_vera", {"rank": 4}),
+           "adalora": ("inject_adalora", {"init_r": 4, "target_r": 2, "total_step": 10})}
+
+
+def _task_llama(task: str) -> nn.Module:
+    torch.manual_seed(0)
+    return llama_model(task, num_hidden_layers=1, pad_token_id=0).eval()  # a classifier needs a pad token
+
+
+def _adapted(kind: str, base: nn.Module, targets: list[str], saved: list[str]) -> nn.Module:
+    import lightning_peft.peft as ours
+
+    name, settings = INJECTS[kind]
+    model = copy.deepcopy(base)
+    getattr(ours, name)(model, target_modules=targets, modules_to_save=saved, **settings)
+    with torch.no_grad():  # every adapter value away from its start, so that an adapter left out shows
+        for p in (p for p in model.parameters() if p.requires_grad):
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", sorted(INJECTS))
+@pytest.mark.parametrize("task", ["seq_cls", "causal_lm"])
+def test_auto_peft_model_loads_our_file_by_the_task_type_it_records(kind, task, tmp_path):
+    base = _task_llama(task)
+    base.save_pretrained(tmp_path / "base")
+    base = type(base).from_pretrained(tmp_path / "base").eval()
+    model = _adapted(kind, base, TARGETS, ["score"] if task == "seq_cls" else [])
+    save_adapter(model, tmp_path / "adapter")
+    auto = {"seq_cls": peft.AutoPeftModelForSequenceClassification, "causal_lm": peft.AutoPeftModelForCausalLM}[task]
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["task_type"] == {"seq_cls": "SEQ_CLS", "causal_lm": "CAUSAL_LM"}[task]
+    config["base_model_name_or_path"] = str(tmp_path / "base")  # we record the last path component only
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+    with torch.no_grad():
+        assert_close(auto.from_pretrained(tmp_path / "adapter").eval()(input_ids=IDS).logits,
+                     model(input_ids=IDS).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["lora", "ia3", "loha"])
+@pytest.mark.parametrize(("targets", "saved"), [(["q_proj", "score"], []), (TARGETS, [])],
+                         ids=["an adapter in the head", "the head not saved"])
+def test_no_task_type_is_recorded_where_peft_s_classifier_class_would_fail_to_load(kind, targets, saved, tmp_path):
+    base = _task_llama("seq_cls")
+    model = _adapted(kind, base, targets, saved)  # PEFT's PeftModelForSequenceClassification wraps 'score'
+    save_adapter(model, tmp_path)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["task_type"] is None
+    with torch.no_grad():  # PEFT loads it as a plain PeftModel (with SEQ_CLS: KeyError on score.weight)
+        assert_close(peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path).eval()(input_ids=IDS).logits,
+                     model(input_ids=IDS).logits, rtol=0, atol=0)

@@ -99,10 +99,17 @@ class RankAllocator:
     @torch.no_grad()
     def _update_scores(self) -> None:
         beta1, beta2 = self.config.beta1, self.config.beta2
-        for key, p in self._factors():
-            if p.grad is None:
-                raise RuntimeError(f"{WHO}: {key} has no gradient at the allocation; call it after backward and "
-                                   "optimizer.step(), before zero_grad (every adapted layer must be in the loss).")
+        factors = list(self._factors())
+        when = ("call it after backward and optimizer.step(), before zero_grad (with the AdaLoRA callback and manual "
+                "optimization: zero the gradients before backward, not after the step)")
+        missing = next((key for key, p in factors if p.grad is None), None)
+        if missing is not None:
+            raise RuntimeError(f"{WHO}: {missing} has no gradient at the allocation; {when}; every adapted layer "
+                               "must be in the loss.")
+        if not any(p.grad.any() for _, p in factors):  # zero_grad(set_to_none=False) ran: every score would be 0
+            raise RuntimeError(f"{WHO}: every factor's gradient is zero at the allocation, so every triplet would "
+                               f"score 0 and be masked (the gradients were zeroed before it ran); {when}.")
+        for key, p in factors:
             sensitivity = (p * p.grad).abs()
             average = self.average.get(key, torch.zeros_like(p))
             average = beta1 * average + (1 - beta1) * sensitivity

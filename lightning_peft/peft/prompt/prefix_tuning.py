@@ -62,9 +62,10 @@ import torch
 from torch import Tensor, nn
 
 from ..._checks import boolean, integer, names
+from .._base_identity import task_type
 from .._common import refuse_absent, refuse_second_injection, require
 from .prefix_cache import PREFIX_ATTRIBUTE, PrefixEncoder, PrefixHook, cache_module, geometry, refuse_gradient_checkpointing
-from .shared import PROMPT_LEARNING_FIELDS, PromptLearningAdapter, task_type
+from .shared import PROMPT_LEARNING_FIELDS, PromptLearningAdapter
 from ..adapter import attach, attached, refreeze, register, remove_adapter, trainable_parameters, unwrap
 from ..modules_to_save import present_modules, select_modules_to_save, wrap_modules_to_save
 

@@ -143,3 +143,19 @@ def test_allocation_without_total_step_or_with_a_bad_schedule_is_refused():
         start_allocation(ours, 5)
     with pytest.raises(RuntimeError, match=r"AdaLoRA: lin0.lora_A has no gradient at the allocation"):
         update_and_allocate(ours, 0)
+
+
+def test_gradients_zeroed_before_the_allocation_are_refused_not_scored_as_zero():
+    """zero_grad(set_to_none=False) before update_and_allocate (or after the step, under the callback with manual
+    optimization) leaves zeros: every triplet would score 0 and all would be masked, below the budget too."""
+    model = adapted_pair("MLP", SCHEDULE, ADALORA)[0]
+    optimizer = torch.optim.SGD(trainable(model).values(), lr=0.1)
+    loss_of(model(inputs(model))).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"AdaLoRA: every factor's gradient is zero at the allocation, so every "
+                                           r"triplet would score 0 and be masked .* before zero_grad \(with the "
+                                           r"AdaLoRA callback and manual optimization: zero the gradients before"):
+        update_and_allocate(model, 0)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # nothing masked
