@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..._checks import boolean, choice, integer, names, positive, probability, regex
+from ..._checks import boolean, choice, integer, module_fields, names, positive, probability, regex
 from .._common import config_of
 from .._wrapping import listed, peft_dict
 
@@ -22,6 +22,7 @@ PEFT_FIELDS = frozenset((  # peft 0.21.2's OFTConfig
 ))
 # PEFT 0.18 changed the Cayley-Neumann series; files written before (without peft_version, which 0.18 added) differ
 NEUMANN_SINCE = (0, 18)
+_EXAMPLE = "['q_proj', 'v_proj']"  # target_modules, for the messages
 WHO = "OFT"
 
 
@@ -77,12 +78,7 @@ class OFTConfig:
     who: ClassVar[str] = WHO  # its name in messages
 
     def __post_init__(self) -> None:
-        normal = object.__setattr__  # frozen dataclass: normalised values; the caller's objects are not mutated
-        normal(self, "target_modules", _as_targets("target_modules", self.target_modules))
-        if self.exclude_modules is not None:
-            normal(self, "exclude_modules", _as_targets("exclude_modules", self.exclude_modules))
-        if self.modules_to_save is not None:
-            normal(self, "modules_to_save", names(WHO, "modules_to_save", self.modules_to_save))
+        module_fields(self, WHO, example=_EXAMPLE, all_linear=False)
         integer(WHO, "r", self.r, minimum=0, example="4")
         integer(WHO, "oft_block_size", self.oft_block_size, minimum=0, example="32")
         if (self.r == 0) == (self.oft_block_size == 0):
@@ -159,18 +155,6 @@ def _version(text: object) -> tuple[int, ...]:
             break
         parts.append(int(digits))
     return tuple(parts) or (0,)
-
-
-def _as_targets(field: str, value: object) -> Targets:
-    if isinstance(value, str):
-        if value == "all-linear":
-            raise ValueError(f"OFT({field}='all-linear'): not supported by lightning-peft's OFT; name the modules "
-                             "(e.g. ['q_proj', 'v_proj']).")
-        return regex(WHO, field, value)
-    if field == "target_modules" and not value:
-        raise TypeError(f"OFT(target_modules={value!r}): give a non-empty list of module names or dotted suffixes "
-                        "(e.g. ['q_proj', 'v_proj']) or a regular expression string.")
-    return names(WHO, field, value, example="['q_proj', 'v_proj']")
 
 
 def as_config(config: object, kwargs: dict[str, Any], who: str) -> OFTConfig:
