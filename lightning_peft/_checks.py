@@ -143,6 +143,33 @@ def names(who: str, name: str, value: object, *, example: str = "['classifier']"
     return sorted(items) if isinstance(value, (set, frozenset)) else items
 
 
+def target_names(who: str, name: str, value: object, *, example: str, all_linear: bool = True) -> list[str] | str:
+    """A ``target_modules``-like field: a regular expression string (``"all-linear"`` kept, or refused where the
+    technique has no ``all_linear``), or a list of module names or dotted suffixes (non-empty for
+    ``target_modules``); ``example`` is such a list, for the messages."""
+    if isinstance(value, str):
+        if value == "all-linear" and not all_linear:
+            raise ValueError(f"{who}({name}='all-linear'): not supported by lightning-peft's {who}; name the modules "
+                             f"(e.g. {example}).")
+        return value if value == "all-linear" else regex(who, name, value)
+    if name == "target_modules" and not value:
+        raise TypeError(f"{who}(target_modules={value!r}): give a non-empty list of module names or dotted suffixes "
+                        f"(e.g. {example}) or a regular expression string.")
+    return names(who, name, value, example=example)
+
+
+def module_fields(config: object, who: str, *, example: str, all_linear: bool = True) -> None:
+    """Check a frozen config's ``target_modules``, ``exclude_modules`` and ``modules_to_save`` (the latter two where
+    given) and set their normalised values on it (the caller's objects are not mutated)."""
+    normal = object.__setattr__  # a frozen dataclass
+    for name in ("target_modules", "exclude_modules"):
+        if name == "target_modules" or getattr(config, name) is not None:
+            normal(config, name, target_names(who, name, getattr(config, name), example=example,
+                                              all_linear=all_linear))
+    if getattr(config, "modules_to_save", None) is not None:
+        normal(config, "modules_to_save", names(who, "modules_to_save", config.modules_to_save))
+
+
 def path(who: str, name: str, value: object, *, example: str | None = None) -> str | os.PathLike:
     """``value`` if it is a non-empty path: a ``str`` or an ``os.PathLike`` (a ``pathlib.Path``)."""
     if not isinstance(value, (str, os.PathLike)):

@@ -10,7 +10,7 @@ from torch.testing import assert_close
 from lightning_peft.callbacks import BOFT, MergeOnSave
 from lightning_peft.peft import BOFTConfig, adapter_state_dict
 from lightning_peft.peft.boft import boft_layers
-from tests._models import Classifier, loader, trainer
+from tests.callbacks import _technique as technique
 
 transformers = pytest.importorskip("transformers")
 
@@ -18,10 +18,8 @@ ARGS = {"target_modules": ["query", "value"], "boft_block_size": 4, "boft_n_butt
 
 
 def test_it_trains_every_factor_and_the_merged_export_is_a_plain_model(tiny_bert_config, tmp_path):
-    torch.manual_seed(0)
-    module = Classifier(tiny_bert_config)
-    trainer(tmp_path, max_epochs=1, callbacks=[BOFT(**ARGS), MergeOnSave(dirpath=str(tmp_path / "out"))]).fit(
-        module, loader())
+    module = technique.fit(BOFT(**ARGS), tiny_bert_config, tmp_path,
+                           callbacks=[MergeOnSave(dirpath=str(tmp_path / "out"))])
     layers = boft_layers(module.model)
     hidden = tiny_bert_config.hidden_size
     assert len(layers) == 4 and all(layer.boft_R.shape == (2, hidden // 4, 4, 4) for layer in layers.values())
@@ -36,14 +34,9 @@ def test_it_trains_every_factor_and_the_merged_export_is_a_plain_model(tiny_bert
 
 
 def test_the_callback_is_built_from_lightning_cli_yaml():
-    from jsonargparse import ArgumentParser
-
-    parser = ArgumentParser()
-    parser.add_argument("--callback", type=BOFT)
-    yaml = ("callback:\n  class_path: lightning_peft.callbacks.BOFT\n  init_args: {target_modules: [query, value], "
-            "boft_block_size: 0, boft_block_num: 4, boft_n_butterfly_factor: 3, boft_dropout: 0.1, bias: boft_only, "
-            "adapter_only_checkpoint: true}\n")
-    callback = parser.instantiate_classes(parser.parse_string(yaml)).callback
+    callback = technique.from_cli_yaml(BOFT, "target_modules: [query, value], boft_block_size: 0, boft_block_num: 4, "
+                                             "boft_n_butterfly_factor: 3, boft_dropout: 0.1, bias: boft_only, "
+                                             "adapter_only_checkpoint: true")
     assert callback.config == BOFTConfig(target_modules=["query", "value"], boft_block_size=0, boft_block_num=4,
                                          boft_n_butterfly_factor=3, boft_dropout=0.1, bias="boft_only")
     assert callback.adapter_only_checkpoint

@@ -8,15 +8,19 @@ from torch import nn
 
 from lightning_peft.peft import (
     AdaLoraConfig,
+    BOFTConfig,
     IA3Config,
     LoHaConfig,
     LoKrConfig,
+    OFTConfig,
     VeraConfig,
     inject_adalora,
+    inject_boft,
     inject_ia3,
     inject_loha,
     inject_lokr,
     inject_lora,
+    inject_oft,
     inject_vera,
 )
 
@@ -29,6 +33,8 @@ TECHNIQUES = [
     ("AdaLoRA", "AdaLoRA", AdaLoraConfig, inject_adalora, "ADALORA"),
     ("LoHa", "LoHa", LoHaConfig, inject_loha, "LOHA"),
     ("LoKr", "LoKr", LoKrConfig, inject_lokr, "LOKR"),
+    ("OFT", "OFT", OFTConfig, inject_oft, "OFT"),
+    ("BOFT", "BOFT", BOFTConfig, inject_boft, "BOFT"),
 ]
 
 
@@ -44,7 +50,7 @@ def test_a_target_another_technique_wraps_is_refused_before_anything_changes(who
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     inject_lora(model, target_modules=["0"], rank=2)
     before = dict(model.named_modules())
-    article = "an" if technique in ("IA³", "AdaLoRA") else "a"
+    article = "an" if technique[0] in "AEIOU" else "a"
     with pytest.raises(ValueError, match=rf"{who}: '0' is already wrapped by another technique \(\w+\); {article} "
                                          rf"{technique} layer around it would move that technique's parameters\. "
                                          rf"Keep {technique} off this module\.$"):

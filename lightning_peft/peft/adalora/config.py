@@ -8,13 +8,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ..._checks import boolean, integer, names, probability, real, regex
+from ..._checks import boolean, integer, module_fields, probability, real
 from .._common import config_of
 from .._wrapping import listed, peft_dict
 
 Targets = list[str] | str
 
 PEFT_TYPE = "ADALORA"
+_EXAMPLE = "['query', 'value']"  # target_modules, for the messages
 WHO = "AdaLoRA"
 # peft 0.21.2's AdaLoraConfig fields (LoraConfig's and its own); load_adapter warns about any other
 PEFT_FIELDS = frozenset((
@@ -84,11 +85,7 @@ class AdaLoraConfig:
 
     def __post_init__(self) -> None:
         normal = object.__setattr__  # frozen dataclass: normalised values; the caller's objects are not mutated
-        normal(self, "target_modules", _as_targets("target_modules", self.target_modules))
-        if self.exclude_modules is not None:
-            normal(self, "exclude_modules", _as_targets("exclude_modules", self.exclude_modules))
-        if self.modules_to_save is not None:
-            normal(self, "modules_to_save", names(WHO, "modules_to_save", self.modules_to_save))
+        module_fields(self, WHO, example=_EXAMPLE, all_linear=False)
         for field in ("init_r", "target_r"):
             normal(self, field, integer(WHO, field, getattr(self, field), minimum=0 if field == "target_r" else 1))
         for field in ("tinit", "tfinal"):
@@ -154,18 +151,6 @@ def _as_pattern(pattern: object, init_r: int) -> dict[str, list[bool]]:
         raise ValueError(f"{WHO}(rank_pattern={{{key!r}: {bad[key]!r}, ...}}): each entry must hold init_r={init_r} "
                          "booleans (which of the init_r triplets were kept).")
     return {k: list(v) for k, v in pattern.items()}
-
-
-def _as_targets(field: str, value: object) -> Targets:
-    if isinstance(value, str):
-        if value == "all-linear":
-            raise ValueError(f"{WHO}({field}='all-linear'): not supported by lightning-peft's AdaLoRA; name the "
-                             "modules (e.g. ['query', 'value']).")
-        return regex(WHO, field, value)
-    if field == "target_modules" and not value:
-        raise TypeError(f"{WHO}(target_modules={value!r}): give a non-empty list of module names or dotted suffixes "
-                        "(e.g. ['query', 'value']) or a regular expression string.")
-    return names(WHO, field, value, example="['query', 'value']")
 
 
 def as_config(config: object, kwargs: dict[str, Any], who: str) -> AdaLoraConfig:

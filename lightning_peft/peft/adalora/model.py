@@ -57,7 +57,6 @@ from ..adapter import (
     unwrap,
 )
 from ..modules_to_save import (
-    plain_key,
     present_modules,
     saved_state,
     set_submodule,
@@ -279,12 +278,9 @@ class AdaLoraAdapter(wrapping.TargetsAdapter):
         own = [f"{name}.{factor}" for name in self.targets for factor in FACTORS]
         return wrapping.merged_state(model, state, self.targets, own)
 
-    def unload(self, model: nn.Module, merge: bool) -> None:
-        wrapping.unload_layers(model, self, merge, "unload_adalora")
-
     def peft_state(self, model: nn.Module) -> dict[str, Tensor]:
         """PEFT's keys; after an allocation, each layer's factors cut to the triplets it kept (PEFT's resized save)."""
-        state = {clean_key(plain_key(k)): v for k, v in self.state(model).items()}
+        state = super().peft_state(model)
         pattern = self.rank_pattern()
         for name in self.targets if pattern is not None else ():
             keep = pattern[f"{clean_key(name)}.lora_E"]

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ..._checks import boolean, choice, integer, probability
 from .._common import config_of
+from .._wrapping import listed, peft_dict
 from ..oft.config import OFTConfig
 
 Targets = list[str] | str
@@ -59,6 +60,8 @@ class BOFTConfig:
     exclude_modules: Targets | None = None
     modules_to_save: list[str] | None = None
 
+    who: ClassVar[str] = WHO  # its name in messages
+
     def __post_init__(self) -> None:
         # the name rules are OFT's: validate them through its config (messages say BOFT)
         try:
@@ -87,16 +90,9 @@ class BOFTConfig:
     def from_peft(cls, config: Any, source: str = "peft.BOFTConfig") -> BOFTConfig:
         """Translate a Hugging Face PEFT ``BOFTConfig`` (object or dict) to a
         [`BOFTConfig`][lightning_peft.peft.BOFTConfig]."""
-        if not isinstance(config, dict):
-            config = config.to_dict()
-        if config.get("peft_type") not in (PEFT_TYPE, None):
-            raise ValueError(f"load_adapter: {source} has peft_type={config.get('peft_type')!r}, not {PEFT_TYPE!r}.")
-        if config.get("target_modules") is None:
-            raise ValueError(f"load_adapter: {source} has target_modules=None; lightning-peft does not guess PEFT's "
-                             "per-architecture defaults. Name them in the config.")
+        config = peft_dict(config, PEFT_TYPE, source)
         fields = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in config.items()
-                  if k in fields and v is not None}
+        kwargs = {k: listed(v) for k, v in config.items() if k in fields and v is not None}
         try:
             return cls(**kwargs)
         except (TypeError, ValueError) as err:

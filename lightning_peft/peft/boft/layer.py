@@ -21,8 +21,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from .._common import LayerWrapper, adapter_dtype, compute_dtype, dense_weight, is_quantized
-from .._in_place import Switch
+from .._common import adapter_dtype, compute_dtype, dense_weight
+from .._wrapping import InPlaceLayer, Switch
 from ..oft.layer import rotate_rows, rotated_size
 from .config import BOFTConfig
 
@@ -45,7 +45,7 @@ def cayley(a: Tensor) -> Tensor:
     return torch.linalg.solve(eye + q, eye - q, left=False)
 
 
-class BOFTLayer(LayerWrapper):
+class BOFTLayer(InPlaceLayer):
     """``base_layer`` (frozen) with its input rotated by the butterfly product and its output scaled.
 
     Args:
@@ -143,17 +143,10 @@ class BOFTLayer(LayerWrapper):
         """
         if self.merged:
             return
-        if is_quantized(self.base_layer.weight):
-            raise RuntimeError("its base weight is quantized; merging in place would have to requantize it. Use "
-                               "merged_state_dict(model) for an export.")
         if (self.boft_s == 0).any():
             raise RuntimeError("boft_s has a zero entry, so the merged weight could not be divided back (unmerge). "
                                "Use merged_state_dict(model) or unload_boft(model, merge=True).")
-        merged = self.merged_weights()
-        if not torch.isfinite(merged["weight"]).all():
-            raise RuntimeError("the merged weight would hold inf or NaN; nothing was merged.")
-        self.write(merged)
-        self.merged = True
+        super().merge()
 
     def unmerge(self) -> None:
         """Undo `merge`: divide the scale out and rotate back (``M`` is orthogonal: ``(M^T)^-1 = M``)."""
@@ -165,14 +158,8 @@ class BOFTLayer(LayerWrapper):
             wide = torch.promote_types(compute_dtype(weight.dtype), blocks.dtype)
             flat = weight.to(wide).reshape(weight.shape[0], -1) / self.boft_s.reshape(-1, 1).to(wide)
             restored = self.rotate(flat, blocks.to(wide), transposed=False).reshape(weight.shape)
-        self.write({"weight": restored.to(weight.dtype)})
+        self._write({"weight": restored.to(weight.dtype)})
         self.merged = False
-
-    def write(self, tensors: dict[str, Tensor]) -> None:
-        """Copy ``tensors`` (``{"weight": ...}``) into the base layer, in place."""
-        with torch.no_grad():
-            for key, value in tensors.items():
-                getattr(self.base_layer, key).copy_(value)
 
     def extra_repr(self) -> str:
         factors, blocks, size, _ = self.boft_R.shape

@@ -26,43 +26,25 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from .._base_identity import base_model_name
+from .. import _wrapping as wrapping
 from .._block_adapter import BlockAdapter
-from .._common import exact_choice, refuse_second_injection, require
-from .._in_place import (
-    choose_targets,
-    describe_leaves,
-    merge_layers,
-    refuse_odd_conv,
-    switched_off,
-    unmerge_layers,
-)
-from ..adapter import (
-    attach,
-    clean_key,
-    register,
-    remove_adapter,
-    trainable_parameters,
-    unwrap,
-)
-from ..modules_to_save import set_submodule, wrap_modules_to_save
+from ..adapter import register
 from ..oft.layer import rotated_size
 from .config import PEFT_FIELDS, PEFT_TYPE, WHO, BOFTConfig, as_config
 from .layer import BOFTLayer
 
-log = logging.getLogger("lightning_peft.peft.boft")
-_KINDS = "nn.Linear, nn.Conv2d"
+TARGETING = wrapping.Targeting(WHO, "BOFT", "rotate", "nn.Linear, nn.Conv2d",
+                               lambda m: isinstance(m, (nn.Linear, nn.Conv2d)), "model.layers.0.mlp.up_proj")
 
 
 def boft_layers(model: nn.Module) -> dict[str, BOFTLayer]:
     """All BOFT layers of ``model`` by full module name."""
-    return {name: m for name, m in unwrap(model).named_modules() if isinstance(m, BOFTLayer)}
+    return wrapping.layers_of(model, BOFTLayer)
 
 
 def inject_boft(model: nn.Module, config: BOFTConfig | None = None, **kwargs: Any) -> dict[str, BOFTLayer]:
@@ -82,27 +64,7 @@ def inject_boft(model: nn.Module, config: BOFTConfig | None = None, **kwargs: An
             convolution is of a kind PEFT's BOFT has no format for.
         TypeError: If a target is a layer BOFT cannot rotate, or an argument has the wrong type.
     """
-    config = as_config(config, kwargs, "inject_boft")
-    model = unwrap(model)
-    _refuse_second_injection(model)
-    chosen, to_save = choose_targets(WHO, model, config, describe_modules, "rotate", "model.layers.0.mlp.up_proj")
-    for name in chosen:
-        _check_kind(name, model.get_submodule(name), config, model)
-    return _inject(model, config, {n: block_size(n, model.get_submodule(n), config) for n in chosen}, to_save)
-
-
-def describe_modules(model: nn.Module) -> str:
-    """'query, value (x2 each), ...': leaf names of the modules BOFT can rotate, for messages."""
-    return describe_leaves(model, lambda m: isinstance(m, (nn.Linear, nn.Conv2d)), _KINDS, "BOFT rotates")
-
-
-def _check_kind(name: str, module: nn.Module, config: BOFTConfig, model: nn.Module) -> None:
-    if not isinstance(module, (nn.Linear, nn.Conv2d)):
-        raise TypeError(f"{WHO}(target_modules={config.target_modules!r}): {name!r} is a {type(module).__name__}; "
-                        f"BOFT rotates {_KINDS} (Hugging Face PEFT's BOFT layers). {type(model).__name__} has: "
-                        f"{describe_modules(model)}.")
-    if isinstance(module, nn.Conv2d):
-        refuse_odd_conv(WHO, name, module)
+    return BOFTAdapter.place(model, as_config(config, kwargs, "inject_boft"))
 
 
 def block_size(name: str, module: nn.Module, config: BOFTConfig) -> int:
@@ -125,33 +87,13 @@ def block_size(name: str, module: nn.Module, config: BOFTConfig) -> int:
     return asked if config.boft_block_size else size // asked
 
 
-def _refuse_second_injection(model: nn.Module) -> None:
-    existing = boft_layers(model)
-    found = f"BOFT layers (e.g. {next(iter(existing))!r})" if existing else None
-    refuse_second_injection("inject_boft", model, found, "BOFT")
-
-
-def _inject(model: nn.Module, config: BOFTConfig, targets: dict[str, int], to_save: list[str]) -> dict[str, BOFTLayer]:
-    adapter = BOFTAdapter(config, targets, to_save)
-    for wrapper in wrap_modules_to_save(model, to_save).values():
-        wrapper.routing = adapter.switch
-    layers = {}
-    for name, size in targets.items():
-        layers[name] = BOFTLayer(model.get_submodule(name), size, config, adapter.switch)
-        set_submodule(model, name, layers[name])
-    attach(model, adapter)
-    log.info("BOFT: %d layers of %s; %s", len(layers), type(model).__name__, trainable_parameters(model))
-    return layers
-
-
 def unload_boft(model: nn.Module, merge: bool = True) -> nn.Module:
     """Remove BOFT from ``model`` in place and return the plain model (``merge``: folded in; else as it was).
 
     Raises:
         RuntimeError: If ``model`` has no BOFT, or (``merge``) a merged weight would be quantized or not finite.
     """
-    return remove_adapter(model, require(model, BOFTAdapter.kind, "unload_boft", "BOFT adapter", "inject_boft"),
-                          merge)
+    return wrapping.unload(model, BOFTAdapter, merge)
 
 
 def merge_boft(model: nn.Module) -> list[str]:
@@ -160,8 +102,7 @@ def merge_boft(model: nn.Module) -> list[str]:
     Raises:
         RuntimeError: If ``model`` has no BOFT, a weight is tied, quantized, a scale zero, or a merge not finite.
     """
-    require(model, BOFTAdapter.kind, "merge_boft", "BOFT adapter", "inject_boft")
-    return merge_layers(unwrap(model), boft_layers(model), "merge_boft")
+    return wrapping.merge(model, BOFTAdapter)
 
 
 def unmerge_boft(model: nn.Module) -> list[str]:
@@ -170,8 +111,7 @@ def unmerge_boft(model: nn.Module) -> list[str]:
     Raises:
         RuntimeError: If no BOFT layer is merged.
     """
-    require(model, BOFTAdapter.kind, "unmerge_boft", "BOFT adapter", "inject_boft")
-    return unmerge_layers(unwrap(model), boft_layers(model), "unmerge_boft", "BOFT", "merge_boft")
+    return wrapping.unmerge(model, BOFTAdapter)
 
 
 @contextlib.contextmanager
@@ -181,8 +121,7 @@ def disable_boft(model: nn.Module) -> Iterator[None]:
     Raises:
         RuntimeError: If ``model`` has no BOFT, or a layer is merged.
     """
-    switch = require(model, BOFTAdapter.kind, "disable_boft", "BOFT adapter", "inject_boft").switch
-    with switched_off(switch, boft_layers(model), "disable_boft", "rotations", "unmerge_boft"):
+    with wrapping.disable(model, BOFTAdapter, "rotations"):
         yield
 
 
@@ -195,35 +134,13 @@ class BOFTAdapter(BlockAdapter):
     peft_type: ClassVar[str] = PEFT_TYPE
     peft_fields: ClassVar[frozenset[str]] = PEFT_FIELDS
     training_only: ClassVar[tuple[str, ...]] = ("init_weights", "boft_dropout")
-    config_type, who = BOFTConfig, WHO
+    config_class, layer_class, targeting = BOFTConfig, BOFTLayer, TARGETING
+    block_size = staticmethod(block_size)
     compared = ("boft_block_size", "boft_block_num", "boft_n_butterfly_factor", "bias")
+    written = ("boft_block_size", "boft_block_num", "boft_n_butterfly_factor", "boft_dropout", "bias", "init_weights")
 
     def own(self, layer: nn.Module, name: str) -> dict[str, Tensor]:
         return {f"{name}.boft_R": layer.boft_R, f"{name}.boft_s": layer.boft_s}
-
-    @classmethod
-    def place(cls, model: nn.Module, config: BOFTConfig, targets: dict[str, int], to_save: list[str]) -> None:
-        _refuse_second_injection(model)
-        for name in targets:
-            _check_kind(name, model.get_submodule(name), config, model)
-        _inject(model, config, targets, to_save)
-
-    @classmethod
-    def inject_config(cls, model: nn.Module, config: BOFTConfig) -> None:
-        inject_boft(model, config)
-
-    def peft_config(self, model: nn.Module) -> dict[str, Any]:
-        names = [n for n, _ in unwrap(model).named_modules() if n]
-        return {
-            "peft_type": PEFT_TYPE, "task_type": None, "base_model_name_or_path": base_model_name(model),
-            "inference_mode": True,
-            "target_modules": exact_choice([clean_key(n) for n in self.targets], [clean_key(n) for n in names]),
-            "exclude_modules": None, "layers_to_transform": None, "layers_pattern": None, "fan_in_fan_out": False,
-            "modules_to_save": [clean_key(n) for n in self.modules_to_save] or None,
-            **{key: getattr(self.config, key) for key in ("boft_block_size", "boft_block_num",
-                                                          "boft_n_butterfly_factor", "boft_dropout", "bias",
-                                                          "init_weights")},
-        }
 
     @classmethod
     def check_peft_shapes(cls, model: nn.Module, config: dict[str, Any], shapes: dict[str, tuple[int, ...]], files,

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..._checks import boolean, names, regex
+from ..._checks import boolean, names, target_names
 from .._common import config_of
 from .._wrapping import listed, peft_dict
 
@@ -20,6 +20,7 @@ PEFT_FIELDS = frozenset((  # peft 0.21.2's IA3Config
     "inference_mode", "init_ia3_weights", "modules_to_save", "peft_type", "peft_version", "revision",
     "target_modules", "task_type",
 ))
+_EXAMPLE = "['k', 'v', 'wo']"  # target_modules, for the messages
 WHO = "IA3"
 
 
@@ -55,7 +56,7 @@ class IA3Config:
         for field in ("target_modules", "feedforward_modules", "exclude_modules"):
             value = getattr(self, field)
             if value is not None or field == "target_modules":
-                normal(self, field, _as_targets(field, value))
+                normal(self, field, target_names(WHO, field, value, example=_EXAMPLE))
         ff, targets = self.feedforward_modules, self.target_modules
         if isinstance(ff, list) and isinstance(targets, list) and not set(ff) <= set(targets):
             raise ValueError(  # PEFT refuses the same ("`feedforward_modules` should be a subset of `target_modules`")
@@ -92,15 +93,6 @@ class IA3Config:
                        init_ia3_weights=config.get("init_ia3_weights", True))
         except (TypeError, ValueError) as err:  # a value IA3Config refuses: the message names the file
             raise type(err)(f"load_adapter: {source} holds a value IA³ refuses: {err}") from None
-
-
-def _as_targets(field: str, value: object) -> Targets:
-    if isinstance(value, str):
-        return value if value == "all-linear" else regex(WHO, field, value)
-    if field == "target_modules" and not value:
-        raise TypeError(f"IA3(target_modules={value!r}): give a non-empty list of module names or dotted suffixes "
-                        "(e.g. ['k', 'v', 'wo']) or a regular expression string.")
-    return names(WHO, field, value, example="['k', 'v', 'wo']")
 
 
 def as_config(config: object, kwargs: dict[str, Any], who: str) -> IA3Config:

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..._checks import boolean, integer, names, positive, probability, real, regex
+from ..._checks import boolean, integer, module_fields, names, positive, probability, real, regex
 from .._common import config_of, pattern_matches
 from .._wrapping import listed, peft_dict
 
@@ -72,9 +72,7 @@ class LycorisConfig:
 
     def __post_init__(self) -> None:
         who, normal = self.who, object.__setattr__  # frozen: normalised values; the caller's objects are not mutated
-        normal(self, "target_modules", self._targets("target_modules", self.target_modules))
-        if self.exclude_modules is not None:
-            normal(self, "exclude_modules", self._targets("exclude_modules", self.exclude_modules))
+        module_fields(self, who, example=self.example)
         normal(self, "r", _rank(who, "r", self.r))
         normal(self, "alpha", _alpha(who, "alpha", self.alpha))
         for name in ("rank_dropout", "module_dropout"):
@@ -88,23 +86,11 @@ class LycorisConfig:
             for key in patterns:
                 regex(who, f"{name} key", key)
             normal(self, name, {k: check(who, f"{name}[{k!r}]", v) for k, v in patterns.items()})
-        if self.modules_to_save is not None:
-            normal(self, "modules_to_save", names(who, "modules_to_save", self.modules_to_save))
         self._check_layers()
 
     def check_init_weights(self) -> None:
         """Refuse an ``init_weights`` the method does not know (LoHa: True or False)."""
         boolean(self.who, "init_weights", self.init_weights)
-
-    def _targets(self, name: str, value: object) -> Targets:
-        if value == "all-linear" and name == "target_modules":
-            return value
-        if isinstance(value, str):
-            return regex(self.who, name, value)
-        if name == "target_modules" and (value is None or not value):
-            raise TypeError(f"{self.who}(target_modules={value!r}): give a non-empty list of module names or dotted "
-                            f"suffixes (e.g. {self.example}) or a regular expression string.")
-        return names(self.who, name, value, example=self.example)
 
     def _check_layers(self) -> None:
         """PEFT's rules for ``layers_to_transform`` / ``layers_pattern``; it refuses the same combinations."""

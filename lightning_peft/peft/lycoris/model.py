@@ -10,29 +10,22 @@ A method supplies a `lightning_peft.peft.lycoris.LycorisConfig` subclass, a
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
 from .. import _wrapping as wrapping
-from .._common import (
-    refuse_absent,
-    require,
-)
+from .._common import refuse_absent
 from ..adapter import (
     attach,
     attached,
     clean_key,
-    remove_adapter,
     trainable_parameters,
     unwrap,
 )
 from ..modules_to_save import (
-    plain_key,
     saved_state,
     set_submodule,
     wrap_modules_to_save,
@@ -91,62 +84,8 @@ def _refuse_second_injection(model: nn.Module, adapter_class: type[LycorisAdapte
                            adapter_class.config_class.who)
 
 
-def _required(model: nn.Module, adapter_class: type[LycorisAdapter], who: str) -> LycorisAdapter:
-    what = f"{adapter_class.config_class.who} adapter"
-    return require(model, adapter_class.kind, who, what, f"inject_{adapter_class.kind}")
-
-
-def merge(model: nn.Module, adapter_class: type[LycorisAdapter]) -> list[str]:
-    """Add every layer's ``ΔW`` to its base weight in place; layers already merged are left alone. All or nothing.
-
-    Returns:
-        The names of the layers this call merged.
-
-    Raises:
-        RuntimeError: If ``model`` has no such adapter, a weight is tied to another module or quantized, or a merged
-            weight is not finite (the layers merged by this call are unmerged again).
-    """
-    who = f"merge_{adapter_class.kind}"
-    _required(model, adapter_class, who)
-    return wrapping.merge_layers(model, layers_of(model, adapter_class.layer_class), who)
-
-
-def unmerge(model: nn.Module, adapter_class: type[LycorisAdapter]) -> list[str]:
-    """Subtract the merged ``ΔW`` from the base weights, in place.
-
-    Raises:
-        RuntimeError: If no layer is merged.
-    """
-    kind = adapter_class.kind
-    _required(model, adapter_class, f"unmerge_{kind}")
-    return wrapping.unmerge_layers(model, layers_of(model, adapter_class.layer_class), f"unmerge_{kind}",
-                          adapter_class.config_class.who, f"merge_{kind}")
-
-
-@contextlib.contextmanager
-def disable(model: nn.Module, adapter_class: type[LycorisAdapter]) -> Iterator[None]:
-    """Context manager: inside it every layer of the adapter computes its base layer's output, and every
-    ``modules_to_save`` wrapper its original module's.
-
-    Raises:
-        RuntimeError: If ``model`` has no such adapter, or a layer is merged (the base output is then not available).
-    """
-    kind = adapter_class.kind
-    switch = _required(model, adapter_class, f"disable_{kind}").switch
-    with wrapping.disabled(switch, layers_of(model, adapter_class.layer_class).values(), f"disable_{kind}",
-                           f"unmerge_{kind}"):
-        yield
-
-
-def unload(model: nn.Module, adapter_class: type[LycorisAdapter], merge: bool = True) -> nn.Module:
-    """Remove the adapter from ``model`` in place and return the plain model: with ``merge``, the updates added to the
-    base weights and the trained ``modules_to_save`` copies kept; without, the base as it was. Other techniques stay.
-
-    Raises:
-        RuntimeError: If ``model`` has no such adapter, or (``merge``) a merged weight would be quantized or not
-            finite.
-    """
-    return remove_adapter(model, _required(model, adapter_class, f"unload_{adapter_class.kind}"), merge)
+# a method's merge, unmerge, disable and unload: the shared ones, called with its adapter class
+merge, unmerge, disable, unload = wrapping.merge, wrapping.unmerge, wrapping.disable, wrapping.unload
 
 
 # --- the adapter protocol ------------------------------------------------------------------------------------
@@ -184,13 +123,7 @@ class LycorisAdapter(wrapping.TargetsAdapter):
                if p in layer._parameters]
         return wrapping.merged_state(model, state, self.targets, own)
 
-    def unload(self, model: nn.Module, merge: bool) -> None:
-        wrapping.unload_layers(model, self, merge, f"unload_{self.kind}")
-
     # --- Hugging Face PEFT's format ---
-
-    def peft_state(self, model: nn.Module) -> dict[str, Tensor]:
-        return {clean_key(plain_key(k)): v for k, v in self.state(model).items()}
 
     def peft_config(self, model: nn.Module) -> dict[str, Any]:
         """PEFT's fields: ours as they are, but the targets written as exactly the adapted modules (so PEFT adapts

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from ..._checks import boolean, choice, integer, names, positive, probability, regex
+from ..._checks import boolean, choice, integer, module_fields, names, positive, probability, regex
 from .._common import config_of
+from .._wrapping import listed, peft_dict
 
 Targets = list[str] | str
 
@@ -21,6 +22,7 @@ PEFT_FIELDS = frozenset((  # peft 0.21.2's OFTConfig
 ))
 # PEFT 0.18 changed the Cayley-Neumann series; files written before (without peft_version, which 0.18 added) differ
 NEUMANN_SINCE = (0, 18)
+_EXAMPLE = "['q_proj', 'v_proj']"  # target_modules, for the messages
 WHO = "OFT"
 
 
@@ -73,13 +75,10 @@ class OFTConfig:
     exclude_modules: Targets | None = None
     modules_to_save: list[str] | None = None
 
+    who: ClassVar[str] = WHO  # its name in messages
+
     def __post_init__(self) -> None:
-        normal = object.__setattr__  # frozen dataclass: normalised values; the caller's objects are not mutated
-        normal(self, "target_modules", _as_targets("target_modules", self.target_modules))
-        if self.exclude_modules is not None:
-            normal(self, "exclude_modules", _as_targets("exclude_modules", self.exclude_modules))
-        if self.modules_to_save is not None:
-            normal(self, "modules_to_save", names(WHO, "modules_to_save", self.modules_to_save))
+        module_fields(self, WHO, example=_EXAMPLE, all_linear=False)
         integer(WHO, "r", self.r, minimum=0, example="4")
         integer(WHO, "oft_block_size", self.oft_block_size, minimum=0, example="32")
         if (self.r == 0) == (self.oft_block_size == 0):
@@ -124,8 +123,10 @@ class OFTConfig:
         [`OFTConfig`][lightning_peft.peft.OFTConfig]. Refused as PEFT refuses them: a file from before PEFT 0.14
         (no ``oft_block_size``: another OFT); and, where PEFT warns, a Cayley-Neumann file from before PEFT 0.18
         (another series: it would compute something else)."""
-        if not isinstance(config, dict):
-            config = {**config.to_dict(), "peft_version": None}  # an object: the installed PEFT's own math
+        installed = not isinstance(config, dict)  # an object: the installed PEFT's own math
+        config = peft_dict(config, PEFT_TYPE, source)
+        if installed:
+            config = {**config, "peft_version": None}
         elif "oft_block_size" not in config:
             raise ValueError(f"load_adapter: {source} has no oft_block_size: it was written by PEFT before 0.14, "
                              "whose OFT is another parameterization. Retrain it with PEFT >= 0.14.")
@@ -135,13 +136,8 @@ class OFTConfig:
                 f"{config.get('peft_version')!r}: PEFT before 0.18 used another Cayley-Neumann series, so the "
                 "rotation would differ from the trained one. Retrain with PEFT >= 0.18 (or use_cayley_neumann=False)."
             )
-        if config.get("peft_type") not in (PEFT_TYPE, None):
-            raise ValueError(f"load_adapter: {source} has peft_type={config.get('peft_type')!r}, not {PEFT_TYPE!r}.")
-        if config.get("target_modules") is None:
-            raise ValueError(f"load_adapter: {source} has target_modules=None; lightning-peft does not guess PEFT's "
-                             "per-architecture defaults. Name them in the config.")
         fields = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: _listed(v) for k, v in config.items() if k in fields and v is not None}
+        kwargs = {k: listed(v) for k, v in config.items() if k in fields and v is not None}
         try:
             return cls(**kwargs)
         except (TypeError, ValueError) as err:  # a value OFTConfig refuses: the message names the file
@@ -159,23 +155,6 @@ def _version(text: object) -> tuple[int, ...]:
             break
         parts.append(int(digits))
     return tuple(parts) or (0,)
-
-
-def _listed(value: object) -> object:
-    """A PEFT config's set (its in-memory form) as a sorted list; anything else as it is."""
-    return sorted(value) if isinstance(value, (set, frozenset)) else value
-
-
-def _as_targets(field: str, value: object) -> Targets:
-    if isinstance(value, str):
-        if value == "all-linear":
-            raise ValueError(f"OFT({field}='all-linear'): not supported by lightning-peft's OFT; name the modules "
-                             "(e.g. ['q_proj', 'v_proj']).")
-        return regex(WHO, field, value)
-    if field == "target_modules" and not value:
-        raise TypeError(f"OFT(target_modules={value!r}): give a non-empty list of module names or dotted suffixes "
-                        "(e.g. ['q_proj', 'v_proj']) or a regular expression string.")
-    return names(WHO, field, value, example="['q_proj', 'v_proj']")
 
 
 def as_config(config: object, kwargs: dict[str, Any], who: str) -> OFTConfig:

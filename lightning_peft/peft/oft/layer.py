@@ -24,8 +24,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from .._common import LayerWrapper, adapter_dtype, compute_dtype, dense_weight, is_quantized
-from .._in_place import Switch
+from .._common import adapter_dtype, compute_dtype, dense_weight
+from .._wrapping import InPlaceLayer, Switch
 from .config import OFTConfig
 
 
@@ -130,7 +130,7 @@ class Rotation(nn.Module):
         return f"size={self.size}, blocks={self.blocks}x{self.block_size}{shared}, coft={self.coft}"
 
 
-class OFTLayer(LayerWrapper):
+class OFTLayer(InPlaceLayer):
     """``base_layer`` (frozen) with its input rotated (an embedding: its output).
 
     Args:
@@ -201,23 +201,6 @@ class OFTLayer(LayerWrapper):
             return {"weight": weight}
         return {"weight": self._rotate_weight(weight, self.merge_blocks()).to(weight.dtype)}
 
-    def merge(self) -> None:
-        """Fold the rotation into the base weight in place (`unmerge` solves it back out).
-
-        Raises:
-            RuntimeError: If the weight is quantized or the merged weight is not finite; nothing changes then.
-        """
-        if self.merged:
-            return
-        if is_quantized(self.base_layer.weight):
-            raise RuntimeError("its base weight is quantized; merging in place would have to requantize it. Use "
-                               "merged_state_dict(model) for an export.")
-        merged = self.merged_weights()["weight"]
-        if not torch.isfinite(merged).all():
-            raise RuntimeError("the merged weight would hold inf or NaN; nothing was merged.")
-        self.write({"weight": merged})
-        self.merged = True
-
     def unmerge(self) -> None:
         """Undo `merge`: the weight times the inverse blocks (a (b, b) solve per block; exact up to rounding, also
         for the Neumann series, which is only nearly orthogonal)."""
@@ -226,11 +209,5 @@ class OFTLayer(LayerWrapper):
         weight = self.base_layer.weight.detach()
         inverse = torch.linalg.inv(self.merge_blocks().to(torch.promote_types(compute_dtype(weight.dtype),
                                                                               self.rotation.weight.dtype)))
-        self.write({"weight": self._rotate_weight(weight, inverse).to(weight.dtype)})
+        self._write({"weight": self._rotate_weight(weight, inverse).to(weight.dtype)})
         self.merged = False
-
-    def write(self, tensors: dict[str, Tensor]) -> None:
-        """Copy ``tensors`` (``{"weight": ...}``) into the base layer, in place."""
-        with torch.no_grad():
-            for key, value in tensors.items():
-                getattr(self.base_layer, key).copy_(value)

@@ -35,50 +35,27 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from .._base_identity import base_model_name
+from .. import _wrapping as wrapping
 from .._block_adapter import BlockAdapter
-from .._common import (
-    exact_choice,
-    refuse_second_injection,
-    require,
-)
-from .._in_place import (
-    choose_targets,
-    describe_leaves,
-    merge_layers,
-    refuse_odd_conv,
-    switched_off,
-    unmerge_layers,
-)
-from ..adapter import (
-    attach,
-    clean_key,
-    register,
-    remove_adapter,
-    trainable_parameters,
-    unwrap,
-)
-from ..modules_to_save import (
-    set_submodule,
-    wrap_modules_to_save,
-)
+from ..adapter import register
 from .config import PEFT_FIELDS, PEFT_TYPE, WHO, OFTConfig, as_config
 from .layer import OFTLayer, rotated_size
 
-log = logging.getLogger("lightning_peft.peft.oft")
-_KINDS = "nn.Linear, nn.Conv2d, nn.Embedding"
 PEFT_VERSION = "0.21.2"  # the PEFT whose OFT (its Cayley-Neumann series of 0.18 on) ours equals; written to our files
+TARGETING = wrapping.Targeting(
+    WHO, "OFT", "rotate", "nn.Linear, nn.Conv2d, nn.Embedding",
+    lambda m: isinstance(m, (nn.Linear, nn.Conv2d, nn.Embedding)), "model.layers.0.self_attn.q_proj",
+    note="; it has none for transformers Conv1D either")
 
 
 def oft_layers(model: nn.Module) -> dict[str, OFTLayer]:
     """All OFT layers of ``model`` by full module name."""
-    return {name: m for name, m in unwrap(model).named_modules() if isinstance(m, OFTLayer)}
+    return wrapping.layers_of(model, OFTLayer)
 
 
 def inject_oft(model: nn.Module, config: OFTConfig | None = None, **kwargs: Any) -> dict[str, OFTLayer]:
@@ -98,17 +75,7 @@ def inject_oft(model: nn.Module, config: OFTConfig | None = None, **kwargs: Any)
             kind PEFT's OFT has no format for, a target is wrapped by another technique, or a setting is invalid.
         TypeError: If a target is a layer OFT cannot rotate, or an argument has the wrong type.
     """
-    config = as_config(config, kwargs, "inject_oft")
-    model = unwrap(model)
-    _refuse_second_injection(model)
-    targets, to_save = select(model, config)
-    return _inject(model, config, targets, to_save)
-
-
-def describe_modules(model: nn.Module) -> str:
-    """'query, value (x2 each), ...': leaf names of the modules OFT can rotate, for messages."""
-    return describe_leaves(model, lambda m: isinstance(m, (nn.Linear, nn.Conv2d, nn.Embedding)), _KINDS,
-                           "OFT rotates")
+    return OFTAdapter.place(model, as_config(config, kwargs, "inject_oft"))
 
 
 def block_size(name: str, module: nn.Module, config: OFTConfig) -> int:
@@ -128,44 +95,6 @@ def block_size(name: str, module: nn.Module, config: OFTConfig) -> int:
     return size_of_block
 
 
-def check_kind(name: str, module: nn.Module, config: OFTConfig, model: nn.Module) -> None:
-    """Raise if ``module`` is no layer PEFT's OFT has a format for."""
-    if not isinstance(module, (nn.Linear, nn.Conv2d, nn.Embedding)):
-        raise TypeError(f"{WHO}(target_modules={config.target_modules!r}): {name!r} is a {type(module).__name__}; "
-                        f"OFT rotates {_KINDS} (Hugging Face PEFT's OFT layers; it has none for transformers Conv1D "
-                        f"either). {type(model).__name__} has: {describe_modules(model)}.")
-    if isinstance(module, nn.Conv2d):
-        refuse_odd_conv(WHO, name, module)
-
-
-def select(model: nn.Module, config: OFTConfig) -> tuple[dict[str, int], list[str]]:
-    """({target: block size}, modules_to_save) by full name, as PEFT picks them; raises before anything changes."""
-    chosen, to_save = choose_targets(WHO, model, config, describe_modules, "rotate", "model.layers.0.self_attn.q_proj")
-    for name in chosen:
-        check_kind(name, model.get_submodule(name), config, model)
-    return {name: block_size(name, model.get_submodule(name), config) for name in chosen}, to_save
-
-
-def _refuse_second_injection(model: nn.Module) -> None:
-    existing = oft_layers(model)
-    found = f"OFT layers (e.g. {next(iter(existing))!r})" if existing else None
-    refuse_second_injection("inject_oft", model, found, "OFT")
-
-
-def _inject(model: nn.Module, config: OFTConfig, targets: dict[str, int], to_save: list[str]) -> dict[str, OFTLayer]:
-    """Wrap exactly ``targets`` (checked) and ``to_save``, and attach the adapter."""
-    adapter = OFTAdapter(config, targets, to_save)
-    for wrapper in wrap_modules_to_save(model, to_save).values():
-        wrapper.routing = adapter.switch  # disabled, they run the original module
-    layers = {}
-    for name, size in targets.items():
-        layers[name] = OFTLayer(model.get_submodule(name), size, config, adapter.switch)
-        set_submodule(model, name, layers[name])
-    attach(model, adapter)
-    log.info("OFT: %d layers of %s; %s", len(layers), type(model).__name__, trainable_parameters(model))
-    return layers
-
-
 def unload_oft(model: nn.Module, merge: bool = True) -> nn.Module:
     """Remove OFT from ``model`` in place and return the plain model: with ``merge``, the rotations folded into the
     base weights and the trained ``modules_to_save`` copies kept; without, the base as it was. Other techniques stay.
@@ -173,7 +102,7 @@ def unload_oft(model: nn.Module, merge: bool = True) -> nn.Module:
     Raises:
         RuntimeError: If ``model`` has no OFT, or (``merge``) a merged weight would be quantized or not finite.
     """
-    return remove_adapter(model, require(model, OFTAdapter.kind, "unload_oft", "OFT adapter", "inject_oft"), merge)
+    return wrapping.unload(model, OFTAdapter, merge)
 
 
 def merge_oft(model: nn.Module) -> list[str]:
@@ -187,8 +116,7 @@ def merge_oft(model: nn.Module) -> list[str]:
         RuntimeError: If ``model`` has no OFT, a weight is tied to another module or quantized, or a merged weight is
             not finite (the layers merged by this call are unmerged again).
     """
-    require(model, OFTAdapter.kind, "merge_oft", "OFT adapter", "inject_oft")
-    return merge_layers(unwrap(model), oft_layers(model), "merge_oft")
+    return wrapping.merge(model, OFTAdapter)
 
 
 def unmerge_oft(model: nn.Module) -> list[str]:
@@ -197,8 +125,7 @@ def unmerge_oft(model: nn.Module) -> list[str]:
     Raises:
         RuntimeError: If no OFT layer is merged.
     """
-    require(model, OFTAdapter.kind, "unmerge_oft", "OFT adapter", "inject_oft")
-    return unmerge_layers(unwrap(model), oft_layers(model), "unmerge_oft", "OFT", "merge_oft")
+    return wrapping.unmerge(model, OFTAdapter)
 
 
 @contextlib.contextmanager
@@ -209,8 +136,7 @@ def disable_oft(model: nn.Module) -> Iterator[None]:
     Raises:
         RuntimeError: If ``model`` has no OFT, or a layer is merged (the base output is then not available).
     """
-    switch = require(model, OFTAdapter.kind, "disable_oft", "OFT adapter", "inject_oft").switch
-    with switched_off(switch, oft_layers(model), "disable_oft", "rotations", "unmerge_oft"):
+    with wrapping.disable(model, OFTAdapter, "rotations"):
         yield
 
 
@@ -227,40 +153,16 @@ class OFTAdapter(BlockAdapter):
     peft_type: ClassVar[str] = PEFT_TYPE
     peft_fields: ClassVar[frozenset[str]] = PEFT_FIELDS
     training_only: ClassVar[tuple[str, ...]] = ("init_weights", "module_dropout")
-    config_type, who = OFTConfig, WHO
+    config_class, layer_class, targeting = OFTConfig, OFTLayer, TARGETING
+    block_size = staticmethod(block_size)
     compared = ("r", "oft_block_size", "coft", "eps", "block_share", "use_cayley_neumann", "num_cayley_neumann_terms",
                 "bias")
+    written = ("r", "oft_block_size", "module_dropout", "bias", "coft", "eps", "block_share", "use_cayley_neumann",
+               "num_cayley_neumann_terms", "init_weights")
 
     def own(self, layer: nn.Module, name: str) -> dict[str, Tensor]:
         return {f"{name}.{layer.key}.weight": layer.rotation.weight}
 
-    @classmethod
-    def place(cls, model: nn.Module, config: OFTConfig, targets: dict[str, int], to_save: list[str]) -> None:
-        _refuse_second_injection(model)
-        for name in targets:
-            check_kind(name, model.get_submodule(name), config, model)
-        _inject(model, config, targets, to_save)
-
-    @classmethod
-    def inject_config(cls, model: nn.Module, config: OFTConfig) -> None:
-        inject_oft(model, config)
-
     def peft_config(self, model: nn.Module) -> dict[str, Any]:
-        names = [n for n, _ in unwrap(model).named_modules() if n]
-        config = self.config
-        return {
-            "peft_type": PEFT_TYPE,
-            "peft_version": PEFT_VERSION,  # PEFT reads a Cayley-Neumann file without it as one of its old series
-            "task_type": None,
-            "base_model_name_or_path": base_model_name(model),
-            "inference_mode": True,
-            "target_modules": exact_choice([clean_key(n) for n in self.targets], [clean_key(n) for n in names]),
-            "exclude_modules": None,
-            "layers_to_transform": None,  # the targets are exact already
-            "layers_pattern": None,
-            "modules_to_save": [clean_key(n) for n in self.modules_to_save] or None,
-            "fan_in_fan_out": False,
-            **{key: getattr(config, key) for key in ("r", "oft_block_size", "module_dropout", "bias", "coft", "eps",
-                                                     "block_share", "use_cayley_neumann",
-                                                     "num_cayley_neumann_terms", "init_weights")},
-        }
+        # PEFT reads a Cayley-Neumann file without peft_version as one of its old series
+        return {**super().peft_config(model), "peft_version": PEFT_VERSION}

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..._checks import boolean, choice, integer, names, probability, real, regex
+from ..._checks import boolean, choice, integer, names, probability, real, regex, target_names
 from .._common import config_of
 from .._wrapping import listed, peft_dict
 
@@ -20,6 +20,7 @@ PEFT_FIELDS = frozenset((  # peft 0.21.2's VeraConfig
     "init_weights", "layers_pattern", "layers_to_transform", "modules_to_save", "peft_type", "peft_version",
     "projection_prng_key", "r", "revision", "save_projection", "target_modules", "task_type", "vera_dropout",
 ))
+_EXAMPLE = "['query', 'value']"  # target_modules, for the messages
 WHO = "VeRA"
 _SEEDS = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
@@ -64,10 +65,8 @@ class VeraConfig:
 
     def __post_init__(self) -> None:
         normal = object.__setattr__  # frozen dataclass: normalised values; the caller's objects are not mutated
-        normal(self, "target_modules", _as_targets("target_modules", self.target_modules))
-        if self.target_modules == "all-linear":
-            raise ValueError("VeRA(target_modules='all-linear'): not supported by lightning-peft's VeRA; name the "
-                             "modules (e.g. ['query', 'value']).")
+        normal(self, "target_modules", target_names(WHO, "target_modules", self.target_modules, example=_EXAMPLE,
+                                                    all_linear=False))
         normal(self, "rank", integer(WHO, "rank", self.rank, minimum=1, example="256"))
         normal(self, "projection_prng_key", integer(WHO, "projection_prng_key", self.projection_prng_key,
                                                     minimum=_SEEDS[0], maximum=_SEEDS[1], example="0"))
@@ -122,15 +121,6 @@ class VeraConfig:
             return cls(**{field: listed(config[key]) for field, key in ours.items() if key in config})
         except (TypeError, ValueError) as err:  # a value VeraConfig refuses: the message names the file
             raise type(err)(f"load_adapter: {source} holds a value VeRA refuses: {err}") from None
-
-
-def _as_targets(field: str, value: object) -> Targets:
-    if isinstance(value, str):
-        return value if value == "all-linear" else regex(WHO, field, value)
-    if not value:
-        raise TypeError(f"VeRA(target_modules={value!r}): give a non-empty list of module names or dotted suffixes "
-                        "(e.g. ['query', 'value']) or a regular expression string.")
-    return names(WHO, field, value, example="['query', 'value']")
 
 
 def as_config(config: object, kwargs: dict[str, Any], who: str) -> VeraConfig:

@@ -252,9 +252,6 @@ class VeraAdapter(wrapping.TargetsAdapter):
         own += [f"{name}.vera_lambda_{v}" for name in self.targets for v in "bd"]
         return wrapping.merged_state(model, state, self.targets, own)
 
-    def unload(self, model: nn.Module, merge: bool) -> None:
-        wrapping.unload_layers(model, self, merge, "unload_vera")
-
     def peft_state(self, model: nn.Module) -> dict[str, Tensor]:
         prefix, projections = self.projections(model)
         state = {f"model.{clean_key(plain_key(k))}": v for k, v in self.state(model).items()
