@@ -13,7 +13,8 @@ Parts (``PARTS``):
 2. ``lora``: a LoRA training step in bf16 (bf16 weights, float32 adapters) on a 1.1B-parameter Llama built from a
    config (TinyLlama-1.1B's shape, random weights), batch 8 x 1024: ours vs PEFT vs the frozen floor
    (``bench_lora``'s contenders and helpers, the same adapter values on both sides), step time (the contenders
-   alternating, each step synchronised) and the peak memory a step adds (``torch.cuda.max_memory_allocated``).
+   alternating, each step synchronised) and the peak memory the first step adds, AdamW's state included
+   (``torch.cuda.max_memory_allocated`` above what was allocated before it).
 3. ``qlora``: the same model and step with the adapted layers' base as torchao NF4 (``inject_lora(quantize="nf4")``)
    and as bitsandbytes ``Linear4bit`` (NF4, bf16 compute; if importable), against LoRA on the bf16 base: weight
    memory, step time, peak memory; after the timed steps, the merged export (``merged_state_dict`` loaded into a
@@ -109,6 +110,12 @@ WITHOUT = {
     "lightning": "parts 6 and 7 cannot run",
     "pytest": "part 1 cannot run",
 }
+
+
+def child_env() -> dict[str, str]:
+    """This environment with the repository first on ``PYTHONPATH``, after nothing: what was there stays (on the GPU
+    machine, the folder the carried wheels were installed into)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
 def device_kind(args: argparse.Namespace) -> str:
@@ -229,7 +236,7 @@ def pytest_command(junit: str | None, collect_only: bool = False) -> list[str]:
 def plan_tests(args: argparse.Namespace) -> dict:
     importlib.import_module("pytest")
     collected = subprocess.run(pytest_command(None, collect_only=True), check=False, capture_output=True, text=True, cwd=ROOT,
-                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+                               env=child_env())
     ids = [line for line in collected.stdout.splitlines() if "::" in line]
     return {"files": gpu_test_files(), "tests": ids, "command": " ".join(pytest_command("JUNIT.xml")[1:])}
 
@@ -237,7 +244,7 @@ def plan_tests(args: argparse.Namespace) -> dict:
 def run_tests(args: argparse.Namespace, record: Callable[[str, Any], None]) -> None:
     junit = Path(tempfile.mkdtemp()) / "junit.xml"
     done = subprocess.run(pytest_command(str(junit)), check=False, capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env=child_env())
     record("note.pytest_exit", done.returncode)
     record("note.pytest_tail", done.stdout.strip().splitlines()[-3:])
     cases = []
@@ -620,7 +627,7 @@ def run_main(args: argparse.Namespace, record: Callable[[str, Any], None]) -> No
     root = tempfile.mkdtemp()
     began = time.perf_counter()
     done = subprocess.run(main_command(args, root), check=False, capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env=child_env())
     record("wall_s", time.perf_counter() - began)
     record("note.exit", done.returncode)
     text = done.stdout + done.stderr
@@ -758,7 +765,7 @@ def launch(part: Part, args: argparse.Namespace, scale: float) -> dict:
     budget = part.budget_s * scale
     began = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                               start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                               start_new_session=True, env=child_env())
     try:
         output, _ = process.communicate(timeout=budget)
         status = "ok" if process.returncode == 0 else "failed"

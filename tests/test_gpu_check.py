@@ -66,3 +66,12 @@ def test_a_part_over_its_budget_is_stopped_and_reported_and_the_next_part_still_
                                        "those recorded before")]
         assert all(value is None for value in part["results"].values())
     assert "status **timeout**" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_parts_see_what_the_caller_put_on_pythonpath(gpu_check, monkeypatch):
+    """On the GPU machine the carried wheels are installed into a folder on PYTHONPATH: every child process (the
+    parts, pytest, the main job) must keep it, with the repository first."""
+    monkeypatch.setenv("PYTHONPATH", "/tmp/site")
+    assert gpu_check.child_env()["PYTHONPATH"].split(":") == [str(gpu_check.ROOT), "/tmp/site"]
+    monkeypatch.delenv("PYTHONPATH")
+    assert gpu_check.child_env()["PYTHONPATH"] == str(gpu_check.ROOT)
