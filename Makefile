@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q -c constraints.txt
 CONFIG ?= examples/configs/lora_minilm_bbc_news.yaml
 
-.PHONY: demo test bench docs clean deepspeed
+.PHONY: demo test bench docs clean deepspeed gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,13 @@ test: $(VENV)/.installed-test
 
 bench: $(VENV)/.installed-bench
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_lora.py
+
+# The prepared GPU check (docs/gpu_check.md): every CUDA path run and measured, one report under $OUT (else
+# benchmarks/results/gpu/). It makes no .venv: it runs under the GPU machine's own Python and packages, with what
+# that lacks installed from carried wheels first. GPU_CHECK_ARGS: e.g. --dry-run, --parts qlora.
+GPU_PYTHON ?= python3
+gpu-check:
+	HF_HUB_OFFLINE=1 PYTHONPATH=.:$$PYTHONPATH $(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 # The documentation site, strictly (a broken link or a docstring that does not render fails): open site/index.html.
 docs: $(VENV)/.installed-docs

