@@ -6,7 +6,9 @@ A technique's callback is its constructor (plain typed keyword arguments for Lig
 - ``setup``: resolve the model inside the LightningModule (``model_attribute``), keep the RNG state across resumes,
   have checkpoints written to a temporary file and renamed (`lightning_peft._checkpoint_io`), then inject the adapter
   if the model has none of this technique, or go on with the model as it is if its adapter
-  [`matches`][lightning_peft.peft.Adapter.matches] this callback's config, and refuse otherwise (naming both); an info
+  [`matches`][lightning_peft.peft.Adapter.matches] this callback's config or is what that config resolves to on this
+  model (`lightning_peft.callbacks._resolved`: an adapter loaded from PEFT's folder spells its rules otherwise), and
+  refuse otherwise (naming both and the first difference); an info
   line gives the trainable-parameter report; checkpoint loads are watched (see below);
 - ``on_train_start``: refuse an optimizer built before the adapters existed; warn about dropout left in eval mode;
 - ``on_save_checkpoint``: record the adapters (`lightning_peft.peft.checkpoint`), adapter-only if asked;
@@ -32,6 +34,7 @@ from lightning_peft._checkpoint_io import use_atomic_checkpoint_io
 from lightning_peft._seams import refuse_together
 from lightning_peft.callbacks._lightning import refuse_changed_settings, refuse_earlier_model_copies
 from lightning_peft.callbacks._quantize import check_quantized_shards, check_quantized_strategy
+from lightning_peft.callbacks._resolved import resolved_difference
 from lightning_peft.callbacks._rng import keep_rng
 from lightning_peft.callbacks._target import refuse_two_callbacks_on_one_model, resolve_target
 from lightning_peft.peft.adapter import Adapter, attached, technique, trainable_parameters
@@ -121,11 +124,11 @@ class AdapterCallback(Callback):
             line = inject_or_explain(self, trainer, pl_module, model)
             check_quantized_shards(f"{self.who}(quantize={self.quantize!r})", model, trainer.strategy)
             rank_zero_info(f"{self.who}: {line}; {trainable_parameters(pl_module)}")
-        elif not adapter.matches(self.request()):
+        elif not adapter.matches(self.request()) and (why := resolved_difference(self, trainer, model, adapter)):
             raise RuntimeError(
                 f"{self.who}: {type(model).__name__} already has {self.what} with another config "
-                f"({self.shown(adapter)}; this callback asks for {self.settings()}); use one {self.who} callback per "
-                "model, with the config the model was adapted with."
+                f"({self.shown(adapter)}; this callback asks for {self.settings()}; {why}); use one {self.who} "
+                "callback per model, with the config the model was adapted with."
             )
         watch_checkpoint_loads(pl_module, self.who)
 

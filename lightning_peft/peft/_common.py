@@ -348,6 +348,14 @@ def wraps_a_layer(module: nn.Module) -> bool:
     return isinstance(module._modules.get(BASE_LAYER), nn.Module)
 
 
+def refuse_wrapped(who: str, technique: str, name: str, module: nn.Module) -> None:
+    """Raise (`ValueError`): ``name`` is ``module``, another technique's wrapper, which ``technique`` must not wrap."""
+    article = "an" if technique[0] in "AEIOU" else "a"
+    raise ValueError(f"{who}: {name!r} is already wrapped by another technique ({type(module).__name__}); {article} "
+                     f"{technique} layer around it would move that technique's parameters. Keep {technique} off this "
+                     "module.")
+
+
 class LayerWrapper(nn.Module):
     """A module in place of a frozen ``base_layer``, adding a technique's parameters around it.
 

@@ -33,6 +33,11 @@ LOAD_WITH = (
     "re-applies the adapters first; MyModule.load_from_checkpoint(path) alone fails with missing or unexpected keys."
 )
 
+# Config fields that are rules for choosing modules (spelled one way by the user, another by PEFT's file): what they
+# chose is compared instead (the records' targets, feedforward and modules_to_save entries).
+RULES = frozenset({"target_modules", "exclude_modules", "modules_to_save", "feedforward_modules",
+                   "layers_to_transform", "layers_pattern"})
+
 
 def adapted_models(pl_module: nn.Module) -> dict[str, nn.Module]:
     """The modules of ``pl_module`` that carry adapters, by dotted path (torch.compile wrappers looked through)."""
@@ -138,12 +143,38 @@ def check_same_adapters(saved: dict[str, Any], pl_module: nn.Module, who: str) -
                 )
             cls = technique(kind)  # what must agree: its resume_fields (training-only settings may change)
             saved_fields, now_fields = cls.resume_fields(config), cls.resume_fields(now)
-            if saved_fields != now_fields:
+            # (a run that trained on from PEFT's folder recorded the file's spellings of the rules; this run's
+            # callback built the same adapter from the user's)
+            if saved_fields != now_fields and resolved(config) != resolved(now):
                 raise ValueError(
                     f"{who}: the checkpoint's {kind} adapter on {path or 'the LightningModule'!r} was trained with "
                     f"{_differences(saved_fields, now_fields)}. Resume with the checkpoint's settings, or start a new run "
                     "without ckpt_path."
                 )
+
+
+def resolved(record: dict[str, Any], first_only: bool = False) -> dict[str, Any]:
+    """An adapter's ``config_dict`` flattened to ``{"<path>": value}`` without the rule fields of its configs (`RULES`)
+    and the active adapter, its lists of names sorted; ``first_only``: of named adapters, the first one, unnamed."""
+    if first_only and record.get("adapters"):
+        record = {**record, "adapters": {"first": next(iter(record["adapters"].values()))}}
+    flat: dict[str, Any] = {}
+
+    def walk(value: Any, path: str, in_config: bool) -> None:
+        if hasattr(value, "to_dict") and not isinstance(value, dict):
+            value = value.to_dict()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if (key == "active" and not path) or (in_config and key in RULES):
+                    continue
+                walk(item, f"{path}.{key}" if path else str(key), in_config or key == "config")
+        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value) and not in_config:
+            flat[path] = sorted(value)
+        else:
+            flat[path] = list(value) if isinstance(value, tuple) else value
+
+    walk(record, "", False)
+    return flat
 
 
 def _where(models: dict) -> str:

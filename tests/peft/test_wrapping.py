@@ -36,6 +36,7 @@ TECHNIQUES = [
     ("OFT", "OFT", OFTConfig, inject_oft, "OFT"),
     ("BOFT", "BOFT", BOFTConfig, inject_boft, "BOFT"),
 ]
+FITS_8 = {"OFT": {"oft_block_size": 4}}  # settings other than the defaults that an 8-feature layer needs
 
 
 @pytest.mark.parametrize(("who", "technique", "config", "inject", "peft_type"), TECHNIQUES, ids=[t[0] for t in TECHNIQUES])
@@ -55,4 +56,17 @@ def test_a_target_another_technique_wraps_is_refused_before_anything_changes(who
                                          rf"{technique} layer around it would move that technique's parameters\. "
                                          rf"Keep {technique} off this module\.$"):
         inject(model, target_modules=["0"])
+    assert dict(model.named_modules()) == before
+
+
+@pytest.mark.parametrize(("who", "technique", "config", "inject", "peft_type"), TECHNIQUES, ids=[t[0] for t in TECHNIQUES])
+def test_lora_on_a_target_another_technique_wraps_is_refused_the_same_way(who, technique, config, inject, peft_type):
+    # (LoRA said its layer's type was not one LoRA supports, listing the types: a TypeError about the wrong thing)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    inject(model, target_modules=["0"], **FITS_8.get(who, {}))
+    before = dict(model.named_modules())
+    with pytest.raises(ValueError, match=r"LoRA: '0' is already wrapped by another technique \(\w+\); a LoRA layer "
+                                         r"around it would move that technique's parameters\. Keep LoRA off this "
+                                         r"module\.$"):
+        inject_lora(model, target_modules=["0"], rank=2)
     assert dict(model.named_modules()) == before

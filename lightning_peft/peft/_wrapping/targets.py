@@ -18,6 +18,7 @@ from .._common import (
     refuse_no_target,
     refuse_second_injection,
     refuse_unmatched,
+    refuse_wrapped,
     wraps_a_layer,
 )
 from ..adapter import unwrap
@@ -98,10 +99,7 @@ class Targeting:
         for name in chosen:
             module = view[name] if name in view else model.get_submodule(name)
             if isinstance(module, ModulesToSave) or wraps_a_layer(module):
-                article = "an" if technique[0] in "AEIOU" else "a"
-                raise ValueError(f"{self.who}: {name!r} is already wrapped by another technique "
-                                 f"({type(module).__name__}); {article} {technique} layer around it would move that "
-                                 f"technique's parameters. Keep {technique} off this module.")
+                refuse_wrapped(self.who, technique, name, module)
             if not self.supported(module):
                 raise TypeError(f"{self.who}(target_modules={targets!r}): {name!r} is a {type(module).__name__}; "
                                 f"{technique} {self.verb}s {self.kinds} (Hugging Face PEFT's {technique} layers"

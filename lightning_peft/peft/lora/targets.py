@@ -42,8 +42,10 @@ from .._common import (
     pattern_matches,
     refuse_no_target,
     refuse_unmatched,
+    refuse_wrapped,
     task_heads,
     unmatched,
+    wraps_a_layer,
 )
 from ..adapter import attached
 from ..modules_to_save import ModulesToSave
@@ -267,6 +269,9 @@ def _preview(names: list[str]) -> str:
 
 
 def _check_types(model, config, chosen, modules, inside_fused) -> None:
+    for name in chosen:  # another technique's layer (IA³'s, VeRA's, ...): not a type problem, a refusal of its own
+        if wraps_a_layer(modules[name]):
+            refuse_wrapped("LoRA", "LoRA", name, modules[name])
     unsupported = [n for n in chosen if not isinstance(modules[n], supported_types())]
     if unsupported:
         kinds = sorted({type(modules[n]).__name__ for n in unsupported})
