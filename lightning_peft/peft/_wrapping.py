@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ._base_identity import base_model_name
+from ._base_identity import base_model_name, task_type
 from ._common import (
     LayerWrapper,
     all_linear,
@@ -346,7 +346,7 @@ def peft_common(model: nn.Module, peft_type: str, targets: Iterable[str],
     names = [clean_key(n) for n, _ in unwrap(model).named_modules() if n]
     return {
         "peft_type": peft_type,
-        "task_type": None,
+        "task_type": task_type(model),
         "base_model_name_or_path": base_model_name(model),
         "inference_mode": True,
         "target_modules": exact_choice([clean_key(n) for n in targets], names),

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from .._base_identity import base_model_name
+from .._base_identity import base_model_name, task_type
 from .._block_adapter import BlockAdapter
 from .._common import exact_choice, refuse_second_injection, require
 from .._in_place import (
@@ -215,7 +215,7 @@ class BOFTAdapter(BlockAdapter):
     def peft_config(self, model: nn.Module) -> dict[str, Any]:
         names = [n for n, _ in unwrap(model).named_modules() if n]
         return {
-            "peft_type": PEFT_TYPE, "task_type": None, "base_model_name_or_path": base_model_name(model),
+            "peft_type": PEFT_TYPE, "task_type": task_type(model), "base_model_name_or_path": base_model_name(model),
             "inference_mode": True,
             "target_modules": exact_choice([clean_key(n) for n in self.targets], [clean_key(n) for n in names]),
             "exclude_modules": None, "layers_to_transform": None, "layers_pattern": None, "fan_in_fan_out": False,

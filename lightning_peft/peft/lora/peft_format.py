@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from .._base_identity import base_model_name
+from .._base_identity import base_model_name, task_type
 from .._common import exact_choice, matched, name_matches, pattern_matches, unmatched
 from .._limits import factor_problem, scale_problem
 from ..adapter import Adapter, clean_key, unwrap
@@ -108,7 +108,7 @@ class LoRAPeftFormat(Adapter):
         targets = exact_choice(list(layers), [n for n in adaptable_modules(unwrap(model))])
         return {
             "peft_type": "LORA",
-            "task_type": None,
+            "task_type": task_type(model),
             "base_model_name_or_path": base_model_name(model),
             "inference_mode": True,
             "r": config.rank,

@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from .._base_identity import base_model_name
+from .._base_identity import base_model_name, task_type
 from .._block_adapter import BlockAdapter
 from .._common import (
     exact_choice,
@@ -251,7 +251,7 @@ class OFTAdapter(BlockAdapter):
         return {
             "peft_type": PEFT_TYPE,
             "peft_version": PEFT_VERSION,  # PEFT reads a Cayley-Neumann file without it as one of its old series
-            "task_type": None,
+            "task_type": task_type(model),
             "base_model_name_or_path": base_model_name(model),
             "inference_mode": True,
             "target_modules": exact_choice([clean_key(n) for n in self.targets], [clean_key(n) for n in names]),

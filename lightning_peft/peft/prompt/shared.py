@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from .._base_identity import base_model_name
+from .._base_identity import base_model_name, task_type
 from ..adapter import Adapter, clean_key, detach, unwrap
 from ..modules_to_save import peft_saved_state, restore_modules, saved_state
 from .embedding import input_embeddings, token_dim
@@ -31,17 +31,6 @@ PROMPT_LEARNING_FIELDS = frozenset((
     "num_layers", "num_transformer_submodules", "num_virtual_tokens", "peft_type", "peft_version", "revision",
     "task_type", "token_dim",
 ))
-
-# PEFT's task type by Hugging Face model class-name suffix: which PeftModelFor* class from_pretrained builds.
-_TASK_TYPES = {"ForSequenceClassification": "SEQ_CLS", "ForCausalLM": "CAUSAL_LM", "LMHeadModel": "CAUSAL_LM",
-               "ForTokenClassification": "TOKEN_CLS", "ForQuestionAnswering": "QUESTION_ANS"}
-
-
-def task_type(model: nn.Module) -> str | None:
-    """PEFT's task type for a Hugging Face task model, else None."""
-    name = type(model).__name__
-    return next((task for suffix, task in _TASK_TYPES.items() if name.endswith(suffix)), None)
-
 
 class PromptLearningAdapter(Adapter):
     """The shared half of [`PromptTuningAdapter`][lightning_peft.peft.PromptTuningAdapter] and
