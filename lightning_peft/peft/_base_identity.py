@@ -38,8 +38,10 @@ import hashlib
 import importlib
 import importlib.util
 import json
+import sys
 import warnings
 from collections.abc import Iterable
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -53,17 +55,8 @@ FIELD = "lightning_peft"
 _METHODS = {"NF4Tensor": "nf4", "Int8Tensor": "int8"}  # lightning-peft's quantize methods, by torchao's class
 
 
-# PEFT's task type by Hugging Face model class-name suffix: which PeftModelFor* class from_pretrained builds.
-_TASK_TYPES = {"ForSequenceClassification": "SEQ_CLS", "ForCausalLM": "CAUSAL_LM", "LMHeadModel": "CAUSAL_LM",
-               "ForTokenClassification": "TOKEN_CLS", "ForQuestionAnswering": "QUESTION_ANS"}
 # The heads PEFT's PeftModelFor<task> adds to modules_to_save (its classifier_module_names / qa_module_names).
 _TASK_HEADS = {"SEQ_CLS": ("classifier", "score"), "TOKEN_CLS": ("classifier", "score"), "QUESTION_ANS": ("qa_outputs",)}
-
-
-def task_type(model: nn.Module) -> str | None:
-    """PEFT's task type for a Hugging Face task model, else None."""
-    name = type(model).__name__
-    return next((task for suffix, task in _TASK_TYPES.items() if name.endswith(suffix)), None)
 
 
 def adapter_task_type(model: nn.Module, targets: Iterable[str], saved: Iterable[str]) -> str | None:
@@ -97,6 +90,50 @@ def base_model_name(model: nn.Module) -> str | None:
         return name
     path = path.resolve()
     return _model_package(path) or path.name
+
+
+# PEFT's task types by transformers' auto-class table (the class AutoPeftModelFor<Task> loads the base with), in the
+# order a class in two tables is read; then by the class-name suffix transformers gives its task heads.
+_AUTO_TABLES = {"CAUSAL_LM": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "SEQ_2_SEQ_LM": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+                "SEQ_CLS": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+                "TOKEN_CLS": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+                "QUESTION_ANS": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES", "FEATURE_EXTRACTION": "MODEL_MAPPING_NAMES"}
+_SUFFIXES = {"ForCausalLM": "CAUSAL_LM", "LMHeadModel": "CAUSAL_LM", "ForSeq2SeqLM": "SEQ_2_SEQ_LM",
+             "ForSequenceClassification": "SEQ_CLS", "ForTokenClassification": "TOKEN_CLS",
+             "ForQuestionAnswering": "QUESTION_ANS"}
+
+
+def task_type(model: nn.Module) -> str | None:
+    """PEFT's ``task_type`` for ``model``: the ``PeftModelFor<Task>`` that ``PeftModel.from_pretrained`` builds and the
+    ``AutoPeftModelFor<Task>`` that loads the adapter with its base.
+
+    The first class in ``model``'s method resolution order (a subclass of a task head is that task) that transformers'
+    auto classes list (``LlamaForCausalLM`` and ``GPT2LMHeadModel``: ``"CAUSAL_LM"``; ``T5ForConditionalGeneration``:
+    ``"SEQ_2_SEQ_LM"``; ``BertModel``: ``"FEATURE_EXTRACTION"``), or whose name ends as transformers names a task head
+    (``...ForSequenceClassification``: ``"SEQ_CLS"``, ``...ForTokenClassification``, ``...ForQuestionAnswering``,
+    ``...ForCausalLM``, ``...ForSeq2SeqLM``); else ``"FEATURE_EXTRACTION"`` for a model that is its own
+    ``base_model`` (a bare transformers model) and None for any other module.
+    """
+    model = unwrap(model)
+    tables = _auto_class_tasks() if "transformers" in sys.modules else {}  # a transformers model imported it
+    for cls in type(model).__mro__:
+        name = cls.__name__
+        task = tables.get(name) or next((t for suffix, t in _SUFFIXES.items() if name.endswith(suffix)), None)
+        if task is not None:
+            return task
+    return "FEATURE_EXTRACTION" if getattr(model, "base_model", None) is model else None
+
+
+@cache
+def _auto_class_tasks() -> dict[str, str]:
+    """``{class name: task type}`` from transformers' auto-class tables (names only: no model code is imported)."""
+    from transformers.models.auto import modeling_auto
+
+    tasks: dict[str, str] = {}
+    for task, table in reversed(_AUTO_TABLES.items()):  # the first table wins
+        for names in getattr(modeling_auto, table, {}).values():
+            tasks.update(dict.fromkeys([names] if isinstance(names, str) else names, task))
+    return tasks
 
 
 def _model_package(path: Path) -> str | None:

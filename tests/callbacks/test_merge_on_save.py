@@ -321,6 +321,27 @@ def test_a_tied_model_with_an_adapted_embedding_is_exported_untied(target, untie
     assert (lm_head.data_ptr() != wte.data_ptr()) is untied and torch.equal(lm_head, wte) is (not untied)
 
 
+def test_the_adapter_export_of_a_causal_lm_loads_with_auto_peft_model_and_its_base(tmp_path, monkeypatch):
+    """adapter/ says task_type CAUSAL_LM, so PEFT's AutoPeftModelForCausalLM loads it with the base its
+    base_model_name_or_path names (a local folder here, found from the folder above) and computes what we did."""
+    import peft
+
+    module = CausalLM()
+    module.model.save_pretrained(tmp_path / "base")
+    module.model.config._name_or_path = str(tmp_path / "base")  # as from_pretrained leaves it
+    ids = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(0))
+    run = trainer(tmp_path, max_steps=2, callbacks=[LoRA(rank=2, target_modules=["c_attn"]),
+                                                    MergeOnSave(dirpath=str(tmp_path / "out"), save_merged=False)])
+    run.fit(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=2))
+    monkeypatch.chdir(tmp_path)
+    loaded = peft.AutoPeftModelForCausalLM.from_pretrained("out/adapter", dtype=torch.float64).eval()
+    module.model.eval()
+    with torch.no_grad():
+        assert_close(loaded(input_ids=ids).logits, module.model(input_ids=ids).logits, rtol=0, atol=1e-10)
+        with loaded.disable_adapter():  # (the adapter trained: it changes the outputs)
+            assert (loaded(input_ids=ids).logits - module.model(input_ids=ids).logits).abs().max() > 1e-6
+
+
 def _plain_fit(tmp_path, export: MergeOnSave, max_steps: int = 2) -> pl.Trainer:
     data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
     run = trainer(tmp_path, max_steps=max_steps,

@@ -145,11 +145,6 @@ def _check_model(model: nn.Module) -> None:
     refuse_gradient_checkpointing(model, "inject_prefix_tuning")
 
 
-def _task_type(model: nn.Module) -> str | None:
-    """PEFT's task type; None for a model PEFT's prefix-tuning classes would run without the prefix."""
-    return task_type(model) or ("FEATURE_EXTRACTION" if getattr(model, "base_model", None) is model else None)
-
-
 @register
 class PrefixTuningAdapter(PromptLearningAdapter):
     """Prefix tuning's side of the adapter protocol: what
@@ -220,7 +215,7 @@ class PrefixTuningAdapter(PromptLearningAdapter):
         g = geometry(model)
         transform = self.encoder(model).transform
         return {
-            **self.peft_common(model, _task_type(model), self.config.num_virtual_tokens, g.token_dim, g.num_heads,
+            **self.peft_common(model, task_type(model), self.config.num_virtual_tokens, g.token_dim, g.num_heads,
                                g.num_layers),
             "encoder_hidden_size": g.token_dim if transform is None else transform[0].out_features,
             "prefix_projection": transform is not None,
@@ -228,7 +223,7 @@ class PrefixTuningAdapter(PromptLearningAdapter):
         }
 
     def peft_problems(self, model: nn.Module) -> list[str]:
-        if _task_type(unwrap(model)) is None:
+        if task_type(unwrap(model)) is None:
             return [f"PEFT has no task type for {type(unwrap(model)).__name__}, and a PeftModel without one runs the "
                     "base model without the prefix"]
         return []
