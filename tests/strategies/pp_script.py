@@ -332,8 +332,8 @@ def case_bubble(out: Path, rank: int) -> None:
     for schedule, m in (("gpipe", 1), ("gpipe", 2), ("gpipe", 4), ("1f1b", 4), ("1f1b", 8)):
         times = StepTimes()
         strategy = PipelineStrategy(num_stages=2, schedule=schedule, num_microbatches=m)
-        trainer(out / "bubble", strategy, [times], max_steps=3).fit(SlowRegression(seconds), DataLoader(data, 8))
-        step = min(times.seconds[1:])  # the first step also infers shapes
+        trainer(out / "bubble", strategy, [times], max_steps=4).fit(SlowRegression(seconds), DataLoader(data, 8))
+        step = min(times.seconds[1:])  # the first step also infers shapes; the least of 3 is the least disturbed
         busy = m * 3 * seconds  # this rank's one stage: m forwards and m backwards
         results[f"{schedule}-{m}"] = {"measured": 1 - busy / step, "predicted": strategy.bubble_fraction()}
     torch.save(results, out / f"bubble-rank{rank}.pt")
