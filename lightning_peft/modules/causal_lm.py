@@ -113,8 +113,8 @@ class CausalLM(LightningModule):
         vocab_size: Vocabulary size (the tokenizer's); with ``pretrained`` it must equal the checkpoint's.
         decoder: Keyword arguments of `TransformerDecoder` (``hidden_size``, ``num_layers``, ``num_heads``,
             ...); with ``pretrained``, overrides that keep the architecture (``dropout``, ``backend``).
-        pretrained: A Llama-style checkpoint directory (see `TransformerDecoder.from_pretrained`); ``None``
-            trains from scratch.
+        pretrained: A Llama 2/3.x, Qwen2/2.5, Mistral or Gemma checkpoint directory (see
+            `TransformerDecoder.from_pretrained`); ``None`` trains from scratch.
         learning_rate: Peak AdamW learning rate.
         weight_decay: AdamW weight decay on matrices (embeddings included), not on norm weights.
         warmup_fraction: Fraction of the optimizer steps spent warming the learning rate up.

@@ -89,6 +89,11 @@ class FlashAttention(nn.Module):
         rope_theta: The rotary base.
         head_dim: Size of a head; None for ``hidden_size // num_heads``.
         backend: ``"auto"``, ``"flash_attn"`` or ``"sdpa"``; `last_backend` records what ran.
+        qkv_bias: Bias on ``q_proj``, ``k_proj``, ``v_proj`` (Qwen2: True with ``bias=False``, which then covers
+            ``o_proj`` only); None for ``bias``.
+        rope_scaling: Rotary frequency scaling (`RotaryEmbedding`'s ``scaling``: ``linear``, ``llama3``).
+        sliding_window: Each query sees only the ``sliding_window`` keys ending at its own position (Mistral;
+            causal only); None for all earlier keys.
 
     Examples:
         >>> attn = FlashAttention(16, num_heads=4, num_kv_heads=2, causal=True, rotary=True)
@@ -109,6 +114,9 @@ class FlashAttention(nn.Module):
         rope_theta: float = 10000.0,
         head_dim: int | None = None,
         backend: str = "auto",
+        qkv_bias: bool | None = None,
+        rope_scaling: dict | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -119,11 +127,26 @@ class FlashAttention(nn.Module):
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.causal, self.dropout, self.backend = causal, float(dropout), backend
         self.last_backend: str | None = None
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.sliding_window = self._check_window(sliding_window, causal)
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
-        self.rotary = RotaryEmbedding(head_dim, rope_theta) if rotary else None
+        self.rotary = RotaryEmbedding(head_dim, rope_theta, rope_scaling) if rotary else None
+        if rope_scaling and not rotary:
+            raise ValueError(f"FlashAttention(rope_scaling={rope_scaling!r}, rotary=False): rope_scaling scales "
+                             "rotary frequencies; set rotary=True or drop rope_scaling.")
+
+    @staticmethod
+    def _check_window(window: int | None, causal: bool) -> int | None:
+        if window is None:
+            return None
+        integer("FlashAttention", "sliding_window", window, minimum=1, example="4096")
+        if not causal:
+            raise ValueError(f"FlashAttention(sliding_window={window}, causal=False): a sliding window is "
+                             "implemented for causal attention only; set causal=True or sliding_window=None.")
+        return window
 
     @staticmethod
     def _check_sizes(hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int | None) -> int:
@@ -175,10 +198,11 @@ class FlashAttention(nn.Module):
         if bounds is None:
             self.last_backend = select_backend(q, self.backend, key_padding_mask=mask, dropout_p=dropout_p,
                                                causal=self.causal)
-            out = attention(q, k, v, self.causal, mask, dropout_p, self.last_backend)
+            out = attention(q, k, v, self.causal, mask, dropout_p, self.last_backend, window=self.sliding_window)
         else:
             self.last_backend = select_backend(q, self.backend, dropout_p=dropout_p, causal=self.causal)
-            out = packed_attention(q, k, v, cu_seqlens, self.causal, dropout_p, self.last_backend)
+            out = packed_attention(q, k, v, cu_seqlens, self.causal, dropout_p, self.last_backend,
+                                   window=self.sliding_window)
         out = self.o_proj(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))  # (B, L, hidden)
         if not need_importance:
             return out
@@ -199,6 +223,9 @@ class FlashAttention(nn.Module):
         if not (isinstance(need_importance, bool) or need_importance in ("mean", "cls")):
             raise ValueError(f"FlashAttention(need_importance={need_importance!r}): choose False, True, 'mean' "
                              "or 'cls'.")
+        if need_importance and self.sliding_window is not None:
+            raise ValueError(f"FlashAttention(sliding_window={self.sliding_window}): need_importance computes the "
+                             "attention without the window; token pruning needs sliding_window=None.")
         return batch, length
 
     @staticmethod
@@ -219,4 +246,5 @@ class FlashAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, causal={self.causal}, dropout={self.dropout}, backend={self.backend!r}")
+                f"head_dim={self.head_dim}, causal={self.causal}, dropout={self.dropout}, backend={self.backend!r}"
+                + (f", sliding_window={self.sliding_window}" if self.sliding_window is not None else ""))

@@ -113,12 +113,25 @@ def _causal_mask(q_len: int, k_len: int, device: torch.device) -> Tensor:
     return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
 
 
+def _band_mask(q_len: int, k_len: int, window: int, device: torch.device) -> Tensor:
+    """(Lq, Lk) bool, causal (bottom-right aligned) within a sliding window: ``i' - window < j <= i'``,
+    ``i' = i + Lk - Lq`` (each query sees itself and the ``window - 1`` keys before it, as Mistral)."""
+    shift = k_len - q_len
+    ones = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    return ones.tril(diagonal=shift) & ~ones.tril(diagonal=shift - window)
+
+
 def _sdpa_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None, dropout_p: float,
-                    scale: float) -> Tensor:
-    """SDPA with the mask kept broadcastable (B, 1, 1, Lk): the fused CPU kernel stays linear in memory."""
+                    scale: float, window: int | None = None) -> Tensor:
+    """SDPA with the mask kept broadcastable (B, 1, 1, Lk): the fused CPU kernel stays linear in memory. A sliding
+    window shorter than the keys takes an explicit (B, 1, Lq, Lk) banded mask (quadratic memory)."""
     q_len, k_len = q.shape[2], k.shape[2]
     kwargs = {"dropout_p": dropout_p, "scale": scale, "enable_gqa": q.shape[1] != k.shape[1]}
     attn_mask = None if mask is None else mask[:, None, None, :]  # (B, 1, 1, Lk)
+    if window is not None and window < k_len:  # sliding window (causal, checked by the caller)
+        band = _band_mask(q_len, k_len, window, q.device)  # (Lq, Lk)
+        attn_mask = band if attn_mask is None else attn_mask & band  # (B, 1, Lq, Lk)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=False, **kwargs)
     is_causal = causal and q_len == k_len
     if causal and q_len != k_len:  # SDPA aligns is_causal top-left; bottom-right needs an explicit (Lq, Lk) mask
         tri = _causal_mask(q_len, k_len, q.device)
@@ -137,20 +150,22 @@ def _sdpa_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor 
 
 
 def _flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None, dropout_p: float,
-                     scale: float) -> Tensor:
+                     scale: float, window: int | None = None) -> Tensor:
     """flash-attn: ``flash_attn_func`` on (B, L, H, D), or ``flash_attn_varlen_func`` on unpadded tokens.
 
     With a padding mask the real keys are gathered into one packed (total, Hkv, D) tensor; without causal every
     query stays (so padding queries attend to the real keys, as in sdpa); with causal (Lq == Lk) the queries are
     unpadded with the same mask, which keeps the order of the real tokens and so the causal rule among them, and
-    the rows of padding queries are zeros.
+    the rows of padding queries are zeros. A sliding window is flash-attn's ``window_size=(window - 1, 0)``.
     """
     flash = _flash_attn_module()
+    band = {} if window is None else {"window_size": (window - 1, 0)}
     batch, heads, q_len, head_dim = q.shape
     k_len, kv_heads = k.shape[2], k.shape[1]
     q_t, k_t, v_t = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, L, H, D)
     if mask is None:
-        out = flash.flash_attn_func(q_t, k_t, v_t, dropout_p, softmax_scale=scale, causal=causal)  # (B, Lq, H, D)
+        out = flash.flash_attn_func(q_t, k_t, v_t, dropout_p, softmax_scale=scale, causal=causal,
+                                    **band)  # (B, Lq, H, D)
         return out.transpose(1, 2)
     lengths = mask.sum(dim=-1, dtype=torch.int32)  # (B,)
     cu_k = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))  # (B + 1,)
@@ -165,7 +180,7 @@ def _flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor
         q_packed, max_q = q_flat, q_len
         cu_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=q.device)
     out = flash.flash_attn_varlen_func(q_packed, k_packed, v_packed, cu_q, cu_k, max_q, max_k, dropout_p,
-                                       softmax_scale=scale, causal=causal)  # (total_q, H, D)
+                                       softmax_scale=scale, causal=causal, **band)  # (total_q, H, D)
     if causal:
         out = out.new_zeros(batch * q_len, heads, head_dim).index_copy(0, index, out)
     return out.reshape(batch, q_len, heads, head_dim).transpose(1, 2)

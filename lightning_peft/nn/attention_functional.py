@@ -71,6 +71,7 @@ def attention(
     dropout_p: float = 0.0,
     backend: str = "auto",
     scale: float | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """Exact multi-head attention ``softmax(scale * q k^T + mask) v`` without storing the score matrix.
 
@@ -83,6 +84,9 @@ def attention(
         dropout_p: Dropout on the attention probabilities; pass 0.0 in evaluation.
         backend: ``"auto"``, ``"flash_attn"`` or ``"sdpa"`` ([`select_backend`][lightning_peft.nn.select_backend]).
         scale: The score scale; ``1 / sqrt(D)`` when None.
+        window: Sliding-window attention (Mistral; needs ``causal``): query ``i`` sees only the ``window`` keys
+            ending at its own position. On sdpa, keys longer than the window take an explicit banded
+            (B, 1, Lq, Lk) mask, so memory grows with Lq * Lk there.
 
     Returns:
         (B, H, Lq, D), the dtype of ``q``. Rows with no visible key are zeros. On flash_attn with causal and a
@@ -105,11 +109,22 @@ def attention(
     mask = _as_bool_mask(key_padding_mask, batch, k.shape[2], "attention")
     if mask is not None and bool(mask.all()):
         mask = None  # nothing to mask: keeps the mask-free kernels
+    _check_window(window, causal, "attention")
     chosen = select_backend(q, backend, key_padding_mask=mask, dropout_p=dropout_p, causal=causal)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if chosen == "flash_attn":
-        return _flash_attention(q, k, v, causal, mask, dropout_p, scale)
-    return _sdpa_attention(q, k, v, causal, mask, dropout_p, scale)
+        return _flash_attention(q, k, v, causal, mask, dropout_p, scale, window)
+    return _sdpa_attention(q, k, v, causal, mask, dropout_p, scale, window)
+
+
+def _check_window(window: int | None, causal: bool, who: str) -> None:
+    """A sliding window is a positive integer on causal attention (Mistral's; a bidirectional one is not built)."""
+    if window is None:
+        return
+    integer(who, "window", window, minimum=1, example="4096")
+    if not causal:
+        raise ValueError(f"{who}(window={window}, causal=False): a sliding window is implemented for causal "
+                         "attention only; pass causal=True or window=None.")
 
 
 def _check_cu_seqlens(cu_seqlens: Tensor, length: int, who: str) -> list[int]:
@@ -125,7 +140,8 @@ def _check_cu_seqlens(cu_seqlens: Tensor, length: int, who: str) -> list[int]:
 
 
 def packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, causal: bool = False,
-                     dropout_p: float = 0.0, backend: str = "auto", scale: float | None = None) -> Tensor:
+                     dropout_p: float = 0.0, backend: str = "auto", scale: float | None = None,
+                     window: int | None = None) -> Tensor:
     """Attention within each of the packed sequences of a (1, H, L, D) batch: no token sees another sequence.
 
     flash_attn: one ``flash_attn_varlen_func`` call. sdpa: `attention` on each sequence in turn (exact, and
@@ -140,6 +156,7 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, causal
         dropout_p: As in `attention`.
         backend: As in `attention`.
         scale: As in `attention`.
+        window: As in `attention` (within each sequence).
 
     Returns:
         (1, H, L, D).
@@ -155,16 +172,18 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, causal
         raise ValueError(f"packed_attention: packed sequences need batch 1 and as many keys as queries, got q "
                          f"{tuple(q.shape)} and k {tuple(k.shape)}.")
     bounds = _check_cu_seqlens(cu_seqlens, q.shape[2], "packed_attention")
+    _check_window(window, causal, "packed_attention")
     chosen = select_backend(q, backend, dropout_p=dropout_p, causal=causal)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if chosen == "flash_attn":
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
         q_t, k_t, v_t = (t[0].transpose(0, 1) for t in (q, k, v))  # (L, H, D)
+        band = {} if window is None else {"window_size": (window - 1, 0)}
         out = _flash_attn_module().flash_attn_varlen_func(q_t, k_t, v_t, cu, cu, longest, longest, dropout_p,
-                                                          softmax_scale=scale, causal=causal)
+                                                          softmax_scale=scale, causal=causal, **band)
         return out.transpose(0, 1)[None]
-    pieces = [_sdpa_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal, None, dropout_p, scale)
+    pieces = [_sdpa_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal, None, dropout_p, scale, window)
               for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     return torch.cat(pieces, dim=2) if pieces else torch.zeros_like(q)
 

@@ -52,6 +52,10 @@ class TransformerBlock(nn.Module):
         feed_forward: A module used instead of the dense feed-forward (``(B, L, H) -> (B, L, H)``).
         backend: Attention backend (see `lightning_peft.nn.attention`).
         head_dim: Per-head width; ``None`` = ``hidden_size // num_heads``.
+        qkv_bias: Biases on q/k/v only (Qwen2); ``None`` = ``bias`` (see `FlashAttention`).
+        rope_scaling: Rotary frequency scaling (``linear``, ``llama3``; see `lightning_peft.nn.RotaryEmbedding`).
+        sliding_window: Causal attention over the last ``sliding_window`` positions only (Mistral).
+        norm_offset: RMSNorm computes ``(norm_offset + weight) * x_normalised`` (Gemma: 1.0).
 
     Examples:
         >>> import torch
@@ -80,6 +84,10 @@ class TransformerBlock(nn.Module):
         feed_forward: nn.Module | None = None,
         backend: str = "auto",
         head_dim: int | None = None,
+        qkv_bias: bool | None = None,
+        rope_scaling: dict | None = None,
+        sliding_window: int | None = None,
+        norm_offset: float = 0.0,
     ) -> None:
         super().__init__()
         integer("TransformerBlock", "hidden_size", hidden_size, minimum=1)
@@ -89,13 +97,14 @@ class TransformerBlock(nn.Module):
         probability("TransformerBlock", "attention_dropout", attention_dropout)
         self.attn = FlashAttention(
             hidden_size, num_heads, num_kv_heads=num_kv_heads, causal=causal, dropout=attention_dropout,
-            rotary=rotary, bias=bias, rope_theta=rope_theta, head_dim=head_dim, backend=backend,
+            rotary=rotary, bias=bias, rope_theta=rope_theta, head_dim=head_dim, backend=backend, qkv_bias=qkv_bias,
+            rope_scaling=rope_scaling, sliding_window=sliding_window,
         )
         self.mlp = feed_forward if feed_forward is not None else FeedForward(
             hidden_size, ffn_size, activation=activation, gated=gated, bias=bias
         )
-        self.attn_norm = norm_layer(norm, hidden_size, norm_eps)
-        self.mlp_norm = norm_layer(norm, hidden_size, norm_eps)
+        self.attn_norm = norm_layer(norm, hidden_size, norm_eps, norm_offset)
+        self.mlp_norm = norm_layer(norm, hidden_size, norm_eps, norm_offset)
         self.dropout = nn.Dropout(dropout)
         self.norm_first = norm_first
 

@@ -1,12 +1,17 @@
-"""`TransformerDecoder`: a Llama-layout causal decoder built from `TransformerBlock`, which loads Llama checkpoints.
+"""`TransformerDecoder`: a Llama-layout causal decoder built from `TransformerBlock`, which loads Llama, Qwen2,
+Mistral and Gemma checkpoints.
 
 Papers: Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models" (arXiv:2302.13971): pre-norm
 RMSNorm blocks, rotary positions, a SwiGLU feed-forward, no biases; Touvron et al. 2023, "Llama 2"
-(arXiv:2307.09288): grouped-query attention.
+(arXiv:2307.09288): grouped-query attention. The families' differences are constructor options (defaults: Llama):
+Qwen2's q/k/v biases (``qkv_bias``), Mistral's sliding window (``sliding_window``, Jiang et al. 2023, "Mistral 7B",
+arXiv:2310.06825), Gemma's ``(1 + weight)`` RMSNorm, ``sqrt(hidden)`` embedding scale and GELU-tanh feed-forward
+(``norm_offset``, ``embedding_scale``, ``activation``; Gemma Team 2024, arXiv:2403.08295), Llama 3.1's rotary
+scaling (``rope_scaling``).
 
 Rule:
 
-    x = embed_tokens[ids]
+    x = embed_tokens[ids] * embedding_scale
     x = block_i(x, key_padding_mask, position_ids)   causal, pre-norm, for each layer
     logits = lm_head(RMSNorm(x))                      lm_head tied to embed_tokens if asked
 
@@ -19,19 +24,43 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from lightning_peft._checks import integer
 from lightning_peft.nn._stack import check_reversible, feed_forwards, init_weights, key_padding_mask, run_reversible
 from lightning_peft.nn.block import TransformerBlock
 from lightning_peft.nn.feed_forward import FeedForward, RMSNorm
-from lightning_peft.nn.hf_weights import llama_options, load_llama_weights
+from lightning_peft.nn.hf_families import decoder_options, load_decoder_weights
 
-__all__ = ["TransformerDecoder"]
+__all__ = ["ScaledEmbedding", "TransformerDecoder"]
+
+
+class ScaledEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose rows are multiplied by ``scale`` (Gemma: ``sqrt(hidden_size)``).
+
+    The scale is cast to the weight's dtype before the product, as transformers' Gemma does, so a bfloat16 model
+    rounds it the same way.
+
+    Examples:
+        >>> embed = ScaledEmbedding(10, 4, scale=2.0)
+        >>> torch.equal(embed(torch.tensor([3])), 2.0 * embed.weight[3:4])
+        True
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, scale: float) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.scale = float(scale)
+
+    def forward(self, input_ids: Tensor) -> Tensor:  # (B, L) -> (B, L, H)
+        return super().forward(input_ids) * torch.tensor(self.scale, dtype=self.weight.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, scale={self.scale}"
 
 
 class TransformerDecoder(nn.Module):
-    """A Llama-layout causal decoder built from `TransformerBlock`; loads Llama checkpoints.
+    """A Llama-layout causal decoder built from `TransformerBlock`; loads Llama, Qwen2, Mistral and Gemma checkpoints.
 
     Pre-norm RMSNorm blocks with rotary positions, grouped-query attention and a SwiGLU feed-forward, a final
     norm and a language-model head (tied to the embeddings if asked).
@@ -58,6 +87,18 @@ class TransformerDecoder(nn.Module):
             SwiGLU experts.
         reversible: Run the layers as reversible couplings on two copies of the hidden state (see
             `TransformerEncoder`).
+        activation: Of the gated feed-forward: ``"silu"`` (SwiGLU, Llama) or ``"gelu_tanh"`` (GeGLU, Gemma), or
+            another of `lightning_peft.nn.FeedForward`'s.
+        qkv_bias: Biases on q/k/v only, ``bias`` then covering ``o_proj`` (Qwen2: ``bias=False, qkv_bias=True``);
+            ``None`` = ``bias``.
+        rope_scaling: Rotary frequency scaling, as a config's ``rope_parameters``: ``{"rope_type": "llama3",
+            "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings":
+            8192}`` (Llama 3.1) or ``{"rope_type": "linear", "factor": 2.0}``; ``None``: unscaled.
+        sliding_window: Causal attention over the last ``sliding_window`` positions only (Mistral); ``None``: all.
+        sliding_window_layers: The layer indices that use the window (Qwen2's ``layer_types``); ``None``: every
+            layer.
+        norm_offset: The RMSNorms compute ``(norm_offset + weight) * x_normalised`` (Gemma: 1.0).
+        embedding_scale: Multiplies the token embeddings (Gemma: ``sqrt(hidden_size)``); ``None``: 1.
 
     Examples:
         >>> import torch
@@ -87,6 +128,13 @@ class TransformerDecoder(nn.Module):
         initializer_range: float = 0.02,
         moe: dict[str, Any] | None = None,
         reversible: bool = False,
+        activation: str = "silu",
+        qkv_bias: bool | None = None,
+        rope_scaling: dict[str, Any] | None = None,
+        sliding_window: int | None = None,
+        sliding_window_layers: list[int] | None = None,
+        norm_offset: float = 0.0,
+        embedding_scale: float | None = None,
     ) -> None:
         super().__init__()
         check_reversible("TransformerDecoder", reversible, True, moe)
@@ -100,29 +148,36 @@ class TransformerDecoder(nn.Module):
             "num_kv_heads": num_kv_heads, "ffn_size": ffn_size, "max_position_embeddings": max_position_embeddings,
             "rope_theta": rope_theta, "norm_eps": norm_eps, "tie_word_embeddings": tie_word_embeddings,
             "bias": bias, "mlp_bias": mlp_bias, "dropout": dropout, "attention_dropout": attention_dropout,
-            "backend": backend, "head_dim": head_dim, "moe": moe, "reversible": reversible,
+            "backend": backend, "head_dim": head_dim, "moe": moe, "reversible": reversible, "activation": activation,
+            "qkv_bias": qkv_bias, "rope_scaling": rope_scaling, "sliding_window": sliding_window,
+            "sliding_window_layers": sliding_window_layers, "norm_offset": norm_offset,
+            "embedding_scale": embedding_scale,
         }
+        windows = _layer_windows(sliding_window, sliding_window_layers, num_layers)
         self.max_position_embeddings = max_position_embeddings
         self.reversible = reversible
         layer_feed_forwards = feed_forwards(
-            moe, num_layers, hidden_size, ffn_size, {"activation": "silu", "gated": True, "bias": mlp_bias},
+            moe, num_layers, hidden_size, ffn_size, {"activation": activation, "gated": True, "bias": mlp_bias},
             "TransformerDecoder",
         )
-        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.embed_tokens = (nn.Embedding(vocab_size, hidden_size) if embedding_scale is None
+                             else ScaledEmbedding(vocab_size, hidden_size, embedding_scale))
         self.layers = nn.ModuleList(
             TransformerBlock(
                 hidden_size, num_heads, ffn_size, num_kv_heads=num_kv_heads, causal=True, norm_first=True,
-                norm="rmsnorm", activation="silu", gated=True, dropout=dropout, attention_dropout=attention_dropout,
-                rotary=True, rope_theta=rope_theta, bias=bias, norm_eps=norm_eps, backend=backend, head_dim=head_dim,
+                norm="rmsnorm", activation=activation, gated=True, dropout=dropout,
+                attention_dropout=attention_dropout, rotary=True, rope_theta=rope_theta, bias=bias, norm_eps=norm_eps,
+                backend=backend, head_dim=head_dim, qkv_bias=qkv_bias, rope_scaling=rope_scaling,
+                sliding_window=window, norm_offset=norm_offset,
                 feed_forward=feed_forward if feed_forward is not None else FeedForward(
-                    hidden_size, ffn_size, activation="silu", gated=True, bias=mlp_bias
+                    hidden_size, ffn_size, activation=activation, gated=True, bias=mlp_bias
                 ),
             )
-            for feed_forward in layer_feed_forwards
+            for feed_forward, window in zip(layer_feed_forwards, windows)
         )
-        self.norm = RMSNorm(hidden_size, eps=norm_eps)
+        self.norm = RMSNorm(hidden_size, eps=norm_eps, offset=norm_offset)
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
-        init_weights(self, initializer_range)
+        init_weights(self, initializer_range)  # Linear and Embedding weights; the norms keep 1 - norm_offset
         if tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -153,17 +208,32 @@ class TransformerDecoder(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str, **overrides: Any) -> TransformerDecoder:
-        """Loads a Llama-style Hugging Face checkpoint directory (``model_type`` ``llama``).
+        """Loads a Hugging Face checkpoint directory of a family in `lightning_peft.nn.hf_families.FAMILIES`
+        (``model_type`` ``llama``, ``qwen2``, ``mistral``, ``gemma``).
 
         Args:
             path: A directory with ``config.json`` and weights (sharded or not), or an installed model package.
             **overrides: Constructor arguments that do not change the architecture (``dropout``, ``backend``).
 
         Raises:
-            ValueError: If the directory or its config is missing, the model type is not Llama, the rotary scaling
-                is one this decoder does not implement, or a weight does not fit (first key and shapes named).
+            ValueError: If the directory or its config is missing, the model type is not one of the families, the
+                config asks for something this decoder does not implement (a rotary scaling type, an activation, a
+                per-layer pattern: each named), or a weight does not fit (first key and shapes named).
         """
-        directory, options = llama_options(path, overrides)
+        directory, family, options = decoder_options(path, overrides)
         model = cls(**options)
-        load_llama_weights(model, directory, path)
+        load_decoder_weights(model, directory, path, family)
         return model
+
+
+def _layer_windows(window: int | None, layers: list[int] | None, num_layers: int) -> list[int | None]:
+    """The sliding window of each layer: ``window`` on ``layers`` (all when None), None elsewhere."""
+    if layers is None:
+        return [window] * num_layers
+    if window is None:
+        raise ValueError(f"TransformerDecoder(sliding_window_layers={layers!r}, sliding_window=None): the layers "
+                         "need a window size; set sliding_window=..., or sliding_window_layers=None.")
+    for index, layer in enumerate(layers):
+        integer("TransformerDecoder", f"sliding_window_layers[{index}]", layer, minimum=0, maximum=num_layers - 1,
+                of=("sliding_window_layers", layers))
+    return [window if i in layers else None for i in range(num_layers)]

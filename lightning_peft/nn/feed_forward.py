@@ -7,7 +7,7 @@ Normalization" (arXiv:1910.07467).
 Rule:
 
     mlp(x) = down(act(up(x)))  or, gated (SwiGLU), down(act(gate(x)) * up(x))
-    rmsnorm(x) = weight * x / sqrt(mean(x^2) + eps)
+    rmsnorm(x) = (offset + weight) * x / sqrt(mean(x^2) + eps)     offset 0 (Llama) or 1 (Gemma)
 
 Shapes: input and output ``(..., H)``; ``up`` and ``gate`` map ``H -> ffn_size``, ``down`` maps back.
 
@@ -39,7 +39,10 @@ NORMS = ("layernorm", "rmsnorm")
 class RMSNorm(nn.Module):
     """Root-mean-square normalisation (Zhang and Sennrich 2019), computed in float32 as Llama does.
 
-    ``y = weight * x / sqrt(mean(x^2) + eps)``; input ``(..., H)``, output the input's dtype.
+    ``y = (offset + weight) * x / sqrt(mean(x^2) + eps)``; input ``(..., H)``, output the input's dtype. With
+    ``offset=0`` (Llama) the normalised ``x`` is cast back before the weight multiplies it; with ``offset != 0``
+    (Gemma stores ``weight - 1``) the product is taken in float32 and then cast, as Gemma does. The weight starts at
+    ``1 - offset``, so a fresh norm scales by 1 either way.
 
     Examples:
         >>> norm = RMSNorm(4)
@@ -47,19 +50,22 @@ class RMSNorm(nn.Module):
         [[1.0, -1.0, 1.0, -1.0]]
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.full((hidden_size,), 1.0 - offset))
         self.eps = eps
+        self.offset = float(offset)
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x32 * (self.offset + self.weight.float())).to(dtype)
         return self.weight * x32.to(dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        return f"{self.weight.shape[0]}, eps={self.eps}" + (f", offset={self.offset}" if self.offset else "")
 
 
 class FeedForward(nn.Module):
@@ -88,11 +94,17 @@ class FeedForward(nn.Module):
         return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
 
 
-def norm_layer(kind: str, hidden_size: int, eps: float) -> nn.Module:
-    """``nn.LayerNorm`` for ``"layernorm"``, `RMSNorm` for ``"rmsnorm"`` (``kind`` checked by the caller).
+def norm_layer(kind: str, hidden_size: int, eps: float, offset: float = 0.0) -> nn.Module:
+    """``nn.LayerNorm`` for ``"layernorm"``, `RMSNorm` (with ``offset``) for ``"rmsnorm"`` (``kind`` checked by
+    the caller; an offset on a LayerNorm is refused).
 
     Examples:
         >>> norm_layer("rmsnorm", 8, 1e-6)
         RMSNorm(8, eps=1e-06)
     """
-    return nn.LayerNorm(hidden_size, eps=eps) if kind == "layernorm" else RMSNorm(hidden_size, eps=eps)
+    if kind == "layernorm":
+        if offset:
+            raise ValueError(f"norm_layer(kind='layernorm', offset={offset!r}): the weight offset is for RMSNorm "
+                             "(Gemma's 1 + weight); use norm='rmsnorm' or offset=0.")
+        return nn.LayerNorm(hidden_size, eps=eps)
+    return RMSNorm(hidden_size, eps=eps, offset=offset)

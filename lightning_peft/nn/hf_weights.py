@@ -1,8 +1,9 @@
-"""Reading Hugging Face checkpoints into `TransformerEncoder` (BERT layout) and `TransformerDecoder` (Llama layout).
+"""Reading Hugging Face checkpoints into `TransformerEncoder` (BERT layout) and `TransformerDecoder` (Llama layout;
+its families' configs: `lightning_peft.nn.hf_families`).
 
 Papers: Devlin et al. 2019, "BERT" (arXiv:1810.04805); Touvron et al. 2023, "Llama" (arXiv:2302.13971).
 
-Rule. A checkpoint directory's ``config.json`` becomes constructor arguments (``bert_options``, ``llama_options``;
+Rule. A checkpoint directory's ``config.json`` becomes constructor arguments (``bert_options``, ``decoder_options``;
 the caller's overrides on top, except ``moe`` and ``reversible``, which would build another architecture), and its
 weights (safetensors or ``torch.load(weights_only=True)``, read by `lightning_peft._pretrained`) are renamed key by
 key with the first matching rule of `BERT_KEYS` / `LLAMA_KEYS`:
@@ -29,8 +30,8 @@ from torch import Tensor, nn
 from lightning_peft._pretrained import read_config, read_state_dict
 
 __all__ = [
-    "BERT_KEYS", "LLAMA_KEYS", "bert_options", "llama_options", "load_bert_weights", "load_fitting",
-    "load_llama_weights", "refuse_new_architecture", "rename_keys",
+    "BERT_KEYS", "LLAMA_KEYS", "bert_options", "load_bert_weights", "load_fitting", "refuse_new_architecture",
+    "rename_keys",
 ]
 
 # Hugging Face key -> ours (regex, replacement); keys matching nothing are reported, a None replacement drops them.
@@ -49,6 +50,7 @@ BERT_KEYS: list[tuple[str, str | None]] = [
     (r"^(?:bert\.)?pooler\.dense\.", "pooler."),
     (r"^(?:cls|classifier|qa_outputs)\.", None),  # task heads of BertFor* checkpoints
 ]
+# Llama's layout, which Qwen2, Mistral and Gemma share.
 LLAMA_KEYS: list[tuple[str, str | None]] = [
     (r"^model\.embed_tokens\.", "embed_tokens."),
     (r"^model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.", r"layers.\1.attn.\2_proj."),
@@ -164,50 +166,3 @@ def load_bert_weights(model: nn.Module, directory: Path, path: str) -> None:
     if model.pooler is None:
         state = {k: v for k, v in state.items() if not k.startswith("pooler.")}
     load_fitting(model, state, str(path), optional=("pooler.",))
-
-
-def llama_options(path: str, overrides: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
-    """``(directory, constructor arguments)`` of `TransformerDecoder` for a Llama-layout checkpoint.
-
-    Raises:
-        ValueError: If the directory or its config is missing, the model type is not Llama, the rotary scaling or
-            activation is one the decoder does not implement, or ``overrides`` asks for ``moe``/``reversible``.
-    """
-    who = f"TransformerDecoder.from_pretrained({str(path)!r})"
-    refuse_new_architecture(who, overrides)
-    directory, config = read_config(path, "TransformerDecoder.from_pretrained")
-    if config.get("model_type") != "llama":
-        raise ValueError(
-            f"{who}: model_type {config.get('model_type')!r} is not supported; this decoder loads Llama-layout "
-            "checkpoints (model_type 'llama')."
-        )
-    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}  # transformers < 5 / >= 5
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(
-            f"{who}: rope_scaling type {rope_type!r} is not implemented (only unscaled rotary embeddings)."
-        )
-    if config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{who}: hidden_act {config['hidden_act']!r} is not supported (Llama uses 'silu').")
-    rope_theta = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-    kwargs: dict[str, Any] = {
-        "vocab_size": config["vocab_size"], "hidden_size": config["hidden_size"],
-        "num_layers": config["num_hidden_layers"], "num_heads": config["num_attention_heads"],
-        "num_kv_heads": config.get("num_key_value_heads"), "ffn_size": config["intermediate_size"],
-        "max_position_embeddings": config.get("max_position_embeddings", 2048), "rope_theta": rope_theta,
-        "norm_eps": config.get("rms_norm_eps", 1e-6),
-        "tie_word_embeddings": config.get("tie_word_embeddings", False),
-        "bias": config.get("attention_bias", False), "mlp_bias": config.get("mlp_bias", False),
-        "attention_dropout": config.get("attention_dropout", 0.0), "head_dim": config.get("head_dim"),
-    }
-    return directory, {**kwargs, **overrides}
-
-
-def load_llama_weights(model: nn.Module, directory: Path, path: str) -> None:
-    """The Llama checkpoint's weights in ``directory`` into ``model`` (a `TransformerDecoder`; a tied head is not
-    read from the checkpoint)."""
-    state = rename_keys(read_state_dict(directory, "TransformerDecoder.from_pretrained"), LLAMA_KEYS)
-    tied = model.config["tie_word_embeddings"]
-    if tied:
-        state.pop("lm_head.weight", None)
-    load_fitting(model, state, str(path), optional=("lm_head.",) if tied else ())

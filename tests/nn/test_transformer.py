@@ -240,8 +240,8 @@ def test_decoder_from_pretrained_equals_llama_for_causal_lm(tmp_path, tie):
 
 
 def test_decoder_errors(tmp_path):
-    directory = _tiny_llama(tmp_path, True, rope_scaling={"rope_type": "linear", "factor": 2.0})
-    with pytest.raises(ValueError, match="rope_scaling type 'linear' is not implemented"):
+    directory = _tiny_llama(tmp_path, True, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match=r"rope type 'dynamic' \(rope_parameters / rope_scaling\) is not implemented"):
         TransformerDecoder.from_pretrained(str(directory))
     decoder = TransformerDecoder(vocab_size=10, hidden_size=8, num_layers=1, num_heads=2, max_position_embeddings=4)
     with pytest.raises(ValueError, match="input of 5 tokens exceeds max_position_embeddings=4"):
