@@ -117,9 +117,9 @@ def select_backend(
         return backend
     reasons = _flash_attn_obstacles(q, causal, key_padding_mask, softcap)
     if backend == "flash_attn" and reasons:
+        fallback = "'sdpa') or backend='sdpa'" if softcap is None else "'math', which soft-caps) or backend='math'"
         raise RuntimeError("attention(backend='flash_attn') cannot run here: " + "; ".join(reasons)
-                           + ". Use backend='auto' (falls back to 'sdpa', or 'math' with softcap)"
-                           + (" or backend='sdpa'." if softcap is None else "."))
+                           + f". Use backend='auto' (falls back to {fallback}.")
     if not reasons:
         return "flash_attn"
     return "sdpa" if softcap is None else "math"
