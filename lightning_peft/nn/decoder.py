@@ -212,11 +212,13 @@ class TransformerDecoder(nn.Module):
         self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
     ) -> Tensor:
         """Logits ``(B, L, V)`` of ``input_ids`` ``(B, L)``; ``attention_mask`` marks real tokens (1)."""
-        logits = self.lm_head(self.hidden_states(input_ids, attention_mask, position_ids))
-        return logits if self.final_logit_softcapping is None else self._cap(logits)
+        return self.cap_logits(self.lm_head(self.hidden_states(input_ids, attention_mask, position_ids)))
 
-    def _cap(self, logits: Tensor) -> Tensor:
-        """``c * tanh(logits / c)``, in the order of transformers' Gemma 2 (divide, tanh, multiply)."""
+    def cap_logits(self, logits: Tensor) -> Tensor:
+        """What follows ``lm_head``: ``c * tanh(logits / c)`` with ``c = final_logit_softcapping`` (divide, tanh,
+        multiply: transformers' Gemma 2 order), or the logits as they are without a cap."""
+        if self.final_logit_softcapping is None:
+            return logits
         return torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
 
     def hidden_states(

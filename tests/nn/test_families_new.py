@@ -249,6 +249,19 @@ def test_from_scratch_options_train(tmp_path):
     assert all(p.grad is not None for p in decoder.parameters())
 
 
+def test_pipeline_pieces_end_with_the_logit_cap():
+    from lightning_peft.parallel.pipeline import pipeline_pieces
+
+    torch.manual_seed(0)
+    decoder = TransformerDecoder(vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=2,
+                                 final_logit_softcapping=0.5).double()
+    ids, mask = _batch(8, True, left=False)
+    carry = (ids, mask)
+    for piece in pipeline_pieces(decoder, ["input_ids", "attention_mask"]):
+        carry = piece.run(tuple(carry))
+    torch.testing.assert_close(carry[0], decoder(ids, mask), rtol=0, atol=1e-12)
+
+
 def test_causal_lm_with_final_soft_capping_keeps_the_plain_loss(tmp_path):
     """The chunked loss applies the head itself and would skip the cap after it: CausalLM falls back."""
     from lightning_peft.modules import CausalLM
