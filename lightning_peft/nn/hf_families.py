@@ -84,13 +84,17 @@ def _llama(config: dict[str, Any], who: str) -> dict[str, Any]:
 
 
 def _windows(config: dict[str, Any], who: str, every: int | None = None) -> dict[str, Any]:
-    """``sliding_window`` and ``sliding_window_layers`` from ``layer_types``; without them, layer ``i`` slides where
-    ``(i + 1) % every`` (Gemma 2: every 2nd, Gemma 3: ``sliding_window_pattern``, default 6), or none."""
+    """``sliding_window`` and ``sliding_window_layers`` from ``layer_types``. Configs written before transformers 5
+    have none; then, as their transformers config classes: Gemma's layer ``i`` slides where ``(i + 1) % every``
+    (Gemma 2: every 2nd, Gemma 3: ``sliding_window_pattern``, default 6); Qwen's from ``max_window_layers`` on when
+    ``use_sliding_window`` (``every`` None)."""
     layer_types = config.get("layer_types")
-    if not layer_types and every is not None:
-        layer_types = ["sliding_attention" if (i + 1) % every else "full_attention"
+    if not layer_types:
+        slides = ((lambda i: bool((i + 1) % every)) if every is not None else
+                  (lambda i: bool(config.get("use_sliding_window")) and config.get("sliding_window") is not None
+                   and i >= config.get("max_window_layers", 28)))
+        layer_types = ["sliding_attention" if slides(i) else "full_attention"
                        for i in range(config["num_hidden_layers"])]
-    layer_types = layer_types or []
     unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
     if unknown:
         raise ValueError(f"{who}: layer_types {unknown} are not implemented (full_attention, sliding_attention).")

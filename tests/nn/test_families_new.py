@@ -59,6 +59,15 @@ def test_qwen3_equals_transformers(tmp_path, window):
     assert not torch.allclose(_logits(plain), _logits(ours))
 
 
+def test_qwen3_config_without_layer_types_slides_from_max_window_layers(tmp_path):
+    """Qwen2/2.5/3 configs written before transformers 5: use_sliding_window and max_window_layers, no layer_types."""
+    directory = _save(tmp_path, "qwen3", head_dim=8, num_hidden_layers=3, use_sliding_window=True, sliding_window=6,
+                      max_window_layers=1)
+    _rewrite_config(directory, drop=("layer_types",))
+    ours = _check_logits(directory, 20)
+    assert [layer.attn.sliding_window for layer in ours.layers] == [None, 6, 6]
+
+
 def test_qwen3_attention_bias_on_all_four_projections(tmp_path):
     ours = _check_logits(_save(tmp_path, "qwen3", head_dim=8, attention_bias=True), 12)
     assert all(getattr(ours.layers[1].attn, f"{n}_proj").bias is not None for n in "qkvo")
