@@ -179,7 +179,10 @@ class TransformerDecoder(nn.Module):
         }
         windows = _layer_windows(sliding_window, sliding_window_layers, num_layers)
         self.final_logit_softcapping = _positive_or_none("final_logit_softcapping", final_logit_softcapping)
-        _positive_or_none("sliding_rope_theta", sliding_rope_theta)
+        if _positive_or_none("sliding_rope_theta", sliding_rope_theta) is not None and sliding_window is None:
+            raise ValueError(f"TransformerDecoder(sliding_rope_theta={sliding_rope_theta}, sliding_window=None): the "
+                             "base is for the sliding-window layers, and there are none; set sliding_window (and "
+                             "sliding_window_layers), or sliding_rope_theta=None.")
         self.max_position_embeddings = max_position_embeddings
         self.reversible = reversible
         layer_feed_forwards = feed_forwards(

@@ -192,6 +192,9 @@ def test_softcap_refusals():
     with pytest.raises(ValueError, match=r"TransformerDecoder\(final_logit_softcapping=-3.0\): "
                                          "final_logit_softcapping must be a positive number"):
         TransformerDecoder(vocab_size=10, hidden_size=8, num_layers=1, num_heads=2, final_logit_softcapping=-3.0)
+    with pytest.raises(ValueError, match=r"TransformerDecoder\(sliding_rope_theta=100.0, sliding_window=None\): the "
+                                         "base is for the sliding-window layers, and there are none"):
+        TransformerDecoder(vocab_size=10, hidden_size=8, num_layers=1, num_heads=2, sliding_rope_theta=100.0)
     with pytest.raises(RuntimeError, match=r"cannot run here: .*Use backend='auto' \(falls back to 'math', which "
                                            r"soft-caps\) or backend='math'\.$"):
         select_backend(q, "flash_attn", softcap=2.0)
