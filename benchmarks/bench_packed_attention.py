@@ -11,6 +11,11 @@ What is compared. A packed batch ``q`` (1, H, T, D), ``k``/``v`` (1, Hkv, T, D),
 - **groups** (the default, ``sdpa_method="auto"``): sequences of similar length gathered into padded groups, one call
   per group (`lightning_peft.nn.packed_sdpa`).
 
+Then the whole decoder: one training step (forward, token cross-entropy, backward) of a small Llama-shaped
+`TransformerDecoder` (``--decoder-hidden`` wide, 4 layers, 8 heads, 2 key/value heads) on the same rows packed
+(``cu_seqlens``, the default SDPA groups) against the same rows as one right-padded batch with an attention mask:
+the time per real token, padded / packed.
+
 Length mixes: many short rows, a few long ones, and a long-tailed mix (Pareto lengths, 16 * Pareto(1.2), capped at
 512, the issue's "realistic mix"). Before timing, every contender's output is checked against the loop's (1e-5).
 Contenders alternate inside every repeat (``_timing.alternate``), medians; ratios are against the loop (today's
@@ -45,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _report import finish, output_arguments, say, say_machine
 from _timing import alternate
 
-from lightning_peft.nn import packed_attention
+from lightning_peft.nn import TransformerDecoder, packed_attention
 from lightning_peft.nn.packed_sdpa import length_groups
 
 CONTENDERS = ("loop", "mask", "padded", "groups")
@@ -96,6 +101,50 @@ def steps(lengths: list[int], heads: int, kv_heads: int, head_dim: int) -> dict[
     return {name: step(call) for name, call in calls.items()}
 
 
+def decoder_steps(lengths: list[int], hidden: int) -> dict[str, Callable[[], None]]:
+    """A training step of a small decoder on the rows packed, and on the rows as one padded batch."""
+    torch.manual_seed(0)
+    decoder = TransformerDecoder(vocab_size=1024, hidden_size=hidden, num_layers=4, num_heads=8, num_kv_heads=2)
+    generator = torch.Generator().manual_seed(0)
+    rows = [torch.randint(1, 1024, (n,), generator=generator) for n in lengths]
+    packed_ids = torch.cat(rows)[None]  # (1, T)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    packed_labels = packed_ids.clone()
+    packed_labels[0, cu[:-1].long()] = -100  # no target across a boundary
+    padded_ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # (N, l_max)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones(n, dtype=torch.long) for n in lengths], batch_first=True)
+    padded_labels = padded_ids.masked_fill(mask == 0, -100)
+
+    def step(ids: torch.Tensor, labels: torch.Tensor, **inputs: torch.Tensor) -> Callable[[], None]:
+        def run() -> None:
+            logits = decoder(ids, **inputs)[:, :-1]
+            F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100).backward()
+            decoder.zero_grad(set_to_none=True)
+        return run
+
+    return {"packed": step(packed_ids, packed_labels, cu_seqlens=cu),
+            "padded": step(padded_ids, padded_labels, attention_mask=mask)}
+
+
+def decoder_section(args: argparse.Namespace) -> list[dict]:
+    say(f"\n## A decoder training step, packed vs padded (hidden {args.decoder_hidden}, 4 layers, 8 heads, 2 key/value "
+        f"heads, vocabulary 1024, float32, median of {args.repeats})\n")
+    say("| lengths | rows | real tokens | padded tokens | packed ms | padded ms | padded / packed (time per real token) |")
+    say("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    rows = []
+    for label, lengths in mixes(args.tokens).items():
+        if len(lengths) == 1 or len(set(lengths)) == 1 and lengths[0] > 64:
+            continue  # nothing to pad
+        times = alternate(decoder_steps(lengths, args.decoder_hidden), repeats=args.repeats, steps=1, warmup=1)
+        packed, padded = statistics.median(times["packed"]), statistics.median(times["padded"])
+        rows.append({"lengths": label, "rows": len(lengths), "tokens": sum(lengths),
+                     "padded_tokens": len(lengths) * max(lengths), "packed_ms": packed, "padded_ms": padded,
+                     "ratio": padded / packed, "raw_ms": times})
+        say(f"| {label} | {len(lengths)} | {sum(lengths)} | {len(lengths) * max(lengths)} | {packed:.0f} | "
+            f"{padded:.0f} | {padded / packed:.2f} |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -117,8 +166,9 @@ def main(argv: list[str] | None = None) -> dict:
                      "ms": median, "ratio_to_loop": ratio, "raw_ms": times})
         say(f"| {label} | {len(lengths)} | {sum(lengths)} | {calls} | {median['loop']:.1f} | "
             + " | ".join(f"{ratio[n]:.2f}" for n in CONTENDERS[1:]) + " |")
+    decoder = decoder_section(args)
     say(f"load average at end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    return finish({"config": vars(args), "rows": rows}, started, args.json, args.txt)
+    return finish({"config": vars(args), "rows": rows, "decoder": decoder}, started, args.json, args.txt)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -131,10 +181,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--head-dim", type=int, default=64)
     add("--repeats", type=int, default=5)
     add("--threads", type=int, default=1)
+    add("--decoder-hidden", type=int, default=256)
     output_arguments(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.tokens, args.heads, args.kv_heads, args.head_dim, args.repeats = 512, 2, 1, 8, 1
+        args.decoder_hidden = 32
     return args
 
 

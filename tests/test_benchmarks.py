@@ -324,3 +324,6 @@ def test_bench_packed_attention_checks_every_contender_and_reports_its_ratio(tmp
         assert set(r["ratio_to_loop"]) == {"loop", "mask", "padded", "groups"} and r["ratio_to_loop"]["loop"] == 1.0
         assert all(math.isfinite(x) and x > 0 for x in r["ratio_to_loop"].values())
     assert "| long-tailed (Pareto, cap 512) |" in result.stdout
+    decoder = json.loads(out.read_text())["decoder"]  # the whole decoder step, packed vs padded
+    assert [r["lengths"] for r in decoder] == ["32 rows of 16", "8 rows of 64", "long-tailed (Pareto, cap 512)"]
+    assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 and r["padded_tokens"] >= r["tokens"] for r in decoder)

@@ -11,6 +11,7 @@ and the two halves of the output are averaged back to ``(B, L, H)``.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -112,8 +113,9 @@ def key_padding_mask(attention_mask: Tensor | None, input_ids: Tensor, who: str)
 
 
 
-def check_packed(cu_seqlens: Tensor, attention_mask: Tensor | None, input_ids: Tensor, who: str) -> None:
-    """Refuses ``cu_seqlens`` with an attention mask or a batch of more than one row; checks its boundaries."""
+def check_packed(cu_seqlens: Tensor, attention_mask: Tensor | None, input_ids: Tensor, who: str) -> int:
+    """Refuses ``cu_seqlens`` with an attention mask or a batch of more than one row; checks its boundaries and
+    returns the longest sequence's length."""
     if attention_mask is not None or input_ids.shape[0] != 1:
         given = f"an attention_mask of shape {tuple(attention_mask.shape)}" if attention_mask is not None else (
             f"input_ids of shape {tuple(input_ids.shape)}")
@@ -122,4 +124,5 @@ def check_packed(cu_seqlens: Tensor, attention_mask: Tensor | None, input_ids: T
             f"got {given}. Give a packed batch (SFTDataModule(packing=True)) without attention_mask, or a padded "
             "batch without cu_seqlens."
         )
-    _check_cu_seqlens(cu_seqlens, input_ids.shape[1], who)
+    bounds = _check_cu_seqlens(cu_seqlens, input_ids.shape[1], who)
+    return max(b - a for a, b in itertools.pairwise(bounds))

@@ -154,19 +154,22 @@ class TransformerDecoder(nn.Module):
         each one unless ``position_ids`` say otherwise, so every sequence gets what it gets alone.
 
         Raises:
-            ValueError: If the input is longer than ``max_position_embeddings``, or ``cu_seqlens`` comes with an
-                ``attention_mask``, a batch of more than one row, or boundaries that do not rise from 0 to ``T``.
+            ValueError: If the input (a packed sequence, when packed) is longer than ``max_position_embeddings``, or
+                ``cu_seqlens`` comes with an ``attention_mask``, a batch of more than one row, or boundaries that do
+                not rise from 0 to ``T``.
         """
-        if input_ids.shape[1] > self.max_position_embeddings:
-            raise ValueError(
-                f"TransformerDecoder: input of {input_ids.shape[1]} tokens exceeds max_position_embeddings="
-                f"{self.max_position_embeddings}; truncate the input or raise the limit."
-            )
-        # -- packed sequences (cu_seqlens): checked once here, then passed to every layer's attention
-        if cu_seqlens is not None:
-            check_packed(cu_seqlens, attention_mask, input_ids, "TransformerDecoder")
+        # -- packed sequences (cu_seqlens): checked once here, then passed to every layer's attention; positions
+        # restart in each sequence, so the longest sequence, not the row, must fit max_position_embeddings
+        longest = input_ids.shape[1] if cu_seqlens is None else check_packed(
+            cu_seqlens, attention_mask, input_ids, "TransformerDecoder")
         packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         # --
+        if longest > self.max_position_embeddings:
+            raise ValueError(
+                f"TransformerDecoder: {'input' if cu_seqlens is None else 'a packed sequence'} of {longest} tokens "
+                f"exceeds max_position_embeddings={self.max_position_embeddings}; truncate the input or raise the "
+                "limit."
+            )
         mask = key_padding_mask(attention_mask, input_ids, "TransformerDecoder")
         x = self.embed_tokens(input_ids)
         if self.reversible:

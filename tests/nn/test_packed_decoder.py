@@ -126,6 +126,14 @@ def test_length_groups_cover_every_row_once_within_the_padding_bound():
 # ------------------------------------------------------------------------------------------------ refusals
 
 
+def test_the_longest_packed_sequence_not_the_row_must_fit_the_positions():
+    decoder, lengths = _decoder(max_position_embeddings=8), [8, 5, 8]
+    _check_against_rows(decoder, lengths)  # 21 tokens in the row, at most 8 in a sequence
+    with pytest.raises(ValueError, match=r"^TransformerDecoder: a packed sequence of 9 tokens exceeds "
+                                         r"max_position_embeddings=8"):
+        decoder(torch.randint(0, VOCAB, (1, 12)), cu_seqlens=_cu([3, 9]))
+
+
 def test_refusals_name_what_was_given():
     decoder, ids = _decoder(), torch.randint(0, VOCAB, (1, 6))
     cu = _cu([2, 4])
