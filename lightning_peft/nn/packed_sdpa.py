@@ -14,7 +14,7 @@ to keep attention inside each sequence. Three exact ones:
   overhead outweighs any padding). So a group's work is at most ``max_padding`` times the loop's, in one call.
 
 A block-diagonal ``(T, T)`` boolean mask in one SDPA call is exact too, but SDPA's kernels compute every masked
-block: ``T^2`` work and memory, 4.6x to 11x the loop's time at 2048 tokens and slower than the groups at every shape
+block: ``T^2`` work and memory, 4x to 9x the loop's time at 2048 tokens and slower than the groups at every shape
 measured (``benchmarks/bench_packed_attention.py``), so it is not a path here.
 
 Every path runs `_sdpa_attention` per call (the fused CPU kernel with causal plus a key-padding mask stays linear in
