@@ -308,3 +308,22 @@ def test_bench_methods_aborts_when_peft_would_adapt_other_tensors(monkeypatch):
 
     with pytest.raises(SystemExit, match="IA3: PEFT's get_peft_model makes other trainable tensors"):
         bench_methods.build_pair(ia3, no_feedforward, base, batch, 0)
+
+
+@pytest.mark.slow
+def test_bench_packed_attention_checks_every_contender_and_reports_its_ratio(tmp_path):
+    out = tmp_path / "packed.json"
+    script = SCRIPT.parent / "bench_packed_attention.py"
+    result = subprocess.run([sys.executable, str(script), "--quick", "--json", str(out)], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["lengths"] for r in rows] == ["32 rows of 16", "8 rows of 64", "1 rows of 512",
+                                            "long-tailed (Pareto, cap 512)"]
+    for r in rows:
+        assert set(r["ratio_to_loop"]) == {"loop", "mask", "padded", "groups"} and r["ratio_to_loop"]["loop"] == 1.0
+        assert all(math.isfinite(x) and x > 0 for x in r["ratio_to_loop"].values())
+    assert "| long-tailed (Pareto, cap 512) |" in result.stdout
+    decoder = json.loads(out.read_text())["decoder"]  # the whole decoder step, packed vs padded
+    assert [r["lengths"] for r in decoder] == ["32 rows of 16", "8 rows of 64", "long-tailed (Pareto, cap 512)"]
+    assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 and r["padded_tokens"] >= r["tokens"] for r in decoder)

@@ -8,6 +8,7 @@ Shapes:
 | attention_mask | (B, L) | 1 for real tokens, 0 for padding |
 | labels | (B, L) | next-token targets *not* shifted, -100 = ignored |
 | decoder logits | (B, L, V) | V = vocab_size; position t predicts token t + 1 |
+| position_ids, cu_seqlens | (1, T), (N + 1,) | a packed batch (`SFTDataModule(packing=True)`): N sequences in one row |
 
 Causal-LM loss and perplexity: with ``t`` over the real target tokens (``labels[:, 1:] != -100``),
 ``loss = sum_t -log p(token_t | tokens_<t) / n`` and ``ppl = exp(loss)``. Validation and test sum the token
@@ -15,7 +16,9 @@ losses and counts over the whole split (across batches and processes) before div
 perplexity of the split, not a mean of per-batch perplexities. With ``CausalLM(chunked_loss=n)`` training,
 validation and test compute that sum with `lightning_peft.nn.chunked_cross_entropy` from the decoder's hidden states,
 ``n`` tokens at a time, never the ``(B, L, V)`` logits, when the head is a plain ``nn.Linear`` (see
-`CausalLM.chunked_head`); any other head keeps the plain loss.
+`CausalLM.chunked_head`); any other head keeps the plain loss. A packed batch is one row whose sequences never see
+each other (`TransformerDecoder.hidden_states`); its labels carry -100 on each sequence's first token, so no target
+crosses a boundary and the loss sums the same token losses as the padded batch of the same sequences.
 """
 
 from __future__ import annotations
@@ -64,6 +67,12 @@ def shifted_token_losses(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor
     return loss_sum, (target != IGNORE_INDEX).sum()
 
 
+def _sequences(batch: dict[str, Tensor]) -> int:
+    """The number of sequences in a batch: its rows, or the sequences packed into its one row."""
+    cu_seqlens = batch.get("cu_seqlens")
+    return batch["input_ids"].shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
+
+
 def _shifted(labels: Tensor) -> Tensor:
     """``(B, L)`` targets: position ``t`` gets ``labels[:, t + 1]``; the last position predicts nothing (-100)."""
     return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
@@ -105,7 +114,9 @@ class CausalLM(LightningModule):
     """Next-token language modelling with `TransformerDecoder`.
 
     Batches are dicts with ``input_ids`` ``(B, L)``, ``attention_mask`` (optional) and ``labels`` (optional,
-    unshifted, ``-100`` where no loss is taken; default: ``input_ids`` with padding ignored). Logs
+    unshifted, ``-100`` where no loss is taken; default: ``input_ids`` with padding ignored), or packed batches
+    (``input_ids`` ``(1, T)``, ``labels``, ``position_ids``, ``cu_seqlens``; ``max_seqlen`` and other keys are not
+    read) as `lightning_peft.data.SFTDataModule` gives both. Logs
     ``train_loss`` (token mean of the batch), ``val_loss`` / ``val_ppl`` and ``test_loss`` / ``test_ppl``
     (over the whole split, see the module docstring).
 
@@ -182,17 +193,26 @@ class CausalLM(LightningModule):
                 f"{tokens}."
             )
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """Logits ``(B, L, vocab_size)``; position ``t`` scores the token at ``t + 1``."""
-        return self.decoder(input_ids, attention_mask)
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
+                cu_seqlens: Tensor | None = None) -> Tensor:
+        """Logits ``(B, L, vocab_size)``; position ``t`` scores the token at ``t + 1``. A packed batch gives
+        ``cu_seqlens`` (and ``position_ids``) as `TransformerDecoder.hidden_states` takes them."""
+        return self.decoder(input_ids, attention_mask, position_ids, cu_seqlens)
 
-    def _inputs_and_labels(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor | None, Tensor]:
-        """``(input_ids, attention_mask, labels)``; labels default to the ids with padding ignored."""
-        input_ids, mask = batch["input_ids"], batch.get("attention_mask")
+    def _inputs_and_labels(self, batch: dict[str, Tensor]) -> tuple[dict[str, Tensor], Tensor]:
+        """The decoder's inputs (``input_ids`` and those of ``attention_mask``, ``position_ids``, ``cu_seqlens``
+        the batch has) and the labels, which default to the ids with padding, and the first token of every packed
+        sequence (nothing before it in its sequence), ignored."""
+        inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids", "cu_seqlens")
+                  if batch.get(key) is not None}
         labels = batch.get("labels")
         if labels is None:
+            input_ids, mask = batch["input_ids"], batch.get("attention_mask")
             labels = input_ids if mask is None else input_ids.masked_fill(mask == 0, IGNORE_INDEX)
-        return input_ids, mask, labels
+            if "cu_seqlens" in inputs:
+                labels = labels.clone()
+                labels[:, inputs["cu_seqlens"][:-1].long().clamp(max=labels.shape[1] - 1)] = IGNORE_INDEX
+        return inputs, labels
 
     def chunked_head(self) -> nn.Linear | None:
         """The head the chunked loss runs on, or None for the plain loss (``chunked_loss=None``, or a head it
@@ -220,12 +240,12 @@ class CausalLM(LightningModule):
         return head
 
     def _token_losses(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        input_ids, mask, labels = self._inputs_and_labels(batch)
+        inputs, labels = self._inputs_and_labels(batch)
         head = self.chunked_head()
         if head is None:
-            return shifted_token_losses(self(input_ids, mask), labels)
-        target = _shifted(labels)  # (B, L)
-        hidden = self.decoder.hidden_states(input_ids, mask)  # (B, L, H)
+            return shifted_token_losses(self(**inputs), labels)
+        target = _shifted(labels)  # (B, L); in a packed row a sequence's last token targets the next one's first: -100
+        hidden = self.decoder.hidden_states(**inputs)  # (B, L, H)
         loss_sum = chunked_cross_entropy(  # under autocast the head's own dtype (the plain head would run lower)
             hidden.to(head.weight.dtype), head.weight, target, chunk_size=self.hparams.chunked_loss,
             ignore_index=IGNORE_INDEX, reduction="sum", bias=head.bias,
@@ -236,8 +256,8 @@ class CausalLM(LightningModule):
         """Token-mean cross-entropy of the batch (logged as ``train_loss``) plus any MoE auxiliary losses."""
         loss_sum, count = self._token_losses(batch)
         loss = loss_sum / count.clamp(min=1)
-        self.log("train_loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
-        return add_moe_losses(self, self.decoder, loss, batch["input_ids"].shape[0])
+        self.log("train_loss", loss, prog_bar=True, batch_size=_sequences(batch))
+        return add_moe_losses(self, self.decoder, loss, _sequences(batch))
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         """Accumulates ``val_loss`` and ``val_ppl`` over the validation split."""
@@ -255,15 +275,21 @@ class CausalLM(LightningModule):
         self.log(f"{prefix}_ppl", ppl, prog_bar=True)
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
-        """Per-sequence ``loss`` (token mean, ``(B,)``) and ``tokens`` (number of targets, ``(B,)``)."""
-        input_ids, mask, labels = self._inputs_and_labels(batch)
+        """Per-sequence ``loss`` (token mean, ``(B,)``) and ``tokens`` (number of targets, ``(B,)``); for a packed
+        batch, per packed sequence (``(N,)``, in ``cu_seqlens`` order)."""
+        inputs, labels = self._inputs_and_labels(batch)
         target = labels[:, 1:]  # (B, L-1)
         losses = F.cross_entropy(  # (B, L-1); class scores on dim 1, as cross_entropy wants them
-            self(input_ids, mask)[:, :-1].float().transpose(1, 2), target, ignore_index=IGNORE_INDEX,
-            reduction="none",
+            self(**inputs)[:, :-1].float().transpose(1, 2), target, ignore_index=IGNORE_INDEX, reduction="none",
         )
         counts = (target != IGNORE_INDEX).sum(dim=1)  # (B,)
-        return {"loss": losses.sum(dim=1) / counts.clamp(min=1), "tokens": counts}
+        sums = losses.sum(dim=1)  # (B,)
+        if "cu_seqlens" in inputs:  # target t - 1 (predicting token t) belongs to the sequence holding token t
+            lengths = inputs["cu_seqlens"].diff().long()  # (N,)
+            sequence = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)[1:]
+            sums = losses.new_zeros(len(lengths)).index_add_(0, sequence, losses[0])  # (N,)
+            counts = counts.new_zeros(len(lengths)).index_add_(0, sequence, (target[0] != IGNORE_INDEX).long())
+        return {"loss": sums / counts.clamp(min=1), "tokens": counts}
 
     @torch.no_grad()
     def generate(

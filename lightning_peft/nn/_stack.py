@@ -11,16 +11,18 @@ and the two halves of the output are averaged back to ``(B, L, H)``.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from lightning_peft.nn.attention_functional import _check_cu_seqlens
 from lightning_peft.nn.block import TransformerBlock
 from lightning_peft.nn.moe import MoE
 from lightning_peft.nn.reversible import ReversibleSequence
 
-__all__ = ["check_reversible", "feed_forwards", "init_weights", "key_padding_mask", "run_reversible"]
+__all__ = ["check_packed", "check_reversible", "feed_forwards", "init_weights", "key_padding_mask", "run_reversible"]
 
 
 def init_weights(module: nn.Module, std: float) -> None:
@@ -109,3 +111,18 @@ def key_padding_mask(attention_mask: Tensor | None, input_ids: Tensor, who: str)
     mask = attention_mask.bool()
     return None if bool(mask.all()) else mask
 
+
+
+def check_packed(cu_seqlens: Tensor, attention_mask: Tensor | None, input_ids: Tensor, who: str) -> int:
+    """Refuses ``cu_seqlens`` with an attention mask or a batch of more than one row; checks its boundaries and
+    returns the longest sequence's length."""
+    if attention_mask is not None or input_ids.shape[0] != 1:
+        given = f"an attention_mask of shape {tuple(attention_mask.shape)}" if attention_mask is not None else (
+            f"input_ids of shape {tuple(input_ids.shape)}")
+        raise ValueError(
+            f"{who}: cu_seqlens packs sequences into one row without padding (input_ids (1, T), no attention_mask); "
+            f"got {given}. Give a packed batch (SFTDataModule(packing=True)) without attention_mask, or a padded "
+            "batch without cu_seqlens."
+        )
+    bounds = _check_cu_seqlens(cu_seqlens, input_ids.shape[1], who)
+    return max(b - a for a, b in itertools.pairwise(bounds))

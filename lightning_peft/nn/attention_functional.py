@@ -12,7 +12,7 @@ The rule, the masks and the shapes: the docstring of `lightning_peft.nn.attentio
 
 from __future__ import annotations
 
-import functools
+import itertools
 import math
 
 import torch
@@ -28,6 +28,7 @@ from lightning_peft.nn.attention_backends import (
     flash_options,
     select_backend,
 )
+from lightning_peft.nn.packed_sdpa import PACKED_METHODS, packed_sdpa
 
 __all__ = ["attention", "attention_received", "packed_attention"]
 
@@ -158,11 +159,13 @@ def _check_cu_seqlens(cu_seqlens: Tensor, length: int, who: str) -> list[int]:
 
 def packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, causal: bool = False,
                      dropout_p: float = 0.0, backend: str = "auto", scale: float | None = None,
-                     window: int | None = None, softcap: float | None = None) -> Tensor:
+                     window: int | None = None, sdpa_method: str = "auto",
+                     softcap: float | None = None) -> Tensor:
     """Attention within each of the packed sequences of a (1, H, L, D) batch: no token sees another sequence.
 
-    flash_attn: one ``flash_attn_varlen_func`` call. sdpa: `attention` on each sequence in turn (exact, and
-    linear in memory, unlike a block-diagonal mask).
+    flash_attn: one ``flash_attn_varlen_func`` call. sdpa: the sequences gathered into padded groups of similar
+    length, one SDPA call per group (`lightning_peft.nn.packed_sdpa`; exact, and linear in memory, unlike a
+    block-diagonal mask).
 
     Args:
         q: (1, H, L, D).
@@ -174,7 +177,9 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, causal
         backend: As in `attention`.
         scale: As in `attention`.
         window: As in `attention` (within each sequence).
-        softcap: As in `attention`.
+        sdpa_method: How sdpa runs the sequences: ``"auto"`` (groups of similar length), ``"loop"`` (one call
+            each) or ``"padded"`` (one padded call); all exact. flash_attn and math ignore it.
+        softcap: As in `attention`; off flash-attn, the sequences run one at a time on the math backend.
 
     Returns:
         (1, H, L, D).
@@ -191,6 +196,7 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, causal
                          f"{tuple(q.shape)} and k {tuple(k.shape)}.")
     bounds = _check_cu_seqlens(cu_seqlens, q.shape[2], "packed_attention")
     _check_window(window, causal, "packed_attention")
+    choice("packed_attention", "sdpa_method", sdpa_method, PACKED_METHODS)
     _check_softcap(softcap, "packed_attention")
     chosen = select_backend(q, backend, dropout_p=dropout_p, causal=causal, softcap=softcap)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -202,10 +208,11 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, causal
         out = _flash_attn_module().flash_attn_varlen_func(q_t, k_t, v_t, cu, cu, longest, longest, dropout_p,
                                                           softmax_scale=scale, causal=causal, **band)
         return out.transpose(0, 1)[None]
-    kernel = _sdpa_attention if chosen == "sdpa" else functools.partial(_math_attention, softcap=softcap)
-    pieces = [kernel(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal, None, dropout_p, scale, window)
-              for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-    return torch.cat(pieces, dim=2) if pieces else torch.zeros_like(q)
+    if chosen == "math":
+        pieces = [_math_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal, None, dropout_p, scale, window,
+                                  softcap) for a, b in itertools.pairwise(bounds) if b > a]
+        return torch.cat(pieces, dim=2) if pieces else torch.zeros_like(q)
+    return packed_sdpa(q, k, v, bounds, causal, dropout_p, scale, sdpa_method, window)
 
 
 # ------------------------------------------------------------------------------------------------ importance

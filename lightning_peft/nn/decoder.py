@@ -16,12 +16,12 @@ Gemma Team 2025, arXiv:2503.19786).
 Rule:
 
     x = embed_tokens[ids] * embedding_scale
-    x = block_i(x, key_padding_mask, position_ids)   causal, pre-norm, for each layer
+    x = block_i(x, key_padding_mask, position_ids)   causal, pre-norm, for each layer (cu_seqlens: per sequence)
     logits = lm_head(RMSNorm(x))                      lm_head tied to embed_tokens if asked
     logits = cap * tanh(logits / cap)                 cap = final_logit_softcapping, if set (Gemma 2)
 
 Shapes: ``input_ids`` and ``attention_mask`` (1 / True = real token) ``(B, L)``; output ``(B, L, V)`` logits,
-``V = vocab_size``.
+``V = vocab_size``; packed: ``input_ids`` ``(1, T)``, ``cu_seqlens`` ``(N + 1,)`` int (0, l0, l0 + l1, ..., T).
 """
 
 from __future__ import annotations
@@ -33,7 +33,14 @@ import torch
 from torch import Tensor, nn
 
 from lightning_peft._checks import integer
-from lightning_peft.nn._stack import check_reversible, feed_forwards, init_weights, key_padding_mask, run_reversible
+from lightning_peft.nn._stack import (
+    check_packed,
+    check_reversible,
+    feed_forwards,
+    init_weights,
+    key_padding_mask,
+    run_reversible,
+)
 from lightning_peft.nn.block import TransformerBlock
 from lightning_peft.nn.feed_forward import FeedForward, RMSNorm
 from lightning_peft.nn.hf_families import decoder_options, load_decoder_weights
@@ -212,10 +219,12 @@ class TransformerDecoder(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
+        cu_seqlens: Tensor | None = None,
     ) -> Tensor:
-        """Logits ``(B, L, V)`` of ``input_ids`` ``(B, L)``; ``attention_mask`` marks real tokens (1)."""
-        return self.cap_logits(self.lm_head(self.hidden_states(input_ids, attention_mask, position_ids)))
+        """Logits ``(B, L, V)`` of ``input_ids`` ``(B, L)``; ``attention_mask`` marks real tokens (1);
+        ``cu_seqlens`` packs sequences into a batch of one (see `hidden_states`)."""
+        return self.cap_logits(self.lm_head(self.hidden_states(input_ids, attention_mask, position_ids, cu_seqlens)))
 
     def cap_logits(self, logits: Tensor) -> Tensor:
         """What follows ``lm_head``: ``c * tanh(logits / c)`` with ``c = final_logit_softcapping`` (divide, tanh,
@@ -225,22 +234,41 @@ class TransformerDecoder(nn.Module):
         return torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
 
     def hidden_states(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
+        cu_seqlens: Tensor | None = None,
     ) -> Tensor:
         """The final-norm hidden states ``(B, L, H)`` that ``lm_head`` turns into logits (for a loss that applies
-        the head itself, such as `lightning_peft.nn.chunked_cross_entropy`)."""
-        if input_ids.shape[1] > self.max_position_embeddings:
+        the head itself, such as `lightning_peft.nn.chunked_cross_entropy`).
+
+        A packed batch (``SFTDataModule(packing=True)``) is ``input_ids`` ``(1, T)`` with ``cu_seqlens``
+        ``(N + 1,)``, the sequences' boundaries ``0, l0, l0 + l1, ..., T``, and no ``attention_mask``: attention
+        stays inside each sequence (`lightning_peft.nn.packed_attention`) and rotary positions restart at 0 at
+        each one unless ``position_ids`` say otherwise, so every sequence gets what it gets alone.
+
+        Raises:
+            ValueError: If the input (a packed sequence, when packed) is longer than ``max_position_embeddings``, or
+                ``cu_seqlens`` comes with an ``attention_mask``, a batch of more than one row, or boundaries that do
+                not rise from 0 to ``T``.
+        """
+        # -- packed sequences (cu_seqlens): checked once here, then passed to every layer's attention; positions
+        # restart in each sequence, so the longest sequence, not the row, must fit max_position_embeddings
+        longest = input_ids.shape[1] if cu_seqlens is None else check_packed(
+            cu_seqlens, attention_mask, input_ids, "TransformerDecoder")
+        packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+        # --
+        if longest > self.max_position_embeddings:
             raise ValueError(
-                f"TransformerDecoder: input of {input_ids.shape[1]} tokens exceeds max_position_embeddings="
-                f"{self.max_position_embeddings}; truncate the input or raise the limit."
+                f"TransformerDecoder: {'input' if cu_seqlens is None else 'a packed sequence'} of {longest} tokens "
+                f"exceeds max_position_embeddings={self.max_position_embeddings}; truncate the input or raise the "
+                "limit."
             )
         mask = key_padding_mask(attention_mask, input_ids, "TransformerDecoder")
         x = self.embed_tokens(input_ids)
         if self.reversible:
-            x = run_reversible(self.layers, x, key_padding_mask=mask, position_ids=position_ids)
+            x = run_reversible(self.layers, x, key_padding_mask=mask, position_ids=position_ids, **packed)
         else:
             for layer in self.layers:
-                x = layer(x, key_padding_mask=mask, position_ids=position_ids)
+                x = layer(x, key_padding_mask=mask, position_ids=position_ids, **packed)
         return self.norm(x)
 
     @classmethod

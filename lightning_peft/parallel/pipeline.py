@@ -90,7 +90,8 @@ def pipeline_pieces(model: nn.Module, input_names: Sequence[str] = ("input_ids",
         The pieces in execution order; running them one after the other computes ``model(*inputs)``.
 
     Raises:
-        ValueError: If the model is a reversible or token-pruning stack (its layers do not compose one by one).
+        ValueError: If the model is a reversible or token-pruning stack (its layers do not compose one by one), or
+            the inputs are a packed batch (``cu_seqlens``).
         TypeError: If the model is none of the supported kinds.
     """
     from lightning_peft.nn.transformer import TransformerDecoder, TransformerEncoder
@@ -115,6 +116,12 @@ def pipeline_pieces(model: nn.Module, input_names: Sequence[str] = ("input_ids",
             "inside the stack, which a pipeline cannot send between stages; remove the token_pruner."
         )
     names = list(input_names)
+    if "cu_seqlens" in names:  # the stages carry hidden states and a padding mask only: attention would cross rows
+        raise ValueError(
+            f"PipelineStrategy: the batch is packed (cu_seqlens) but the pipeline stages of a {who} carry no "
+            "sequence boundaries between ranks, so attention would cross the packed rows. Use padded batches "
+            "(SFTDataModule(packing=False)) with PipelineStrategy."
+        )
     mask_at = names.index("attention_mask") if "attention_mask" in names else None
 
     def embed(carry: tuple[Tensor, ...]) -> tuple[Tensor, ...]:

@@ -261,6 +261,19 @@ def test_from_scratch_options_train(tmp_path):
     assert all(p.grad is not None for p in decoder.parameters())
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_packed_rows_equal_each_row_alone(tmp_path, family):
+    """cu_seqlens through q/k norms, soft-capping (math, one sequence at a time) and a window shorter than a row."""
+    config = {"qwen3": {"head_dim": 8}, "gemma2": GEMMA2}[family]
+    decoder = TransformerDecoder.from_pretrained(str(_save(tmp_path, family, **config))).double().eval()
+    ids, _ = _batch(20, False)
+    rows = [ids[0, :7], ids[1, :13]]
+    with torch.no_grad():
+        packed = decoder(torch.cat(rows)[None], cu_seqlens=torch.tensor([0, 7, 20], dtype=torch.int32))
+        alone = torch.cat([decoder(row[None]) for row in rows], dim=1)
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-12)
+
+
 def test_pipeline_pieces_end_with_the_logit_cap():
     from lightning_peft.parallel.pipeline import pipeline_pieces
 
