@@ -222,12 +222,15 @@ class CausalLM(LightningModule):
         (``TransformerDecoder.hidden_states``), so it applies only where that equals calling the model: the head is
         exactly ``nn.Linear`` (not an adapter such as LoRA's wrapper, nor a modules-to-save copy) with plain tensors
         (not quantized, not DTensor shards of tensor parallelism), and no hook or replaced ``forward`` sits on this
-        module, the decoder or the head (device maps, pipeline stages).
+        module, the decoder or the head (device maps, pipeline stages), and no soft-cap follows the head
+        (``final_logit_softcapping``).
         """
         if self.hparams.get("chunked_loss") is None:
             return None
         head = self.decoder.lm_head
         if type(head) is not nn.Linear or type(self.decoder).forward is not TransformerDecoder.forward:
+            return None
+        if self.decoder.final_logit_softcapping is not None:  # the cap sits after the head (Gemma 2)
             return None
         if any(p is not None and type(p) not in (nn.Parameter, Tensor) for p in (head.weight, head.bias)):
             return None

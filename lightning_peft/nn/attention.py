@@ -20,7 +20,8 @@ softmax, never storing the (Lq, Lk) score matrix: memory linear in the sequence 
 Backends ([`select_backend`][lightning_peft.nn.select_backend]): ``"flash_attn"`` (the ``flash-attn`` package:
 importable, CUDA tensors, fp16 or bf16, head_dim <= 256), ``"sdpa"``
 (`torch.nn.functional.scaled_dot_product_attention`, whose CPU dispatcher picks a fused flash-style kernel for every
-case here except attention dropout), and ``"auto"``: flash_attn where it can run, else sdpa.
+case here except attention dropout), ``"math"`` (explicit scores, quadratic in memory: what soft-capping needs off
+flash-attn), and ``"auto"``: flash_attn where it can run, else sdpa (math with soft-capping).
 
 Shapes:
 
@@ -65,6 +66,7 @@ from lightning_peft.nn.attention_functional import (
     attention_received,
     packed_attention,
 )
+from lightning_peft.nn.feed_forward import RMSNorm
 from lightning_peft.nn.rotary import RotaryEmbedding, apply_rotary
 
 __all__ = ["BACKENDS", "FLASH_DTYPES", "FLASH_MAX_HEAD_DIM", "FlashAttention", "RotaryEmbedding", "apply_rotary",
@@ -88,12 +90,20 @@ class FlashAttention(nn.Module):
         bias: Bias on the four projections.
         rope_theta: The rotary base.
         head_dim: Size of a head; None for ``hidden_size // num_heads``.
-        backend: ``"auto"``, ``"flash_attn"`` or ``"sdpa"``; `last_backend` records what ran.
+        backend: ``"auto"``, ``"flash_attn"``, ``"sdpa"`` or ``"math"``; `last_backend` records what ran.
         qkv_bias: Bias on ``q_proj``, ``k_proj``, ``v_proj`` (Qwen2: True with ``bias=False``, which then covers
             ``o_proj`` only); None for ``bias``.
         rope_scaling: Rotary frequency scaling (`RotaryEmbedding`'s ``scaling``: ``linear``, ``llama3``).
         sliding_window: Each query sees only the ``sliding_window`` keys ending at its own position (Mistral;
             causal only); None for all earlier keys.
+        qk_norm: An RMSNorm over each head's queries and keys before rotary, ``q_norm`` and ``k_norm`` of size
+            ``head_dim`` (Qwen3, Gemma 3; Dehghani et al. 2023, "Scaling Vision Transformers to 22 Billion
+            Parameters", arXiv:2302.05442), with ``norm_eps`` and ``norm_offset`` (`RMSNorm`'s ``eps``, ``offset``).
+        norm_eps: Epsilon of ``q_norm`` and ``k_norm``.
+        norm_offset: Weight offset of ``q_norm`` and ``k_norm`` (Gemma 3: 1.0).
+        scale: The score scale; None for ``1 / sqrt(head_dim)`` (Gemma 2: ``query_pre_attn_scalar ** -0.5``).
+        softcap: Soft-capped scores ``softcap * tanh(scores / softcap)`` (Gemma 2's ``attn_logit_softcapping``):
+            flash-attn's ``softcap`` on CUDA, else the ``"math"`` backend (SDPA cannot); None for plain scores.
 
     Examples:
         >>> attn = FlashAttention(16, num_heads=4, num_kv_heads=2, causal=True, rotary=True)
@@ -117,6 +127,11 @@ class FlashAttention(nn.Module):
         qkv_bias: bool | None = None,
         rope_scaling: dict | None = None,
         sliding_window: int | None = None,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+        norm_offset: float = 0.0,
+        scale: float | None = None,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -134,6 +149,9 @@ class FlashAttention(nn.Module):
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
         self.rotary = RotaryEmbedding(head_dim, rope_theta, rope_scaling) if rotary else None
+        self.q_norm = RMSNorm(head_dim, norm_eps, norm_offset) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps, norm_offset) if qk_norm else None
+        self.scale, self.softcap = self._check_scores(scale, softcap, backend)
         if rope_scaling and not rotary:
             raise ValueError(f"FlashAttention(rope_scaling={rope_scaling!r}, rotary=False): rope_scaling scales "
                              "rotary frequencies; set rotary=True or drop rope_scaling.")
@@ -147,6 +165,17 @@ class FlashAttention(nn.Module):
             raise ValueError(f"FlashAttention(sliding_window={window}, causal=False): a sliding window is "
                              "implemented for causal attention only; set causal=True or sliding_window=None.")
         return window
+
+    @staticmethod
+    def _check_scores(scale: float | None, softcap: float | None, backend: str) -> tuple[float | None, float | None]:
+        for name, value in (("scale", scale), ("softcap", softcap)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"FlashAttention({name}={value!r}): {name} must be a positive number, or None.")
+        if softcap is not None and backend == "sdpa":
+            raise ValueError(f"FlashAttention(softcap={softcap}, backend='sdpa'): scaled_dot_product_attention "
+                             "cannot soft-cap the scores; use backend='auto' (flash-attn's softcap on CUDA, else "
+                             "'math') or backend='math'.")
+        return (None if scale is None else float(scale)), (None if softcap is None else float(softcap))
 
     @staticmethod
     def _check_sizes(hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int | None) -> int:
@@ -190,6 +219,8 @@ class FlashAttention(nn.Module):
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, D)
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, L, D)
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, L, D)
+        if self.q_norm is not None:  # over each head's D, before rotary (Qwen3, Gemma 3)
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             positions = self._positions(batch, length, bounds, x.device) if position_ids is None else position_ids
             cos, sin = self.rotary(positions, q.dtype)  # (B, 1, L, D)
@@ -197,12 +228,14 @@ class FlashAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         if bounds is None:
             self.last_backend = select_backend(q, self.backend, key_padding_mask=mask, dropout_p=dropout_p,
-                                               causal=self.causal)
-            out = attention(q, k, v, self.causal, mask, dropout_p, self.last_backend, window=self.sliding_window)
+                                               causal=self.causal, softcap=self.softcap)
+            out = attention(q, k, v, self.causal, mask, dropout_p, self.last_backend, window=self.sliding_window,
+                            scale=self.scale, softcap=self.softcap)
         else:
-            self.last_backend = select_backend(q, self.backend, dropout_p=dropout_p, causal=self.causal)
+            self.last_backend = select_backend(q, self.backend, dropout_p=dropout_p, causal=self.causal,
+                                               softcap=self.softcap)
             out = packed_attention(q, k, v, cu_seqlens, self.causal, dropout_p, self.last_backend,
-                                   window=self.sliding_window)
+                                   window=self.sliding_window, scale=self.scale, softcap=self.softcap)
         out = self.o_proj(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))  # (B, L, hidden)
         if not need_importance:
             return out
@@ -226,6 +259,9 @@ class FlashAttention(nn.Module):
         if need_importance and self.sliding_window is not None:
             raise ValueError(f"FlashAttention(sliding_window={self.sliding_window}): need_importance computes the "
                              "attention without the window; token pruning needs sliding_window=None.")
+        if need_importance and self.softcap is not None:
+            raise ValueError(f"FlashAttention(softcap={self.softcap}): need_importance computes the attention "
+                             "without soft-capping; token pruning needs softcap=None.")
         return batch, length
 
     @staticmethod
@@ -239,12 +275,14 @@ class FlashAttention(nn.Module):
     @torch.no_grad()
     def _importance(self, q: Tensor, k: Tensor, mask: Tensor | None, bounds: list[int] | None, queries: str) -> Tensor:
         if bounds is None:
-            return attention_received(q, k, mask, self.causal, queries=queries)
-        pieces = [attention_received(q[:, :, a:b], k[:, :, a:b], None, self.causal, queries=queries)
+            return attention_received(q, k, mask, self.causal, self.scale, queries=queries)
+        pieces = [attention_received(q[:, :, a:b], k[:, :, a:b], None, self.causal, self.scale, queries=queries)
                   for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
         return torch.cat(pieces, dim=-1)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, causal={self.causal}, dropout={self.dropout}, backend={self.backend!r}"
-                + (f", sliding_window={self.sliding_window}" if self.sliding_window is not None else ""))
+                + (f", sliding_window={self.sliding_window}" if self.sliding_window is not None else "")
+                + (f", scale={self.scale}" if self.scale is not None else "")
+                + (f", softcap={self.softcap}" if self.softcap is not None else ""))

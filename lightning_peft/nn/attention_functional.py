@@ -12,6 +12,7 @@ The rule, the masks and the shapes: the docstring of `lightning_peft.nn.attentio
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -22,7 +23,9 @@ from lightning_peft.nn.attention_backends import (
     _causal_mask,
     _flash_attention,
     _flash_attn_module,
+    _math_attention,
     _sdpa_attention,
+    flash_options,
     select_backend,
 )
 from lightning_peft.nn.packed_sdpa import PACKED_METHODS, packed_sdpa
@@ -73,6 +76,7 @@ def attention(
     backend: str = "auto",
     scale: float | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Exact multi-head attention ``softmax(scale * q k^T + mask) v`` without storing the score matrix.
 
@@ -88,6 +92,9 @@ def attention(
         window: Sliding-window attention (Mistral; needs ``causal``): query ``i`` sees only the ``window`` keys
             ending at its own position. On sdpa, keys longer than the window take an explicit banded
             (B, 1, Lq, Lk) mask, so memory grows with Lq * Lk there.
+        softcap: Soft-capped scores ``softcap * tanh(scale * q k^T / softcap)`` (Gemma 2's
+            ``attn_logit_softcapping``): flash-attn's ``softcap`` on CUDA, else the explicit math path, which
+            stores the (B, H, Lq, Lk) scores; SDPA cannot soft-cap.
 
     Returns:
         (B, H, Lq, D), the dtype of ``q``. Rows with no visible key are zeros. On flash_attn with causal and a
@@ -95,7 +102,8 @@ def attention(
         attend to the real keys before them).
 
     Raises:
-        ValueError: On shapes that do not fit, an unknown backend, or dropout outside [0, 1).
+        ValueError: On shapes that do not fit, an unknown backend, dropout outside [0, 1), a softcap that is not
+            positive, or ``backend="sdpa"`` with a softcap.
         TypeError: On a float key_padding_mask, or a ``dropout_p`` that is not a number.
         RuntimeError: If ``backend="flash_attn"`` cannot run here.
 
@@ -111,10 +119,13 @@ def attention(
     if mask is not None and bool(mask.all()):
         mask = None  # nothing to mask: keeps the mask-free kernels
     _check_window(window, causal, "attention")
-    chosen = select_backend(q, backend, key_padding_mask=mask, dropout_p=dropout_p, causal=causal)
+    _check_softcap(softcap, "attention")
+    chosen = select_backend(q, backend, key_padding_mask=mask, dropout_p=dropout_p, causal=causal, softcap=softcap)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if chosen == "flash_attn":
-        return _flash_attention(q, k, v, causal, mask, dropout_p, scale, window)
+        return _flash_attention(q, k, v, causal, mask, dropout_p, scale, window, softcap)
+    if chosen == "math":
+        return _math_attention(q, k, v, causal, mask, dropout_p, scale, window, softcap)
     return _sdpa_attention(q, k, v, causal, mask, dropout_p, scale, window)
 
 
@@ -126,6 +137,12 @@ def _check_window(window: int | None, causal: bool, who: str) -> None:
     if not causal:
         raise ValueError(f"{who}(window={window}, causal=False): a sliding window is implemented for causal "
                          "attention only; pass causal=True or window=None.")
+
+
+def _check_softcap(softcap: float | None, who: str) -> None:
+    """A soft-cap is a positive number (Gemma 2: 50.0 on the attention scores)."""
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
+        raise ValueError(f"{who}(softcap={softcap!r}): softcap must be a positive number (Gemma 2: 50.0), or None.")
 
 
 def _check_cu_seqlens(cu_seqlens: Tensor, length: int, who: str) -> list[int]:
@@ -142,7 +159,8 @@ def _check_cu_seqlens(cu_seqlens: Tensor, length: int, who: str) -> list[int]:
 
 def packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, causal: bool = False,
                      dropout_p: float = 0.0, backend: str = "auto", scale: float | None = None,
-                     window: int | None = None, sdpa_method: str = "auto") -> Tensor:
+                     window: int | None = None, sdpa_method: str = "auto",
+                     softcap: float | None = None) -> Tensor:
     """Attention within each of the packed sequences of a (1, H, L, D) batch: no token sees another sequence.
 
     flash_attn: one ``flash_attn_varlen_func`` call. sdpa: the sequences gathered into padded groups of similar
@@ -160,7 +178,8 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, causal
         scale: As in `attention`.
         window: As in `attention` (within each sequence).
         sdpa_method: How sdpa runs the sequences: ``"auto"`` (groups of similar length), ``"loop"`` (one call
-            each) or ``"padded"`` (one padded call); all exact. flash_attn ignores it.
+            each) or ``"padded"`` (one padded call); all exact. flash_attn and math ignore it.
+        softcap: As in `attention`; off flash-attn, the sequences run one at a time on the math backend.
 
     Returns:
         (1, H, L, D).
@@ -178,16 +197,21 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, causal
     bounds = _check_cu_seqlens(cu_seqlens, q.shape[2], "packed_attention")
     _check_window(window, causal, "packed_attention")
     choice("packed_attention", "sdpa_method", sdpa_method, PACKED_METHODS)
-    chosen = select_backend(q, backend, dropout_p=dropout_p, causal=causal)
+    _check_softcap(softcap, "packed_attention")
+    chosen = select_backend(q, backend, dropout_p=dropout_p, causal=causal, softcap=softcap)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if chosen == "flash_attn":
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
         q_t, k_t, v_t = (t[0].transpose(0, 1) for t in (q, k, v))  # (L, H, D)
-        band = {} if window is None else {"window_size": (window - 1, 0)}
+        band = flash_options(window, softcap)
         out = _flash_attn_module().flash_attn_varlen_func(q_t, k_t, v_t, cu, cu, longest, longest, dropout_p,
                                                           softmax_scale=scale, causal=causal, **band)
         return out.transpose(0, 1)[None]
+    if chosen == "math":
+        pieces = [_math_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal, None, dropout_p, scale, window,
+                                  softcap) for a, b in itertools.pairwise(bounds) if b > a]
+        return torch.cat(pieces, dim=2) if pieces else torch.zeros_like(q)
     return packed_sdpa(q, k, v, bounds, causal, dropout_p, scale, sdpa_method, window)
 
 

@@ -6,6 +6,7 @@ Rule. One block, two sublayers, each a residual branch:
 
     post-norm (BERT):  x = norm_1(x + drop(attn(x)));       x = norm_2(x + drop(mlp(x)))
     pre-norm (Llama):  x = x + drop(attn(norm_1(x)));        x = x + drop(mlp(norm_2(x)))
+    sandwich (Gemma 2): x = x + drop(post_1(attn(norm_1(x))));  x = x + drop(post_2(mlp(norm_2(x))))
 
 Shapes: block input and output ``(B, L, H)``; ``key_padding_mask`` ``(B, L)``, True for real tokens.
 
@@ -56,6 +57,12 @@ class TransformerBlock(nn.Module):
         rope_scaling: Rotary frequency scaling (``linear``, ``llama3``; see `lightning_peft.nn.RotaryEmbedding`).
         sliding_window: Causal attention over the last ``sliding_window`` positions only (Mistral).
         norm_offset: RMSNorm computes ``(norm_offset + weight) * x_normalised`` (Gemma: 1.0).
+        qk_norm: RMSNorms over each head's queries and keys (Qwen3, Gemma 3; see `FlashAttention`).
+        attention_scale: The attention score scale; ``None`` = ``1 / sqrt(head_dim)``.
+        softcap: Soft-capping of the attention scores (Gemma 2; see `FlashAttention`).
+        sandwich_norm: A norm on each branch's output too, before the residual sum (``attn_post_norm``,
+            ``mlp_post_norm``; Gemma 2 and 3; Ding et al. 2021, "CogView", arXiv:2105.13290: Sandwich-LN); pre-norm
+            only.
 
     Examples:
         >>> import torch
@@ -88,6 +95,10 @@ class TransformerBlock(nn.Module):
         rope_scaling: dict | None = None,
         sliding_window: int | None = None,
         norm_offset: float = 0.0,
+        qk_norm: bool = False,
+        attention_scale: float | None = None,
+        softcap: float | None = None,
+        sandwich_norm: bool = False,
     ) -> None:
         super().__init__()
         integer("TransformerBlock", "hidden_size", hidden_size, minimum=1)
@@ -98,13 +109,19 @@ class TransformerBlock(nn.Module):
         self.attn = FlashAttention(
             hidden_size, num_heads, num_kv_heads=num_kv_heads, causal=causal, dropout=attention_dropout,
             rotary=rotary, bias=bias, rope_theta=rope_theta, head_dim=head_dim, backend=backend, qkv_bias=qkv_bias,
-            rope_scaling=rope_scaling, sliding_window=sliding_window,
+            rope_scaling=rope_scaling, sliding_window=sliding_window, qk_norm=qk_norm, norm_eps=norm_eps,
+            norm_offset=norm_offset, scale=attention_scale, softcap=softcap,
         )
         self.mlp = feed_forward if feed_forward is not None else FeedForward(
             hidden_size, ffn_size, activation=activation, gated=gated, bias=bias
         )
         self.attn_norm = norm_layer(norm, hidden_size, norm_eps, norm_offset)
         self.mlp_norm = norm_layer(norm, hidden_size, norm_eps, norm_offset)
+        if sandwich_norm and not norm_first:
+            raise ValueError("TransformerBlock(sandwich_norm=True, norm_first=False): the sandwich norms sit inside "
+                             "pre-norm residual branches; set norm_first=True or sandwich_norm=False.")
+        self.attn_post_norm = norm_layer(norm, hidden_size, norm_eps, norm_offset) if sandwich_norm else None
+        self.mlp_post_norm = norm_layer(norm, hidden_size, norm_eps, norm_offset) if sandwich_norm else None
         self.dropout = nn.Dropout(dropout)
         self.norm_first = norm_first
 
@@ -115,11 +132,13 @@ class TransformerBlock(nn.Module):
         ``cu_seqlens``, ``need_importance``), passed on as given; ``importance`` is None unless asked.
         """
         out = self.attn(self.attn_norm(x) if self.norm_first else x, *args, **kwargs)
-        return (out[0], out[1]) if isinstance(out, tuple) else (out, None)
+        out, importance = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
+        return (out if self.attn_post_norm is None else self.attn_post_norm(out)), importance
 
     def feed_forward_branch(self, x: Tensor) -> Tensor:
         """``G(x)``: the feed-forward branch without its residual (pre-norm: ``mlp(norm_2(x))``)."""
-        return self.mlp(self.mlp_norm(x) if self.norm_first else x)
+        out = self.mlp(self.mlp_norm(x) if self.norm_first else x)
+        return out if self.mlp_post_norm is None else self.mlp_post_norm(out)
 
     def attention_sublayer(self, x: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
         """``(x', importance)``: the first residual sublayer; ``importance`` (B, L) when asked, else None (the

@@ -1,5 +1,5 @@
 """`TransformerDecoder`: a Llama-layout causal decoder built from `TransformerBlock`, which loads Llama, Qwen2,
-Mistral and Gemma checkpoints.
+Qwen3, Mistral, Gemma, Gemma 2 and Gemma 3 (text) checkpoints.
 
 Papers: Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models" (arXiv:2302.13971): pre-norm
 RMSNorm blocks, rotary positions, a SwiGLU feed-forward, no biases; Touvron et al. 2023, "Llama 2"
@@ -7,13 +7,18 @@ RMSNorm blocks, rotary positions, a SwiGLU feed-forward, no biases; Touvron et a
 Qwen2's q/k/v biases (``qkv_bias``), Mistral's sliding window (``sliding_window``, Jiang et al. 2023, "Mistral 7B",
 arXiv:2310.06825), Gemma's ``(1 + weight)`` RMSNorm, ``sqrt(hidden)`` embedding scale and GELU-tanh feed-forward
 (``norm_offset``, ``embedding_scale``, ``activation``; Gemma Team 2024, arXiv:2403.08295), Llama 3.1's rotary
-scaling (``rope_scaling``).
+scaling (``rope_scaling``), Qwen3's and Gemma 3's per-head q/k RMSNorm (``qk_norm``; Qwen Team 2025, "Qwen3
+Technical Report", arXiv:2505.09388), Gemma 2's soft-capped attention and output logits, query scale and
+sandwich norms (``attn_logit_softcapping``, ``final_logit_softcapping``, ``attention_scale``, ``sandwich_norm``;
+Gemma Team 2024, arXiv:2408.00118), Gemma 3's rotary base on its sliding-window layers (``sliding_rope_theta``;
+Gemma Team 2025, arXiv:2503.19786).
 
 Rule:
 
     x = embed_tokens[ids] * embedding_scale
     x = block_i(x, key_padding_mask, position_ids)   causal, pre-norm, for each layer (cu_seqlens: per sequence)
     logits = lm_head(RMSNorm(x))                      lm_head tied to embed_tokens if asked
+    logits = cap * tanh(logits / cap)                 cap = final_logit_softcapping, if set (Gemma 2)
 
 Shapes: ``input_ids`` and ``attention_mask`` (1 / True = real token) ``(B, L)``; output ``(B, L, V)`` logits,
 ``V = vocab_size``; packed: ``input_ids`` ``(1, T)``, ``cu_seqlens`` ``(N + 1,)`` int (0, l0, l0 + l1, ..., T).
@@ -106,6 +111,17 @@ class TransformerDecoder(nn.Module):
             layer.
         norm_offset: The RMSNorms compute ``(norm_offset + weight) * x_normalised`` (Gemma: 1.0).
         embedding_scale: Multiplies the token embeddings (Gemma: ``sqrt(hidden_size)``); ``None``: 1.
+        qk_norm: An RMSNorm over each head's queries and keys before rotary (Qwen3, Gemma 3).
+        attention_scale: The attention score scale (Gemma 2 and 3: ``query_pre_attn_scalar ** -0.5``); ``None``:
+            ``1 / sqrt(head_dim)``.
+        attn_logit_softcapping: Attention scores become ``c * tanh(scores / c)`` (Gemma 2: 50.0); SDPA cannot,
+            so attention runs on flash-attn's ``softcap`` (CUDA) or the explicit ``"math"`` backend, whose memory
+            grows with the square of the length. ``None``: plain scores.
+        final_logit_softcapping: The logits become ``c * tanh(logits / c)`` (Gemma 2: 30.0); ``None``: plain.
+        sandwich_norm: Each block also normalises its attention and feed-forward outputs before the residual sums
+            (Gemma 2 and 3; see `TransformerBlock`).
+        sliding_rope_theta: The rotary base of the sliding-window layers, which then take no ``rope_scaling``
+            (Gemma 3's ``rope_local_base_freq``); ``None``: ``rope_theta`` everywhere.
 
     Examples:
         >>> import torch
@@ -142,6 +158,12 @@ class TransformerDecoder(nn.Module):
         sliding_window_layers: list[int] | None = None,
         norm_offset: float = 0.0,
         embedding_scale: float | None = None,
+        qk_norm: bool = False,
+        attention_scale: float | None = None,
+        attn_logit_softcapping: float | None = None,
+        final_logit_softcapping: float | None = None,
+        sandwich_norm: bool = False,
+        sliding_rope_theta: float | None = None,
     ) -> None:
         super().__init__()
         check_reversible("TransformerDecoder", reversible, True, moe)
@@ -158,9 +180,16 @@ class TransformerDecoder(nn.Module):
             "backend": backend, "head_dim": head_dim, "moe": moe, "reversible": reversible, "activation": activation,
             "qkv_bias": qkv_bias, "rope_scaling": rope_scaling, "sliding_window": sliding_window,
             "sliding_window_layers": sliding_window_layers, "norm_offset": norm_offset,
-            "embedding_scale": embedding_scale,
+            "embedding_scale": embedding_scale, "qk_norm": qk_norm, "attention_scale": attention_scale,
+            "attn_logit_softcapping": attn_logit_softcapping, "final_logit_softcapping": final_logit_softcapping,
+            "sandwich_norm": sandwich_norm, "sliding_rope_theta": sliding_rope_theta,
         }
         windows = _layer_windows(sliding_window, sliding_window_layers, num_layers)
+        self.final_logit_softcapping = _positive_or_none("final_logit_softcapping", final_logit_softcapping)
+        if _positive_or_none("sliding_rope_theta", sliding_rope_theta) is not None and sliding_window is None:
+            raise ValueError(f"TransformerDecoder(sliding_rope_theta={sliding_rope_theta}, sliding_window=None): the "
+                             "base is for the sliding-window layers, and there are none; set sliding_window (and "
+                             "sliding_window_layers), or sliding_rope_theta=None.")
         self.max_position_embeddings = max_position_embeddings
         self.reversible = reversible
         layer_feed_forwards = feed_forwards(
@@ -173,9 +202,10 @@ class TransformerDecoder(nn.Module):
             TransformerBlock(
                 hidden_size, num_heads, ffn_size, num_kv_heads=num_kv_heads, causal=True, norm_first=True,
                 norm="rmsnorm", activation=activation, gated=True, dropout=dropout,
-                attention_dropout=attention_dropout, rotary=True, rope_theta=rope_theta, bias=bias, norm_eps=norm_eps,
-                backend=backend, head_dim=head_dim, qkv_bias=qkv_bias, rope_scaling=rope_scaling,
-                sliding_window=window, norm_offset=norm_offset,
+                attention_dropout=attention_dropout, bias=bias, norm_eps=norm_eps, backend=backend, head_dim=head_dim,
+                qkv_bias=qkv_bias, sliding_window=window, norm_offset=norm_offset, qk_norm=qk_norm,
+                attention_scale=attention_scale, softcap=attn_logit_softcapping, sandwich_norm=sandwich_norm,
+                **_layer_rope(rope_theta, rope_scaling, sliding_rope_theta if window is not None else None),
                 feed_forward=feed_forward if feed_forward is not None else FeedForward(
                     hidden_size, ffn_size, activation=activation, gated=True, bias=mlp_bias
                 ),
@@ -194,7 +224,14 @@ class TransformerDecoder(nn.Module):
     ) -> Tensor:
         """Logits ``(B, L, V)`` of ``input_ids`` ``(B, L)``; ``attention_mask`` marks real tokens (1);
         ``cu_seqlens`` packs sequences into a batch of one (see `hidden_states`)."""
-        return self.lm_head(self.hidden_states(input_ids, attention_mask, position_ids, cu_seqlens))
+        return self.cap_logits(self.lm_head(self.hidden_states(input_ids, attention_mask, position_ids, cu_seqlens)))
+
+    def cap_logits(self, logits: Tensor) -> Tensor:
+        """What follows ``lm_head``: ``c * tanh(logits / c)`` with ``c = final_logit_softcapping`` (divide, tanh,
+        multiply: transformers' Gemma 2 order), or the logits as they are without a cap."""
+        if self.final_logit_softcapping is None:
+            return logits
+        return torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
 
     def hidden_states(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
@@ -252,6 +289,19 @@ class TransformerDecoder(nn.Module):
         model = cls(**options)
         load_decoder_weights(model, directory, path, family)
         return model
+
+
+def _positive_or_none(name: str, value: float | None) -> float | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        raise ValueError(f"TransformerDecoder({name}={value!r}): {name} must be a positive number, or None.")
+    return None if value is None else float(value)
+
+
+def _layer_rope(theta: float, scaling: dict[str, Any] | None, sliding_theta: float | None) -> dict[str, Any]:
+    """One layer's rotary arguments: the sliding-window layers' own base, unscaled, where one is given (Gemma 3)."""
+    if sliding_theta is not None:
+        return {"rotary": True, "rope_theta": sliding_theta, "rope_scaling": None}
+    return {"rotary": True, "rope_theta": theta, "rope_scaling": scaling}
 
 
 def _layer_windows(window: int | None, layers: list[int] | None, num_layers: int) -> list[int | None]:

@@ -30,8 +30,8 @@ from torch import Tensor, nn
 from lightning_peft._pretrained import read_config, read_state_dict
 
 __all__ = [
-    "BERT_KEYS", "LLAMA_KEYS", "bert_options", "load_bert_weights", "load_fitting", "refuse_new_architecture",
-    "rename_keys",
+    "BERT_KEYS", "GEMMA2_KEYS", "LLAMA_KEYS", "bert_options", "load_bert_weights", "load_fitting",
+    "refuse_new_architecture", "rename_keys",
 ]
 
 # Hugging Face key -> ours (regex, replacement); keys matching nothing are reported, a None replacement drops them.
@@ -50,16 +50,25 @@ BERT_KEYS: list[tuple[str, str | None]] = [
     (r"^(?:bert\.)?pooler\.dense\.", "pooler."),
     (r"^(?:cls|classifier|qa_outputs)\.", None),  # task heads of BertFor* checkpoints
 ]
-# Llama's layout, which Qwen2, Mistral and Gemma share.
+# Llama's layout, which Qwen2, Qwen3 (with q_norm / k_norm), Mistral and Gemma share.
 LLAMA_KEYS: list[tuple[str, str | None]] = [
     (r"^model\.embed_tokens\.", "embed_tokens."),
     (r"^model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.", r"layers.\1.attn.\2_proj."),
+    (r"^model\.layers\.(\d+)\.self_attn\.([qk])_norm\.", r"layers.\1.attn.\2_norm."),
     (r"^model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.", r"layers.\1.mlp.\2_proj."),
     (r"^model\.layers\.(\d+)\.input_layernorm\.", r"layers.\1.attn_norm."),
     (r"^model\.layers\.(\d+)\.post_attention_layernorm\.", r"layers.\1.mlp_norm."),
     (r"^model\.layers\.\d+\.self_attn\.rotary_emb\.", None),
     (r"^model\.norm\.", "norm."),
     (r"^lm_head\.", "lm_head."),
+]
+# Gemma 2 and 3: four norms a block; post_attention_layernorm normalises the attention output (in Llama it is the
+# feed-forward's input norm), pre_feedforward_layernorm is the feed-forward's input norm.
+GEMMA2_KEYS: list[tuple[str, str | None]] = [
+    (r"^model\.layers\.(\d+)\.post_attention_layernorm\.", r"layers.\1.attn_post_norm."),
+    (r"^model\.layers\.(\d+)\.pre_feedforward_layernorm\.", r"layers.\1.mlp_norm."),
+    (r"^model\.layers\.(\d+)\.post_feedforward_layernorm\.", r"layers.\1.mlp_post_norm."),
+    *LLAMA_KEYS,
 ]
 
 _BERT_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",

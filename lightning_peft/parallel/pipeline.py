@@ -136,8 +136,10 @@ def pipeline_pieces(model: nn.Module, input_names: Sequence[str] = ("input_ids",
     pieces = [Piece(first, getattr(model, first), embed)]
     pieces += [Piece(f"layers.{i}", layer, _layer_run(layer)) for i, layer in enumerate(model.layers)]
     if isinstance(model, TransformerDecoder):
-        pieces += [Piece("norm", model.norm, _last_run(model.norm)), Piece("lm_head", model.lm_head,
-                                                                            _last_run(model.lm_head))]
+        # the head's piece ends with the decoder's logit soft-cap, if any (Gemma 2), as the decoder's forward does
+        head = model.lm_head
+        pieces += [Piece("norm", model.norm, _last_run(model.norm)),
+                   Piece("lm_head", head, lambda carry: (model.cap_logits(head(carry[0])),))]
     elif model.final_norm is not None:
         pieces.append(Piece("final_norm", model.final_norm, _last_run(model.final_norm)))
     return pieces

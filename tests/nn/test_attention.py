@@ -209,7 +209,7 @@ def test_auto_picks_sdpa_on_cpu_for_every_dtype():
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         assert select_backend(torch.zeros(1, 2, 3, 8, dtype=dtype)) == "sdpa"
     assert select_backend(torch.zeros(1, 2, 3, 8), "sdpa") == "sdpa"
-    assert BACKENDS == ("auto", "flash_attn", "sdpa")
+    assert BACKENDS == ("auto", "flash_attn", "sdpa", "math")
 
 
 def test_forcing_flash_attn_where_it_cannot_run_names_every_reason():

@@ -23,17 +23,23 @@ LLAMA3 = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 4.0, "low_freq_f
           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 
 
+CLASSES = {"llama": ("Llama", "Llama"), "qwen2": ("Qwen2", "Qwen2"), "qwen3": ("Qwen3", "Qwen3"),
+           "mistral": ("Mistral", "Mistral"), "gemma": ("Gemma", "Gemma"), "gemma2": ("Gemma2", "Gemma2"),
+           "gemma3_text": ("Gemma3", "Gemma3Text")}  # model_type: (the ForCausalLM's prefix, the Config's)
+
+
 def _save(directory: Path, family: str, **config) -> Path:
     import transformers
 
-    classes = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "gemma": "Gemma"}
-    name = classes[family]
+    model_name, config_name = CLASSES[family]
     torch.manual_seed(3)
-    model = getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}Config")(**{**SHAPE, **config}))
+    model = getattr(transformers, f"{model_name}ForCausalLM")(
+        getattr(transformers, f"{config_name}Config")(**{**SHAPE, **config}))
     with torch.no_grad():  # random norms and biases, which a fresh model leaves at 1 (Gemma 0) and 0
         for param_name, param in model.named_parameters():
             if param.dim() == 1:
-                param.normal_(0.0 if family == "gemma" else 1.0, 0.1) if "norm" in param_name else param.normal_()
+                mean = 0.0 if family.startswith("gemma") else 1.0
+                param.normal_(mean, 0.1) if "norm" in param_name else param.normal_()
     model.save_pretrained(directory)
     return directory
 
@@ -44,22 +50,23 @@ def _theirs(directory: Path, dtype: torch.dtype):
     return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
 
 
-def _batch(length: int, padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(length: int, padded: bool, left: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(1, VOCAB, (3, length), generator=generator)
     mask = torch.ones(3, length, dtype=torch.long)
     if padded:
         mask[1, length - 5:] = 0  # right padding
-        mask[2, :7] = 0  # left padding
+        if left:
+            mask[2, :7] = 0  # left padding
     return ids * mask, mask
 
 
 def _check_logits(directory: Path, length: int, dtype: torch.dtype = torch.float64, atol: float = 1e-10,
-                  **overrides) -> TransformerDecoder:
+                  left: bool = True, **overrides) -> TransformerDecoder:
     ours = TransformerDecoder.from_pretrained(str(directory), **overrides).to(dtype).eval()
     theirs = _theirs(directory, dtype)
     for padded in (True, False):
-        ids, mask = _batch(length, padded)
+        ids, mask = _batch(length, padded, left)
         with torch.no_grad():
             want = theirs(input_ids=ids, attention_mask=mask).logits
             got = ours(ids, mask if padded else None)
@@ -133,7 +140,8 @@ def _write_config(directory: Path, **config) -> Path:
 
 
 @pytest.mark.parametrize(("model_type", "match"), [
-    ("gemma2", r"model_type 'gemma2' is not supported \(attention-logit and final-logit soft-capping"),
+    ("gemma3", r"model_type 'gemma3' is not supported \(the vision tower and image inputs of multimodal Gemma 3 are not "),
+    ("qwen3_moe", r"model_type 'qwen3_moe' is not supported \(mixture-of-experts feed-forwards are not implemented"),
     ("gpt2", r"model_type 'gpt2' is not supported; this decoder loads 'llama', 'qwen2', 'mistral', 'gemma'"),
 ])
 def test_unknown_model_types_are_refused(tmp_path, model_type, match):
