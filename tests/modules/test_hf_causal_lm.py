@@ -201,7 +201,7 @@ def _packed(rows: Path) -> dict:
     (lambda b: b.update(attention_mask=torch.ones_like(b["input_ids"])), r"position_ids present, attention_mask present"),
     (lambda b: b.update({k: b[k].repeat(2, 1) for k in ("input_ids", "labels", "position_ids")}),
      r"this one has input_ids \(2, \d+\)"),
-])
+], ids=["without position_ids", "with an attention_mask", "of two rows"])
 def test_a_packed_batch_that_would_cross_rows_is_refused(llama, rows, change, match):
     batch = _packed(rows)
     change(batch)
@@ -243,3 +243,35 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused(rows, tmp_path):
 def test_arguments_out_of_range_are_refused(llama, kwargs, error, match):
     with pytest.raises(error, match=match):
         HFCausalLM(llama, **kwargs)
+
+
+def test_the_sft_example_config_runs_as_written(tmp_path, monkeypatch):
+    """examples/configs/sft_lora_packing.yaml through the CLI, as written but for one epoch of its three, on
+    examples/tiny_llama.py's model (run in a copy of the example's files, so artifacts/ lands in tmp_path); its exports
+    load in transformers and PEFT."""
+    import runpy
+    import shutil
+    import sys
+
+    from peft import AutoPeftModelForCausalLM
+
+    from lightning_peft.cli import main
+
+    root = Path(__file__).resolve().parents[2]
+    shutil.copytree(root / "examples", tmp_path / "examples")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["tiny_llama.py", "artifacts/tiny_llama"])
+    runpy.run_path("examples/tiny_llama.py", run_name="__main__")
+    monkeypatch.setattr(sys, "argv", ["lightning-peft"])
+    main(["fit", "--config", "examples/configs/sft_lora_packing.yaml", "--trainer.enable_progress_bar", "false",
+          "--trainer.max_epochs", "1"])  # (one epoch of the 3: the rest is the same)
+
+    out = tmp_path / "artifacts" / "sft_lora_packing"
+    state = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
+    assert state["global_step"] >= 2 and all("lora_" in key for key in state["state_dict"])
+    ids = torch.tensor([[101, 2054, 2003, 1017, 4606, 1018, 1029, 102]])  # [CLS] what is 3 plus 4? [SEP]
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out / "merged").eval()
+    monkeypatch.chdir(tmp_path / "artifacts")  # the adapter names its base by the directory's name
+    adapted = AutoPeftModelForCausalLM.from_pretrained(out / "adapter").eval()
+    with torch.no_grad():
+        assert_close(adapted(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
