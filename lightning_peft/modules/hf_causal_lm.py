@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from lightning_peft._checks import boolean, choice, integer, real
 from lightning_peft._pretrained import resolve_pretrained
+from lightning_peft._seams import data_parallel
 from lightning_peft.modules.causal_lm import IGNORE_INDEX, TokenLoss, shifted_token_losses
 from lightning_peft.modules.hf import adamw_with_warmup
 from lightning_peft.peft.adapter import attached, unwrap
@@ -246,8 +247,7 @@ def _refuse_prompt_learning(model: nn.Module, datamodule: str) -> None:
 def _data_parallel_size(trainer: Any) -> int:
     """How many ranks read different batches (the strategy's, never the world size: pipeline and tensor-parallel
     ranks read the same batch)."""
-    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
-    return int(kwargs.get("num_replicas", 1))
+    return data_parallel(trainer.strategy)[0]
 
 
 def _global_sums(trainer: Any, loss_sum: Tensor, count: Tensor) -> tuple[Tensor, Tensor]:

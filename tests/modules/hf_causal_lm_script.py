@@ -17,7 +17,7 @@ from lightning_peft.data.sft import pack_examples
 from lightning_peft.data.sft_rows import IGNORE_INDEX, Example
 from lightning_peft.modules import HFCausalLM
 from lightning_peft.peft import adapter_state_dict
-from tests._models import VOCAB, llama_model
+from tests._models import VOCAB, save_llama
 
 STEPS = 2
 # (length, prompt tokens) of the rows of each rank's batch at each step: rank 0 holds about three times rank 1's targets
@@ -33,13 +33,6 @@ def rows(rank: int, step: int) -> list[Example]:
         ids = torch.randint(0, VOCAB, (length,), generator=generator).tolist()
         examples.append(Example(ids, [IGNORE_INDEX] * prompt + ids[prompt:]))
     return examples
-
-
-def save_model(directory: Path) -> str:
-    """A tiny float64-ready Llama with weights large enough that attention is far from uniform."""
-    torch.manual_seed(0)
-    llama_model(initializer_range=0.3).save_pretrained(directory)
-    return str(directory)
 
 
 class Record(pl.Callback):
@@ -63,7 +56,8 @@ class Record(pl.Callback):
 
 def fit(out: Path, devices: int, batches: list[dict]) -> dict:
     """``STEPS`` steps of LoRA on ``batches`` (this rank's); returns what `Record` saw and the final adapter."""
-    module = HFCausalLM(save_model(out / f"model-rank{os.environ.get('RANK', '0')}"),
+    # weights large enough that attention is far from uniform
+    module = HFCausalLM(save_llama(out / f"model-rank{os.environ.get('RANK', '0')}", initializer_range=0.3),
                         torch_dtype="float64", learning_rate=1e-2, warmup_ratio=0.0)
     record = Record()
     trainer = pl.Trainer(
