@@ -275,3 +275,40 @@ def test_the_sft_example_config_runs_as_written(tmp_path, monkeypatch):
     adapted = AutoPeftModelForCausalLM.from_pretrained(out / "adapter").eval()
     with torch.no_grad():
         assert_close(adapted(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_multi_lora_routes_each_padded_row_to_its_adapter(llama, tmp_path):
+    """MultiLoRA finds HFCausalLM's model: trained on padded SFT batches whose rows name their adapter, the split's
+    val_loss is the token mean of each row run alone under its own adapter."""
+    from lightning_peft.callbacks import MultiLoRA
+    from lightning_peft.peft import set_adapter
+
+    rows = [{"prompt": " ".join(WORDS[: 1 + (7 * i) % 12]), "response": " ".join(WORDS[(3 * i) % 5:][: 1 + i % 7]),
+             "adapter": "ab"[i % 2]} for i in range(20)]
+    path = tmp_path / "routed.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    data = SFTDataModule(str(path), TOKENIZER, max_length=64, batch_size=4, val_fraction=0.3, routing_field="adapter")
+    module = HFCausalLM(llama, torch_dtype="float64", learning_rate=5e-2, warmup_ratio=0.0)
+    adapters = {"a": LORA, "b": {**LORA, "rank": 2}}
+    run = trainer(tmp_path, max_steps=3, limit_val_batches=0, callbacks=[MultiLoRA(adapters=adapters)])
+    run.fit(module, datamodule=data)
+    checking = trainer(tmp_path, callbacks=[MultiLoRA(adapters=adapters)])  # (the same adapters: it goes on)
+    got = checking.validate(module, datamodule=data, verbose=False)[0]["val_loss"]
+
+    total, count = 0.0, 0
+    model = module.model.eval()
+    with torch.no_grad():
+        for example in data._examples["val"]:
+            set_adapter(model, example.route)
+            logits = model(input_ids=torch.tensor([example.input_ids])).logits[0]
+            labels = torch.tensor(example.labels)
+            total += F.cross_entropy(logits[:-1], labels[1:], ignore_index=IGNORE_INDEX, reduction="sum").item()
+            count += int(labels[1:].ne(IGNORE_INDEX).sum())
+        first = torch.tensor([data._examples["val"][0].input_ids])
+        under = {}
+        for name in ("a", "b"):
+            set_adapter(model, name)
+            under[name] = model(input_ids=first).logits
+    assert {e.route for e in data._examples["val"]} == {"a", "b"}
+    assert (under["a"] - under["b"]).abs().max() > 1e-4  # the two adapters trained apart: routing matters
+    assert got == pytest.approx(total / count, rel=1e-10)
