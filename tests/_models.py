@@ -150,6 +150,23 @@ def save_tiny_bert(path: Path, seed: int = 0, **overrides: Any) -> str:
     return str(path)
 
 
+def save_llama(directory: Path | str, seed: int = 0, **overrides: Any) -> str:
+    """A random ``LlamaForCausalLM`` of :func:`llama_config` (``overrides`` go to the config), seeded, written as
+    ``save_pretrained`` lays it out (``config.json``, ``model.safetensors``) on every process: transformers'
+    ``save_pretrained`` writes nothing on a rank other than 0 once ``torch.distributed`` is initialised. Returns the
+    directory as a string."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    model = llama_model(**overrides)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.to_json_file(directory / "config.json")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, directory / "model.safetensors",
+              metadata={"format": "pt"})
+    return str(directory)
+
+
 # ------------------------------------------------------------------------------------------------------ data
 
 

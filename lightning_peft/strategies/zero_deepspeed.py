@@ -183,6 +183,14 @@ class DeepSpeedZeRO(ZeROStrategy, DeepSpeedStrategy):
         yield None
 
     @override
+    def _auto_select_batch_size(self) -> int:
+        # Lightning reads the train loader's batch_sampler, which a loader of whole batches (batch_size=None, as
+        # SFTDataModule's packed (1, T) rows come) does not have: each of its items is one micro-batch of one row.
+        source = self.lightning_module.trainer.fit_loop._data_source
+        loader = source.dataloader() if source.is_defined() else None
+        return getattr(getattr(loader, "batch_sampler", None), "batch_size", None) or 1
+
+    @override
     def _format_batch_size_and_grad_accum_config(self) -> None:
         # The micro-batch size first: reading it asks for the train loader, which is when a GradientAccumulation
         # (global_batch_size=...) derives its count; the engine's gradient_accumulation_steps is read after it.

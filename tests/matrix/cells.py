@@ -52,6 +52,7 @@ from lightning_peft.callbacks import (
     VeRA,
 )
 from tests.matrix import kinds
+from tests.matrix.sft import PackedSFT
 
 SAMPLES, VAL_SAMPLES, BATCH, LENGTH, VOCAB = 24, 6, 4, 8, 64  # 6 global batches of 4 an epoch; the last val batch is short
 STEPS = 6  # micro-batches trained per cell (one epoch)
@@ -165,6 +166,8 @@ class PeerClassifier(pl.LightningModule):
 
 
 def _targets(kind: str) -> dict[str, Any]:
+    if kind == "sft":  # HFCausalLM's Llama: nothing to save in full (its head is the pretrained lm_head)
+        return {"target_modules": ["q_proj", "v_proj"]}
     if kind == "bert":
         return {"target_modules": ["query", "value"], "modules_to_save": ["classifier"]}
     if kind == "mha":
@@ -248,6 +251,8 @@ ROWS = [
     # layer 1: under the pipeline the first stage has nothing to train (its optimizer holds only frozen weights)
     Row("LoRA+, lora_bias, PiSSA, layers_to_transform", lambda kind: [_lora(
         kind, loraplus_lr_ratio=4.0, lora_bias=True, init="pissa", layers_to_transform=[1])]),
+    # another LightningModule: HFCausalLM on packed SFT batches, a different number of target tokens on each rank
+    Row("HFCausalLM + LoRA, packed SFT batches", lambda kind: [_lora(kind)], kind="sft"),
 ]
 
 
@@ -364,7 +369,8 @@ def run_cell(out: Path, row: Row, column: Column, kind: str | None = None) -> di
     here = cell_dir(out, row, column, kind)
     progress = Progress()
     export = MergeOnSave(dirpath=str(here / "export"), save_merged=row.save_merged, adapter_name=row.adapter_name)
-    module = PeerClassifier(kind, batch_size=BATCH // column.data_parallel, fused=row.fused)
+    module = PackedSFT(STEPS, fused=row.fused) if kind == "sft" else PeerClassifier(
+        kind, batch_size=BATCH // column.data_parallel, fused=row.fused)
     result: dict[str, Any] = {"row": row.name, "column": column.name, "kind": kind}
     try:
         trainer(column, here, [progress, *row.callbacks(kind), export]).fit(module)

@@ -27,7 +27,9 @@ where the pipeline cuts it and for token pruning; for LoRA on `nn.MultiheadAtten
 pipeline, which cuts neither) written the way existing projects write a LightningModule:
 every parameter grouped by name in `configure_optimizers` (frozen ones too), a linear warm-up schedule over
 `trainer.estimated_stepping_batches` stepped per step, torchmetrics accuracy, `sync_dist` logging. Training-dynamics
-rows run with LoRA. A cell has two allowed outcomes:
+rows run with LoRA. One row runs another LightningModule: `HFCausalLM` (a tiny transformers Llama) on packed SFT batches
+(`SFTDataModule(packing=True)`'s layout), a different number of target tokens on each data-parallel rank, so it equals
+the one-process run only if the loss is the token mean of the global batch. A cell has two allowed outcomes:
 
 - **equal** — the exported adapter (and merged model) and the validation metrics equal the one-process run on the
   same global batch, within {tolerance} (tensor parallelism: {tp_tolerance}). Data-parallel strategies split the
