@@ -1,7 +1,8 @@
 """Packed batches for per-row routing: one ``(1, T)`` sequence of N rows with row boundaries ``cu_seqlens`` (the
 ``(N + 1,)`` ints ``[0, end of row 0, ..., T]`` that ``SFTDataModule(packing=True)`` writes and flash-attn's varlen
 kernel takes), and what a layer needs to give each token its row's adapter: the boundaries checked, the row of each
-token, the runs of rows that share an adapter, and the layout of a layer's input.
+token, the tokens sorted by the adapter their row uses (S-LoRA's segments: Sheng et al., "S-LoRA: Serving Thousands of
+Concurrent LoRA Adapters", arXiv:2311.03285), and the layout of a layer's input.
 
 LoRA's [`Routing`][lightning_peft.peft.Routing] uses these; nothing here is LoRA's.
 """
@@ -60,20 +61,20 @@ def row_of_token(bounds: tuple[int, ...]) -> Tensor:
     return torch.repeat_interleave(torch.arange(len(lengths)), lengths, output_size=bounds[-1])
 
 
-def runs(values: Sequence, bounds: tuple[int, ...]) -> list[tuple[object, int]]:
-    """``(value, tokens)`` of each run of consecutive rows with the same value (``values``: one per row), in order.
+def sorted_tokens(slots: list[int], bounds: tuple[int, ...], kinds: int) -> tuple[Tensor | None, list[int]]:
+    """The tokens whose row's slot (``slots``: one per row) is below ``kinds``, sorted by slot (stable, S-LoRA's
+    segments), and how many each slot has. The order is None when every token has slot 0 and ``kinds`` is 1.
 
     Examples:
-        >>> runs(["a", "a", None, "b"], (0, 3, 5, 6, 9))
-        [('a', 5), (None, 1), ('b', 3)]
+        >>> sorted_tokens([1, 0, 2, 1], (0, 2, 3, 5, 6), kinds=2)
+        (tensor([2, 0, 1, 5]), [1, 3])
     """
-    merged: list[tuple[object, int]] = []
-    for value, (start, end) in zip(values, itertools.pairwise(bounds)):
-        if merged and merged[-1][0] == value:
-            merged[-1] = (value, merged[-1][1] + end - start)
-        else:
-            merged.append((value, end - start))
-    return merged
+    lengths = [end - start for start, end in itertools.pairwise(bounds)]
+    counts = [sum(n for s, n in zip(slots, lengths) if s == k) for k in range(kinds)]
+    if kinds == 1 and counts[0] == bounds[-1]:
+        return None, counts
+    token_slots = torch.tensor(slots)[row_of_token(bounds)]  # (T,)
+    return torch.argsort(token_slots, stable=True)[: sum(counts)], counts  # (T_used,)
 
 
 def token_layout(x: Tensor, bounds: tuple[int, ...], features: int | None, where: str) -> int:

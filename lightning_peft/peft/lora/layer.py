@@ -537,7 +537,10 @@ class LoRALayer(RoutedPath, LayerWrapper):
 
 
 def _repeated(samples: int, names: int) -> str:
-    """The hint for a batch a whole number of times larger than the names: ``generate`` repeating samples."""
+    """The hint for a batch a whole number of times larger than the names (``generate`` repeating samples), or of one
+    sample for several names (a packed batch routed without its boundaries)."""
+    if samples == 1:
+        return " A packed batch (rows in one sequence) is routed with route_adapters(..., cu_seqlens=row boundaries)."
     if samples <= names or samples % names:
         return ""
     k = samples // names

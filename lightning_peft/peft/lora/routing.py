@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._packed import check_bounds, row_of_token, runs, token_layout
+from .._packed import check_bounds, row_of_token, sorted_tokens, token_layout
 from ..adapter import DEFAULT
 from . import variants
 
@@ -93,14 +93,19 @@ class Routing:
             self._cache[key] = row_of_token(self.cu_seqlens).to(device)
         return torch.tensor(values, device=device)[self._cache[key]]
 
-    def runs(self, adapters: Sequence[str]) -> list[tuple[str | None, int]] | None:
-        """For a layer holding ``adapters``, in a packed batch: ``(adapter, tokens)`` of each run of consecutive rows
-        that use the same adapter here (None: none here), in order; None when no row uses an adapter here. Computed
-        once per ``route_to`` and layer signature, as `select`."""
-        key = ("runs", tuple(adapters))
+    def segments(self, adapters: Sequence[str], device: torch.device) -> tuple[list[str], Tensor | None, list[int]] | None:
+        """For a layer holding ``adapters``, in a packed batch: the used adapters it has (``here``), the tokens
+        routed to them sorted by adapter (``order`` (T_used,) on ``device``: adapter ``here[k]``'s ``counts[k]``
+        tokens after those of ``here[:k]``; None when every token uses ``here[0]``), and ``counts``. None when no
+        token uses an adapter here. Computed once per ``route_to`` and layer signature, as `select`.
+        """
+        key = ("tokens", tuple(adapters), device)
         if key not in self._cache:
-            here = [n if n in adapters else None for n in self.names]
-            self._cache[key] = runs(here, self.cu_seqlens) if any(here) else None
+            here = [n for n in self._used if n in adapters]
+            position = {n: i for i, n in enumerate(here)}
+            slots = [position.get(n, len(here)) for n in self.names]  # (N,): len(here) = no adapter here
+            order, counts = sorted_tokens(slots, self.cu_seqlens, len(here)) if here else (None, [])
+            self._cache[key] = (here, None if order is None else order.to(device), counts) if here else None
         return self._cache[key]
 
     def select(
@@ -138,32 +143,35 @@ class RoutedPath:
     def _packed(self, x: Tensor, result: Tensor, routing: Routing) -> Tensor:
         """The update of a packed batch (`Routing.route_to` with ``cu_seqlens``): every token its row's adapter.
 
-        Rows are contiguous, so each run of rows that share an adapter (`Routing.runs`) is a slice of the tokens: it
-        takes that adapter's single-adapter update (`_single`: its own dropout, scale, bias) on views of the input
-        and the base output, and the runs are concatenated back. No gather, no per-token copy of the factors: the
-        cost is the single-adapter update plus one copy of the output.
+        As S-LoRA's segments: the tokens, sorted by adapter once per ``route_to`` (`Routing.segments`), are gathered
+        in one copy, each adapter's contiguous run of them takes its single-adapter update (`_single` on zeros: its
+        own dropout, scale, bias), and the updates are added back at their positions in one ``index_add``. The
+        factors are read as they are (no per-token copy), and the number of operations does not grow with the rows.
         """
         lead = token_layout(x, routing.cu_seqlens, self.token_features, f"{type(self).__name__} ({self.base_layer})")
-        parts = routing.runs(self.adapter_names)
-        if parts is None:
+        segments = routing.segments(self.adapter_names, x.device)
+        if segments is None:
             return result
-        variants.refuse_routing([n for n, _ in parts if n is not None and self.specs[n].variant is not None])
-        if len(parts) == 1:  # every token uses one adapter here
-            return self._single(x, result, parts[0][0])
+        names, order, counts = segments
+        variants.refuse_routing([n for n in names if self.specs[n].variant is not None])
+        if order is None:  # every token uses one adapter here
+            return self._single(x, result, names[0])
         if self.token_features is None:
             raise ValueError(
-                f"route_adapters(cu_seqlens=...): the packed rows go to adapters "
-                f"{sorted({n for n, _ in parts if n is not None})} at {type(self).__name__} ({self.base_layer}), whose input "
-                "is not one entry per token (a convolution mixes neighbouring positions, across row boundaries too), "
-                "so it cannot take an adapter per token. Route the packed batch to one adapter here, leave "
-                "convolutions out of the adapters' target_modules, or route padded batches (one adapter per sample, "
-                "without cu_seqlens)."
+                f"route_adapters(cu_seqlens=...): the packed rows go to adapters {names} at {type(self).__name__} "
+                f"({self.base_layer}), whose input is not one entry per token (a convolution mixes neighbouring "
+                "positions, across row boundaries too), so it cannot take an adapter per token. Route the packed batch "
+                "to one adapter here, leave convolutions out of the adapters' target_modules, or route padded batches "
+                "(one adapter per sample, without cu_seqlens)."
             )
-        tokens, lengths = routing.cu_seqlens[-1], [n for _, n in parts]
+        tokens = routing.cu_seqlens[-1]
         x2, r2 = x.reshape(tokens, *x.shape[lead:]), result.reshape(tokens, *result.shape[lead:])  # (T, ...)
-        out = [rk if n is None else self._single(xk, rk, n)
-               for (n, _), xk, rk in zip(parts, x2.split(lengths), r2.split(lengths))]
-        return torch.cat(out).view(result.shape)
+        xs = x2.index_select(0, order)  # (T_used, ...), sorted by adapter
+        updates = torch.cat([self._single(xk, r2.new_zeros(len(xk), *r2.shape[1:]), n)
+                             for n, xk in zip(names, xs.split(counts))])
+        if self._may_overwrite(result):
+            return r2.index_add_(0, order, updates).view(result.shape)
+        return r2.index_add(0, order, updates).view(result.shape)
 
     def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor, host: list[int]) -> Tensor:
         """The update for a mixed batch; default: one segment per adapter (subclasses batch it). ``slots`` (B,)

@@ -188,6 +188,15 @@ def test_inputs_that_are_not_the_packed_sequence_are_refused():
         assert_close(model(flat), model(flat.unsqueeze(0))[0], rtol=0, atol=1e-6)
 
 
+def test_a_packed_batch_routed_without_its_boundaries_is_told_how():
+    model = _linear_pair()
+    with route_adapters(model, ["a", "b", None]), pytest.raises(ValueError, match=(
+        r"a batch of 1 samples reached LoRALinear .* but 3 adapter names were given; .* A packed batch \(rows in one "
+        r"sequence\) is routed with route_adapters\(..., cu_seqlens=row boundaries\)"
+    )):
+        model(torch.randn(1, 9, 4))
+
+
 def test_a_convolution_takes_one_adapter_per_packed_batch_and_refuses_several():
     model = nn.Sequential(nn.Conv1d(4, 4, 3, padding=1))
     inject_lora(model, rank=2, target_modules=["0"], adapter_name="a")
