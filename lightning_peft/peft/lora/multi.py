@@ -132,14 +132,20 @@ def switch_off(model: nn.Module, who: str) -> tuple[Routing, bool]:
 
 
 @contextlib.contextmanager
-def route_adapters(model: nn.Module, names: Sequence[str | None]) -> Iterator[None]:
+def route_adapters(model: nn.Module, names: Sequence[str | None],
+                   cu_seqlens: Tensor | Sequence[int] | None = None) -> Iterator[None]:
     """Context manager: per-sample routing. ``names[i]`` is the adapter of sample ``i`` (None: the base only).
 
     Forward passes inside it, in training as in inference, give each sample the output (and the gradients) it gets
     alone with its adapter. Every LoRA layer checks that its input's first dimension has ``len(names)`` samples.
 
+    With ``cu_seqlens`` (the ``(N + 1,)`` row boundaries of a packed ``(1, T)`` batch, as ``SFTDataModule`` writes
+    them), ``names[i]`` is packed row ``i``'s adapter: every LoRA layer, trainable token and ``modules_to_save``
+    module follows it per token, so each row gets what it gets alone where the model keeps rows apart (``docs/sft.md``).
+
     Raises:
-        ValueError: If a name is unknown, or ``names`` is not a sequence of names.
+        ValueError: If a name is unknown, ``names`` is not a sequence of names, or ``cu_seqlens`` is not
+            ``len(names) + 1`` increasing integers from 0.
         RuntimeError: If an adapter is merged into the base weights.
     """
     spec = require_spec(model, "route_adapters")
@@ -164,12 +170,12 @@ def route_adapters(model: nn.Module, names: Sequence[str | None]) -> Iterator[No
         raise RuntimeError(f"route_adapters: adapter {merged!r} is merged into the base weights; call "
                            "unmerge_lora(model) first.")
     routing = spec.routing
-    before = routing.names
-    routing.route_to(names)
+    before = routing.names, routing.cu_seqlens
+    routing.route_to(names, cu_seqlens)
     try:
         yield
     finally:
-        routing.route_to(before)
+        routing.route_to(*before)
 
 
 def combine_adapters(

@@ -13,6 +13,8 @@ model, so switching is one attribute write, whatever the number of layers:
   ``B``), each sample's ``A`` and ``B`` gathered, and the low-rank path run as two batched matmuls, so the cost does
   not grow with the number of adapters in the batch or loaded. Only the adapters the batch uses enter the stack, so
   the others get no gradient (``grad`` stays None) and an optimizer step leaves them untouched.
+- ``routing.route_to(names, cu_seqlens)``: a packed ``(1, T)`` batch, ``names[i]`` the adapter of row ``i``: each
+  token takes its row's adapter (`RoutedPath._packed`).
 
 `RoutedPath` holds the mixed-batch update that every [`LoRALayer`][lightning_peft.peft.LoRALayer] inherits (shapes as in
 `lightning_peft.peft.lora.layer`).
@@ -21,12 +23,15 @@ model, so switching is one attribute write, whatever the number of layers:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._packed import check_bounds, row_of_token, sorted_tokens, token_layout
 from ..adapter import DEFAULT
+from . import variants
 
 
 class Routing:
@@ -35,8 +40,9 @@ class Routing:
     Attributes:
         active: The adapter every sample uses outside a routed batch (None: the base only).
         disabled: Every layer runs its base only.
-        names: Inside [`route_to`][lightning_peft.peft.Routing.route_to]: one adapter name (or None) per sample; else
-            None.
+        names: Inside [`route_to`][lightning_peft.peft.Routing.route_to]: one adapter name (or None) per sample (per
+            packed row with ``cu_seqlens``); else None.
+        cu_seqlens: A packed batch's row boundaries (N + 1 ints), or None.
     """
 
     def __init__(self, active: str | None = DEFAULT) -> None:
@@ -46,17 +52,23 @@ class Routing:
         self._used: tuple[str, ...] = ()
         self._slots: Tensor | None = None  # (B,) position of each sample's adapter in _used; len(_used) = none
         self._positions: list[int] = []  # the same as a list
-        self._cache: dict[tuple, tuple[list[str], Tensor]] = {}
+        self._cache: dict[tuple, object] = {}
         self.merged: dict[str, int] = {}  # adapter name -> number of layers holding it merged
+        self.cu_seqlens: tuple[int, ...] | None = None  # a packed batch's row boundaries (N + 1,): names are rows
 
     @property
     def merged_adapter(self) -> str | None:
         """The adapter merged into base weights somewhere in the model, if any (one at a time)."""
         return next((name for name, count in self.merged.items() if count > 0), None)
 
-    def route_to(self, names: Sequence[str | None] | None) -> None:
-        """Give sample ``i`` of the next batches adapter ``names[i]`` (None: the base); ``None`` ends routing."""
+    def route_to(self, names: Sequence[str | None] | None, cu_seqlens: Tensor | Sequence[int] | None = None) -> None:
+        """Give sample ``i`` of the next batches adapter ``names[i]`` (None: the base); ``None`` ends routing. With
+        ``cu_seqlens`` (the ``(N + 1,)`` row boundaries of a packed ``(1, T)`` batch), ``names[i]`` is packed row
+        ``i``'s adapter, and layers route per token. Bad boundaries raise ``ValueError`` before anything changes.
+        """
+        bounds = None if cu_seqlens is None else check_bounds(cu_seqlens, None if names is None else len(names))
         self._cache = {}
+        self.cu_seqlens = bounds
         if names is None:
             self.names, self._used, self._slots, self._positions = None, (), None, []
             return
@@ -66,11 +78,35 @@ class Routing:
         self._positions = [position.get(n, len(self._used)) for n in self.names]  # (B,) as a list
         self._slots = torch.tensor(self._positions, dtype=torch.long)
 
-    def base_samples(self) -> bool | list[bool]:
-        """`modules_to_save.BaseSamples`: disabled, every sample gets the base output; routed, those routed to None."""
+    def base_samples(self) -> bool | list[bool] | Tensor:
+        """`modules_to_save.BaseSamples`: disabled, every sample gets the base output; routed, those routed to None
+        (in a packed batch: a (T,) flag per token, the flag of its row)."""
         if self.disabled or self.names is None or None not in self.names:
             return self.disabled
-        return [n is None for n in self.names]
+        flags = [n is None for n in self.names]
+        return flags if self.cu_seqlens is None else self.per_token(flags, torch.device("cpu"))
+
+    def per_token(self, values: Sequence, device: torch.device) -> Tensor:
+        """``values`` (one per packed row) repeated for every token of its row: (T,) on ``device``."""
+        key = ("rows", device)
+        if key not in self._cache:
+            self._cache[key] = row_of_token(self.cu_seqlens).to(device)
+        return torch.tensor(values, device=device)[self._cache[key]]
+
+    def segments(self, adapters: Sequence[str], device: torch.device) -> tuple[list[str], Tensor | None, list[int]] | None:
+        """For a layer holding ``adapters``, in a packed batch: the used adapters it has (``here``), the tokens
+        routed to them sorted by adapter (``order`` (T_used,) on ``device``: adapter ``here[k]``'s ``counts[k]``
+        tokens after those of ``here[:k]``; None when every token uses ``here[0]``), and ``counts``. None when no
+        token uses an adapter here. Computed once per ``route_to`` and layer signature, as `select`.
+        """
+        key = ("tokens", tuple(adapters), device)
+        if key not in self._cache:
+            here = [n for n in self._used if n in adapters]
+            position = {n: i for i, n in enumerate(here)}
+            slots = [position.get(n, len(here)) for n in self.names]  # (N,): len(here) = no adapter here
+            order, counts = sorted_tokens(slots, self.cu_seqlens, len(here)) if here else (None, [])
+            self._cache[key] = (here, None if order is None else order.to(device), counts) if here else None
+        return self._cache[key]
 
     def select(
         self, adapters: Sequence[str], device: torch.device
@@ -93,13 +129,49 @@ class Routing:
         return (here, slots, host) if here else None
 
 
-
 class RoutedPath:
     """The update of a mixed batch (one adapter per sample), for [`LoRALayer`][lightning_peft.peft.LoRALayer].
 
     It reads the layer's ``specs``, ``factors``, ``lora_dropout`` and ``_single``; its `_may_overwrite` serves the
     layer's single-adapter update (`LoRALayer._add_update`) too.
     """
+
+    #: How many trailing dimensions of an input are features, after its tokens (Linear: 1, Embedding: 0). None: the
+    #: input is not one entry per token (a convolution's), so a packed batch can route it to one adapter only.
+    token_features: ClassVar[int | None] = 1
+
+    def _packed(self, x: Tensor, result: Tensor, routing: Routing) -> Tensor:
+        """The update of a packed batch (`Routing.route_to` with ``cu_seqlens``): every token its row's adapter.
+
+        As S-LoRA's segments: the tokens, sorted by adapter once per ``route_to`` (`Routing.segments`), are gathered
+        in one copy, each adapter's contiguous run of them takes its single-adapter update (`_single` on zeros: its
+        own dropout, scale, bias), and the updates are added back at their positions in one ``index_add``. The
+        factors are read as they are (no per-token copy), and the number of operations does not grow with the rows.
+        """
+        lead = token_layout(x, routing.cu_seqlens, self.token_features, f"{type(self).__name__} ({self.base_layer})")
+        segments = routing.segments(self.adapter_names, x.device)
+        if segments is None:
+            return result
+        names, order, counts = segments
+        variants.refuse_routing([n for n in names if self.specs[n].variant is not None])
+        if order is None:  # every token uses one adapter here
+            return self._single(x, result, names[0])
+        if self.token_features is None:
+            raise ValueError(
+                f"route_adapters(cu_seqlens=...): the packed rows go to adapters {names} at {type(self).__name__} "
+                f"({self.base_layer}), whose input is not one entry per token (a convolution mixes neighbouring "
+                "positions, across row boundaries too), so it cannot take an adapter per token. Route the packed batch "
+                "to one adapter here, leave convolutions out of the adapters' target_modules, or route padded batches "
+                "(one adapter per sample, without cu_seqlens)."
+            )
+        tokens = routing.cu_seqlens[-1]
+        x2, r2 = x.reshape(tokens, *x.shape[lead:]), result.reshape(tokens, *result.shape[lead:])  # (T, ...)
+        xs = x2.index_select(0, order)  # (T_used, ...), sorted by adapter
+        updates = torch.cat([self._single(xk, r2.new_zeros(len(xk), *r2.shape[1:]), n)
+                             for n, xk in zip(names, xs.split(counts))])
+        if self._may_overwrite(result):
+            return r2.index_add_(0, order, updates).view(result.shape)
+        return r2.index_add(0, order, updates).view(result.shape)
 
     def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor, host: list[int]) -> Tensor:
         """The update for a mixed batch; default: one segment per adapter (subclasses batch it). ``slots`` (B,)
