@@ -174,8 +174,9 @@ class FlashAttention(nn.Module):
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, L, D)
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, L, D)
         if self.rotary is not None:
-            positions = position_ids if position_ids is not None else (
-                self._positions(batch, length, bounds, x.device) + past)
+            positions = self._positions(batch, length, bounds, x.device) if position_ids is None else position_ids
+            if position_ids is None and past:
+                positions = positions + past  # after the cached tokens
             cos, sin = self.rotary(positions, q.dtype)  # (B, 1, L, D)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv_cache is not None:
