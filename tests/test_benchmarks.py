@@ -327,3 +327,20 @@ def test_bench_packed_attention_checks_every_contender_and_reports_its_ratio(tmp
     decoder = json.loads(out.read_text())["decoder"]  # the whole decoder step, packed vs padded
     assert [r["lengths"] for r in decoder] == ["32 rows of 16", "8 rows of 64", "long-tailed (Pareto, cap 512)"]
     assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 and r["padded_tokens"] >= r["tokens"] for r in decoder)
+
+
+@pytest.mark.slow
+def test_bench_generate_quick_checks_tokens_against_transformers_and_reports_ratios(tmp_path):
+    import importlib.util
+
+    script = SCRIPT.with_name("bench_generate.py")
+    spec = importlib.util.spec_from_file_location("bench_generate", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # in this process, as the chunked-loss smoke run (an interpreter costs more)
+    out, txt, plot = tmp_path / "generate.json", tmp_path / "generate.txt", tmp_path / "generate.png"
+    bench.main(["--quick", "--json", str(out), "--txt", str(txt), "--plot", str(plot)])  # exits if tokens differ
+    report = json.loads(out.read_text())
+    assert [r["measurement"] for r in report["rows"]] == ["batch 1, 8 new tokens", "batch 4, 8 new tokens"]
+    assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in report["rows"] + report["vs_uncached"])
+    assert len(report["vs_uncached"]) == 1 and "ours == transformers == uncached loop" in txt.read_text()
+    assert plot.stat().st_size > 1000
