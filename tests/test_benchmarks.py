@@ -308,3 +308,25 @@ def test_bench_methods_aborts_when_peft_would_adapt_other_tensors(monkeypatch):
 
     with pytest.raises(SystemExit, match="IA3: PEFT's get_peft_model makes other trainable tensors"):
         bench_methods.build_pair(ia3, no_feedforward, base, batch, 0)
+
+
+def test_bench_sft_quick_packs_the_same_tokens_to_the_same_loss_and_reports_every_ratio(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # in this process: the imports are paid already
+    import bench_sft
+
+    out, txt, plot = tmp_path / "sft.json", tmp_path / "sft.txt", tmp_path / "sft.png"
+    report = bench_sft.main(["--quick", "--json", str(out), "--txt", str(txt), "--plot", str(plot)])
+    assert json.loads(out.read_text())["packing"]["rows"] == report["packing"]["rows"]
+    packing = report["packing"]
+    assert packing["loss"]["relative"] <= 1e-5 and packing["loss"]["target_tokens"] > 0
+    contenders = packing["contenders"]
+    assert list(contenders) == ["padded", "packed 512", "packed 128"]
+    assert len({(c["tokens"], c["targets"]) for c in contenders.values()}) == 1  # every contender: the same rows
+    assert contenders["padded"]["slots"] > contenders["padded"]["tokens"] == contenders["packed 512"]["slots"]
+    assert [r["goal"] for r in packing["rows"]] == [1.6, None]
+    routing = [*report["routing"]["rows"], *report["routing"]["inference"]]
+    assert [r["goal"] for r in routing] == [1.1, None, None, None, None, None, None]
+    assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in [*packing["rows"], *routing])
+    assert [m["sigma"] for m in report["mixes"]] == [0.5, 0.9]
+    assert all(0 < m["padding_share"] < 1 and 0 < m["packed_attention_inside_rows"] <= 1 for m in report["mixes"])
+    assert "| packed 512 / padded: tokens per second |" in txt.read_text() and plot.stat().st_size > 1000
