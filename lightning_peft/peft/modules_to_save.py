@@ -41,8 +41,9 @@ TRAINED = "trained_module"
 class BaseSamples(Protocol):
     """What a wrapper asks the technique it follows: which samples get the base (the original module's) output."""
 
-    def base_samples(self) -> bool | Sequence[bool]:
-        """True: every sample (adapters disabled); False: none; else one flag per sample of the batch."""
+    def base_samples(self) -> bool | Sequence[bool] | Tensor:
+        """True: every sample (adapters disabled); False: none; else one flag per sample of the batch (a packed
+        batch: one per token)."""
 
 
 class ModulesToSave(nn.Module):
@@ -74,21 +75,26 @@ class ModulesToSave(nn.Module):
             return self.trained_module(*args, **kwargs)
         return self._mixed(base, *args, **kwargs)
 
-    def _mixed(self, base: Sequence[bool], *args, **kwargs) -> Tensor:
-        """A routed batch with base samples: rows flagged in ``base`` from the original, the others from the copy."""
+    def _mixed(self, base: Sequence[bool] | Tensor, *args, **kwargs) -> Tensor:
+        """A routed batch with base samples: rows flagged in ``base`` from the original, the others from the copy
+        (flags per token of a packed batch: the output's first two dimensions are ``(1, T)``)."""
         trained = self.trained_module(*args, **kwargs)
         original = self.original_module(*args, **kwargs)
-        if not (isinstance(trained, Tensor) and isinstance(original, Tensor) and trained.dim() > 0
-                and trained.shape[0] == len(base)):
+        n = len(base)
+        lead = 0
+        if isinstance(trained, Tensor) and isinstance(original, Tensor) and trained.dim() > 0:
+            lead = 1 if trained.shape[0] == n else 2 if tuple(trained.shape[:2]) == (1, n) else 0
+        if not lead:
             raise TypeError(
                 f"route_adapters: modules_to_save {type(self.trained_module).__name__} returned "
                 f"{type(trained).__name__}{tuple(trained.shape) if isinstance(trained, Tensor) else ''}, not one "
-                f"tensor with the batch of {len(base)} samples first, so samples routed to the base (None) cannot "
-                "get the original module's output. Route every sample to an adapter, or save a module whose output "
-                "is batch-first."
+                f"tensor with the batch of {n} samples first (or the {n} tokens of a packed batch, (1, {n}, ...)), so "
+                "samples routed to the base (None) cannot get the original module's output. Route every sample to an "
+                "adapter, or save a module whose output is batch-first."
             )
-        rows = torch.tensor(list(base), device=trained.device)  # (B,)
-        return torch.where(rows.view(-1, *([1] * (trained.dim() - 1))), original.to(trained.dtype), trained)
+        rows = torch.as_tensor(base, device=trained.device)  # (B,), or (T,) per token
+        rows = rows.view(*([1] * (lead - 1)), -1, *([1] * (trained.dim() - lead)))
+        return torch.where(rows, original.to(trained.dtype), trained)
 
 
 def wrap_modules_to_save(model: nn.Module, names: Iterable[str]) -> dict[str, ModulesToSave]:

@@ -54,6 +54,7 @@ class LoRAConv(ABLayer):
     """
 
     dora_variant = variants.ConvDoRA  # DoRA (use_dora=True): any number of spatial dimensions, grouped too
+    token_features = None  # a kernel mixes neighbouring positions: a packed batch takes one adapter here
 
     def add_adapter(self, name: str, rank: int, alpha: float, dropout: float = 0.0, **settings) -> None:
         refuse_rank(type(self).__name__, name, self.base_layer, rank)

@@ -473,6 +473,8 @@ class LoRALayer(RoutedPath, LayerWrapper):
         if routing.disabled:
             return result
         if routing.names is not None:
+            if routing.cu_seqlens is not None:  # a packed batch: names are rows, routed per token
+                return self._packed(x, result, routing)
             if x.shape[0] != len(routing.names):
                 raise ValueError(
                     f"route_adapters: a batch of {x.shape[0]} samples reached {type(self).__name__} "
@@ -658,6 +660,7 @@ class LoRAEmbedding(LoRALayer):
     """LoRA for ``nn.Embedding``: the update looks up rows of ``A^T`` (V, r) and projects them with ``B``."""
 
     dora_variant = variants.EmbeddingDoRA
+    token_features = 0  # token ids: (1, T) in a packed batch
 
     def add_adapter(self, name: str, rank: int, alpha: float, dropout: float = 0.0, **settings) -> None:
         # Dropout on token ids has no meaning; PEFT ignores it for embeddings too.

@@ -99,13 +99,20 @@ class TrainableTokensLayer(LayerWrapper):
         if routing.names is None:
             active = routing.active
             return self._replaced(x, result, active) if active in owner.token_indices else result
-        if x.shape[0] != len(routing.names):
+        packed = routing.cu_seqlens is not None  # names are packed rows of one (1, T) sequence: flags per token
+        if packed and tuple(result.shape[:2]) != (1, routing.cu_seqlens[-1]):
+            raise ValueError(f"route_adapters(cu_seqlens=...): an input of shape {tuple(x.shape)} reached the trainable "
+                             f"tokens of {self.base_layer}, but a packed batch is one sequence of "
+                             f"{routing.cu_seqlens[-1]} tokens, (1, {routing.cu_seqlens[-1]}).")
+        if not packed and x.shape[0] != len(routing.names):
             raise ValueError(f"route_adapters: a batch of {x.shape[0]} samples reached the trainable tokens of "
                              f"{self.base_layer}, but {len(routing.names)} adapter names were given; give one name "
                              "per sample (the batch dimension must come first).")
         for name in dict.fromkeys(n for n in routing.names if n in owner.token_indices):
-            mine = torch.tensor([n == name for n in routing.names], device=result.device)  # (B,)
-            result = torch.where(mine.view(-1, *[1] * (result.dim() - 1)), self._replaced(x, result, name), result)
+            flags = [n == name for n in routing.names]
+            mine = routing.per_token(flags, result.device) if packed else torch.tensor(flags, device=result.device)
+            mine = mine.view(*[1] * packed, -1, *[1] * (result.dim() - 1 - packed))  # (B, 1, ...) or (1, T, 1, ...)
+            result = torch.where(mine, self._replaced(x, result, name), result)
         return result
 
     def _replaced(self, x: Tensor, result: Tensor, name: str) -> Tensor:
