@@ -90,6 +90,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ADAPTERS = [f"a{i}" for i in range(8)]
 B_INIT_STD = 0.02
 LOSS_TOLERANCE = 1e-5
+ROUTING_TOLERANCE = 1e-4
 Batch = dict[str, Any]
 
 
@@ -367,7 +368,8 @@ def adapter_routing(args: argparse.Namespace, path: Path, model: nn.Module) -> d
             row("training step: 8 adapters / floor *", times["8 adapters"], times["floor"], None)]
     print_rows("Adapter routing in a packed batch: training step (median ms)", rows)
     inference = peft_reference(args, routed, batch, names, dm.pad_id)
-    return {"rows": rows, "inference": inference, "raw_ms": times, "tokens": batch["input_ids"].numel()}
+    return {"rows": rows, "inference": inference["rows"], "max_abs_diff_vs_peft": inference["max_abs_diff_vs_peft"],
+            "raw_ms": times, "tokens": batch["input_ids"].numel()}
 
 
 def forward_fn(model: nn.Module, inputs: Batch, **kwargs: Any) -> Callable[[], None]:
@@ -396,6 +398,7 @@ def peft_reference(args: argparse.Namespace, routed: nn.Module, batch: Batch, na
     padded = unpacked(batch, pad_id)
     theirs_inputs = {k: padded[k] for k in ("input_ids", "attention_mask")} | {"use_cache": False}
     ours_inputs = {k: v for k, v in model_inputs(batch).items() if k != "labels"}
+    agreement = check_routed(routed, theirs, batch, names, ours_inputs, theirs_inputs)
     times = alternate({
         "ours 8": routed_forward_fn(routed, batch, names),
         "ours one": forward_fn(routed, ours_inputs),
@@ -408,7 +411,25 @@ def peft_reference(args: argparse.Namespace, routed: nn.Module, batch: Batch, na
                 times["peft 8"], times["peft one"], None),
             row("forward, 8 adapters: ours packed / PEFT padded *", times["ours 8"], times["peft 8"], None)]
     print_rows("Adapter routing: inference (median ms; PEFT routes per sample of a padded batch only)", rows)
-    return rows
+    return {"rows": rows, "max_abs_diff_vs_peft": agreement}
+
+
+def check_routed(ours: nn.Module, theirs: nn.Module, batch: Batch, names: list[str], ours_inputs: Batch,
+                 theirs_inputs: Batch) -> float:
+    """Max difference of every row's logits, ours routed in the packed batch against PEFT's mixed padded batch;
+    aborts above ``ROUTING_TOLERANCE``."""
+    with torch.inference_mode():
+        with route_adapters(ours, names, cu_seqlens=batch["cu_seqlens"]):
+            mine = ours(**ours_inputs).logits[0]  # (T, V)
+        other = theirs(**theirs_inputs, adapter_names=names).logits  # (N, longest, V)
+    bounds = batch["cu_seqlens"].tolist()
+    diff = max(float((mine[a:b] - other[i, :b - a]).abs().max()) for i, (a, b) in enumerate(itertools.pairwise(bounds)))
+    if not diff <= ROUTING_TOLERANCE:
+        sys.exit(f"bench_sft: ours (packed, routed per row) and PEFT (padded, adapter_names) disagree by {diff:.2e} "
+                 f"(> {ROUTING_TOLERANCE}).")
+    say(f"\nrouted packed batch against PEFT's adapter_names on the same rows padded: max |logit difference| "
+        f"{diff:.1e} (<= {ROUTING_TOLERANCE})")
+    return diff
 
 
 def peft_copy(routed: nn.Module) -> nn.Module:
