@@ -103,9 +103,9 @@ def test_example_config_parses(example: Path, capsys: pytest.CaptureFixture[str]
         main(["fit", "--config", str(example), "--print_config"])
     assert exit_info.value.code in (0, None)
     config = yaml.safe_load(capsys.readouterr().out)
-    assert config["test_after_fit"] is True
     class_paths = [callback["class_path"] for callback in config["trainer"]["callbacks"]]
     model, data = config["model"]["class_path"], config["data"]["class_path"]
+    assert config["test_after_fit"] is (data != "lightning_peft.data.SFTDataModule")  # SFT data has no test split
     assert data == DATA_OF_MODEL[model], (model, data)
     peft_callbacks = {f"lightning_peft.callbacks.{name}" for name in PEFT_CALLBACKS}
     if model == "lightning_peft.modules.CausalLM" and "qlora" not in example.name:  # from scratch: nothing to merge
@@ -119,6 +119,7 @@ DATA_OF_MODEL = {
     "lightning_peft.modules.HFSequenceClassifier": "lightning_peft.data.BBCNewsDataModule",
     "lightning_peft.modules.EncoderClassifier": "lightning_peft.data.BBCNewsDataModule",
     "lightning_peft.modules.CausalLM": "lightning_peft.data.BBCNewsLMDataModule",
+    "lightning_peft.modules.HFCausalLM": "lightning_peft.data.SFTDataModule",
 }
 
 BORING = ["--model", "lightning.pytorch.demos.boring_classes.BoringModel",

@@ -212,6 +212,8 @@ class SFTDataModule(LightningDataModule):
             raise TypeError(f"{_WHO}(routing_field={routing_field!r}): routing_field must be a field name (str).")
         integer(_WHO, "num_workers", num_workers, minimum=0)
         self.save_hyperparameters()
+        # a checkpoint loads with weights_only=True: no PosixPath in it
+        self.hparams["data_path"], self.hparams["tokenizer"] = str(data_path), str(tokenizer)
         self.data_path, self.tokenizer_name = Path(data_path), str(tokenizer)
         self.max_length, self.batch_size, self.packing = max_length, batch_size, packing
         self.val_fraction, self.seed, self.too_long = val_fraction, seed, too_long

@@ -3,17 +3,12 @@ warm-up and decay, and the `MoE` auxiliary losses."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from lightning_peft.modules.hf import (
-    _param_groups,
-    linear_warmup_decay,
-)
+from lightning_peft.modules.hf import adamw_with_warmup
 from lightning_peft.nn.transformer import moe_aux_loss, moe_layers
 
 __all__ = ["add_moe_losses"]
@@ -48,19 +43,7 @@ def _check_options(who: str, name: str, options: object) -> dict[str, Any]:
 def _adamw_with_schedule(module: LightningModule, who: str) -> dict[str, Any]:
     """AdamW over the trainable parameters (matrices decayed) with a per-step linear warm-up and decay."""
     hparams = module.hparams
-    optimizer = torch.optim.AdamW(_param_groups(module, hparams.weight_decay), lr=hparams.learning_rate)
-    total_steps = module.trainer.estimated_stepping_batches
-    if not math.isfinite(total_steps):
-        raise ValueError(
-            f"{who}.configure_optimizers: the trainer's estimated_stepping_batches is {total_steps}, so the "
-            "learning-rate schedule has no end; set Trainer(max_epochs=...) or Trainer(max_steps=...)."
-        )
-    total_steps = int(total_steps)
-    warmup_steps = int(hparams.warmup_fraction * total_steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: linear_warmup_decay(step, warmup_steps, total_steps)
-    )
-    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+    return adamw_with_warmup(module, who, hparams.learning_rate, hparams.weight_decay, hparams.warmup_fraction)
 
 
 def add_moe_losses(module: LightningModule, model: nn.Module, loss: Tensor, batch_size: int) -> Tensor:

@@ -47,8 +47,8 @@ def shifted_token_losses(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor
         labels: ``(B, L)`` token ids, not shifted; ``-100`` marks tokens that are not targets (padding).
 
     Returns:
-        ``(loss_sum, count)``: float32 sum over the targets (computed in float32 whatever the logits' dtype)
-        and the int64 number of targets.
+        ``(loss_sum, count)``: the sum over the targets, computed in float32 for half-precision logits (float64
+        logits keep float64) and the int64 number of targets.
 
     Examples:
         >>> logits = torch.zeros(1, 3, 4)  # uniform over 4 tokens: each target costs log 4
@@ -58,10 +58,15 @@ def shifted_token_losses(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor
     """
     target = _shifted(labels)  # (B, L)
     loss_sum = F.cross_entropy(  # on the logits as they are: slicing off the last position would copy them
-        logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), ignore_index=IGNORE_INDEX,
+        _at_least_float32(logits).reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
     return loss_sum, (target != IGNORE_INDEX).sum()
+
+
+def _at_least_float32(logits: Tensor) -> Tensor:
+    """Half-precision logits in float32 (a log-softmax in bf16 loses the loss); float32 and float64 as they are."""
+    return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
 
 
 def _shifted(labels: Tensor) -> Tensor:
@@ -227,7 +232,7 @@ class CausalLM(LightningModule):
             hidden.to(head.weight.dtype), head.weight, target, chunk_size=self.hparams.chunked_loss,
             ignore_index=IGNORE_INDEX, reduction="sum", bias=head.bias,
         )
-        return loss_sum.float(), (target != IGNORE_INDEX).sum()
+        return _at_least_float32(loss_sum), (target != IGNORE_INDEX).sum()
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         """Token-mean cross-entropy of the batch (logged as ``train_loss``) plus any MoE auxiliary losses."""

@@ -25,7 +25,7 @@ from lightning_peft._checks import integer
 from lightning_peft._pretrained import resolve_pretrained
 from lightning_peft.peft.checkpoint import restore_adapters
 
-__all__ = ["ClassifierSteps", "HFSequenceClassifier", "linear_warmup_decay", "resolve_pretrained"]
+__all__ = ["ClassifierSteps", "HFSequenceClassifier", "adamw_with_warmup", "linear_warmup_decay", "resolve_pretrained"]
 
 _INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
@@ -187,22 +187,41 @@ class HFSequenceClassifier(ClassifierSteps):
         Raises:
             ValueError: If no parameter requires gradients, or the run length is unknown.
         """
-        optimizer = torch.optim.AdamW(
-            _param_groups(self, self.hparams.weight_decay), lr=self.hparams.learning_rate
+        hparams = self.hparams
+        return adamw_with_warmup(self, "HFSequenceClassifier", hparams.learning_rate, hparams.weight_decay,
+                                 hparams.warmup_ratio)
+
+
+def adamw_with_warmup(module: nn.Module, who: str, learning_rate: float, weight_decay: float, warmup_ratio: float,
+                      fused: bool | None = None) -> dict[str, Any]:
+    """AdamW over the trainable parameters of ``module`` (matrices decayed) with a per-step `linear_warmup_decay`
+    over ``trainer.estimated_stepping_batches``: what ``configure_optimizers`` returns.
+
+    Args:
+        module: A LightningModule attached to a trainer.
+        who: The module's name in the errors.
+        learning_rate: Peak learning rate.
+        weight_decay: Weight decay of the matrices.
+        warmup_ratio: Fraction of the optimizer steps spent warming up.
+        fused: ``torch.optim.AdamW(fused=...)``; None leaves torch's choice.
+
+    Raises:
+        ValueError: If no parameter requires gradients, or the run length is unknown.
+    """
+    options = {} if fused is None else {"fused": fused}
+    optimizer = torch.optim.AdamW(_param_groups(module, weight_decay), lr=learning_rate, **options)
+    total_steps = module.trainer.estimated_stepping_batches
+    if not math.isfinite(total_steps):
+        raise ValueError(
+            f"{who}.configure_optimizers: the trainer's estimated_stepping_batches is {total_steps}, so the "
+            "learning-rate schedule has no end; set Trainer(max_epochs=...) or Trainer(max_steps=...)."
         )
-        total_steps = self.trainer.estimated_stepping_batches
-        if not math.isfinite(total_steps):
-            raise ValueError(
-                f"HFSequenceClassifier.configure_optimizers: the trainer's estimated_stepping_batches is "
-                f"{total_steps}, so the learning-rate schedule has no end; set Trainer(max_epochs=...) or "
-                "Trainer(max_steps=...)."
-            )
-        total_steps = int(total_steps)
-        warmup_steps = int(self.hparams.warmup_ratio * total_steps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: linear_warmup_decay(step, warmup_steps, total_steps)
-        )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+    total_steps = int(total_steps)
+    warmup_steps = int(warmup_ratio * total_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: linear_warmup_decay(step, warmup_steps, total_steps)
+    )
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 def _model_inputs(batch: dict[str, Any]) -> dict[str, Tensor]:

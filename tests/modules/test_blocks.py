@@ -440,7 +440,7 @@ def test_chunked_loss_equals_the_plain_loss_and_gradients_in_float64(variant: st
     expected, expected_grads = _step_and_grads(plain, batch)
     loss, grads = _step_and_grads(chunked, batch)
     assert grads.keys() == expected_grads.keys() and len(grads) > 0
-    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-7)  # the plain loss rounds its logits to float32
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-7)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-7, msg=name)
     with torch.no_grad():  # validation and test: the same sums without gradients
