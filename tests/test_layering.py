@@ -171,9 +171,10 @@ PACKAGE_FILE_LINES = 800
 #: (each under the file cap): its total after issue 29's cleanup (3,793), plus the merge check MergeOnSave asks before
 #: training and the reproducible fast-SVD start (65), plus the refusal of lora_bias on attention, plus (issue 30) the
 #: refusal of target_parameters that layers_to_transform / exclude_modules cannot narrow and PEFT files read as PEFT
-#: reads them (+27, less 15 from folding exact_targets into _common.exact_choice and one name tally): not a number to
-#: grow into.
-OVER_THE_GOAL = {"lora": 3878}
+#: reads them (+27, less 15 from folding exact_targets into _common.exact_choice and one name tally), plus (issue 31)
+#: per-token routing of packed batches (+72; its technique-free half, boundaries and runs, is peft/_packed.py): not a
+#: number to grow into.
+OVER_THE_GOAL = {"lora": 3950}
 
 
 def _package_over(package: Path, root: Path = PACKAGE) -> str | None:

@@ -57,7 +57,9 @@ def refuse_changed_adapters(saved: dict[str, dict], now: dict[str, dict]) -> Non
 class RoutesBatches(Callback):
     """Batch hooks: each batch (training, validation, test, predict) runs inside
     [`route_adapters`][lightning_peft.peft.route_adapters] with the adapters ``batch[routing_key]`` names; a batch
-    without the key uses the active adapter. Per-adapter sample counts are logged as ``<stage>_adapter_samples/<name>``.
+    without the key uses the active adapter. A packed batch (``batch["cu_seqlens"]``, as ``SFTDataModule(packing=True)``
+    writes it) names one adapter per packed row and is routed per token. Per-adapter sample (row) counts are logged as
+    ``<stage>_adapter_samples/<name>``.
 
     The subclass has ``routing_key``, ``names`` (the adapters in id order) and ``adapted_model``.
     """
@@ -103,7 +105,8 @@ class RoutesBatches(Callback):
                 self._warn_unrouted(batch)
             return
         stack = contextlib.ExitStack()
-        stack.enter_context(route_adapters(self.adapted_model, names))  # checks the names and that none is merged
+        # checks the names, the boundaries of a packed batch and that no adapter is merged
+        stack.enter_context(route_adapters(self.adapted_model, names, cu_seqlens=self._packed_rows(batch, names)))
         self._routing = stack
         if stage == "predict":
             return
@@ -111,6 +114,24 @@ class RoutesBatches(Callback):
             # Summed over the data-parallel ranks too (MultiLoRA runs only where every rank is one of them).
             pl_module.log(f"{stage}_adapter_samples/{name}", float(names.count(name)), on_step=False, on_epoch=True,
                           reduce_fx="sum", batch_size=len(names), sync_dist=True)
+
+    def _packed_rows(self, batch: Mapping, names: list) -> torch.Tensor | None:
+        """A packed batch's ``cu_seqlens`` (its routing entries are then one per packed row). A batch packed without
+        them (``position_ids`` restarting at 0 inside a row and no ``attention_mask``: how transformers finds packed
+        rows) is refused: routed per sample, all its rows would take the adapter of its first entry."""
+        if batch.get("cu_seqlens") is not None:
+            return batch["cu_seqlens"]
+        positions = batch.get("position_ids")
+        if isinstance(positions, torch.Tensor) and positions.dim() == 2 and batch.get("attention_mask") is None \
+                and bool((positions[:, 1:] == 0).any()):
+            raise ValueError(
+                f"MultiLoRA: a batch with {self.routing_key!r} entries {names} is packed (its position_ids restart at "
+                "0 inside a row, and it has no attention_mask) but has no 'cu_seqlens', so its packed rows cannot be "
+                "told apart: routed per sample, every row of a sequence would take one adapter. Add the row "
+                "boundaries as batch['cu_seqlens'] with one routing entry per packed row (SFTDataModule(packing=True, "
+                "routing_field=...) writes both)."
+            )
+        return None
 
     def _warn_unrouted(self, batch: Any) -> None:
         """Once: a training batch without the key trains the active adapter alone (a ``routing_key`` typo would train

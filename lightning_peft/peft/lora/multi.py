@@ -139,29 +139,14 @@ def route_adapters(model: nn.Module, names: Sequence[str | None],
     Forward passes inside it, in training as in inference, give each sample the output (and the gradients) it gets
     alone with its adapter. Every LoRA layer checks that its input's first dimension has ``len(names)`` samples.
 
-    With ``cu_seqlens`` the batch is packed: one sequence ``(1, T)`` of N rows, row ``i`` its tokens
-    ``cu_seqlens[i]`` to ``cu_seqlens[i + 1] - 1`` (the ``(N + 1,)`` boundaries ``SFTDataModule(packing=True)``
-    writes), and ``names[i]`` is row ``i``'s adapter: every LoRA layer gives each token its row's adapter (and
-    dropout), each ``modules_to_save`` module gives the tokens of rows routed to None the original's output. Each row
-    then gets what it gets alone, as long as the model keeps rows apart (attention by ``position_ids`` restarting at
-    0, as in ``docs/sft.md``). Every LoRA layer checks that its input is ``(1, T, ...)`` (or ``(T, ...)``) with
-    ``T = cu_seqlens[-1]``.
+    With ``cu_seqlens`` (the ``(N + 1,)`` row boundaries of a packed ``(1, T)`` batch, as ``SFTDataModule`` writes
+    them), ``names[i]`` is packed row ``i``'s adapter: every LoRA layer, trainable token and ``modules_to_save``
+    module follows it per token, so each row gets what it gets alone where the model keeps rows apart (``docs/sft.md``).
 
     Raises:
         ValueError: If a name is unknown, ``names`` is not a sequence of names, or ``cu_seqlens`` is not
             ``len(names) + 1`` increasing integers from 0.
         RuntimeError: If an adapter is merged into the base weights.
-
-    Examples:
-        >>> import torch
-        >>> from torch import nn
-        >>> from lightning_peft.peft import add_adapter, inject_lora, route_adapters
-        >>> model = nn.Sequential(nn.Linear(4, 4))
-        >>> _ = inject_lora(model, rank=2, target_modules=["0"], adapter_name="a")
-        >>> _ = add_adapter(model, "b", rank=4, target_modules=["0"])
-        >>> with route_adapters(model, ["a", None, "b"], cu_seqlens=torch.tensor([0, 3, 5, 9])):
-        ...     model(torch.randn(1, 9, 4)).shape  # tokens 0-2: a, 3-4: the base, 5-8: b
-        torch.Size([1, 9, 4])
     """
     spec = require_spec(model, "route_adapters")
     if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):

@@ -13,11 +13,8 @@ model, so switching is one attribute write, whatever the number of layers:
   ``B``), each sample's ``A`` and ``B`` gathered, and the low-rank path run as two batched matmuls, so the cost does
   not grow with the number of adapters in the batch or loaded. Only the adapters the batch uses enter the stack, so
   the others get no gradient (``grad`` stays None) and an optimizer step leaves them untouched.
-- ``routing.route_to(names, cu_seqlens)``: a packed batch, one ``(1, T)`` sequence of N rows with boundaries
-  ``cu_seqlens`` (N + 1,); ``names[i]`` is row ``i``'s adapter and every layer routes per token. The tokens are
-  sorted by adapter once per ``route_to`` (S-LoRA's segments), and each adapter's contiguous run of them takes its
-  single-adapter update, so the cost is that update plus one gather of the layer's input and output rows, whatever
-  the number of rows.
+- ``routing.route_to(names, cu_seqlens)``: a packed ``(1, T)`` batch, ``names[i]`` the adapter of row ``i``: each
+  token takes its row's adapter (`RoutedPath._packed`).
 
 `RoutedPath` holds the mixed-batch update that every [`LoRALayer`][lightning_peft.peft.LoRALayer] inherits (shapes as in
 `lightning_peft.peft.lora.layer`).
@@ -25,8 +22,6 @@ model, so switching is one attribute write, whatever the number of layers:
 
 from __future__ import annotations
 
-import itertools
-import math
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -34,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._packed import check_bounds, row_of_token, runs, token_layout
 from ..adapter import DEFAULT
 from . import variants
 
@@ -66,17 +62,11 @@ class Routing:
         return next((name for name, count in self.merged.items() if count > 0), None)
 
     def route_to(self, names: Sequence[str | None] | None, cu_seqlens: Tensor | Sequence[int] | None = None) -> None:
-        """Give sample ``i`` of the next batches adapter ``names[i]`` (None: the base); ``None`` ends routing.
-
-        With ``cu_seqlens`` (the ``(N + 1,)`` row boundaries of a packed ``(1, T)`` batch, as ``SFTDataModule``
-        writes them), ``names[i]`` is the adapter of packed row ``i``: tokens ``cu_seqlens[i]`` to
-        ``cu_seqlens[i + 1] - 1``, and every layer routes per token.
-
-        Raises:
-            ValueError: If ``cu_seqlens`` is not ``len(names) + 1`` increasing integers starting at 0 (checked before
-                anything changes).
+        """Give sample ``i`` of the next batches adapter ``names[i]`` (None: the base); ``None`` ends routing. With
+        ``cu_seqlens`` (the ``(N + 1,)`` row boundaries of a packed ``(1, T)`` batch), ``names[i]`` is packed row
+        ``i``'s adapter, and layers route per token. Bad boundaries raise ``ValueError`` before anything changes.
         """
-        bounds = None if cu_seqlens is None else _bounds(cu_seqlens, names)
+        bounds = None if cu_seqlens is None else check_bounds(cu_seqlens, None if names is None else len(names))
         self._cache = {}
         self.cu_seqlens = bounds
         if names is None:
@@ -100,30 +90,17 @@ class Routing:
         """``values`` (one per packed row) repeated for every token of its row: (T,) on ``device``."""
         key = ("rows", device)
         if key not in self._cache:
-            bounds = torch.tensor(self.cu_seqlens)
-            self._cache[key] = torch.repeat_interleave(bounds.diff(), output_size=self.cu_seqlens[-1]).to(device)
+            self._cache[key] = row_of_token(self.cu_seqlens).to(device)
         return torch.tensor(values, device=device)[self._cache[key]]
 
-    def segments(self, adapters: Sequence[str], device: torch.device) -> tuple[list[str], Tensor | None, list[int]] | None:
-        """For a layer holding ``adapters``, in a packed batch: the used adapters it has (``here``), the tokens
-        routed to each, sorted by adapter (``order``: (T_used,) token positions on ``device``, adapter ``here[k]``'s
-        ``counts[k]`` of them after those of ``here[:k]``; tokens without an adapter here are left out), and
-        ``counts``. ``order`` is None when every token uses ``here[0]``. None when no token uses an adapter here.
-
-        Computed once per [`route_to`][lightning_peft.peft.Routing.route_to] and layer signature, as `select`.
-        """
-        key = ("tokens", tuple(adapters), device)
+    def runs(self, adapters: Sequence[str]) -> list[tuple[str | None, int]] | None:
+        """For a layer holding ``adapters``, in a packed batch: ``(adapter, tokens)`` of each run of consecutive rows
+        that use the same adapter here (None: none here), in order; None when no row uses an adapter here. Computed
+        once per ``route_to`` and layer signature, as `select`."""
+        key = ("runs", tuple(adapters))
         if key not in self._cache:
-            here = [n for n in self._used if n in adapters]
-            position = {n: i for i, n in enumerate(here)}
-            slots = [position.get(n, len(here)) for n in self.names]  # (N,): len(here) = no adapter here
-            lengths = [end - start for start, end in itertools.pairwise(self.cu_seqlens)]
-            counts = [sum(n for s, n in zip(slots, lengths) if s == k) for k in range(len(here))]
-            order = None
-            if len(here) > 1 or slots.count(0) < len(slots):
-                token_slots = self.per_token(slots, torch.device("cpu"))  # (T,)
-                order = torch.argsort(token_slots, stable=True)[: sum(counts)].to(device)  # (T_used,)
-            self._cache[key] = (here, order, counts) if here else None
+            here = [n if n in adapters else None for n in self.names]
+            self._cache[key] = runs(here, self.cu_seqlens) if any(here) else None
         return self._cache[key]
 
     def select(
@@ -147,41 +124,6 @@ class Routing:
         return (here, slots, host) if here else None
 
 
-
-def _bounds(cu_seqlens: object, names: Sequence[str | None] | None) -> tuple[int, ...]:
-    """``cu_seqlens`` as a tuple of ints, checked: ``len(names) + 1`` increasing integers from 0 (one per row edge)."""
-    given = f"route_adapters(cu_seqlens={_short(cu_seqlens)})"
-    if names is None:
-        raise ValueError(f"{given}: cu_seqlens comes with names, one per packed row; give both, or neither to end "
-                         "routing.")
-    if isinstance(cu_seqlens, Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex \
-                or cu_seqlens.dtype == torch.bool:
-            raise ValueError(f"{given}: give the row boundaries as a 1-D integer tensor (N + 1,), as SFTDataModule "
-                             f"writes them; got a {cu_seqlens.dim()}-D {cu_seqlens.dtype} tensor.")
-        cu_seqlens = cu_seqlens.tolist()
-    if isinstance(cu_seqlens, (str, bytes)) or not isinstance(cu_seqlens, Sequence) or not all(
-            isinstance(b, int) and not isinstance(b, bool) for b in cu_seqlens):
-        raise ValueError(f"{given}: give the row boundaries as a 1-D integer tensor or a list of ints.")
-    if len(cu_seqlens) != len(names) + 1:
-        raise ValueError(f"{given}: {len(cu_seqlens)} boundaries for {len(names)} names; a packed batch of N rows has "
-                         "N + 1 boundaries [0, end of row 0, ..., T] and one adapter name (or None) per row.")
-    if cu_seqlens[0] != 0:
-        raise ValueError(f"{given}: the boundaries must start at 0 (the first row's first token), not at "
-                         f"{cu_seqlens[0]}.")
-    if any(b <= a for a, b in itertools.pairwise(cu_seqlens)):
-        raise ValueError(f"{given}: the boundaries must increase (every packed row holds at least one token).")
-    return tuple(cu_seqlens)
-
-
-def _short(value: object) -> str:
-    """``value`` for a message: a tensor's values (the first 8) rather than its repr."""
-    if isinstance(value, Tensor) and value.dim() == 1:
-        values = value.tolist()
-        return str(values if len(values) <= 8 else [*values[:8], "..."])
-    return repr(value)
-
-
 class RoutedPath:
     """The update of a mixed batch (one adapter per sample), for [`LoRALayer`][lightning_peft.peft.LoRALayer].
 
@@ -196,58 +138,32 @@ class RoutedPath:
     def _packed(self, x: Tensor, result: Tensor, routing: Routing) -> Tensor:
         """The update of a packed batch (`Routing.route_to` with ``cu_seqlens``): every token its row's adapter.
 
-        As S-LoRA's segments: the tokens, sorted by adapter once per ``route_to`` (`Routing.segments`), are gathered,
-        each adapter's contiguous run takes its single-adapter update (`_single`: its own dropout, scale, bias), and
-        the results go back to their positions. The factors are read as they are (no per-token copy), so the cost is
-        the single-adapter update plus one gather of the input and the output rows.
+        Rows are contiguous, so each run of rows that share an adapter (`Routing.runs`) is a slice of the tokens: it
+        takes that adapter's single-adapter update (`_single`: its own dropout, scale, bias) on views of the input
+        and the base output, and the runs are concatenated back. No gather, no per-token copy of the factors: the
+        cost is the single-adapter update plus one copy of the output.
         """
-        lead = self._packed_layout(x, routing.cu_seqlens)
-        segments = routing.segments(self.adapter_names, x.device)
-        if segments is None:
+        lead = token_layout(x, routing.cu_seqlens, self.token_features, f"{type(self).__name__} ({self.base_layer})")
+        parts = routing.runs(self.adapter_names)
+        if parts is None:
             return result
-        names, order, counts = segments
-        variants.refuse_routing([n for n in names if self.specs[n].variant is not None])
-        if order is None:  # every token uses one adapter here
-            return self._single(x, result, names[0])
+        variants.refuse_routing([n for n, _ in parts if n is not None and self.specs[n].variant is not None])
+        if len(parts) == 1:  # every token uses one adapter here
+            return self._single(x, result, parts[0][0])
         if self.token_features is None:
             raise ValueError(
-                f"route_adapters(cu_seqlens=...): the packed rows go to adapters {names} at "
-                f"{type(self).__name__} ({self.base_layer}), whose input is not one entry per token (a convolution "
-                "mixes neighbouring positions, across row boundaries too), so it cannot take an adapter per token. "
-                "Route the packed batch to one adapter here, leave convolutions out of the adapters' "
-                "target_modules, or route padded batches (one adapter per sample, without cu_seqlens)."
+                f"route_adapters(cu_seqlens=...): the packed rows go to adapters "
+                f"{sorted({n for n, _ in parts if n is not None})} at {type(self).__name__} ({self.base_layer}), whose input "
+                "is not one entry per token (a convolution mixes neighbouring positions, across row boundaries too), "
+                "so it cannot take an adapter per token. Route the packed batch to one adapter here, leave "
+                "convolutions out of the adapters' target_modules, or route padded batches (one adapter per sample, "
+                "without cu_seqlens)."
             )
-        tokens = routing.cu_seqlens[-1]
+        tokens, lengths = routing.cu_seqlens[-1], [n for _, n in parts]
         x2, r2 = x.reshape(tokens, *x.shape[lead:]), result.reshape(tokens, *result.shape[lead:])  # (T, ...)
-        xs, rs = x2.index_select(0, order), r2.index_select(0, order)  # (T_used, ...), sorted by adapter
-        parts = torch.cat([self._single(xk, rk, n) for n, xk, rk in zip(names, xs.split(counts), rs.split(counts))])
-        if self._may_overwrite(result):
-            return r2.index_copy_(0, order, parts).view(result.shape)
-        return r2.index_copy(0, order, parts).view(result.shape)
-
-    def _packed_layout(self, x: Tensor, bounds: tuple[int, ...]) -> int:
-        """How many leading dimensions of ``x`` hold a packed batch's tokens: 2 for ``(1, T, ...)``, 1 for ``(T, ...)``
-        (tokens flattened, as MoE routers see them); raises for any other layout."""
-        tokens, rows = bounds[-1], len(bounds) - 1
-        features = self.token_features
-        lead = tuple(x.shape[: x.dim() - features]) if features is not None else tuple(x.shape[:1])
-        if lead == (1, tokens) or (features is None and lead == (1,)):
-            return 2
-        if lead == (tokens,) and features is not None:
-            return 1
-        where = f"{type(self).__name__} ({self.base_layer})"
-        if not lead or lead[0] != 1:
-            raise ValueError(
-                f"route_adapters(cu_seqlens=...): an input of shape {tuple(x.shape)} (a batch of "
-                f"{lead[0] if lead else 0}) reached {where}, but a packed batch has batch size 1: its {rows} rows "
-                f"are {tokens} tokens in one sequence, (1, {tokens}, ...). Pack the rows into one sequence, or route "
-                "a padded batch without cu_seqlens (one name per sample)."
-            )
-        raise ValueError(
-            f"route_adapters(cu_seqlens=...): an input of shape {tuple(x.shape)} ({math.prod(lead[1:])} tokens) reached "
-            f"{where}, but cu_seqlens ends at {tokens}: every LoRA layer must see the packed batch's {tokens} tokens, "
-            "one per position. Give the boundaries of this batch (SFTDataModule writes them as batch['cu_seqlens'])."
-        )
+        out = [rk if n is None else self._single(xk, rk, n)
+               for (n, _), xk, rk in zip(parts, x2.split(lengths), r2.split(lengths))]
+        return torch.cat(out).view(result.shape)
 
     def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor, host: list[int]) -> Tensor:
         """The update for a mixed batch; default: one segment per adapter (subclasses batch it). ``slots`` (B,)
