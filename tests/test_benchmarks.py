@@ -344,3 +344,26 @@ def test_bench_generate_quick_checks_tokens_against_transformers_and_reports_rat
     assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in report["rows"] + report["vs_uncached"])
     assert len(report["vs_uncached"]) == 1 and "ours == transformers == uncached loop" in txt.read_text()
     assert plot.stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_bench_sft_quick_packs_the_same_tokens_to_the_same_loss_and_reports_every_ratio(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # in this process: the imports are paid already
+    import bench_sft
+
+    out, txt, plot = tmp_path / "sft.json", tmp_path / "sft.txt", tmp_path / "sft.png"
+    report = bench_sft.main(["--quick", "--json", str(out), "--txt", str(txt), "--plot", str(plot)])
+    assert json.loads(out.read_text())["packing"]["rows"] == report["packing"]["rows"]
+    packing = report["packing"]
+    assert packing["loss"]["relative"] <= 1e-5 and packing["loss"]["target_tokens"] > 0
+    contenders = packing["contenders"]
+    assert list(contenders) == ["padded", "packed 512", "packed 128"]
+    assert len({(c["tokens"], c["targets"]) for c in contenders.values()}) == 1  # every contender: the same rows
+    assert contenders["padded"]["slots"] > contenders["padded"]["tokens"] == contenders["packed 512"]["slots"]
+    assert [r["goal"] for r in packing["rows"]] == [1.6, None]
+    routing = [*report["routing"]["rows"], *report["routing"]["inference"]]
+    assert [r["goal"] for r in routing] == [1.1, None, None, None, None, None, None]
+    assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in [*packing["rows"], *routing])
+    assert [m["sigma"] for m in report["mixes"]] == [0.5, 0.9]
+    assert all(0 < m["padding_share"] < 1 and 0 < m["packed_attention_inside_rows"] <= 1 for m in report["mixes"])
+    assert "| packed 512 / padded: tokens per second |" in txt.read_text() and plot.stat().st_size > 1000
