@@ -21,6 +21,7 @@ model, so switching is one attribute write, whatever the number of layers:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +95,14 @@ class Routing:
 
 
 
+class RoutedPlan(NamedTuple):
+    """What `RoutedPath._gathered` reads for one routing (see `RoutedPath._plan`)."""
+
+    bias: bool  # an adapter here has a bias on B (lora_bias): one segment per adapter
+    direct: tuple[list[tuple[dict, str]], list[tuple[dict, str]]] | None  # per sample: where its A and B live
+    scale: float | Tensor  # the adapters' common scale, or each sample's (B, 1, 1)
+
+
 class RoutedPath:
     """The update of a mixed batch (one adapter per sample), for [`LoRALayer`][lightning_peft.peft.LoRALayer].
 
@@ -112,16 +121,17 @@ class RoutedPath:
             update = update.index_add(0, rows, part)
         return result + update.to(result.dtype)
 
-    def _padded(self, names: list[str]) -> tuple[list[Tensor], list[Tensor]]:
-        """Each adapter's ``A`` (r, in) and ``B`` (out, r) with ranks zero-padded to the largest, and a last,
-        all-zero pair for samples without an adapter here."""
+    def _padded(self, names: list[str], empty: bool = True) -> tuple[list[Tensor], list[Tensor]]:
+        """Each adapter's ``A`` (r, in) and ``B`` (out, r) with ranks zero-padded to the largest, and (``empty``)
+        a last, all-zero pair for samples without an adapter here."""
         pairs = [self.factors(n) for n in names]  # each (A (r, in), B (out, r))
         ranks = [self.specs[n].rank for n in names]
         rank = max(ranks)
         a_rows = [F.pad(a, (0, 0, 0, rank - r)) if r < rank else a for (a, _), r in zip(pairs, ranks)]
         b_cols = [F.pad(b, (0, rank - r)) if r < rank else b for (_, b), r in zip(pairs, ranks)]
-        a_rows.append(a_rows[0].new_zeros(a_rows[0].shape))
-        b_cols.append(b_cols[0].new_zeros(b_cols[0].shape))
+        if empty:
+            a_rows.append(a_rows[0].new_zeros(a_rows[0].shape))
+            b_cols.append(b_cols[0].new_zeros(b_cols[0].shape))
         return a_rows, b_cols
 
     def _stacked(self, names: list[str]) -> tuple[Tensor, Tensor]:
@@ -138,34 +148,69 @@ class RoutedPath:
         stacked_b = torch.stack([b.t() for b in b_cols]).mul_(scale.view(-1, 1, 1))  # (k+1, r, out)
         return stacked_a, stacked_b
 
-    def _gathered(self, names: list[str], host: list[int]) -> tuple[Tensor, Tensor]:
-        """Each sample's ``A^T`` (B, in, r) and ``(s * B)^T`` (B, r, out), gathered straight from the parameters
-        (ranks padded to the largest; zeros for a sample without an adapter here).
+    # --- the gathered per-sample factors (r32/mixdecode) ----------------------------------------------------------
+
+    def _gathered(self, names: list[str], host: list[int]) -> tuple[Tensor, Tensor, float | Tensor]:
+        """Each sample's ``A`` (B, r, in) and ``B`` (B, out, r), gathered straight from the parameters (ranks padded
+        to the largest; zeros for a sample without an adapter here), and the scale: one number when the adapters
+        here share it, else (B, 1, 1).
 
         Built every forward, in inference too: no cache keyed on the parameters can tell that they changed (a fused
-        optimizer step and writes through ``.data`` move neither the version counter nor the storage). One copy
-        per sample, as large as the gather from a stack would be, and nothing is stacked for adapters no sample
-        uses here.
+        optimizer step and writes through ``.data`` move neither the version counter nor the storage). Stacked in
+        the parameters' own layout, so each copy is one contiguous block per sample (a stack of transposes copies
+        element by element: 2-4x the time at decode shapes); the batched matmuls read them transposed, which BLAS
+        does without a copy. The scale goes into the matmul's ``alpha`` rather than into a scaled copy of ``B``.
         """
-        a_rows, b_cols = self._padded(names)
-        scales = [self.specs[n].scaling for n in names] + [0.0]
-        scale = torch.tensor([scales[s] for s in host], dtype=b_cols[0].dtype, device=b_cols[0].device)  # (B,)
-        a_t = torch.stack([a_rows[s].t() for s in host])  # (B, in, r)
-        b_t = torch.stack([b_cols[s].t() for s in host]).mul_(scale.view(-1, 1, 1))  # (B, r, out)
-        return a_t, b_t
+        plan = self._plan(names, host)
+        if plan.direct is not None:  # equal ranks, every sample on an adapter: the parameters themselves
+            a = torch.stack([holder[key] for holder, key in plan.direct[0]])  # (B, r, in)
+            b = torch.stack([holder[key] for holder, key in plan.direct[1]])  # (B, out, r)
+            return a, b, plan.scale
+        a_rows, b_cols = self._padded(names, empty=True)
+        a = torch.stack([a_rows[s] for s in host])  # (B, r, in)
+        b = torch.stack([b_cols[s] for s in host])  # (B, out, r)
+        return a, b, plan.scale
 
-    def _add_batched(self, result: Tensor, hidden: Tensor, b_t: Tensor) -> Tensor:
-        """``result + hidden @ b_t`` per sample: ``hidden`` (B, T, r), ``b_t`` (B, r, out), ``result`` (B, ..., out).
+    def _plan(self, names: list[str], host: list[int]) -> RoutedPlan:
+        """What the gathered path reads for this routing, worked out once per routing (``host`` is the object
+        `Routing.select` keeps until the next ``route_to``) rather than per forward: at one token per sample the
+        per-adapter Python work cost as much as the matmuls. Forgotten with the factor references (a move, a cast,
+        a load, an adapter added or deleted)."""
+        cached = self.__dict__.get("_routed_plan")
+        if cached is not None and cached[0] is host:
+            return cached[1]
+        specs = [self.specs[n] for n in names]
+        refs = [self._factor_refs(n) for n in names]  # each ((dict, key) of A, (dict, key) of B)
+        scales = [s.scaling for s in specs]
+        scale: float | Tensor = scales[0]
+        if len(set(scales)) > 1:  # else one number: samples without an adapter have zero factors anyway
+            weight = refs[0][0][0][refs[0][0][1]]
+            scale = torch.tensor([(scales + [0.0])[s] for s in host], dtype=weight.dtype, device=weight.device)
+            scale = scale.view(-1, 1, 1)  # (B, 1, 1)
+        direct = None
+        if len({s.rank for s in specs}) == 1 and len(names) not in host:
+            direct = ([refs[s][0] for s in host], [refs[s][1] for s in host])
+        plan = RoutedPlan(any(s.lora_bias for s in specs), direct, scale)
+        self.__dict__["_routed_plan"] = (host, plan)
+        return plan
+
+    def _add_batched(self, result: Tensor, hidden: Tensor, b_t: Tensor, scale: float | Tensor = 1.0) -> Tensor:
+        """``result + scale * hidden @ b_t`` per sample: ``hidden`` (B, T, r), ``b_t`` (B, r, out), ``result``
+        (B, ..., out), ``scale`` a number or (B, 1, 1).
 
         One fused ``baddbmm`` when dtypes agree and autocast is off (as `_add_update` fuses ``addmm``).
         """
+        if isinstance(scale, Tensor):
+            hidden, scale = hidden * scale, 1.0  # (B, T, r): the smallest tensor the per-sample scale can go on
         fuse = hidden.dtype == result.dtype == b_t.dtype and not torch.is_autocast_enabled(result.device.type)
         if fuse:
             result3 = result.reshape(hidden.shape[0], -1, result.shape[-1])  # (B, T, out)
             if self._may_overwrite(result):
-                return result3.baddbmm_(hidden, b_t).view(result.shape)
-            return torch.baddbmm(result3, hidden, b_t).view(result.shape)
-        return result + torch.bmm(hidden, b_t).view(result.shape).to(result.dtype)
+                return result3.baddbmm_(hidden, b_t, alpha=scale).view(result.shape)
+            return torch.baddbmm(result3, hidden, b_t, alpha=scale).view(result.shape)
+        return result + (torch.bmm(hidden, b_t) * scale).view(result.shape).to(result.dtype)
+
+    # --- end r32/mixdecode ----------------------------------------------------------------------------------------
 
     def _may_overwrite(self, result: Tensor) -> bool:
         """Whether the base output can take the update in place: without autograd, and when no hook on the base
