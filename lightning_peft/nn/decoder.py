@@ -26,6 +26,7 @@ from lightning_peft.nn._stack import check_reversible, feed_forwards, init_weigh
 from lightning_peft.nn.block import TransformerBlock
 from lightning_peft.nn.feed_forward import FeedForward, RMSNorm
 from lightning_peft.nn.hf_weights import llama_options, load_llama_weights
+from lightning_peft.nn.kv_cache import KVCache
 
 __all__ = ["TransformerDecoder"]
 
@@ -127,16 +128,26 @@ class TransformerDecoder(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> Tensor:
-        """Logits ``(B, L, V)`` of ``input_ids`` ``(B, L)``; ``attention_mask`` marks real tokens (1)."""
-        return self.lm_head(self.hidden_states(input_ids, attention_mask, position_ids))
+        """Logits ``(B, L, V)`` of ``input_ids`` ``(B, L)``; ``attention_mask`` marks real tokens (1).
+
+        With ``kv_cache`` (a `lightning_peft.nn.KVCache`, incremental decoding under ``torch.no_grad()``),
+        ``input_ids`` are the tokens after the cached ones, ``attention_mask`` covers the cached and the new tokens
+        ``(B, cached + L)``, ``position_ids`` default to ``cached + 0..L-1``, and the new tokens' keys and values
+        are appended to the cache.
+        """
+        return self.lm_head(self.hidden_states(input_ids, attention_mask, position_ids, kv_cache))
 
     def hidden_states(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> Tensor:
         """The final-norm hidden states ``(B, L, H)`` that ``lm_head`` turns into logits (for a loss that applies
-        the head itself, such as `lightning_peft.nn.chunked_cross_entropy`)."""
+        the head itself, such as `lightning_peft.nn.chunked_cross_entropy`); ``kv_cache`` as in `forward`."""
+        if kv_cache is not None:
+            return self._cached_hidden_states(input_ids, attention_mask, position_ids, kv_cache)
         if input_ids.shape[1] > self.max_position_embeddings:
             raise ValueError(
                 f"TransformerDecoder: input of {input_ids.shape[1]} tokens exceeds max_position_embeddings="
@@ -150,6 +161,32 @@ class TransformerDecoder(nn.Module):
             for layer in self.layers:
                 x = layer(x, key_padding_mask=mask, position_ids=position_ids)
         return self.norm(x)
+
+    # ---- incremental decoding (kv_cache): its own path, so the training forward above runs exactly as before ----
+
+    def _cached_hidden_states(
+        self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None, kv_cache: KVCache
+    ) -> Tensor:
+        past = kv_cache.length
+        if past + input_ids.shape[1] > self.max_position_embeddings:
+            raise ValueError(
+                f"TransformerDecoder: {past} cached tokens and {input_ids.shape[1]} new ones exceed "
+                f"max_position_embeddings={self.max_position_embeddings}; generate fewer tokens or raise the limit."
+            )
+        mask = key_padding_mask(attention_mask, input_ids, "TransformerDecoder", past)
+        x = self.embed_tokens(input_ids)
+        if not self.reversible:
+            for index, layer in enumerate(self.layers):
+                x = layer(x, key_padding_mask=mask, position_ids=position_ids, kv_cache=kv_cache.layer(index))
+            return self.norm(x)
+        # The reversible couplings y1 = x1 + F(x2), y2 = x2 + G(y1) of `run_reversible`, run plainly: the cache is
+        # inference-only, so there is no backward to save memory for, and each F needs its own layer's cache.
+        x1 = x2 = x
+        for index, layer in enumerate(self.layers):
+            delta = layer.attention_branch(x2, mask, position_ids, kv_cache=kv_cache.layer(index))[0]
+            x1 = x1 + layer.dropout(delta)
+            x2 = x2 + layer.dropout(layer.feed_forward_branch(x1))
+        return self.norm((x1 + x2) / 2)
 
     @classmethod
     def from_pretrained(cls, path: str, **overrides: Any) -> TransformerDecoder:
