@@ -650,7 +650,7 @@ class LoRALinear(ABLayer):
         return self._add_update(result, hidden, lora_b, self.specs[name].scaling, self.lora_B[name].bias)
 
     def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor, host: list[int]) -> Tensor:
-        if self._plan(names, host).bias:  # a bias per sample: one segment per adapter
+        if self._plan(names, host)[0]:  # a bias per sample (lora_bias): one segment per adapter
             return super()._routed(x, result, names, slots, host)
         a, b, scale = self._gathered(names, host)  # (B, r, in), (B, out, r)
         x3 = self._routed_dropout(x, names, slots).to(a.dtype).reshape(x.shape[0], -1, x.shape[-1])  # (B, T, in)
@@ -720,15 +720,16 @@ class LoRAEmbedding(LoRALayer):
     def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor, host: list[int]) -> Tensor:
         if self.base_layer.max_norm is not None:  # max_norm renormalises the looked-up rows in place
             return super()._routed(x, result, names, slots, host)
-        a_t, b_t = self._stacked(names)  # (k+1, V, r), (k+1, r, d)
-        vocab = a_t.shape[1]
-        table = a_t.reshape(-1, a_t.shape[-1])  # ((k+1) V, r): adapter k's rows at [k V, (k+1) V)
-        ids = x + (slots * vocab).view(-1, *([1] * (x.dim() - 1)))  # (B, ...)
+        a_rows, b_cols = self._padded(names)  # each A (r, V) and B (d, r), the last pair all zero
+        table = torch.cat(a_rows, dim=1).t()  # ((k+1) V, r): adapter k's rows at [k V, (k+1) V)
+        ids = x + (slots * a_rows[0].shape[1]).view(-1, *([1] * (x.dim() - 1)))  # (B, ...)
         hidden = F.embedding(ids, table, scale_grad_by_freq=self.base_layer.scale_grad_by_freq)  # (B, ..., r)
         padding = self.base_layer.padding_idx
         if padding is not None:  # as padding_idx does: the row is read, but gets no gradient
             hidden = torch.where((x == padding).unsqueeze(-1), hidden.detach(), hidden)
-        return self._add_batched(result, hidden.reshape(x.shape[0], -1, hidden.shape[-1]), b_t.index_select(0, slots))
+        b_t = torch.stack(b_cols).index_select(0, slots).transpose(1, 2)  # (B, r, d)
+        hidden = hidden.reshape(x.shape[0], -1, hidden.shape[-1])  # (B, T, r)
+        return self._add_batched(result, hidden, b_t, self._plan(names, host)[2])
 
 
 #: LoRA layer classes by base module type, beside Linear / Conv1D (the default) and Embedding; each layer module

@@ -21,7 +21,6 @@ model, so switching is one attribute write, whatever the number of layers:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -94,15 +93,6 @@ class Routing:
         return (here, slots, host) if here else None
 
 
-
-class RoutedPlan(NamedTuple):
-    """What `RoutedPath._gathered` reads for one routing (see `RoutedPath._plan`)."""
-
-    bias: bool  # an adapter here has a bias on B (lora_bias): one segment per adapter
-    direct: tuple[list[tuple[dict, str]], list[tuple[dict, str]]] | None  # per sample: where its A and B live
-    scale: float | Tensor  # the adapters' common scale, or each sample's (B, 1, 1)
-
-
 class RoutedPath:
     """The update of a mixed batch (one adapter per sample), for [`LoRALayer`][lightning_peft.peft.LoRALayer].
 
@@ -121,96 +111,58 @@ class RoutedPath:
             update = update.index_add(0, rows, part)
         return result + update.to(result.dtype)
 
-    def _padded(self, names: list[str], empty: bool = True) -> tuple[list[Tensor], list[Tensor]]:
-        """Each adapter's ``A`` (r, in) and ``B`` (out, r) with ranks zero-padded to the largest, and (``empty``)
-        a last, all-zero pair for samples without an adapter here."""
+    def _padded(self, names: list[str]) -> tuple[list[Tensor], list[Tensor]]:
+        """Each adapter's ``A`` (r, in) and ``B`` (out, r) with ranks zero-padded to the largest, and a last,
+        all-zero pair for samples without an adapter here."""
         pairs = [self.factors(n) for n in names]  # each (A (r, in), B (out, r))
         ranks = [self.specs[n].rank for n in names]
         rank = max(ranks)
         a_rows = [F.pad(a, (0, 0, 0, rank - r)) if r < rank else a for (a, _), r in zip(pairs, ranks)]
         b_cols = [F.pad(b, (0, rank - r)) if r < rank else b for (_, b), r in zip(pairs, ranks)]
-        if empty:
-            a_rows.append(a_rows[0].new_zeros(a_rows[0].shape))
-            b_cols.append(b_cols[0].new_zeros(b_cols[0].shape))
+        a_rows.append(a_rows[0].new_zeros(a_rows[0].shape))
+        b_cols.append(b_cols[0].new_zeros(b_cols[0].shape))
         return a_rows, b_cols
-
-    def _stacked(self, names: list[str]) -> tuple[Tensor, Tensor]:
-        """``A^T`` (k+1, in, r) and ``(s * B)^T`` (k+1, r, out) of ``names``, ranks padded to the largest, and a
-        last, all-zero slot for samples without an adapter here.
-
-        Built every forward (see `_gathered`): only the adapters the batch uses.
-        """
-        a_rows, b_cols = self._padded(names)
-        scale = torch.tensor([self.specs[n].scaling for n in names] + [0.0], dtype=b_cols[0].dtype,
-                             device=b_cols[0].device)
-        # Stacked straight into the transposed, contiguous layout the batched matmuls read: one copy each.
-        stacked_a = torch.stack([a.t() for a in a_rows])  # (k+1, in, r)
-        stacked_b = torch.stack([b.t() for b in b_cols]).mul_(scale.view(-1, 1, 1))  # (k+1, r, out)
-        return stacked_a, stacked_b
 
     # --- the gathered per-sample factors (r32/mixdecode) ----------------------------------------------------------
 
     def _gathered(self, names: list[str], host: list[int]) -> tuple[Tensor, Tensor, float | Tensor]:
-        """Each sample's ``A`` (B, r, in) and ``B`` (B, out, r), gathered straight from the parameters (ranks padded
-        to the largest; zeros for a sample without an adapter here), and the scale: one number when the adapters
-        here share it, else (B, 1, 1).
+        """Each sample's ``A`` (B, r, in) and ``B`` (B, out, r) (ranks padded to the largest; zeros for a sample
+        without an adapter here) and the scale (a number, or (B, 1, 1)). Gathered from the parameters every forward
+        (no cache keyed on them sees a fused optimizer step or a write through ``.data``), in their own layout: a
+        stack of transposes copies element by element (2-4x the time at decode shapes); matmuls read them transposed."""
+        _, direct, scale = self._plan(names, host)
+        if direct is None:  # ranks differ, or a sample has no adapter here
+            a_rows, b_cols = self._padded(names)
+            direct = [(a_rows, s) for s in host], [(b_cols, s) for s in host]
+        return torch.stack([h[k] for h, k in direct[0]]), torch.stack([h[k] for h, k in direct[1]]), scale
 
-        Built every forward, in inference too: no cache keyed on the parameters can tell that they changed (a fused
-        optimizer step and writes through ``.data`` move neither the version counter nor the storage). Stacked in
-        the parameters' own layout, so each copy is one contiguous block per sample (a stack of transposes copies
-        element by element: 2-4x the time at decode shapes); the batched matmuls read them transposed, which BLAS
-        does without a copy. The scale goes into the matmul's ``alpha`` rather than into a scaled copy of ``B``.
-        """
-        plan = self._plan(names, host)
-        if plan.direct is not None:  # equal ranks, every sample on an adapter: the parameters themselves
-            a = torch.stack([holder[key] for holder, key in plan.direct[0]])  # (B, r, in)
-            b = torch.stack([holder[key] for holder, key in plan.direct[1]])  # (B, out, r)
-            return a, b, plan.scale
-        a_rows, b_cols = self._padded(names, empty=True)
-        a = torch.stack([a_rows[s] for s in host])  # (B, r, in)
-        b = torch.stack([b_cols[s] for s in host])  # (B, out, r)
-        return a, b, plan.scale
-
-    def _plan(self, names: list[str], host: list[int]) -> RoutedPlan:
-        """What the gathered path reads for this routing, worked out once per routing (``host`` is the object
-        `Routing.select` keeps until the next ``route_to``) rather than per forward: at one token per sample the
-        per-adapter Python work cost as much as the matmuls. Forgotten with the factor references (a move, a cast,
-        a load, an adapter added or deleted)."""
-        cached = self.__dict__.get("_routed_plan")
-        if cached is not None and cached[0] is host:
-            return cached[1]
-        specs = [self.specs[n] for n in names]
-        refs = [self._factor_refs(n) for n in names]  # each ((dict, key) of A, (dict, key) of B)
-        scales = [s.scaling for s in specs]
-        scale: float | Tensor = scales[0]
-        if len(set(scales)) > 1:  # else one number: samples without an adapter have zero factors anyway
-            weight = refs[0][0][0][refs[0][0][1]]
-            scale = torch.tensor([(scales + [0.0])[s] for s in host], dtype=weight.dtype, device=weight.device)
-            scale = scale.view(-1, 1, 1)  # (B, 1, 1)
-        direct = None
-        if len({s.rank for s in specs}) == 1 and len(names) not in host:
-            direct = ([refs[s][0] for s in host], [refs[s][1] for s in host])
-        plan = RoutedPlan(any(s.lora_bias for s in specs), direct, scale)
-        self.__dict__["_routed_plan"] = (host, plan)
-        return plan
+    def _plan(self, names: list[str], host: list[int]) -> tuple[bool, tuple[list, list] | None, float | Tensor]:
+        """``(bias, direct, scale)``: any ``lora_bias`` here; where each sample's ``A`` and ``B`` live (``(dict, key)``;
+        None unless ranks are equal and every sample has an adapter here); the common scale (zero factors need none),
+        else each sample's (B, 1, 1). Once per routing (``host`` is `Routing.select`'s until ``route_to``): at one
+        token per sample this cost as much as the matmuls. Forgotten with the factors (`_forget_cached_tensors`)."""
+        if self.__dict__.get("_routed_plan", (None,))[0] is not host:
+            specs, refs = [self.specs[n] for n in names], [self._factor_refs(n) for n in names]
+            scales = [s.scaling for s in specs] + [0.0]
+            per_sample = self.factors(names[0])[0].new_tensor([scales[s] for s in host]).view(-1, 1, 1)  # (B, 1, 1)
+            scale = scales[0] if len(set(scales[:-1])) == 1 else per_sample
+            equal = len({s.rank for s in specs}) == 1 and len(names) not in host
+            direct = ([refs[s][0] for s in host], [refs[s][1] for s in host]) if equal else None
+            self.__dict__["_routed_plan"] = (host, (any(s.lora_bias for s in specs), direct, scale))
+        return self.__dict__["_routed_plan"][1]
 
     def _add_batched(self, result: Tensor, hidden: Tensor, b_t: Tensor, scale: float | Tensor = 1.0) -> Tensor:
         """``result + scale * hidden @ b_t`` per sample: ``hidden`` (B, T, r), ``b_t`` (B, r, out), ``result``
-        (B, ..., out), ``scale`` a number or (B, 1, 1).
-
-        One fused ``baddbmm`` when dtypes agree and autocast is off (as `_add_update` fuses ``addmm``).
-        """
+        (B, ..., out), ``scale`` a number or (B, 1, 1). One fused ``baddbmm`` when dtypes agree and autocast is off
+        (as `_add_update` fuses ``addmm``)."""
         if isinstance(scale, Tensor):
             hidden, scale = hidden * scale, 1.0  # (B, T, r): the smallest tensor the per-sample scale can go on
-        fuse = hidden.dtype == result.dtype == b_t.dtype and not torch.is_autocast_enabled(result.device.type)
-        if fuse:
+        if hidden.dtype == result.dtype == b_t.dtype and not torch.is_autocast_enabled(result.device.type):  # fuse
             result3 = result.reshape(hidden.shape[0], -1, result.shape[-1])  # (B, T, out)
             if self._may_overwrite(result):
                 return result3.baddbmm_(hidden, b_t, alpha=scale).view(result.shape)
             return torch.baddbmm(result3, hidden, b_t, alpha=scale).view(result.shape)
         return result + (torch.bmm(hidden, b_t) * scale).view(result.shape).to(result.dtype)
-
-    # --- end r32/mixdecode ----------------------------------------------------------------------------------------
 
     def _may_overwrite(self, result: Tensor) -> bool:
         """Whether the base output can take the update in place: without autograd, and when no hook on the base
