@@ -154,7 +154,55 @@ def time_decode(args: argparse.Namespace) -> dict:
     report = {"rows": rows, "equivalence": diff, "shape": shape}
     report["generate"] = time_generate(base, ours, theirs, prompts, route, args)
     report["curve"] = time_curve(decoders, args)
+    report["our_decoder"] = time_our_decoder(base, ours, prompts, route, args)
     return report
+
+
+def time_our_decoder(base: nn.Module, ours: nn.Module, prompts: Tensor, route: list[str],
+                     args: argparse.Namespace) -> dict:
+    """Our `TransformerDecoder` on the same weights (``from_pretrained``), the same 32 adapters: its cached
+    ``generate`` routed over them against one adapter and the bare decoder."""
+    import tempfile
+
+    from lightning_peft.nn import TransformerDecoder, generate
+    from lightning_peft.peft import lora_layers
+
+    with tempfile.TemporaryDirectory() as directory:
+        base.save_pretrained(directory)
+        bare = TransformerDecoder.from_pretrained(directory).eval()
+    decoder = multi.build_ours(bare, args.adapters, args.seed, targets=TARGETS).eval()
+    theirs = dict(lora_layers(ours))
+    with torch.no_grad():  # the adapters of the Hugging Face model, so both generate the same tokens
+        for name, layer in lora_layers(decoder).items():
+            source = theirs["model." + name.replace(".attn.", ".self_attn.")]  # layers.0.attn.q_proj
+            for adapter in layer.adapter_names:
+                layer.lora_B[adapter].weight.copy_(source.lora_B[adapter].weight)
+                layer.lora_A[adapter].weight.copy_(source.lora_A[adapter].weight)
+    set_adapter(decoder, "a0")
+    new = args.new_tokens
+
+    def run(model: nn.Module, names: list[str] | None) -> Callable[[], Tensor]:
+        def call() -> Tensor:
+            if names is None:
+                return generate(model, prompts, new)
+            with route_adapters(model, names):
+                return generate(model, prompts, new)
+
+        return call
+
+    same = torch.equal(run(decoder, route)(), generate_fn(ours, prompts, route, "ours", new)())
+    say(f"\nour decoder's routed generate against transformers' on the same weights and adapters: tokens "
+        f"{'equal' if same else 'DIFFER'}")
+    times = alternate({"mixed": run(decoder, route), "one": run(decoder, None), "bare": run(bare, None),
+                       "transformers mixed": generate_fn(ours, prompts, route, "ours", new)},
+                      repeats=args.generate_repeats, steps=1, warmup=1)
+    what = f"our decoder's cached generate {args.batch} x {args.prompt} + {new} over {args.adapters} adapters"
+    rows = [row(f"{what}: mixed / one adapter", times["mixed"], times["one"], None),
+            row(f"{what}: mixed / bare decoder *", times["mixed"], times["bare"], None),
+            row(f"{what}: mixed / transformers' generate routed the same *", times["mixed"],
+                times["transformers mixed"], None)]
+    say_table("Our decoder, routed generate (median ms)", rows, ("contender (ms)", "baseline (ms)"))
+    return {"rows": rows, "tokens_equal_transformers": same}
 
 
 def time_generate(base: nn.Module, ours: nn.Module, theirs: nn.Module, prompts: Tensor, route: list[str],
@@ -167,7 +215,7 @@ def time_generate(base: nn.Module, ours: nn.Module, theirs: nn.Module, prompts: 
     times = alternate({"mixed": mixed, "one": generate_fn(ours, prompts, None, "ours", new),
                        "peft mixed": generate_fn(theirs, prompts, route, "peft", new),
                        "bare": generate_fn(base, prompts, None, "bare", new)},
-                      repeats=args.repeats, steps=1, warmup=1)
+                      repeats=args.generate_repeats, steps=1, warmup=1)
     what = f"generate {args.batch} x {args.prompt} + {new} tokens over {args.adapters} adapters"
     rows = [row(f"{what}: ours mixed / ours one adapter", times["mixed"], times["one"], None),
             row(f"{what}: ours mixed / PEFT generate(adapter_names=...)", times["mixed"], times["peft mixed"], None),
@@ -183,7 +231,7 @@ def time_curve(decoders: dict[str, Decode], args: argparse.Namespace) -> dict:
         route = multi.routes(args.batch, count, args.seed)
         contenders[f"ours {count}"] = decoders["ours"].step_fn(route)
         contenders[f"peft {count}"] = decoders["peft"].step_fn(route)
-    times = alternate(contenders, repeats=args.repeats, steps=args.steps, warmup=args.warmup)
+    times = alternate(contenders, repeats=args.repeats, steps=max(1, args.steps // 2), warmup=1)
     one = statistics.median(times["one"])
     curve = {"counts": counts, "one_ms": one, "peft_one_ms": statistics.median(times["peft one"]),
              "ours": [statistics.median(times[f"ours {c}"]) / one for c in counts],
@@ -257,7 +305,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--prompt", type=int, default=16, help="cached prompt tokens per sample")
     add("--new-tokens", type=int, default=16, help="tokens generate adds")
     add("--repeats", type=int, default=7)
-    add("--steps", type=int, default=4)
+    add("--steps", type=int, default=4, help="timed calls per repeat (the curve: half)")
+    add("--generate-repeats", type=int, default=3, help="repeats of the generate comparisons (one call each)")
     add("--warmup", type=int, default=2)
     add("--seed", type=int, default=0)
     add("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -267,6 +316,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.adapters, args.batch, args.repeats, args.steps, args.warmup, args.new_tokens = 4, 4, 1, 1, 1, 2
+        args.generate_repeats = 1
     return args
 
 
