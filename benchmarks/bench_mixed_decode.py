@@ -100,6 +100,22 @@ class Decode:
         return run
 
 
+def gather_fn(model: nn.Module, names: list[str]) -> Callable[[], None]:
+    """The reads a mixed decode step cannot avoid, alone: every LoRA layer's factors of each sample's adapter,
+    stacked as the routed path stacks them (32 adapters: 32x the factor bytes one adapter reads)."""
+    from lightning_peft.peft import lora_layers
+
+    layers = list(lora_layers(model).values())
+
+    def run() -> None:
+        with torch.inference_mode():
+            for layer in layers:
+                torch.stack([layer.lora_A[n].weight for n in names])  # (B, r, in)
+                torch.stack([layer.lora_B[n].weight for n in names])  # (B, out, r)
+
+    return run
+
+
 def generate_fn(model: nn.Module, prompts: Tensor, names: list[str] | None, how: str, new: int) -> Callable:
     options = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False, "pad_token_id": 0}
 
@@ -139,8 +155,9 @@ def time_decode(args: argparse.Namespace) -> dict:
     times = alternate({
         "bare": decoders["bare"].step_fn(None), "one": decoders["ours"].step_fn(None),
         "mixed": decoders["ours"].step_fn(route), "peft one": decoders["peft"].step_fn(None),
-        "peft mixed": decoders["peft"].step_fn(route),
+        "peft mixed": decoders["peft"].step_fn(route), "gather": gather_fn(ours, route),
     }, **kwargs)
+    times["one + gather"] = [a + b for a, b in zip(times["one"], times["gather"], strict=True)]
     what = f"decode step, {args.batch} samples over {args.adapters} adapters"
     rows = [
         row(f"{what}: ours mixed / ours one adapter", times["mixed"], times["one"], args.goal),
@@ -148,6 +165,10 @@ def time_decode(args: argparse.Namespace) -> dict:
         row(f"{what}: ours one adapter / bare model *", times["one"], times["bare"], None),
         row(f"{what}: PEFT mixed / PEFT one adapter *", times["peft mixed"], times["peft one"], None),
         row(f"{what}: ours mixed / PEFT mixed *", times["mixed"], times["peft mixed"], None),
+        row(f"{what}: (ours one adapter + the gather alone) / ours one adapter: this path's floor *",
+            times["one + gather"], times["one"], None),
+        row(f"{what}: ours mixed / (ours one adapter + the gather alone) *", times["mixed"], times["one + gather"],
+            None),
     ]
     say_table(f"Decode step ({args.batch} x 1 after {args.prompt} cached tokens; median ms)", rows,
           ("contender (ms)", "baseline (ms)"))
