@@ -124,7 +124,6 @@ class RoutedPath:
         return a_rows, b_cols
 
     # --- the gathered per-sample factors (r32/mixdecode) ----------------------------------------------------------
-
     def _gathered(self, names: list[str], host: list[int]) -> tuple[Tensor, Tensor, float | Tensor]:
         """Each sample's ``A`` (B, r, in) and ``B`` (B, out, r) (ranks padded to the largest; zeros for a sample
         without an adapter here) and the scale (a number, or (B, 1, 1)). Gathered from the parameters every forward
@@ -137,15 +136,16 @@ class RoutedPath:
         return torch.stack([h[k] for h, k in direct[0]]), torch.stack([h[k] for h, k in direct[1]]), scale
 
     def _plan(self, names: list[str], host: list[int]) -> tuple[bool, tuple[list, list] | None, float | Tensor]:
-        """``(bias, direct, scale)``: any ``lora_bias`` here; where each sample's ``A`` and ``B`` live (``(dict, key)``;
-        None unless ranks are equal and every sample has an adapter here); the common scale (zero factors need none),
-        else each sample's (B, 1, 1). Once per routing (``host`` is `Routing.select`'s until ``route_to``): at one
-        token per sample this cost as much as the matmuls. Forgotten with the factors (`_forget_cached_tensors`)."""
+        """``(bias, direct, scale)``: any ``lora_bias`` here; each sample's ``(dict, key)`` of ``A`` and ``B`` (None
+        unless ranks are equal and every sample has an adapter here); the common scale, else each sample's (B, 1, 1).
+        Once per routing (``host`` is `Routing.select`'s), not per forward: at one token per sample it cost as much
+        as the matmuls. Forgotten with the factors (`_forget_cached_tensors`)."""
         if self.__dict__.get("_routed_plan", (None,))[0] is not host:
             specs, refs = [self.specs[n] for n in names], [self._factor_refs(n) for n in names]
             scales = [s.scaling for s in specs] + [0.0]
-            per_sample = self.factors(names[0])[0].new_tensor([scales[s] for s in host]).view(-1, 1, 1)  # (B, 1, 1)
-            scale = scales[0] if len(set(scales[:-1])) == 1 else per_sample
+            weight = self.factors(names[0])[0]  # samples without an adapter have zero factors: any scale fits them
+            scale = scales[0] if len(set(scales[:-1])) == 1 else torch.tensor(
+                [scales[s] for s in host], dtype=weight.dtype, device=weight.device).view(-1, 1, 1)  # (B, 1, 1)
             equal = len({s.rank for s in specs}) == 1 and len(names) not in host
             direct = ([refs[s][0] for s in host], [refs[s][1] for s in host]) if equal else None
             self.__dict__["_routed_plan"] = (host, (any(s.lora_bias for s in specs), direct, scale))
