@@ -300,7 +300,7 @@ def time_minilm(args: argparse.Namespace) -> dict:
 
 def plot(curve: dict, path: str, threads: int) -> None:
     multi.plot_curve(curve, path, xlabel="distinct adapters among 32 samples", ylabel="decode step time / one adapter",
-                     title=f"Decode step, SmolLM2-135M's shape, LoRA r=8 on q/k/v/o, {threads} CPU threads",
+                     title=f"Decode step, SmolLM2-135M shape, r=8 q/k/v/o, {threads} thread(s)",
                      baseline="ours, one adapter (set_adapter)")
 
 

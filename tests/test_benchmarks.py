@@ -308,3 +308,14 @@ def test_bench_methods_aborts_when_peft_would_adapt_other_tensors(monkeypatch):
 
     with pytest.raises(SystemExit, match="IA3: PEFT's get_peft_model makes other trainable tensors"):
         bench_methods.build_pair(ia3, no_feedforward, base, batch, 0)
+
+
+def test_bench_mixed_decode_quick_runs_agrees_with_peft_and_plots(tmp_path):
+    report, text, plot = quick_run(tmp_path, "bench_mixed_decode.py")
+    decode = report["decode"]
+    assert decode["equivalence"] <= 1e-4 and decode["generate"]["token_agreement"] == 1.0
+    assert decode["our_decoder"]["tokens_equal_transformers"]
+    assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in decode["rows"])
+    assert decode["curve"]["counts"] == [1, 2, 4] and len(decode["curve"]["peft"]) == 3
+    assert "| decode step, 4 samples over 4 adapters: ours mixed / ours one adapter" in text
+    assert plot.stat().st_size > 1000
