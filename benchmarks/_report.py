@@ -47,6 +47,17 @@ def say_machine() -> dict[str, Any]:
     return m
 
 
+def say_table(title: str, rows: list[dict], columns: tuple[str, str] = ("ours (ms)", "baseline (ms)")) -> None:
+    """Print (and keep for ``--txt``) `_timing.row` rows as a markdown table: both times, the ratio, goal, met."""
+    say(f"\n### {title}\n")
+    say(f"| measurement | {columns[0]} | {columns[1]} | ratio | goal | met? |")
+    say("| --- | ---: | ---: | ---: | ---: | :---: |")
+    for r in rows:
+        met = "—" if r["met"] is None else ("yes" if r["met"] else "NO")
+        goal = "—" if r["goal"] is None else f"≤ {r['goal']:.2f}"
+        say(f"| {r['measurement']} | {r['ours']:.2f} | {r['baseline']:.2f} | {r['ratio']:.3f} | {goal} | {met} |")
+
+
 def write_results(json_path: str | None, txt_path: str | None, report: dict) -> None:
     """Write ``report`` as JSON and the printed lines as text, to the paths given (None: skip)."""
     if json_path:

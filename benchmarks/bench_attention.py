@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _memory import fresh_runs, reset_peak_rss, rss_kb  # noqa: E402
-from _report import say, say_machine, write_results  # noqa: E402
+from _report import say, say_machine, say_table, write_results  # noqa: E402
 from lightning_peft.nn.attention import attention, select_backend  # noqa: E402
 
 LENGTHS = (512, 1024, 2048, 4096)
@@ -167,13 +167,7 @@ def memory_row(measurement: str, ours: float, naive: float, goal: float | None) 
 
 
 def print_rows(title: str, rows: list[dict], unit: str) -> None:
-    say(f"\n### {title}\n")
-    say(f"| measurement | ours ({unit}) | naive ({unit}) | ratio ours / naive | goal | met? |")
-    say("| --- | ---: | ---: | ---: | ---: | :---: |")
-    for r in rows:
-        met = "—" if r["met"] is None else ("yes" if r["met"] else "NO")
-        goal = "—" if r["goal"] is None else f"≤ {r['goal']:.2f}"
-        say(f"| {r['measurement']} | {r['ours']:.2f} | {r['baseline']:.2f} | {r['ratio']:.3f} | {goal} | {met} |")
+    say_table(title, rows, (f"ours ({unit})", f"naive ({unit})"))
 
 
 def report_tables(args: argparse.Namespace, times: dict, memory: dict) -> dict:

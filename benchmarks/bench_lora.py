@@ -89,7 +89,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from _report import say_machine  # noqa: E402
+from _report import say_machine, say_table  # noqa: E402
 from _memory import MALLOC_MODES, fresh_runs, interpreter_run, reset_peak_rss, rss_kb  # noqa: E402
 from _timing import alternate, row  # noqa: E402,F401  (also imported from here by the other benchmarks)
 import peft  # noqa: E402
@@ -502,14 +502,7 @@ def memory_rows(memory: dict[str, dict[str, dict]]) -> list[dict]:
 def print_table(
     title: str, rows: list[dict], columns: tuple[str, str] = ("ours (ms)", "baseline (ms)")
 ) -> None:
-    print(f"\n### {title}\n")
-    print(f"| measurement | {columns[0]} | {columns[1]} | ratio | goal | met? |")
-    print("| --- | ---: | ---: | ---: | ---: | :---: |")
-    for r in rows:
-        met = "—" if r["met"] is None else ("yes" if r["met"] else "NO")
-        goal = "—" if r["goal"] is None else f"≤ {r['goal']:.2f}"
-        numbers = f"{r['ours']:.2f} | {r['baseline']:.2f} | {r['ratio']:.3f}"
-        print(f"| {r['measurement']} | {numbers} | {goal} | {met} |")
+    say_table(title, rows, columns)
 
 
 def print_spread(

@@ -367,3 +367,15 @@ def test_bench_sft_quick_packs_the_same_tokens_to_the_same_loss_and_reports_ever
     assert [m["sigma"] for m in report["mixes"]] == [0.5, 0.9]
     assert all(0 < m["padding_share"] < 1 and 0 < m["packed_attention_inside_rows"] <= 1 for m in report["mixes"])
     assert "| packed 512 / padded: tokens per second |" in txt.read_text() and plot.stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_bench_mixed_decode_quick_runs_agrees_with_peft_and_plots(tmp_path):
+    report, text, plot = quick_run(tmp_path, "bench_mixed_decode.py")
+    decode = report["decode"]
+    assert decode["equivalence"] <= 1e-4 and decode["generate"]["token_agreement"] == 1.0
+    assert decode["our_decoder"]["tokens_equal_transformers"]
+    assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in decode["rows"])
+    assert decode["curve"]["counts"] == [1, 2, 4] and len(decode["curve"]["peft"]) == 3
+    assert "| decode step, 4 samples over 4 adapters: ours mixed / ours one adapter" in text
+    assert plot.stat().st_size > 1000

@@ -173,8 +173,9 @@ PACKAGE_FILE_LINES = 800
 #: refusal of target_parameters that layers_to_transform / exclude_modules cannot narrow and PEFT files read as PEFT
 #: reads them (+27, less 15 from folding exact_targets into _common.exact_choice and one name tally), plus (issue 31)
 #: per-token routing of packed batches (+83; its technique-free half, boundaries and token order, is
-#: peft/_packed.py): not a number to grow into.
-OVER_THE_GOAL = {"lora": 3961}
+#: peft/_packed.py) and 3 where it meets issue 32's per-routing plan of the mixed-sample path (which itself came in
+#: at no net lines): not a number to grow into.
+OVER_THE_GOAL = {"lora": 3964}
 
 
 def _package_over(package: Path, root: Path = PACKAGE) -> str | None:

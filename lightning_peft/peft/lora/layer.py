@@ -188,6 +188,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
     def _forget_cached_tensors(self) -> None:
         # After a move, a cast or a load (assign=True replaces the Parameter objects) the references would be stale.
         self._factor_cache = {}
+        self.__dict__.pop("_routed_plan", None)  # RoutedPath._plan: it holds references to the parameters too
 
     @property
     def weight(self) -> Tensor:
@@ -247,6 +248,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
                              f"{'with DoRA' if use_dora else 'on an Embedding'}; set lora_bias=False.")
         variant = self.dora_variant() if use_dora else None
         self.specs[name] = AdapterSpec(rank, alpha, use_rslora, variant, lora_bias)
+        self._forget_cached_tensors()  # a routed plan made for the old adapters
         self.lora_dropout[name] = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         weight = self._adapted()
         self._create(name, rank, device=weight.device, dtype=adapter_dtype(weight))
@@ -266,7 +268,7 @@ class LoRALayer(RoutedPath, LayerWrapper):
         if variant is not None:
             variant.delete(self, name)
         del self.lora_dropout[name]
-        self._factor_cache.pop(name, None)
+        self._forget_cached_tensors()
         for container in self._containers():
             del container[name]
 
@@ -486,6 +488,8 @@ class LoRALayer(RoutedPath, LayerWrapper):
             if selected is None:
                 return result
             variants.refuse_routing([n for n in selected[0] if self.specs[n].variant is not None])
+            if len(selected[0]) == 1 and 1 not in selected[2]:  # every sample on one adapter: its own path
+                return self._single(x, result, selected[0][0])
             return self._routed(x, result, *selected)
         name = routing.active
         if name not in self.specs:
@@ -651,12 +655,12 @@ class LoRALinear(ABLayer):
         return self._add_update(result, hidden, lora_b, self.specs[name].scaling, self.lora_B[name].bias)
 
     def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor, host: list[int]) -> Tensor:
-        if any(self.specs[n].lora_bias for n in names):  # a bias per sample: one segment per adapter
+        if self._plan(names, host)[0]:  # a bias per sample (lora_bias): one segment per adapter
             return super()._routed(x, result, names, slots, host)
-        a_t, b_t = self._gathered(names, host)  # (B, in, r), (B, r, out)
-        x3 = self._routed_dropout(x, names, slots).to(a_t.dtype).reshape(x.shape[0], -1, x.shape[-1])  # (B, T, in)
-        hidden = torch.bmm(x3, a_t)  # (B, T, r)
-        return self._add_batched(result, hidden, b_t)
+        a, b, scale = self._gathered(names, host)  # (B, r, in), (B, out, r)
+        x3 = self._routed_dropout(x, names, slots).to(a.dtype).reshape(x.shape[0], -1, x.shape[-1])  # (B, T, in)
+        hidden = torch.bmm(x3, a.transpose(1, 2))  # (B, T, r)
+        return self._add_batched(result, hidden, b.transpose(1, 2), scale)
 
 
 class LoRAEmbedding(LoRALayer):
@@ -722,15 +726,16 @@ class LoRAEmbedding(LoRALayer):
     def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor, host: list[int]) -> Tensor:
         if self.base_layer.max_norm is not None:  # max_norm renormalises the looked-up rows in place
             return super()._routed(x, result, names, slots, host)
-        a_t, b_t = self._stacked(names)  # (k+1, V, r), (k+1, r, d)
-        vocab = a_t.shape[1]
-        table = a_t.reshape(-1, a_t.shape[-1])  # ((k+1) V, r): adapter k's rows at [k V, (k+1) V)
-        ids = x + (slots * vocab).view(-1, *([1] * (x.dim() - 1)))  # (B, ...)
+        a_rows, b_cols = self._padded(names)  # each A (r, V) and B (d, r), the last pair all zero
+        table = torch.cat(a_rows, dim=1).t()  # ((k+1) V, r): adapter k's rows at [k V, (k+1) V)
+        ids = x + (slots * a_rows[0].shape[1]).view(-1, *([1] * (x.dim() - 1)))  # (B, ...)
         hidden = F.embedding(ids, table, scale_grad_by_freq=self.base_layer.scale_grad_by_freq)  # (B, ..., r)
         padding = self.base_layer.padding_idx
         if padding is not None:  # as padding_idx does: the row is read, but gets no gradient
             hidden = torch.where((x == padding).unsqueeze(-1), hidden.detach(), hidden)
-        return self._add_batched(result, hidden.reshape(x.shape[0], -1, hidden.shape[-1]), b_t.index_select(0, slots))
+        b_t = torch.stack(b_cols).index_select(0, slots).transpose(1, 2)  # (B, r, d)
+        hidden = hidden.reshape(x.shape[0], -1, hidden.shape[-1])  # (B, T, r)
+        return self._add_batched(result, hidden, b_t, self._plan(names, host)[2])
 
 
 #: LoRA layer classes by base module type, beside Linear / Conv1D (the default) and Embedding; each layer module

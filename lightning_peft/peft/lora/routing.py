@@ -196,48 +196,46 @@ class RoutedPath:
         b_cols.append(b_cols[0].new_zeros(b_cols[0].shape))
         return a_rows, b_cols
 
-    def _stacked(self, names: list[str]) -> tuple[Tensor, Tensor]:
-        """``A^T`` (k+1, in, r) and ``(s * B)^T`` (k+1, r, out) of ``names``, ranks padded to the largest, and a
-        last, all-zero slot for samples without an adapter here.
+    # --- the gathered per-sample factors (r32/mixdecode) ----------------------------------------------------------
+    def _gathered(self, names: list[str], host: list[int]) -> tuple[Tensor, Tensor, float | Tensor]:
+        """Each sample's ``A`` (B, r, in) and ``B`` (B, out, r) (ranks padded to the largest; zeros for a sample
+        without an adapter here) and the scale (a number, or (B, 1, 1)). Gathered from the parameters every forward
+        (no cache keyed on them sees a fused optimizer step or a write through ``.data``), in their own layout: a
+        stack of transposes copies element by element (2-4x the time at decode shapes); matmuls read them transposed."""
+        _, direct, scale = self._plan(names, host)
+        if direct is None:  # ranks differ, or a sample has no adapter here
+            a_rows, b_cols = self._padded(names)
+            direct = [(a_rows, s) for s in host], [(b_cols, s) for s in host]
+        return torch.stack([h[k] for h, k in direct[0]]), torch.stack([h[k] for h, k in direct[1]]), scale
 
-        Built every forward (see `_gathered`): only the adapters the batch uses.
-        """
-        a_rows, b_cols = self._padded(names)
-        scale = torch.tensor([self.specs[n].scaling for n in names] + [0.0], dtype=b_cols[0].dtype,
-                             device=b_cols[0].device)
-        # Stacked straight into the transposed, contiguous layout the batched matmuls read: one copy each.
-        stacked_a = torch.stack([a.t() for a in a_rows])  # (k+1, in, r)
-        stacked_b = torch.stack([b.t() for b in b_cols]).mul_(scale.view(-1, 1, 1))  # (k+1, r, out)
-        return stacked_a, stacked_b
+    def _plan(self, names: list[str], host: list[int]) -> tuple[bool, tuple[list, list] | None, float | Tensor]:
+        """``(bias, direct, scale)``: any ``lora_bias`` here; each sample's ``(dict, key)`` of ``A`` and ``B`` (None
+        unless ranks are equal and every sample has an adapter here); the common scale, else each sample's (B, 1, 1).
+        Once per routing (``host`` is `Routing.select`'s), not per forward: at one token per sample it cost as much
+        as the matmuls. Forgotten with the factors (`_forget_cached_tensors`)."""
+        if self.__dict__.get("_routed_plan", (None,))[0] is not host:
+            specs, refs = [self.specs[n] for n in names], [self._factor_refs(n) for n in names]
+            scales = [s.scaling for s in specs] + [0.0]
+            weight = self.factors(names[0])[0]  # samples without an adapter have zero factors: any scale fits them
+            scale = scales[0] if len(set(scales[:-1])) == 1 else torch.tensor(
+                [scales[s] for s in host], dtype=weight.dtype, device=weight.device).view(-1, 1, 1)  # (B, 1, 1)
+            equal = len({s.rank for s in specs}) == 1 and len(names) not in host
+            direct = ([refs[s][0] for s in host], [refs[s][1] for s in host]) if equal else None
+            self.__dict__["_routed_plan"] = (host, (any(s.lora_bias for s in specs), direct, scale))
+        return self.__dict__["_routed_plan"][1]
 
-    def _gathered(self, names: list[str], host: list[int]) -> tuple[Tensor, Tensor]:
-        """Each sample's ``A^T`` (B, in, r) and ``(s * B)^T`` (B, r, out), gathered straight from the parameters
-        (ranks padded to the largest; zeros for a sample without an adapter here).
-
-        Built every forward, in inference too: no cache keyed on the parameters can tell that they changed (a fused
-        optimizer step and writes through ``.data`` move neither the version counter nor the storage). One copy
-        per sample, as large as the gather from a stack would be, and nothing is stacked for adapters no sample
-        uses here.
-        """
-        a_rows, b_cols = self._padded(names)
-        scales = [self.specs[n].scaling for n in names] + [0.0]
-        scale = torch.tensor([scales[s] for s in host], dtype=b_cols[0].dtype, device=b_cols[0].device)  # (B,)
-        a_t = torch.stack([a_rows[s].t() for s in host])  # (B, in, r)
-        b_t = torch.stack([b_cols[s].t() for s in host]).mul_(scale.view(-1, 1, 1))  # (B, r, out)
-        return a_t, b_t
-
-    def _add_batched(self, result: Tensor, hidden: Tensor, b_t: Tensor) -> Tensor:
-        """``result + hidden @ b_t`` per sample: ``hidden`` (B, T, r), ``b_t`` (B, r, out), ``result`` (B, ..., out).
-
-        One fused ``baddbmm`` when dtypes agree and autocast is off (as `_add_update` fuses ``addmm``).
-        """
-        fuse = hidden.dtype == result.dtype == b_t.dtype and not torch.is_autocast_enabled(result.device.type)
-        if fuse:
+    def _add_batched(self, result: Tensor, hidden: Tensor, b_t: Tensor, scale: float | Tensor = 1.0) -> Tensor:
+        """``result + scale * hidden @ b_t`` per sample: ``hidden`` (B, T, r), ``b_t`` (B, r, out), ``result``
+        (B, ..., out), ``scale`` a number or (B, 1, 1). One fused ``baddbmm`` when dtypes agree and autocast is off
+        (as `_add_update` fuses ``addmm``)."""
+        if isinstance(scale, Tensor):
+            hidden, scale = hidden * scale, 1.0  # (B, T, r): the smallest tensor the per-sample scale can go on
+        if hidden.dtype == result.dtype == b_t.dtype and not torch.is_autocast_enabled(result.device.type):  # fuse
             result3 = result.reshape(hidden.shape[0], -1, result.shape[-1])  # (B, T, out)
             if self._may_overwrite(result):
-                return result3.baddbmm_(hidden, b_t).view(result.shape)
-            return torch.baddbmm(result3, hidden, b_t).view(result.shape)
-        return result + torch.bmm(hidden, b_t).view(result.shape).to(result.dtype)
+                return result3.baddbmm_(hidden, b_t, alpha=scale).view(result.shape)
+            return torch.baddbmm(result3, hidden, b_t, alpha=scale).view(result.shape)
+        return result + (torch.bmm(hidden, b_t) * scale).view(result.shape).to(result.dtype)
 
     def _may_overwrite(self, result: Tensor) -> bool:
         """Whether the base output can take the update in place: without autograd, and when no hook on the base
