@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_peft._checks import boolean, choice, integer, path, real
@@ -233,6 +233,7 @@ class SFTDataModule(LightningDataModule):
             ValueError: If a row is malformed (`tokenize_row`), ``max_length`` exceeds the tokenizer's, a split would
                 be empty, or every row of a split is dropped.
         """
+        self._warn_unread_routing()
         if self._examples:
             return
         self.tokenizer = tokenizer = load_tokenizer(self.tokenizer_name, _WHO)
@@ -287,14 +288,14 @@ class SFTDataModule(LightningDataModule):
         rank_zero_info(f"{_WHO}: rows of {self.data_path.name} longer than max_length={self.max_length} tokens: "
                        f"{parts}; {done}{extra}.")
 
-    def _loader(self, who: str, split: str, shuffle: bool) -> DataLoader | list:
+    def _loader(self, who: str, split: str, shuffle: bool, packing: bool | None = None) -> DataLoader | list:
         if not self._examples:
             raise RuntimeError(f"{_WHO}.{who}: called before setup(); call setup() first, or pass the datamodule to a "
                                "Trainer, which calls it.")
         examples = self._examples[split]
         if not examples:
             return []  # no validation split: Lightning skips validation
-        if self.packing:
+        if self.packing if packing is None else packing:
             packs = _Packs(examples, self.tokens_per_batch, self.routing_field)
             return DataLoader(packs, batch_size=None, num_workers=self.num_workers,
                               sampler=EpochShuffleSampler(len(packs), self.seed) if shuffle else None,
@@ -311,3 +312,31 @@ class SFTDataModule(LightningDataModule):
         """Validation batches in a fixed order (an empty list when ``val_fraction`` is 0)."""
         return self._loader("val_dataloader", "val", shuffle=False)
 
+    def predict_dataloader(self) -> DataLoader:
+        """The validation rows as padded batches in file order, for ``Trainer.predict(module, datamodule=...)``
+        (`HFCausalLM.predict_step` generates after each row's prompt); padded with ``packing`` too, since generation
+        takes one prompt per row.
+
+        Raises:
+            ValueError: If there is no validation split (``val_fraction=0``).
+        """
+        if self._examples and not self._examples["val"]:
+            raise ValueError(f"{_WHO}(val_fraction=0).predict_dataloader: predictions are made on the validation rows, "
+                             "and there are none; set val_fraction above 0, or pass Trainer.predict(dataloaders=...).")
+        return self._loader("predict_dataloader", "val", shuffle=False, packing=False)
+
+    def routes(self) -> list[str | int | None]:
+        """The distinct routing values of the rows (both splits, in order of appearance): what a router such as
+        ``MultiLoRA`` checks at setup, so that a name it lacks is refused before training rather than at its batch."""
+        return list(dict.fromkeys(e.route for examples in self._examples.values() for e in examples))
+
+    def _warn_unread_routing(self) -> None:
+        """Warns when a Trainer runs with ``routing_field`` but none of its callbacks routes by that key: every row
+        would then train the same weights, whatever adapter it names."""
+        callbacks = getattr(self.trainer, "callbacks", None)
+        if self.routing_field is None or callbacks is None:
+            return
+        if not any(getattr(callback, "routing_key", None) == self.routing_field for callback in callbacks):
+            rank_zero_warn(f"{_WHO}(routing_field={self.routing_field!r}): the batches name each row's adapter, but no "
+                           f"callback of the Trainer routes by {self.routing_field!r}, so every row trains the same "
+                           f"weights; add MultiLoRA(routing_key={self.routing_field!r}, ...), or drop routing_field.")

@@ -126,6 +126,7 @@ class HFCausalLM(LightningModule):
             raise ValueError(
                 f"{_WHO}({self.hparams.pretrained!r}) has {rows} token embeddings, fewer than the {len(tokenizer)} "
                 f"tokens of {type(datamodule).__name__}'s tokenizer; give the datamodule the model's own tokenizer.")
+        _refuse_longer_rows(self.model, self.hparams.pretrained, datamodule)
         if getattr(datamodule, "packing", False):
             _refuse_prompt_learning(self.model, type(datamodule).__name__)
 
@@ -231,6 +232,19 @@ def _model_inputs(batch: dict[str, Any]) -> dict[str, Tensor]:
             f"{'present' if batch.get('attention_mask') is not None else 'absent'}. Without that, attention crosses "
             "the rows; use SFTDataModule(packing=True)'s batches as they are.")
     return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+
+
+def _refuse_longer_rows(model: nn.Module, pretrained: str, datamodule: Any) -> None:
+    """Rows of up to ``max_length`` tokens must fit the model's positions: past them a rotary model runs on positions
+    it never saw, silently, and learned position embeddings fail with an IndexError (packed rows restart at 0, so
+    the row, not the packed batch, is what must fit)."""
+    positions = getattr(model.config, "max_position_embeddings", None)
+    max_length = getattr(datamodule, "max_length", None)
+    if isinstance(positions, int) and isinstance(max_length, int) and max_length > positions:
+        raise ValueError(
+            f"{type(datamodule).__name__}(max_length={max_length}) exceeds the {positions} positions of "
+            f"{_WHO}({pretrained!r}) (config max_position_embeddings): a row that long would run past the positions "
+            f"the model knows; set max_length to at most {positions}.")
 
 
 def _refuse_prompt_learning(model: nn.Module, datamodule: str) -> None:
