@@ -34,7 +34,12 @@ from torch import Tensor, nn
 from lightning_peft._checks import boolean, choice, integer, real
 from lightning_peft._pretrained import resolve_pretrained
 from lightning_peft._seams import data_parallel
-from lightning_peft.modules.causal_lm import IGNORE_INDEX, TokenLoss, shifted_token_losses
+from lightning_peft.modules.causal_lm import (
+    IGNORE_INDEX,
+    TokenLoss,
+    refuse_rows_past_positions,
+    shifted_token_losses,
+)
 from lightning_peft.modules.hf import adamw_with_warmup
 from lightning_peft.peft.adapter import attached, unwrap
 from lightning_peft.peft.checkpoint import restore_adapters
@@ -116,7 +121,8 @@ class HFCausalLM(LightningModule):
         reach the model as they are.
 
         Raises:
-            ValueError: If the tokenizer has more tokens than the model's input embedding, or the datamodule packs
+            ValueError: If the tokenizer has more tokens than the model's input embedding, the datamodule's
+                ``max_length`` exceeds the model's ``max_position_embeddings``, or the datamodule packs
                 rows while a prompt-learning adapter (prompt, P- or prefix tuning) is on the model.
         """
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -126,7 +132,8 @@ class HFCausalLM(LightningModule):
             raise ValueError(
                 f"{_WHO}({self.hparams.pretrained!r}) has {rows} token embeddings, fewer than the {len(tokenizer)} "
                 f"tokens of {type(datamodule).__name__}'s tokenizer; give the datamodule the model's own tokenizer.")
-        _refuse_longer_rows(self.model, self.hparams.pretrained, datamodule)
+        refuse_rows_past_positions(datamodule, getattr(self.model.config, "max_position_embeddings", None),
+                                   f"{_WHO}({self.hparams.pretrained!r})")
         if getattr(datamodule, "packing", False):
             _refuse_prompt_learning(self.model, type(datamodule).__name__)
 
@@ -232,19 +239,6 @@ def _model_inputs(batch: dict[str, Any]) -> dict[str, Tensor]:
             f"{'present' if batch.get('attention_mask') is not None else 'absent'}. Without that, attention crosses "
             "the rows; use SFTDataModule(packing=True)'s batches as they are.")
     return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
-
-
-def _refuse_longer_rows(model: nn.Module, pretrained: str, datamodule: Any) -> None:
-    """Rows of up to ``max_length`` tokens must fit the model's positions: past them a rotary model runs on positions
-    it never saw, silently, and learned position embeddings fail with an IndexError (packed rows restart at 0, so
-    the row, not the packed batch, is what must fit)."""
-    positions = getattr(model.config, "max_position_embeddings", None)
-    max_length = getattr(datamodule, "max_length", None)
-    if isinstance(positions, int) and isinstance(max_length, int) and max_length > positions:
-        raise ValueError(
-            f"{type(datamodule).__name__}(max_length={max_length}) exceeds the {positions} positions of "
-            f"{_WHO}({pretrained!r}) (config max_position_embeddings): a row that long would run past the positions "
-            f"the model knows; set max_length to at most {positions}.")
 
 
 def _refuse_prompt_learning(model: nn.Module, datamodule: str) -> None:

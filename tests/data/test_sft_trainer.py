@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_peft.callbacks import LoRA, MultiLoRA
 from lightning_peft.data import SFTDataModule
-from lightning_peft.modules import HFCausalLM
+from lightning_peft.modules import CausalLM, HFCausalLM
 from tests._models import llama_model, trainer
 
 transformers = pytest.importorskip("transformers")
@@ -140,9 +140,16 @@ def test_a_routing_field_no_callback_routes_by_is_warned(llama, tmp_path):
 
 
 def test_max_length_beyond_the_models_positions_is_refused_before_training(llama, tmp_path):
+    """Both modules, at setup: HFCausalLM (a Llama ran past its positions silently, a GPT-2 failed with an IndexError)
+    and our CausalLM (refused mid-fit, at the first long row's batch)."""
     steps = _Steps()
     with pytest.raises(ValueError, match=r"SFTDataModule\(max_length=256\) exceeds the 128 positions of HFCausalLM\("
                                          r".*set max_length to at most 128"):
         trainer(tmp_path, max_epochs=1, callbacks=[steps, LoRA(**LORA)]).fit(
             HFCausalLM(llama), datamodule=_data(_rows(tmp_path), max_length=256))
+    decoder = CausalLM(vocab_size=30522, decoder={"hidden_size": 8, "num_layers": 1, "num_heads": 2,
+                                                  "max_position_embeddings": 24})
+    with pytest.raises(ValueError, match=r"SFTDataModule\(max_length=64\) exceeds the 24 positions of CausalLM "
+                                         r"\(max_position_embeddings\).*at most 24"):
+        trainer(tmp_path, max_epochs=1, callbacks=[steps]).fit(decoder, datamodule=_data(_rows(tmp_path)))
     assert steps.steps == 0
