@@ -32,6 +32,7 @@ JOBS = {  # pp_script and accumulation_script silence warnings when imported: th
     "curriculum_ddp": ("tests/callbacks/test_curriculum_ddp.py", "tests.callbacks.ddp_curriculum_script:run"),
     "checkpointing": ("tests/callbacks/test_activation_checkpointing.py", "tests.callbacks.checkpointing_script:main"),
     "hf_causal_lm": ("tests/modules/test_hf_causal_lm_ddp.py", "tests.modules.hf_causal_lm_script:run"),
+    "sft_ddp": ("tests/data/test_sft_ddp.py", "tests.data.sft_ddp_script:run"),
     "quantize": ("tests/strategies/test_quantize.py", "tests.strategies.quantize_script:every_case"),
     "zero": ("tests/strategies/test_zero.py", "tests.strategies.zero_script:run"),
     "matrix": ("tests/matrix/test_matrix.py", "tests.matrix.matrix_script:run"),

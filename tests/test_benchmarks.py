@@ -327,3 +327,43 @@ def test_bench_packed_attention_checks_every_contender_and_reports_its_ratio(tmp
     decoder = json.loads(out.read_text())["decoder"]  # the whole decoder step, packed vs padded
     assert [r["lengths"] for r in decoder] == ["32 rows of 16", "8 rows of 64", "long-tailed (Pareto, cap 512)"]
     assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 and r["padded_tokens"] >= r["tokens"] for r in decoder)
+
+
+@pytest.mark.slow
+def test_bench_generate_quick_checks_tokens_against_transformers_and_reports_ratios(tmp_path):
+    import importlib.util
+
+    script = SCRIPT.with_name("bench_generate.py")
+    spec = importlib.util.spec_from_file_location("bench_generate", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # in this process, as the chunked-loss smoke run (an interpreter costs more)
+    out, txt, plot = tmp_path / "generate.json", tmp_path / "generate.txt", tmp_path / "generate.png"
+    bench.main(["--quick", "--json", str(out), "--txt", str(txt), "--plot", str(plot)])  # exits if tokens differ
+    report = json.loads(out.read_text())
+    assert [r["measurement"] for r in report["rows"]] == ["batch 1, 8 new tokens", "batch 4, 8 new tokens"]
+    assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in report["rows"] + report["vs_uncached"])
+    assert len(report["vs_uncached"]) == 1 and "ours == transformers == uncached loop" in txt.read_text()
+    assert plot.stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_bench_sft_quick_packs_the_same_tokens_to_the_same_loss_and_reports_every_ratio(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # in this process: the imports are paid already
+    import bench_sft
+
+    out, txt, plot = tmp_path / "sft.json", tmp_path / "sft.txt", tmp_path / "sft.png"
+    report = bench_sft.main(["--quick", "--json", str(out), "--txt", str(txt), "--plot", str(plot)])
+    assert json.loads(out.read_text())["packing"]["rows"] == report["packing"]["rows"]
+    packing = report["packing"]
+    assert packing["loss"]["relative"] <= 1e-5 and packing["loss"]["target_tokens"] > 0
+    contenders = packing["contenders"]
+    assert list(contenders) == ["padded", "packed 512", "packed 128"]
+    assert len({(c["tokens"], c["targets"]) for c in contenders.values()}) == 1  # every contender: the same rows
+    assert contenders["padded"]["slots"] > contenders["padded"]["tokens"] == contenders["packed 512"]["slots"]
+    assert [r["goal"] for r in packing["rows"]] == [1.6, None]
+    routing = [*report["routing"]["rows"], *report["routing"]["inference"]]
+    assert [r["goal"] for r in routing] == [1.1, None, None, None, None, None, None]
+    assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in [*packing["rows"], *routing])
+    assert [m["sigma"] for m in report["mixes"]] == [0.5, 0.9]
+    assert all(0 < m["padding_share"] < 1 and 0 < m["packed_attention_inside_rows"] <= 1 for m in report["mixes"])
+    assert "| packed 512 / padded: tokens per second |" in txt.read_text() and plot.stat().st_size > 1000

@@ -1,9 +1,11 @@
-"""From tokenised examples to batches: a shuffle that a resumed run replays exactly, and dynamic padding.
+"""From tokenised examples to batches: a shuffle that a resumed run replays exactly, an evaluation split dealt to
+data-parallel ranks without repeats, and dynamic padding.
 
 `EpochShuffleSampler`: the order of epoch ``e`` is ``torch.randperm(n)`` from a generator seeded with
-``blake2b(f"{seed},{e}")``, so it depends on ``(seed, e)`` only. `PaddingCollator`: pads each batch to its longest
-item; batches are dicts of ``(B, T)`` int64 tensors (``input_ids``, ``attention_mask``, ...) and ``labels``
-``(B,)``. Pure PyTorch: nothing here imports Lightning.
+``blake2b(f"{seed},{e}")``, so it depends on ``(seed, e)`` only. `EvaluationShardSampler`: rank ``r`` of ``w`` reads
+items ``r, r + w, ...`` and, where it is one short, a filler item, so every rank reads as many. `PaddingCollator`:
+pads each batch to its longest item; batches are dicts of ``(B, T)`` int64 tensors (``input_ids``,
+``attention_mask``, ...) and ``labels`` ``(B,)``. Pure PyTorch: nothing here imports Lightning.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler, Sampler
 
 from lightning_peft._checks import choice, integer
 
-__all__ = ["EpochShuffleSampler", "PaddingCollator"]
+__all__ = ["EpochShuffleSampler", "EvaluationShardSampler", "PaddingCollator"]
 
 
 class EpochShuffleSampler(Sampler[int]):
@@ -87,6 +89,45 @@ class EpochShuffleSampler(Sampler[int]):
         digest = hashlib.blake2b(f"{self.seed},{self.epoch}".encode(), digest_size=8).digest()
         generator = torch.Generator().manual_seed(int.from_bytes(digest, "little"))
         yield from torch.randperm(self.num_samples, generator=generator).tolist()
+
+
+class EvaluationShardSampler(DistributedSampler):
+    """Deals ``num_items`` evaluation items (whole batches) to ``num_replicas`` data-parallel ranks, none twice.
+
+    ``DistributedSampler`` (which Lightning puts under every evaluation loader under DDP) repeats items until the
+    count divides by the number of ranks, so a token-weighted loss over the split counts them twice. Here rank ``r``
+    reads items ``r, r + w, ...`` in order, and a rank left one short reads the index ``num_items``, one past the
+    items: a filler the dataset answers with a batch that has no target (labels all -100), which a token-weighted
+    metric does not count. Every rank still runs the same number of forwards, as strategies that gather sharded
+    weights in each forward (ZeRO-3, FSDP) and per-step ``sync_dist`` logging need.
+
+    It is a ``DistributedSampler`` so that Lightning keeps it instead of wrapping the loader in its own.
+
+    Args:
+        num_items: How many items the split has (the filler not counted).
+        num_replicas: Data-parallel size.
+        rank: This process's data-parallel rank.
+
+    Raises:
+        ValueError: If ``rank`` is not in ``[0, num_replicas)``.
+
+    Examples:
+        >>> [list(EvaluationShardSampler(5, num_replicas=2, rank=r)) for r in (0, 1)]
+        [[0, 2, 4], [1, 3, 5]]
+    """
+
+    def __init__(self, num_items: int, num_replicas: int, rank: int) -> None:
+        integer("EvaluationShardSampler", "num_items", num_items, minimum=0)
+        super().__init__(range(num_items), num_replicas=num_replicas, rank=rank, shuffle=False)
+        self.num_items = num_items
+        self.num_samples = -(-num_items // num_replicas)  # ceil: what every rank reads
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        own = list(range(self.rank, self.num_items, self.num_replicas))
+        return iter(own + [self.num_items] * (self.num_samples - len(own)))
 
 
 @dataclass(frozen=True)

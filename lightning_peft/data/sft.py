@@ -23,6 +23,13 @@ target crosses a row boundary: a row's first token is -100), ``position_ids`` re
 kernel takes them, with ``max_seqlen`` (an int). The groups are fixed; their order is shuffled every epoch. A split
 packs to fewer batches than it pads to, so a schedule that counts steps counts the packed ones.
 
+Under data parallelism (size ``R`` from ``trainer.strategy.distributed_sampler_kwargs``, never the world size), the
+validation batches (built as one process builds them) are dealt by `EvaluationShardSampler`: rank ``r`` runs batches
+``r, r + R, ...`` and a rank left one short runs a filler with no target, so no batch counts twice in a
+token-weighted loss and every rank runs as many forwards. Training batches are left to Lightning, whose
+``DistributedSamplerWrapper`` deals rows (padded) or packed batches and repeats fewer than ``R`` of them so every rank
+has as many batches.
+
 With ``routing_field``, every row names its adapter (a name, an id, or null: the base model) in that field, and
 batches carry the list of them under the same key: one per row of a padded batch (what ``MultiLoRA(routing_key=...)``
 reads), one per packed row (in ``cu_seqlens`` order) of a packed batch.
@@ -44,7 +51,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_peft._checks import boolean, choice, integer, path, real
 from lightning_peft._pretrained import load_tokenizer
-from lightning_peft.data.batches import EpochShuffleSampler
+from lightning_peft._seams import data_parallel
+from lightning_peft.data.batches import EpochShuffleSampler, EvaluationShardSampler
 from lightning_peft.data.sft_rows import IGNORE_INDEX, Example, read_rows, tokenize_row
 
 __all__ = ["SFTDataModule", "pack_examples", "pack_groups", "pad_examples"]
@@ -139,18 +147,31 @@ class _Rows(Dataset):
         return self.examples[index]
 
 
-class _Packs(Dataset):
-    """One item per packed group: a whole padding-free batch."""
+@dataclass(frozen=True)
+class _Packer:
+    """``pack_examples`` as a picklable collate function."""
 
-    def __init__(self, examples: list[Example], budget: int, routing_field: str | None) -> None:
-        self.examples, self.routing_field = examples, routing_field
-        self.groups = pack_groups([len(e.input_ids) for e in examples], budget)
+    routing_field: str | None
+
+    def __call__(self, examples: list[Example]) -> dict[str, Any]:
+        return pack_examples(examples, self.routing_field)
+
+
+class _Batches(Dataset):
+    """One item per group of rows: a whole batch, padded or packed by ``collate``. Item ``len(groups)`` is the filler
+    `EvaluationShardSampler` reads on a rank left one short: the shortest row with every label -100 (no target)."""
+
+    def __init__(self, examples: list[Example], groups: list[list[int]], collate: _Padder | _Packer) -> None:
+        self.examples, self.groups, self.collate = examples, groups, collate
 
     def __len__(self) -> int:
         return len(self.groups)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return pack_examples([self.examples[i] for i in self.groups[index]], self.routing_field)
+        if index == len(self.groups):
+            row = min(self.examples, key=lambda e: len(e.input_ids))
+            return self.collate([Example(row.input_ids, [IGNORE_INDEX] * len(row.labels), row.route)])
+        return self.collate([self.examples[i] for i in self.groups[index]])
 
 
 class SFTDataModule(LightningDataModule):
@@ -288,29 +309,45 @@ class SFTDataModule(LightningDataModule):
         rank_zero_info(f"{_WHO}: rows of {self.data_path.name} longer than max_length={self.max_length} tokens: "
                        f"{parts}; {done}{extra}.")
 
-    def _loader(self, who: str, split: str, shuffle: bool, packing: bool | None = None) -> DataLoader | list:
+    def _split_examples(self, who: str, split: str) -> list[Example]:
         if not self._examples:
             raise RuntimeError(f"{_WHO}.{who}: called before setup(); call setup() first, or pass the datamodule to a "
                                "Trainer, which calls it.")
-        examples = self._examples[split]
-        if not examples:
-            return []  # no validation split: Lightning skips validation
-        if self.packing if packing is None else packing:
-            packs = _Packs(examples, self.tokens_per_batch, self.routing_field)
-            return DataLoader(packs, batch_size=None, num_workers=self.num_workers,
-                              sampler=EpochShuffleSampler(len(packs), self.seed) if shuffle else None,
-                              persistent_workers=self.num_workers > 0)
-        return DataLoader(_Rows(examples), batch_size=self.batch_size, collate_fn=_Padder(self.pad_id, self.routing_field),
-                          sampler=EpochShuffleSampler(len(examples), self.seed) if shuffle else None,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        return self._examples[split]
+
+    def _groups(self, examples: list[Example]) -> list[list[int]]:
+        """The packed groups of ``examples``."""
+        return pack_groups([len(e.input_ids) for e in examples], self.tokens_per_batch)
+
+    def _workers(self) -> dict[str, Any]:
+        return {"num_workers": self.num_workers, "persistent_workers": self.num_workers > 0}
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches; epoch ``e``'s order depends only on ``(seed, e)``."""
-        return self._loader("train_dataloader", "train", shuffle=True)
+        """Shuffled training batches; epoch ``e``'s order depends only on ``(seed, e)``. Under DDP, Lightning's
+        ``DistributedSamplerWrapper`` deals them (module docstring)."""
+        examples = self._split_examples("train_dataloader", "train")
+        if self.packing:
+            packs = _Batches(examples, self._groups(examples), _Packer(self.routing_field))
+            return DataLoader(packs, batch_size=None, sampler=EpochShuffleSampler(len(packs), self.seed),
+                              **self._workers())
+        return DataLoader(_Rows(examples), batch_size=self.batch_size, collate_fn=_Padder(self.pad_id, self.routing_field),
+                          sampler=EpochShuffleSampler(len(examples), self.seed), **self._workers())
 
     def val_dataloader(self) -> DataLoader | list:
-        """Validation batches in a fixed order (an empty list when ``val_fraction`` is 0)."""
-        return self._loader("val_dataloader", "val", shuffle=False)
+        """Validation batches in a fixed order, this data-parallel rank's share (module docstring); an empty list when
+        ``val_fraction`` is 0."""
+        examples = self._split_examples("val_dataloader", "val")
+        if not examples:
+            return []  # no validation split: Lightning skips validation
+        if self.packing:
+            batches = _Batches(examples, self._groups(examples), _Packer(self.routing_field))
+        else:
+            starts = range(0, len(examples), self.batch_size)
+            batches = _Batches(examples, [list(range(i, min(i + self.batch_size, len(examples)))) for i in starts],
+                               _Padder(self.pad_id, self.routing_field))
+        size, rank = data_parallel(self.trainer.strategy) if self.trainer is not None else (1, 0)
+        return DataLoader(batches, batch_size=None, sampler=EvaluationShardSampler(len(batches), size, rank),
+                          **self._workers())
 
     def predict_dataloader(self) -> DataLoader:
         """The validation rows as padded batches in file order, for ``Trainer.predict(module, datamodule=...)``
@@ -320,10 +357,12 @@ class SFTDataModule(LightningDataModule):
         Raises:
             ValueError: If there is no validation split (``val_fraction=0``).
         """
-        if self._examples and not self._examples["val"]:
+        examples = self._split_examples("predict_dataloader", "val")
+        if not examples:
             raise ValueError(f"{_WHO}(val_fraction=0).predict_dataloader: predictions are made on the validation rows, "
                              "and there are none; set val_fraction above 0, or pass Trainer.predict(dataloaders=...).")
-        return self._loader("predict_dataloader", "val", shuffle=False, packing=False)
+        return DataLoader(_Rows(examples), batch_size=self.batch_size, collate_fn=_Padder(self.pad_id, self.routing_field),
+                          **self._workers())
 
     def routes(self) -> list[str | int | None]:
         """The distinct routing values of the rows (both splits, in order of appearance): what a router such as

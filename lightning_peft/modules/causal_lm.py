@@ -33,8 +33,14 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 
 from lightning_peft._checks import integer
-from lightning_peft.modules._block_common import _adamw_with_schedule, _check_args, _check_options, add_moe_losses
+from lightning_peft.modules._block_common import (
+    _adamw_with_schedule,
+    _check_args,
+    _check_options,
+    add_moe_losses,
+)
 from lightning_peft.nn.chunked_loss import chunked_cross_entropy
+from lightning_peft.nn.generation import check_generation, run_generation
 from lightning_peft.nn.transformer import TransformerDecoder
 
 __all__ = ["CausalLM", "TokenLoss", "shifted_token_losses"]
@@ -315,45 +321,45 @@ class CausalLM(LightningModule):
             counts = counts.new_zeros(len(lengths)).index_add_(0, sequence, (target[0] != IGNORE_INDEX).long())
         return {"loss": sums / counts.clamp(min=1), "tokens": counts}
 
-    @torch.no_grad()
     def generate(
         self, input_ids: Tensor, max_new_tokens: int, temperature: float = 0.0,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | None = None, *, top_k: int | None = None, top_p: float | None = None,
+        eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+        attention_mask: Tensor | None = None, use_cache: bool = True,
     ) -> Tensor:
-        """Appends ``max_new_tokens`` tokens to ``input_ids`` ``(B, L)``, a forward pass per token (no cache).
+        """Appends up to ``max_new_tokens`` tokens to ``input_ids`` ``(B, L)``: the prompt runs once, then one token
+        per step on a key/value cache (`lightning_peft.nn.generate`, where the rule is).
 
         Args:
-            input_ids: The prompts, ``(B, L)``, all real tokens.
-            max_new_tokens: How many tokens to add.
+            input_ids: The prompts, ``(B, L)``; shorter ones left-padded (see ``attention_mask``).
+            max_new_tokens: How many tokens to add at most.
             temperature: 0 for greedy decoding; otherwise sampling from ``softmax(logits / temperature)``.
             generator: Random generator for sampling (reproducible draws).
+            top_k: Sample among the ``top_k`` most likely tokens (transformers' ``TopKLogitsWarper``).
+            top_p: Sample within the top-p nucleus (transformers' ``TopPLogitsWarper``), ``0 < top_p <= 1``.
+            eos_token_id: Stop token id(s): a sample that emits one gets ``pad_token_id`` afterwards, and
+                generation ends when every sample has stopped.
+            pad_token_id: Token after a sample's stop; default: the first stop token.
+            attention_mask: ``(B, L)``, 0 on the left padding of shorter prompts (never attended; positions start
+                at each prompt's first real token).
+            use_cache: False recomputes the whole sequence for every token (the same tokens, slower).
 
         Returns:
-            ``(B, L + max_new_tokens)``: the prompts followed by the new tokens. The context is cut to the
-            decoder's ``max_position_embeddings`` last tokens. Runs in eval mode; the mode is restored.
+            ``(B, L + n)``: the prompts followed by ``n`` new tokens (``n = max_new_tokens`` unless every sample
+            stopped earlier). Runs in eval mode; the mode is restored. The decoder runs through its layers'
+            module calls, so LoRA adapters and `lightning_peft.peft.route_adapters` apply at every step.
 
         Raises:
-            ValueError: If ``max_new_tokens`` is negative or ``temperature`` is negative.
+            ValueError: If ``max_new_tokens`` or ``temperature`` is negative, ``top_k`` / ``top_p`` are out of range
+                or given with greedy decoding, a prompt ends with padding, or the prompts plus ``max_new_tokens``
+                exceed the decoder's ``max_position_embeddings`` (no sliding window: refused before any step).
         """
-        integer("CausalLM.generate", "max_new_tokens", max_new_tokens, minimum=0)
-        if not temperature >= 0:
-            raise ValueError(
-                f"CausalLM.generate(temperature={temperature!r}): temperature must be >= 0 (0 = greedy)."
-            )
+        settings = check_generation("CausalLM.generate", self.decoder, input_ids, max_new_tokens, temperature,
+                                    top_k, top_p, eos_token_id, pad_token_id, attention_mask)
         was_training = self.training
         self.eval()
         try:
-            tokens = input_ids
-            for _ in range(max_new_tokens):
-                context = tokens[:, -self.decoder.max_position_embeddings :]
-                logits = self(context)[:, -1].float()  # (B, V)
-                if temperature == 0:
-                    new = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
-                else:
-                    probs = torch.softmax(logits / temperature, dim=-1)
-                    new = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
-                tokens = torch.cat([tokens, new.to(tokens.dtype)], dim=1)
-            return tokens
+            return run_generation(self.decoder, input_ids, settings, generator, use_cache)
         finally:
             self.train(was_training)
 

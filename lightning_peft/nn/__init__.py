@@ -1,9 +1,11 @@
 """Blocks: attention (flash-attn on CUDA, SDPA otherwise), transformer blocks, encoder and decoder, token pruning,
-mixture of experts, reversible layers, activation checkpointing of chosen blocks, the chunked language-model loss.
+mixture of experts, reversible layers, activation checkpointing of chosen blocks, the chunked language-model loss,
+generation with a key/value cache.
 
 Pure PyTorch: nothing here imports Lightning. See `lightning_peft.nn.attention`, `lightning_peft.nn.transformer`,
 `lightning_peft.nn.token_pruning`, `lightning_peft.nn.moe`, `lightning_peft.nn.reversible`,
-`lightning_peft.nn.checkpointing` and `lightning_peft.nn.chunked_loss`.
+`lightning_peft.nn.checkpointing`, `lightning_peft.nn.chunked_loss`, `lightning_peft.nn.kv_cache` and
+`lightning_peft.nn.generation`.
 """
 
 from lightning_peft.nn.attention import (
@@ -23,6 +25,8 @@ from lightning_peft.nn.checkpointing import (
     remove_activation_checkpointing,
 )
 from lightning_peft.nn.chunked_loss import chunked_cross_entropy
+from lightning_peft.nn.generation import filter_logits, generate
+from lightning_peft.nn.kv_cache import KVCache
 from lightning_peft.nn.moe import MoE
 from lightning_peft.nn.reversible import ReversibleSequence
 from lightning_peft.nn.token_pruning import TokenPruner
@@ -40,6 +44,7 @@ __all__ = [
     "BACKENDS",
     "FeedForward",
     "FlashAttention",
+    "KVCache",
     "MoE",
     "RMSNorm",
     "ReversibleSequence",
@@ -54,7 +59,9 @@ __all__ = [
     "attention_received",
     "checkpointed_modules",
     "chunked_cross_entropy",
+    "filter_logits",
     "flash_attn_available",
+    "generate",
     "moe_aux_loss",
     "moe_layers",
     "packed_attention",

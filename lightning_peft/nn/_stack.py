@@ -94,14 +94,17 @@ def check_reversible(who: str, reversible: bool, norm_first: bool, moe: dict[str
         )
 
 
-def key_padding_mask(attention_mask: Tensor | None, input_ids: Tensor, who: str) -> Tensor | None:
-    """A bool (B, L) mask (True = real) from a 0/1 or bool mask; None when every token is real."""
+def key_padding_mask(attention_mask: Tensor | None, input_ids: Tensor, who: str, past: int = 0) -> Tensor | None:
+    """A bool (B, past + L) mask (True = real) from a 0/1 or bool mask; None when every token is real. ``past``:
+    tokens held in a key/value cache before ``input_ids``, which the mask covers too."""
     if attention_mask is None:
         return None
-    if attention_mask.shape != input_ids.shape:
+    expected = (input_ids.shape[0], past + input_ids.shape[1])
+    if tuple(attention_mask.shape) != expected:
+        cached = f" after {past} cached tokens (the mask covers both)" if past else ""
         raise ValueError(
-            f"{who}: attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}; "
-            "give one 0/1 (or bool) entry per token, 1 for real tokens."
+            f"{who}: attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}"
+            f"{cached}; give one 0/1 (or bool) entry per token, 1 for real tokens: shape {expected}."
         )
     if attention_mask.is_floating_point() or attention_mask.is_complex():
         raise ValueError(

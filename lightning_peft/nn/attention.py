@@ -67,6 +67,7 @@ from lightning_peft.nn.attention_functional import (
     packed_attention,
 )
 from lightning_peft.nn.feed_forward import RMSNorm
+from lightning_peft.nn.kv_cache import LayerKVCache
 from lightning_peft.nn.rotary import RotaryEmbedding, apply_rotary
 
 __all__ = ["BACKENDS", "FLASH_DTYPES", "FLASH_MAX_HEAD_DIM", "FlashAttention", "RotaryEmbedding", "apply_rotary",
@@ -198,8 +199,9 @@ class FlashAttention(nn.Module):
         position_ids: Tensor | None = None,
         cu_seqlens: Tensor | None = None,
         need_importance: bool | str = False,
+        kv_cache: LayerKVCache | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Attend ``x`` (B, L, hidden) to itself.
+        """Attend ``x`` (B, L, hidden) to itself (and to the tokens in ``kv_cache``).
 
         Args:
             x: (B, L, hidden_size).
@@ -209,12 +211,16 @@ class FlashAttention(nn.Module):
             need_importance: True or ``"mean"``: also return the attention each token receives, mean over heads and real
                 queries; ``"cls"``: the attention from the first token
                 ([`attention_received`][lightning_peft.nn.attention_received]).
+            kv_cache: This layer's `lightning_peft.nn.KVCache` slot: ``x`` holds the tokens after the cached ones;
+                their keys and values are appended, the queries attend over all (causal: bottom-right aligned), the
+                mask covers the cached and the new tokens (B, cached + L) and positions default to cached + 0..L-1.
 
         Returns:
             (B, L, hidden_size), or ``(output, importance)`` with importance (B, L) float32 (no gradient).
         """
-        batch, length = self._check_input(x, key_padding_mask, position_ids, cu_seqlens, need_importance)
-        mask = _as_bool_mask(key_padding_mask, batch, length, "FlashAttention")
+        batch, length = self._check_input(x, key_padding_mask, position_ids, cu_seqlens, need_importance, kv_cache)
+        past = 0 if kv_cache is None else kv_cache.length
+        mask = _as_bool_mask(key_padding_mask, batch, past + length, "FlashAttention")
         bounds = None if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, length, "FlashAttention")
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, D)
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, L, D)
@@ -223,13 +229,19 @@ class FlashAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             positions = self._positions(batch, length, bounds, x.device) if position_ids is None else position_ids
+            if position_ids is None and past:
+                positions = positions + past  # after the cached tokens
             cos, sin = self.rotary(positions, q.dtype)  # (B, 1, L, D)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)  # (B, Hkv, past + L, D)
         dropout_p = self.dropout if self.training else 0.0
+        # One query after the cached keys sees them all: no mask to build (a sliding window still bounds them).
+        causal = self.causal and (length > 1 or self.sliding_window is not None)
         if bounds is None:
             self.last_backend = select_backend(q, self.backend, key_padding_mask=mask, dropout_p=dropout_p,
-                                               causal=self.causal, softcap=self.softcap)
-            out = attention(q, k, v, self.causal, mask, dropout_p, self.last_backend, window=self.sliding_window,
+                                               causal=causal, softcap=self.softcap)
+            out = attention(q, k, v, causal, mask, dropout_p, self.last_backend, window=self.sliding_window,
                             scale=self.scale, softcap=self.softcap)
         else:
             self.last_backend = select_backend(q, self.backend, dropout_p=dropout_p, causal=self.causal,
@@ -242,7 +254,7 @@ class FlashAttention(nn.Module):
         return out, self._importance(q, k, mask, bounds, "first" if need_importance == "cls" else "all")
 
     def _check_input(self, x: Tensor, mask: Tensor | None, position_ids: Tensor | None, cu_seqlens: Tensor | None,
-                     need_importance: bool | str) -> tuple[int, int]:
+                     need_importance: bool | str, kv_cache: LayerKVCache | None) -> tuple[int, int]:
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"FlashAttention(hidden_size={self.hidden_size}): x must be (batch, length, "
                              f"{self.hidden_size}), got {tuple(x.shape)}.")
@@ -253,6 +265,10 @@ class FlashAttention(nn.Module):
         if cu_seqlens is not None and (batch != 1 or mask is not None):
             raise ValueError(f"FlashAttention: cu_seqlens packs sequences into a batch of one without padding; got "
                              f"batch {batch}{' and a key_padding_mask' if mask is not None else ''}.")
+        if kv_cache is not None and (cu_seqlens is not None or need_importance):
+            raise ValueError("FlashAttention: kv_cache decodes one batch of sequences; it does not combine with "
+                             f"{'cu_seqlens (packed training)' if cu_seqlens is not None else 'need_importance'}; "
+                             "pass one or the other.")
         if not (isinstance(need_importance, bool) or need_importance in ("mean", "cls")):
             raise ValueError(f"FlashAttention(need_importance={need_importance!r}): choose False, True, 'mean' "
                              "or 'cls'.")

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from lightning_peft._checks import choice, integer, probability
 from lightning_peft.nn.attention import FlashAttention
 from lightning_peft.nn.feed_forward import NORMS, FeedForward, norm_layer
+from lightning_peft.nn.kv_cache import LayerKVCache
 
 __all__ = ["TransformerBlock"]
 
@@ -129,7 +130,7 @@ class TransformerBlock(nn.Module):
         """``(F(x), importance)``: the attention branch without its residual (pre-norm: ``attn(norm_1(x))``).
 
         The arguments after ``x`` are `FlashAttention.forward`'s (``key_padding_mask``, ``position_ids``,
-        ``cu_seqlens``, ``need_importance``), passed on as given; ``importance`` is None unless asked.
+        ``cu_seqlens``, ``need_importance``, ``kv_cache``), passed on as given; ``importance`` is None unless asked.
         """
         out = self.attn(self.attn_norm(x) if self.norm_first else x, *args, **kwargs)
         out, importance = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
@@ -162,11 +163,14 @@ class TransformerBlock(nn.Module):
         cu_seqlens: Tensor | None = None,
         between: Callable[[Tensor, Tensor | None], Tensor] | None = None,
         need_importance: bool | str = False,
+        kv_cache: LayerKVCache | None = None,
     ) -> Tensor:
         """Both residual sublayers; ``between(x, importance) -> x`` runs between them (token pruning selects the
         tokens there), so the whole block is one call of the module: the hooks that gather its parameters (FSDP2)
-        or move its inputs (a device map) see all of it."""
-        x, importance = self.attention_sublayer(x, key_padding_mask, position_ids, cu_seqlens, need_importance)
+        or move its inputs (a device map) see all of it. ``kv_cache`` (incremental decoding) goes to
+        `FlashAttention.forward`."""
+        x, importance = self.attention_sublayer(x, key_padding_mask, position_ids, cu_seqlens, need_importance,
+                                                kv_cache=kv_cache)
         if between is not None:
             x = between(x, importance)
         return self.feed_forward_sublayer(x)

@@ -44,6 +44,7 @@ from lightning_peft.nn._stack import (
 from lightning_peft.nn.block import TransformerBlock
 from lightning_peft.nn.feed_forward import FeedForward, RMSNorm
 from lightning_peft.nn.hf_families import decoder_options, load_decoder_weights
+from lightning_peft.nn.kv_cache import KVCache
 
 __all__ = ["ScaledEmbedding", "TransformerDecoder"]
 
@@ -220,11 +221,18 @@ class TransformerDecoder(nn.Module):
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
-        cu_seqlens: Tensor | None = None,
+        cu_seqlens: Tensor | None = None, kv_cache: KVCache | None = None,
     ) -> Tensor:
         """Logits ``(B, L, V)`` of ``input_ids`` ``(B, L)``; ``attention_mask`` marks real tokens (1);
-        ``cu_seqlens`` packs sequences into a batch of one (see `hidden_states`)."""
-        return self.cap_logits(self.lm_head(self.hidden_states(input_ids, attention_mask, position_ids, cu_seqlens)))
+        ``cu_seqlens`` packs sequences into a batch of one (see `hidden_states`).
+
+        With ``kv_cache`` (a `lightning_peft.nn.KVCache`, incremental decoding under ``torch.no_grad()``),
+        ``input_ids`` are the tokens after the cached ones, ``attention_mask`` covers the cached and the new tokens
+        ``(B, cached + L)``, ``position_ids`` default to ``cached + 0..L-1``, and the new tokens' keys and values
+        are appended to the cache.
+        """
+        hidden = self.hidden_states(input_ids, attention_mask, position_ids, cu_seqlens=cu_seqlens, kv_cache=kv_cache)
+        return self.cap_logits(self.lm_head(hidden))
 
     def cap_logits(self, logits: Tensor) -> Tensor:
         """What follows ``lm_head``: ``c * tanh(logits / c)`` with ``c = final_logit_softcapping`` (divide, tanh,
@@ -235,7 +243,7 @@ class TransformerDecoder(nn.Module):
 
     def hidden_states(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
-        cu_seqlens: Tensor | None = None,
+        cu_seqlens: Tensor | None = None, kv_cache: KVCache | None = None,
     ) -> Tensor:
         """The final-norm hidden states ``(B, L, H)`` that ``lm_head`` turns into logits (for a loss that applies
         the head itself, such as `lightning_peft.nn.chunked_cross_entropy`).
@@ -245,11 +253,18 @@ class TransformerDecoder(nn.Module):
         stays inside each sequence (`lightning_peft.nn.packed_attention`) and rotary positions restart at 0 at
         each one unless ``position_ids`` say otherwise, so every sequence gets what it gets alone.
 
+        ``kv_cache``: incremental decoding, as in `forward`.
+
         Raises:
             ValueError: If the input (a packed sequence, when packed) is longer than ``max_position_embeddings``, or
-                ``cu_seqlens`` comes with an ``attention_mask``, a batch of more than one row, or boundaries that do
-                not rise from 0 to ``T``.
+                ``cu_seqlens`` comes with an ``attention_mask``, a ``kv_cache``, a batch of more than one row, or
+                boundaries that do not rise from 0 to ``T``.
         """
+        if kv_cache is not None:
+            if cu_seqlens is not None:
+                raise ValueError("TransformerDecoder: cu_seqlens (packed training batches) and kv_cache (incremental "
+                                 "decoding) do not go together; decode left-padded batches with attention_mask.")
+            return self._cached_hidden_states(input_ids, attention_mask, position_ids, kv_cache)
         # -- packed sequences (cu_seqlens): checked once here, then passed to every layer's attention; positions
         # restart in each sequence, so the longest sequence, not the row, must fit max_position_embeddings
         longest = input_ids.shape[1] if cu_seqlens is None else check_packed(
@@ -270,6 +285,32 @@ class TransformerDecoder(nn.Module):
             for layer in self.layers:
                 x = layer(x, key_padding_mask=mask, position_ids=position_ids, **packed)
         return self.norm(x)
+
+    # ---- incremental decoding (kv_cache): its own path, so the training forward above runs exactly as before ----
+
+    def _cached_hidden_states(
+        self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None, kv_cache: KVCache
+    ) -> Tensor:
+        past = kv_cache.length
+        if past + input_ids.shape[1] > self.max_position_embeddings:
+            raise ValueError(
+                f"TransformerDecoder: {past} cached tokens and {input_ids.shape[1]} new ones exceed "
+                f"max_position_embeddings={self.max_position_embeddings}; generate fewer tokens or raise the limit."
+            )
+        mask = key_padding_mask(attention_mask, input_ids, "TransformerDecoder", past)
+        x = self.embed_tokens(input_ids)
+        if not self.reversible:
+            for index, layer in enumerate(self.layers):
+                x = layer(x, key_padding_mask=mask, position_ids=position_ids, kv_cache=kv_cache.layer(index))
+            return self.norm(x)
+        # The reversible couplings y1 = x1 + F(x2), y2 = x2 + G(y1) of `run_reversible`, run plainly: the cache is
+        # inference-only, so there is no backward to save memory for, and each F needs its own layer's cache.
+        x1 = x2 = x
+        for index, layer in enumerate(self.layers):
+            delta = layer.attention_branch(x2, mask, position_ids, kv_cache=kv_cache.layer(index))[0]
+            x1 = x1 + layer.dropout(delta)
+            x2 = x2 + layer.dropout(layer.feed_forward_branch(x1))
+        return self.norm((x1 + x2) / 2)
 
     @classmethod
     def from_pretrained(cls, path: str, **overrides: Any) -> TransformerDecoder:

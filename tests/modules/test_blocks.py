@@ -315,6 +315,24 @@ def test_sampled_generation_is_reproducible_with_a_generator() -> None:
     assert torch.equal(first, second) and first.shape == (1, 8)
 
 
+def test_generate_left_padded_with_stop_tokens_equals_the_uncached_loop_and_restores_the_mode() -> None:
+    module = _lm().train()
+    prompt = torch.tensor([[0, 0, 3, 7], [5, 5, 2, 9]])
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    options = {"attention_mask": mask, "eos_token_id": [4, 8], "pad_token_id": 0}
+    cached = module.generate(prompt, 12, **options)
+    assert module.training
+    assert torch.equal(cached, module.generate(prompt, 12, use_cache=False, **options))
+    new = cached[:, 4:]
+    stopped = [row.tolist().index(next(t for t in row.tolist() if t in (4, 8))) for row in new]  # first stop per row
+    for row, at in zip(new, stopped, strict=True):  # padding after a stop; the loop ends when the last sample stops
+        assert (row[at + 1 :] == 0).all()
+    assert max(stopped) == new.shape[1] - 1 < 11
+    with pytest.raises(ValueError, match=r"^CausalLM.generate: the prompts' 4 positions \(padding included\) plus "
+                                         r"max_new_tokens=2045 exceed the decoder's max_position_embeddings=2048"):
+        module.generate(prompt, 2045)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -1,0 +1,253 @@
+"""`generate`: greedy and sampled decoding of a `TransformerDecoder`, prefilled once, then one token per step on a
+`KVCache`.
+
+Papers: Fan et al. 2018, "Hierarchical Neural Story Generation" (arXiv:1805.04833: top-k sampling); Holtzman et al.
+2020, "The Curious Case of Neural Text Degeneration" (arXiv:1904.09751: top-p, nucleus sampling).
+
+Rule. At each step, with ``z`` the float32 logits ``(B, V)`` of each sample's last position:
+
+    greedy (temperature = 0):  next = argmax z
+    sampling:                  z = z / temperature
+                               top-k: z_i = -inf where z_i < the k-th largest z          (ties kept)
+                               top-p: sorted ascending, z_i = -inf where cumsum(softmax(z)) <= 1 - p
+                                      (the most likely token always stays)
+                               next ~ softmax(z)
+
+which is transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper`` and ``TopPLogitsWarper`` in that order, then
+``torch.multinomial``. Stop tokens: a sample that emits one of ``eos_token_id`` is finished; its later tokens are
+``pad_token_id``, and the loop ends when every sample is finished or after ``max_new_tokens``.
+
+Left-padded prompts: ``attention_mask`` ``(B, L)`` is 0 on the padding before each prompt; positions are
+``cumsum(mask) - 1`` (each sample's first real token at 0, as transformers counts) and no query ever attends to a
+padding key. The batch keeps its ``B`` rows to the end (a finished sample decodes padding), so a per-sample adapter
+routing (`lightning_peft.peft.route_adapters` around the call) stays aligned with the rows.
+
+Cost: the prompt runs once through the decoder (prefill), filling a `KVCache` of ``L + max_new_tokens`` positions;
+each later step runs one token per sample over the cached keys, and the head runs on the last position only.
+
+Shapes: ``input_ids``, ``attention_mask`` ``(B, L)``; the result ``(B, L + n)``, ``n <= max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_peft._checks import fraction, integer, real
+from lightning_peft.nn.decoder import TransformerDecoder
+from lightning_peft.nn.kv_cache import KVCache
+
+__all__ = ["filter_logits", "generate"]
+
+
+def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
+    """``logits`` ``(..., V)`` with the tokens outside the top-k, then outside the top-p nucleus, set to ``-inf``.
+
+    Equal to transformers' ``TopKLogitsWarper(top_k)`` followed by ``TopPLogitsWarper(top_p)`` (min_tokens_to_keep 1).
+
+    Args:
+        logits: Scores ``(..., V)`` (after any temperature).
+        top_k: Keep the ``top_k`` highest (and any tied with the k-th); None keeps all.
+        top_p: Keep the smallest set of most likely tokens whose probability reaches ``top_p`` in ``(0, 1]``; None
+            or 1.0 keeps all.
+
+    Examples:
+        >>> filter_logits(torch.tensor([[1.0, 3.0, 2.0, 0.0]]), top_k=2)
+        tensor([[-inf, 3., 2., -inf]])
+        >>> filter_logits(torch.tensor([[0.0, 5.0, 0.0]]), top_p=0.9)  # 5.0 alone holds 0.987 of the mass
+        tensor([[-inf, 5., -inf]])
+    """
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]))[0][..., -1:]  # (..., 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        ascending, order = torch.sort(logits, descending=False)
+        remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        remove[..., -1:] = False
+        logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+    return logits
+
+
+@dataclass(frozen=True)
+class _Settings:
+    max_new_tokens: int
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    stops: Tensor | None  # (S,) stop token ids
+    pad: int | None
+    mask: Tensor | None  # (B, L) bool, None when every token is real
+
+
+def generate(
+    decoder: TransformerDecoder,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    *,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int | None = None,
+    attention_mask: Tensor | None = None,
+    use_cache: bool = True,
+) -> Tensor:
+    """Appends up to ``max_new_tokens`` tokens to each prompt of ``input_ids`` (the rule: module docstring).
+
+    Runs under ``torch.no_grad()`` in the decoder's current mode (call ``decoder.eval()`` first for dropout off).
+    The decoder runs through its submodules' calls (``hidden_states``, then ``lm_head`` on the last position), so
+    adapters injected into its layers (LoRA, per-sample routing) apply at every step.
+
+    Args:
+        decoder: The model.
+        input_ids: Prompts ``(B, L)``, at least one token each.
+        max_new_tokens: Most tokens to add.
+        temperature: 0 for greedy decoding; otherwise sampling from ``softmax(logits / temperature)``.
+        generator: Random generator for sampling (reproducible draws); None uses the global one.
+        top_k: Sample among the ``top_k`` most likely tokens (sampling only).
+        top_p: Sample within the top-p nucleus, ``0 < top_p <= 1`` (sampling only).
+        eos_token_id: Stop token id, or several.
+        pad_token_id: Token written after a sample's stop token; default: the first stop token.
+        attention_mask: ``(B, L)`` 1 for real tokens, 0 for the left padding of shorter prompts.
+        use_cache: Decode on a `KVCache` (one token per step); False recomputes the whole sequence every step
+            (the same tokens, for checking).
+
+    Returns:
+        ``(B, L + n)`` long: the prompts followed by ``n`` new tokens, ``n = max_new_tokens`` unless every sample
+        stopped earlier.
+
+    Raises:
+        ValueError: If an argument is out of range, ``top_k`` / ``top_p`` come with greedy decoding, a prompt ends
+            with padding (pad on the left), or the prompt plus ``max_new_tokens`` exceeds the decoder's
+            ``max_position_embeddings`` (the cache does not slide a window over a longer context).
+        TypeError: If ``input_ids`` or ``attention_mask`` is not an integer (or bool) tensor.
+
+    Examples:
+        >>> decoder = TransformerDecoder(vocab_size=50, hidden_size=16, num_layers=2, num_heads=4).eval()
+        >>> prompts = torch.tensor([[0, 3, 4], [7, 8, 9]])
+        >>> mask = torch.tensor([[0, 1, 1], [1, 1, 1]])  # the first prompt is 2 tokens, left-padded
+        >>> out = generate(decoder, prompts, 5, attention_mask=mask)
+        >>> out.shape, torch.equal(out, generate(decoder, prompts, 5, attention_mask=mask, use_cache=False))
+        (torch.Size([2, 8]), True)
+    """
+    settings = check_generation("generate", decoder, input_ids, max_new_tokens, temperature, top_k, top_p,
+                                eos_token_id, pad_token_id, attention_mask)
+    return run_generation(decoder, input_ids, settings, generator, use_cache)
+
+
+def check_generation(
+    who: str, decoder: TransformerDecoder, input_ids: Tensor, max_new_tokens: int, temperature: float,
+    top_k: int | None, top_p: float | None, eos_token_id: int | Sequence[int] | None, pad_token_id: int | None,
+    attention_mask: Tensor | None,
+) -> _Settings:
+    """`generate`'s arguments checked (errors name ``who``) and put in the form the loop uses."""
+    max_new_tokens = integer(who, "max_new_tokens", max_new_tokens, minimum=0)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
+        raise ValueError(f"{who}(temperature={temperature!r}): temperature must be >= 0 (0 = greedy).")
+    real(who, "temperature", temperature)
+    if top_k is not None:
+        integer(who, "top_k", top_k, minimum=1, example="50")
+    if top_p is not None:
+        fraction(who, "top_p", top_p, example="0.9")
+    if temperature == 0 and (top_k is not None or top_p is not None):
+        raise ValueError(f"{who}(temperature=0, top_k={top_k!r}, top_p={top_p!r}): top_k and top_p filter the "
+                         "sampling distribution, and temperature=0 decodes greedily; set temperature > 0 (1.0 samples "
+                         "the model's own distribution) or leave top_k and top_p at None.")
+    batch, length = _check_ids(who, input_ids)
+    if length + max_new_tokens > decoder.max_position_embeddings:
+        raise ValueError(f"{who}: the prompts' {length} positions (padding included) plus max_new_tokens="
+                         f"{max_new_tokens} exceed the decoder's max_position_embeddings="
+                         f"{decoder.max_position_embeddings}; shorten the prompts or lower max_new_tokens (the "
+                         "key/value cache does not slide a window over a longer context).")
+    stops = _stop_tokens(who, eos_token_id, input_ids.device)
+    if pad_token_id is not None:
+        pad_token_id = integer(who, "pad_token_id", pad_token_id, minimum=0)
+    elif stops is not None:
+        pad_token_id = int(stops[0])
+    mask = _check_mask(who, attention_mask, batch, length)
+    return _Settings(max_new_tokens, float(temperature), top_k, top_p, stops, pad_token_id, mask)
+
+
+def _check_ids(who: str, input_ids: Tensor) -> tuple[int, int]:
+    if not isinstance(input_ids, Tensor) or input_ids.is_floating_point() or input_ids.is_complex():
+        raise TypeError(f"{who}: input_ids must be an integer tensor (B, L) of token ids, got "
+                        f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}.")
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"{who}: input_ids must be (batch, length) with at least one token per prompt, got shape "
+                         f"{tuple(input_ids.shape)}.")
+    return input_ids.shape[0], input_ids.shape[1]
+
+
+def _stop_tokens(who: str, eos_token_id: int | Sequence[int] | None, device: torch.device) -> Tensor | None:
+    if eos_token_id is None:
+        return None
+    ids = [eos_token_id] if not isinstance(eos_token_id, Sequence) else list(eos_token_id)
+    if not ids:
+        raise ValueError(f"{who}(eos_token_id=[]): give a stop token id, a list of them, or None.")
+    for index, token in enumerate(ids):
+        integer(who, "eos_token_id" if len(ids) == 1 and not isinstance(eos_token_id, Sequence)
+                else f"eos_token_id[{index}]", token, minimum=0)
+    return torch.tensor(ids, device=device)
+
+
+def _check_mask(who: str, attention_mask: Tensor | None, batch: int, length: int) -> Tensor | None:
+    """The (B, L) bool mask, or None where every token is real; refuses a prompt that ends with padding."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, Tensor) or attention_mask.is_floating_point() or attention_mask.is_complex():
+        raise TypeError(f"{who}: attention_mask must be a bool or integer 0/1 tensor (1 = real token), got "
+                        f"{getattr(attention_mask, 'dtype', type(attention_mask).__name__)}.")
+    if tuple(attention_mask.shape) != (batch, length):
+        raise ValueError(f"{who}: attention_mask must have the shape of input_ids ({batch}, {length}), got "
+                         f"{tuple(attention_mask.shape)}.")
+    mask = attention_mask.bool()
+    ends_padded = (~mask[:, -1]).nonzero().flatten().tolist()
+    if ends_padded:
+        raise ValueError(f"{who}: prompt {ends_padded[0]} ends with padding (attention_mask 0 in the last column); "
+                         "new tokens follow the last column, so pad the prompts on the left (a Hugging Face "
+                         "tokenizer: padding_side='left').")
+    return None if bool(mask.all()) else mask
+
+
+@torch.no_grad()
+def run_generation(decoder: TransformerDecoder, input_ids: Tensor, settings: _Settings,
+                   generator: torch.Generator | None, use_cache: bool) -> Tensor:
+    """The decoding loop of `generate` on checked settings (the rule: module docstring)."""
+    batch, length = input_ids.shape
+    mask = settings.mask
+    positions = (torch.arange(length, device=input_ids.device).expand(batch, length) if mask is None
+                 else (mask.long().cumsum(-1) - 1).clamp(min=0))  # (B, L); padding's positions are never read
+    cache = KVCache(length + settings.max_new_tokens) if use_cache and settings.max_new_tokens else None
+    unfinished = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
+    tokens, step_ids, step_positions = input_ids, input_ids, positions
+    for _ in range(settings.max_new_tokens):
+        if cache is None:
+            hidden = decoder.hidden_states(tokens, mask, positions)
+        else:
+            hidden = decoder.hidden_states(step_ids, mask, step_positions, kv_cache=cache)
+        logits = decoder.cap_logits(decoder.lm_head(hidden[:, -1:]))[:, -1].float()  # (B, V): the head on the last position only
+        new = _next_tokens(logits, settings, generator)  # (B,)
+        if settings.stops is not None:
+            new = torch.where(unfinished, new, settings.pad)
+            unfinished &= ~torch.isin(new, settings.stops)
+        step_ids = new[:, None].to(input_ids.dtype)  # (B, 1)
+        step_positions = step_positions[:, -1:] + 1  # (B, 1)
+        tokens = torch.cat([tokens, step_ids], dim=1)
+        positions = torch.cat([positions, step_positions], dim=1)
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+        if settings.stops is not None and not bool(unfinished.any()):
+            break
+    return tokens
+
+
+def _next_tokens(logits: Tensor, settings: _Settings, generator: torch.Generator | None) -> Tensor:
+    """``(B,)`` next tokens from the last position's float32 logits ``(B, V)``."""
+    if settings.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = filter_logits(logits / settings.temperature, settings.top_k, settings.top_p)
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
