@@ -97,6 +97,23 @@ class RoutesBatches(Callback):
             f"{self.names}, an id in 0..{len(self.names) - 1} (their order), or -1 / None for the base model."
         )
 
+    def check_routes(self, datamodule: object) -> None:
+        """Refuses, at setup, a routing value in the datamodule's rows that names no adapter (``routes()``, as
+        `SFTDataModule` gives them with ``routing_field`` equal to ``routing_key``); routed batch by batch, it would
+        stop the fit at the first batch holding it, after training on the others."""
+        routes = getattr(datamodule, "routes", None)
+        if getattr(datamodule, "routing_field", None) != self.routing_key or not callable(routes):
+            return
+        for value in routes():
+            try:
+                self._name(value)
+            except ValueError:
+                raise ValueError(
+                    f"MultiLoRA: rows of {type(datamodule).__name__}({getattr(datamodule, 'data_path', '')!s}) name "
+                    f"{value!r} in {self.routing_key!r}, which is none of the adapters {self.names} (nor an id in "
+                    f"0..{len(self.names) - 1}, nor -1 / null for the base model); fix those rows or add the adapter."
+                ) from None
+
     def _route(self, pl_module: pl.LightningModule, batch: Any, stage: str) -> None:
         self._end_routing()
         names = self.names_of(batch)

@@ -79,6 +79,7 @@ class MultiLoRA(RoutesBatches, NamedLoRASettings, AdapterCallback):
 
     def check(self, trainer: pl.Trainer) -> None:
         check_strategy(trainer.strategy)
+        self.check_routes(trainer.datamodule)  # set up already: Lightning sets the datamodule up first
 
     def inject(self, trainer: pl.Trainer, model: nn.Module) -> str:
         first, *others = self.names

@@ -82,9 +82,13 @@ class EpochShuffleSampler(Sampler[int]):
         return self.num_samples
 
     def __iter__(self) -> Iterator[int]:
+        # A generator: the order is drawn at the first index, not when the iterator is made. Lightning makes the
+        # first epoch's iterator of a run before it calls set_epoch, so a run resumed at epoch e would otherwise
+        # replay epoch 0's order wherever the loader hands this sampler over directly (DataLoader(batch_size=None),
+        # SFTDataModule's packed batches), instead of through a lazy BatchSampler.
         digest = hashlib.blake2b(f"{self.seed},{self.epoch}".encode(), digest_size=8).digest()
         generator = torch.Generator().manual_seed(int.from_bytes(digest, "little"))
-        return iter(torch.randperm(self.num_samples, generator=generator).tolist())
+        yield from torch.randperm(self.num_samples, generator=generator).tolist()
 
 
 class EvaluationShardSampler(DistributedSampler):

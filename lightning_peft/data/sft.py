@@ -46,7 +46,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_peft._checks import boolean, choice, integer, path, real
@@ -254,6 +254,7 @@ class SFTDataModule(LightningDataModule):
             ValueError: If a row is malformed (`tokenize_row`), ``max_length`` exceeds the tokenizer's, a split would
                 be empty, or every row of a split is dropped.
         """
+        self._warn_unread_routing()
         if self._examples:
             return
         self.tokenizer = tokenizer = load_tokenizer(self.tokenizer_name, _WHO)
@@ -347,3 +348,34 @@ class SFTDataModule(LightningDataModule):
         size, rank = data_parallel(self.trainer.strategy) if self.trainer is not None else (1, 0)
         return DataLoader(batches, batch_size=None, sampler=EvaluationShardSampler(len(batches), size, rank),
                           **self._workers())
+
+    def predict_dataloader(self) -> DataLoader:
+        """The validation rows as padded batches in file order, for ``Trainer.predict(module, datamodule=...)``
+        (`HFCausalLM.predict_step` generates after each row's prompt); padded with ``packing`` too, since generation
+        takes one prompt per row.
+
+        Raises:
+            ValueError: If there is no validation split (``val_fraction=0``).
+        """
+        examples = self._split_examples("predict_dataloader", "val")
+        if not examples:
+            raise ValueError(f"{_WHO}(val_fraction=0).predict_dataloader: predictions are made on the validation rows, "
+                             "and there are none; set val_fraction above 0, or pass Trainer.predict(dataloaders=...).")
+        return DataLoader(_Rows(examples), batch_size=self.batch_size, collate_fn=_Padder(self.pad_id, self.routing_field),
+                          **self._workers())
+
+    def routes(self) -> list[str | int | None]:
+        """The distinct routing values of the rows (both splits, in order of appearance): what a router such as
+        ``MultiLoRA`` checks at setup, so that a name it lacks is refused before training rather than at its batch."""
+        return list(dict.fromkeys(e.route for examples in self._examples.values() for e in examples))
+
+    def _warn_unread_routing(self) -> None:
+        """Warns when a Trainer runs with ``routing_field`` but none of its callbacks routes by that key: every row
+        would then train the same weights, whatever adapter it names."""
+        callbacks = getattr(self.trainer, "callbacks", None)
+        if self.routing_field is None or callbacks is None:
+            return
+        if not any(getattr(callback, "routing_key", None) == self.routing_field for callback in callbacks):
+            rank_zero_warn(f"{_WHO}(routing_field={self.routing_field!r}): the batches name each row's adapter, but no "
+                           f"callback of the Trainer routes by {self.routing_field!r}, so every row trains the same "
+                           f"weights; add MultiLoRA(routing_key={self.routing_field!r}, ...), or drop routing_field.")

@@ -73,6 +73,22 @@ def shifted_token_losses(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor
     return loss_sum, (target != IGNORE_INDEX).sum()
 
 
+def refuse_rows_past_positions(datamodule: Any, positions: object, model: str) -> None:
+    """Refuses, at setup, a datamodule whose rows may be longer (``max_length``) than the model's ``positions``:
+    past them a rotary model runs silently on positions it never saw, and learned position embeddings or our decoder
+    fail mid-fit at the first such row. Packed rows restart at position 0, so the row is what must fit.
+
+    Raises:
+        ValueError: If ``datamodule.max_length`` exceeds ``positions``.
+    """
+    max_length = getattr(datamodule, "max_length", None)
+    if isinstance(positions, int) and isinstance(max_length, int) and max_length > positions:
+        raise ValueError(
+            f"{type(datamodule).__name__}(max_length={max_length}) exceeds the {positions} positions of {model} "
+            f"(max_position_embeddings): a row that long would run past the positions the model knows; set "
+            f"max_length to at most {positions}.")
+
+
 def _sequences(batch: dict[str, Tensor]) -> int:
     """The number of sequences in a batch: its rows, or the sequences packed into its one row."""
     cu_seqlens = batch.get("cu_seqlens")
@@ -190,10 +206,12 @@ class CausalLM(LightningModule):
         self.test_ppl = TokenLoss(exponentiate=True)
 
     def setup(self, stage: str) -> None:
-        """Checks that the datamodule's tokenizer (``vocab_size``, if it has one) fits the embedding.
+        """Checks that the datamodule's tokenizer (``vocab_size``, if it has one) fits the embedding, and its rows
+        (``max_length``, if it has one) the decoder's positions.
 
         Raises:
-            ValueError: If the tokenizer has more tokens than the decoder's vocabulary.
+            ValueError: If the tokenizer has more tokens than the decoder's vocabulary, or ``max_length`` exceeds
+                ``max_position_embeddings``.
         """
         datamodule = self.trainer.datamodule  # set up already: Lightning sets the datamodule up first
         tokens = getattr(datamodule, "vocab_size", None)
@@ -203,6 +221,7 @@ class CausalLM(LightningModule):
                 f"{type(datamodule).__name__}, which has {tokens} tokens; set model.init_args.vocab_size to "
                 f"{tokens}."
             )
+        refuse_rows_past_positions(datamodule, self.decoder.max_position_embeddings, "CausalLM")
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
                 cu_seqlens: Tensor | None = None) -> Tensor:

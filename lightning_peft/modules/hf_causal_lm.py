@@ -34,7 +34,12 @@ from torch import Tensor, nn
 from lightning_peft._checks import boolean, choice, integer, real
 from lightning_peft._pretrained import resolve_pretrained
 from lightning_peft._seams import data_parallel
-from lightning_peft.modules.causal_lm import IGNORE_INDEX, TokenLoss, shifted_token_losses
+from lightning_peft.modules.causal_lm import (
+    IGNORE_INDEX,
+    TokenLoss,
+    refuse_rows_past_positions,
+    shifted_token_losses,
+)
 from lightning_peft.modules.hf import adamw_with_warmup
 from lightning_peft.peft.adapter import attached, unwrap
 from lightning_peft.peft.checkpoint import restore_adapters
@@ -116,7 +121,8 @@ class HFCausalLM(LightningModule):
         reach the model as they are.
 
         Raises:
-            ValueError: If the tokenizer has more tokens than the model's input embedding, or the datamodule packs
+            ValueError: If the tokenizer has more tokens than the model's input embedding, the datamodule's
+                ``max_length`` exceeds the model's ``max_position_embeddings``, or the datamodule packs
                 rows while a prompt-learning adapter (prompt, P- or prefix tuning) is on the model.
         """
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -126,6 +132,8 @@ class HFCausalLM(LightningModule):
             raise ValueError(
                 f"{_WHO}({self.hparams.pretrained!r}) has {rows} token embeddings, fewer than the {len(tokenizer)} "
                 f"tokens of {type(datamodule).__name__}'s tokenizer; give the datamodule the model's own tokenizer.")
+        refuse_rows_past_positions(datamodule, getattr(self.model.config, "max_position_embeddings", None),
+                                   f"{_WHO}({self.hparams.pretrained!r})")
         if getattr(datamodule, "packing", False):
             _refuse_prompt_learning(self.model, type(datamodule).__name__)
 
