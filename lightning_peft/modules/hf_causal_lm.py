@@ -127,6 +127,8 @@ class HFCausalLM(LightningModule):
             ValueError: If the tokenizer has more tokens than the model's input embedding, or the datamodule packs
                 rows while a prompt-learning adapter (prompt, P- or prefix tuning) is on the model.
         """
+        if self.model.config._attn_implementation == PACKED_SDPA:
+            register_packed_sdpa()  # in this process too (a spawned one), before predict's generate
         datamodule = getattr(self.trainer, "datamodule", None)
         tokenizer = getattr(datamodule, "tokenizer", None)
         rows = self.model.get_input_embeddings().num_embeddings
@@ -143,7 +145,10 @@ class HFCausalLM(LightningModule):
         ``cu_seqlens`` (N + 1,) / ``max_seqlen``: the rows of a packed ``(1, T)`` batch, for `PACKED_SDPA`."""
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         inputs = {k: v for k, v in inputs.items() if v is not None}
-        if cu_seqlens is None or self.model.config._attn_implementation != PACKED_SDPA:
+        if self.model.config._attn_implementation != PACKED_SDPA:
+            return self.model(**inputs, use_cache=False).logits
+        register_packed_sdpa()  # a model unpickled in another process (ddp_spawn) finds the name registered
+        if cu_seqlens is None:
             return self.model(**inputs, use_cache=False).logits
         longest = max_seqlen if max_seqlen is not None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         with packed_forward():

@@ -131,3 +131,14 @@ def test_padded_batches_and_other_implementations_keep_transformers_path(tmp_pat
     alone = _rows_alone(eager, batch)
     assert not seen.calls
     assert_close(packed, alone, rtol=1e-5, atol=1e-6)  # eager's softmax runs in float32
+
+
+def test_a_process_that_never_registered_the_name_registers_it_at_the_first_call(tmp_path):
+    """As a model unpickled by ``ddp_spawn`` finds it: the name in the config, not in transformers' interfaces."""
+    module = HFCausalLM(_saved(_families()["llama"](), tmp_path), torch_dtype="float64")
+    batch = _packed_batch(module.model.config.vocab_size)
+    expected = module(**batch)
+    for interface in (transformers.AttentionInterface, transformers.AttentionMaskInterface):
+        del interface._global_mapping[PACKED_SDPA]
+    assert_close(module(**batch), expected, rtol=0, atol=0)
+    assert PACKED_SDPA in transformers.AttentionInterface._global_mapping
