@@ -524,3 +524,21 @@ def test_flash_attn_module_packed_and_last_backend_on_cuda():
     sdpa.load_state_dict(module.state_dict())
     torch.testing.assert_close(sdpa(x, cu_seqlens=cu), out, atol=5e-3, rtol=5e-3)
     assert sdpa.last_backend == "sdpa"
+
+
+@pytest.mark.gpu
+@needs_flash
+@pytest.mark.parametrize("window, softcap", [(16, None), (None, 2.0), (16, 2.0)])
+def test_flash_attn_window_and_softcap_match_the_math_path_on_cuda(window, softcap):
+    """Mistral's sliding window and Gemma 2's soft-capping on flash-attn's own arguments, against the explicit
+    math path on the same CUDA tensors (float32 there), packed too."""
+    shapes = ((1, H, 64, 64), (1, 1, 64, 64), (1, 1, 64, 64))
+    q, k, v = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in shapes)
+    out = attention(q, k, v, causal=True, backend="flash_attn", window=window, softcap=softcap)
+    want = attention(q.float(), k.float(), v.float(), causal=True, backend="math", window=window, softcap=softcap)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+    cu = torch.tensor([0, 24, 64], dtype=torch.int32, device="cuda")
+    packed = packed_attention(q, k, v, cu, causal=True, backend="flash_attn", window=window, softcap=softcap)
+    alone = torch.cat([attention(q[:, :, a:b].float(), k[:, :, a:b].float(), v[:, :, a:b].float(), causal=True,
+                                 backend="math", window=window, softcap=softcap) for a, b in ((0, 24), (24, 64))], 2)
+    torch.testing.assert_close(packed.float(), alone, atol=2e-2, rtol=2e-2)
