@@ -297,11 +297,15 @@ class LoRALayer(RoutedPath, LayerWrapper):
         each time, so a parameter replaced in place (``register_parameter``, as FSDP2 and DTensor parallelism do) is
         the one used.
         """
+        (holder_a, key_a), (holder_b, key_b) = self._refs(name)
+        return holder_a[key_a], holder_b[key_b]
+
+    def _refs(self, name: str) -> tuple[tuple[dict, str], tuple[dict, str]]:
+        """`_factor_refs`, found once per adapter (forgotten with the other cached references)."""
         refs = self._factor_cache.get(name)
         if refs is None:
             refs = self._factor_cache[name] = self._factor_refs(name)
-        (holder_a, key_a), (holder_b, key_b) = refs
-        return holder_a[key_a], holder_b[key_b]
+        return refs
 
     def _factor_refs(self, name: str) -> tuple[tuple[dict, str], tuple[dict, str]]:
         raise NotImplementedError(f"{type(self).__name__} must define _factor_refs()")
@@ -659,7 +663,12 @@ class LoRALinear(ABLayer):
             return super()._routed(x, result, names, slots, host)
         a, b, scale = self._gathered(names, host)  # (B, r, in), (B, out, r)
         x3 = self._routed_dropout(x, names, slots).to(a.dtype).reshape(x.shape[0], -1, x.shape[-1])  # (B, T, in)
-        hidden = torch.bmm(x3, a.transpose(1, 2))  # (B, T, r)
+        if x3.shape[1] > 1 and not torch.is_grad_enabled():
+            # Inference, several tokens per sample: A x^T (B, r, T) ran 1.2-3x faster than x A^T on CPU BLAS (an output
+            # of r columns is its slow case). Not at one token (decode: 1.4x slower), nor under autograd (backward).
+            hidden = torch.bmm(a, x3.transpose(1, 2)).transpose(1, 2)  # (B, T, r)
+        else:
+            hidden = torch.bmm(x3, a.transpose(1, 2))  # (B, T, r)
         return self._add_batched(result, hidden, b.transpose(1, 2), scale)
 
 

@@ -214,7 +214,7 @@ class RoutedPath:
         Once per routing (``host`` is `Routing.select`'s), not per forward: at one token per sample it cost as much
         as the matmuls. Forgotten with the factors (`_forget_cached_tensors`)."""
         if self.__dict__.get("_routed_plan", (None,))[0] is not host:
-            specs, refs = [self.specs[n] for n in names], [self._factor_refs(n) for n in names]
+            specs, refs = [self.specs[n] for n in names], [self._refs(n) for n in names]
             scales = [s.scaling for s in specs] + [0.0]
             weight = self.factors(names[0])[0]  # samples without an adapter have zero factors: any scale fits them
             scale = scales[0] if len(set(scales[:-1])) == 1 else torch.tensor(

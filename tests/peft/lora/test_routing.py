@@ -83,6 +83,18 @@ def test_mixed_batch_of_equal_ranks_trains_as_each_sample_alone(names):
     _assert_same(_routed(model, IDS, names), _alone(model, IDS, names))
 
 
+@pytest.mark.parametrize("names", [["a", "b", "b", "a"], ["c", "a", "b", "c"], ["b", None, "a", "b"]],
+                         ids=["shared-scale", "own-scales", "with-base"])
+def test_mixed_batch_without_autograd_equals_each_sample_alone(names):
+    """Without autograd, several tokens per sample take the low-rank product in the other order (``A x^T``)."""
+    model = _adapted()
+    with torch.inference_mode():
+        with route_adapters(model, names):
+            routed = model(IDS).logits
+        expected, _ = _alone(model, IDS, names)
+    assert_close(routed, expected, rtol=1e-10, atol=1e-10)
+
+
 def test_every_sample_on_one_adapter_is_exactly_the_single_adapter_path():
     """It used to take the gathered batched matmuls, equal only up to rounding (and slower: one copy of the factors
     per sample)."""
