@@ -21,6 +21,12 @@ adapters, ours (``route_adapters`` around ``model.generate``) against PEFT's ``g
 with one adapter; and the decode step against the number of distinct adapters in the batch (1 to 32), ours and PEFT,
 relative to the one-adapter step: a table and a PNG plot (``--plot``, shown on ``docs/multi_lora.md``).
 
+Large (``--large``, on by default, off with ``--quick``): the same decode step at TinyLlama-1.1B's shape (hidden
+2048, 22 layers, 32 heads, 4 key/value heads, feed-forward 5632, vocabulary 32000, random weights), 32 adapters as
+above: mixed against one adapter (goal <= 1.10), the bare model and the gather alone. There the 32 adapters' factors
+are 7% of the model's bytes; at SmolLM2-135M's shape they are 22%, and a mixed step has to read them all. Two samples'
+mixed logits are checked against the whole batch on their own adapter (no PEFT copy at this size).
+
 Mixed batch at 32 x 16 (``bench_multi_lora.py``'s model: the real MiniLM, 32 LoRA adapters on query/key/value): the
 mixed inference batch over 32 adapters against the bare model (goal <= 1.10) and PEFT's, and the mixed training step
 (forward with labels, backward, AdamW, ``zero_grad``) against the same step with one adapter and against the
@@ -58,6 +64,10 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 # SmolLM2-135M's shape (the real run) and a smoke shape (--quick).
 LLAMA = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
          "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True, "max_position_embeddings": 2048}
+# TinyLlama-1.1B's shape (--large): where 32 rank-8 adapters on q/k/v/o are 7% of the model's bytes, not 22%.
+TINYLLAMA = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
+             "num_key_value_heads": 4, "vocab_size": 32000, "tie_word_embeddings": False,
+             "max_position_embeddings": 2048}
 QUICK = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 1000, "tie_word_embeddings": True, "max_position_embeddings": 256}
 TOLERANCE = 1e-4
@@ -150,7 +160,9 @@ def time_decode(args: argparse.Namespace) -> dict:
     diff = (decoders["ours"].logits(route) - decoders["peft"].logits(route)).abs().max().item()
     if not diff <= TOLERANCE:
         sys.exit(f"bench_mixed_decode: ours and PEFT disagree on the mixed decode step by {diff:.2e}.")
-    say(f"\nmixed decode step, ours against PEFT's logits: max |difference| {diff:.1e}")
+    share = factor_share(ours, route)
+    say(f"\nmixed decode step, ours against PEFT's logits: max |difference| {diff:.1e}; the {len(set(route))} "
+        f"adapters' factors are {share:.1%} of the model's bytes")
     kwargs = {"repeats": args.repeats, "steps": args.steps, "warmup": args.warmup}
     times = alternate({
         "bare": decoders["bare"].step_fn(None), "one": decoders["ours"].step_fn(None),
@@ -172,11 +184,57 @@ def time_decode(args: argparse.Namespace) -> dict:
     ]
     say_table(f"Decode step ({args.batch} x 1 after {args.prompt} cached tokens; median ms)", rows,
           ("contender (ms)", "baseline (ms)"))
-    report = {"rows": rows, "equivalence": diff, "shape": shape}
+    report = {"rows": rows, "equivalence": diff, "shape": shape, "factor_share": share}
     report["generate"] = time_generate(base, ours, theirs, prompts, route, args)
     report["curve"] = time_curve(decoders, args)
     report["our_decoder"] = time_our_decoder(base, ours, prompts, route, args)
     return report
+
+
+def factor_share(model: nn.Module, names: list[str]) -> float:
+    """Bytes of the distinct adapters ``names`` use, over the bare model's: what a mixed step must read beyond one
+    adapter's step."""
+    from lightning_peft.peft import lora_layers
+
+    adapter = sum(p.numel() for layer in lora_layers(model).values() for n in set(names)
+                  for p in layer.factors(n))
+    base = sum(p.numel() for name, p in model.named_parameters() if "lora_" not in name)
+    return adapter / base
+
+
+def time_large(args: argparse.Namespace) -> dict:
+    """The decode step at TinyLlama-1.1B's shape: ours mixed over 32 adapters against one adapter and the bare
+    model, and the gather alone (no PEFT copy: three 1.1B-parameter models would not leave the machine room)."""
+    base = llama_base(TINYLLAMA, args.seed)
+    ours = multi.build_ours(base, args.adapters, args.seed, targets=TARGETS).eval()
+    set_adapter(ours, "a0")
+    prompts = torch.randint(1, TINYLLAMA["vocab_size"], (args.batch, args.prompt),
+                            generator=torch.Generator().manual_seed(args.seed))
+    bare, mine = Decode(base, prompts), Decode(ours, prompts)
+    route = multi.routes(args.batch, args.adapters, args.seed)
+    mixed = mine.logits(route)
+    for sample in (0, 1):  # each checked sample against the whole batch on its own adapter alone
+        set_adapter(ours, route[sample])
+        diff = (mixed[sample] - mine.logits(None)[sample]).abs().max().item()
+        if not diff <= TOLERANCE:
+            sys.exit(f"bench_mixed_decode: sample {sample}'s mixed decode logits differ from its adapter alone by "
+                     f"{diff:.2e} at the large shape.")
+    set_adapter(ours, "a0")
+    share = factor_share(ours, route)
+    say(f"\nTinyLlama-1.1B shape: the {len(set(route))} adapters' factors are {share:.1%} of the model's bytes "
+        "(SmolLM2-135M shape: see above); mixed logits equal each checked sample on its adapter alone")
+    times = alternate({"bare": bare.step_fn(None), "one": mine.step_fn(None), "mixed": mine.step_fn(route),
+                       "gather": gather_fn(ours, route)},
+                      repeats=args.repeats, steps=max(1, args.steps // 2), warmup=1)
+    times["one + gather"] = [a + b for a, b in zip(times["one"], times["gather"], strict=True)]
+    what = f"decode step at TinyLlama-1.1B's shape, {args.batch} samples over {args.adapters} adapters"
+    rows = [row(f"{what}: ours mixed / ours one adapter", times["mixed"], times["one"], args.goal),
+            row(f"{what}: ours one adapter / bare model *", times["one"], times["bare"], None),
+            row(f"{what}: (ours one adapter + the gather alone) / ours one adapter: this path's floor *",
+                times["one + gather"], times["one"], None)]
+    say_table(f"Decode step at TinyLlama-1.1B's shape ({args.batch} x 1 after {args.prompt} cached tokens; median "
+              "ms)", rows, ("contender (ms)", "baseline (ms)"))
+    return {"rows": rows, "factor_share": share, "shape": TINYLLAMA}
 
 
 def time_our_decoder(base: nn.Module, ours: nn.Module, prompts: Tensor, route: list[str],
@@ -315,6 +373,8 @@ def main(argv: list[str] | None = None) -> dict:
         plot(report["decode"]["curve"], args.plot, torch.get_num_threads())
     if not args.quick:
         report["minilm"] = time_minilm(args)
+    if args.large:
+        report["large"] = time_large(args)
     return finish(report, started, args.json, args.txt)
 
 
@@ -333,9 +393,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--threads", type=int, default=None, help="torch threads (default: torch's)")
     add("--goal", type=float, default=1.10)
     add("--quick", action="store_true", help="smoke run: a 2-layer Llama, 4 adapters, 1 repeat, no MiniLM")
+    add("--large", action=argparse.BooleanOptionalAction, default=True,
+        help="the decode step at TinyLlama-1.1B's shape too (about 9 GB of memory, 5 minutes)")
     output_arguments(parser)
     args = parser.parse_args(argv)
     if args.quick:
+        args.large = False
         args.adapters, args.batch, args.repeats, args.steps, args.warmup, args.new_tokens = 4, 4, 1, 1, 1, 2
         args.generate_repeats = 1
     return args
