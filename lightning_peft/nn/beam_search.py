@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -50,16 +50,9 @@ from lightning_peft.nn.kv_cache import KVCache
 
 __all__ = ["BeamSettings", "beam_search", "check_beams"]
 
-class _Settings(Protocol):
-    """What the search reads of `generate`'s checked settings (``generation._Settings``, which imports this)."""
-
-    max_new_tokens: int
-    temperature: float
-    top_k: int | None
-    top_p: float | None
-    stops: Tensor | None  # (S,) stop token ids
-    pad: int | None
-    mask: Tensor | None  # (B, L) bool, None when every token is real
+#: `generate`'s checked settings, ``generation._Settings`` (read here: ``max_new_tokens``, ``temperature``, ``top_k``,
+#: ``top_p``, ``stops``, ``pad``, ``mask``); named, not imported, since `lightning_peft.nn.generation` imports this.
+_Settings = Any
 
 
 _NEVER = -1.0e9  # transformers' score of an excluded hypothesis (added in float32: the same rounding as its search)
