@@ -39,6 +39,7 @@ from lightning_peft.modules._block_common import (
     _check_options,
     add_moe_losses,
 )
+from lightning_peft.nn.beam_search import beam_search, check_beams
 from lightning_peft.nn.chunked_loss import chunked_cross_entropy
 from lightning_peft.nn.generation import check_generation, run_generation
 from lightning_peft.nn.transformer import TransformerDecoder
@@ -325,7 +326,8 @@ class CausalLM(LightningModule):
         self, input_ids: Tensor, max_new_tokens: int, temperature: float = 0.0,
         generator: torch.Generator | None = None, *, top_k: int | None = None, top_p: float | None = None,
         eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
-        attention_mask: Tensor | None = None, use_cache: bool = True,
+        attention_mask: Tensor | None = None, use_cache: bool = True, num_beams: int = 1,
+        length_penalty: float = 1.0, early_stopping: bool | str = False, num_return_sequences: int = 1,
     ) -> Tensor:
         """Appends up to ``max_new_tokens`` tokens to ``input_ids`` ``(B, L)``: the prompt runs once, then one token
         per step on a key/value cache (`lightning_peft.nn.generate`, where the rule is).
@@ -343,22 +345,33 @@ class CausalLM(LightningModule):
             attention_mask: ``(B, L)``, 0 on the left padding of shorter prompts (never attended; positions start
                 at each prompt's first real token).
             use_cache: False recomputes the whole sequence for every token (the same tokens, slower).
+            num_beams: More than 1: deterministic beam search (`lightning_peft.nn.beam_search`: transformers'
+                ``num_beams`` with ``do_sample=False``, whose tokens it returns); with ``temperature=0`` only.
+            length_penalty: Beam search: finished hypotheses score their summed log-probabilities divided by
+                their new tokens ** length_penalty.
+            early_stopping: Beam search: True, False or ``"never"``, as in transformers.
+            num_return_sequences: Beam search: the best hypotheses returned per prompt (at most ``num_beams``).
 
         Returns:
             ``(B, L + n)``: the prompts followed by ``n`` new tokens (``n = max_new_tokens`` unless every sample
-            stopped earlier). Runs in eval mode; the mode is restored. The decoder runs through its layers'
+            stopped earlier); with beams ``(B * num_return_sequences, L + n)``, each prompt's best first. Runs in eval mode; the mode is restored. The decoder runs through its layers'
             module calls, so LoRA adapters and `lightning_peft.peft.route_adapters` apply at every step.
 
         Raises:
             ValueError: If ``max_new_tokens`` or ``temperature`` is negative, ``top_k`` / ``top_p`` are out of range
                 or given with greedy decoding, a prompt ends with padding, or the prompts plus ``max_new_tokens``
-                exceed the decoder's ``max_position_embeddings`` (no sliding window: refused before any step).
+                exceed the decoder's ``max_position_embeddings`` (no sliding window: refused before any step), or
+                beams come with sampling, ``num_beams < 1`` or ``num_return_sequences > num_beams``.
         """
         settings = check_generation("CausalLM.generate", self.decoder, input_ids, max_new_tokens, temperature,
                                     top_k, top_p, eos_token_id, pad_token_id, attention_mask)
+        beams = check_beams("CausalLM.generate", settings, num_beams, length_penalty, early_stopping,
+                            num_return_sequences)
         was_training = self.training
         self.eval()
         try:
+            if beams is not None:
+                return beam_search(self.decoder, input_ids, settings, beams, use_cache)
             return run_generation(self.decoder, input_ids, settings, generator, use_cache)
         finally:
             self.train(was_training)

@@ -1,11 +1,11 @@
 """Blocks: attention (flash-attn on CUDA, SDPA otherwise), transformer blocks, encoder and decoder, token pruning,
 mixture of experts, reversible layers, activation checkpointing of chosen blocks, the chunked language-model loss,
-generation with a key/value cache.
+generation with a key/value cache (greedy, sampled, beam search).
 
 Pure PyTorch: nothing here imports Lightning. See `lightning_peft.nn.attention`, `lightning_peft.nn.transformer`,
 `lightning_peft.nn.token_pruning`, `lightning_peft.nn.moe`, `lightning_peft.nn.reversible`,
-`lightning_peft.nn.checkpointing`, `lightning_peft.nn.chunked_loss`, `lightning_peft.nn.kv_cache` and
-`lightning_peft.nn.generation`.
+`lightning_peft.nn.checkpointing`, `lightning_peft.nn.chunked_loss`, `lightning_peft.nn.kv_cache`,
+`lightning_peft.nn.generation` and `lightning_peft.nn.beam_search`.
 """
 
 from lightning_peft.nn.attention import (

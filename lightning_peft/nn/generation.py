@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from lightning_peft._checks import fraction, integer, real
+from lightning_peft.nn.beam_search import beam_search, check_beams
 from lightning_peft.nn.decoder import TransformerDecoder
 from lightning_peft.nn.kv_cache import KVCache
 
@@ -95,6 +96,10 @@ def generate(
     pad_token_id: int | None = None,
     attention_mask: Tensor | None = None,
     use_cache: bool = True,
+    num_beams: int = 1,
+    length_penalty: float = 1.0,
+    early_stopping: bool | str = False,
+    num_return_sequences: int = 1,
 ) -> Tensor:
     """Appends up to ``max_new_tokens`` tokens to each prompt of ``input_ids`` (the rule: module docstring).
 
@@ -115,15 +120,23 @@ def generate(
         attention_mask: ``(B, L)`` 1 for real tokens, 0 for the left padding of shorter prompts.
         use_cache: Decode on a `KVCache` (one token per step); False recomputes the whole sequence every step
             (the same tokens, for checking).
+        num_beams: More than 1: beam search with that many beams per prompt (`lightning_peft.nn.beam_search`,
+            where the rule is; transformers' ``num_beams`` with ``do_sample=False``); greedy decoding only.
+        length_penalty: Beam search: a finished hypothesis scores its summed log-probabilities divided by its new
+            tokens ** length_penalty (> 0 favours longer ones).
+        early_stopping: Beam search: True stops a prompt once it has ``num_beams`` finished hypotheses; False when
+            no running beam can beat them at its current length; ``"never"`` at the longest length.
+        num_return_sequences: Beam search: the best hypotheses returned per prompt, ``<= num_beams``.
 
     Returns:
         ``(B, L + n)`` long: the prompts followed by ``n`` new tokens, ``n = max_new_tokens`` unless every sample
-        stopped earlier.
+        stopped earlier. With beams, ``(B * num_return_sequences, L + n)``: each prompt's best hypotheses in a row.
 
     Raises:
         ValueError: If an argument is out of range, ``top_k`` / ``top_p`` come with greedy decoding, a prompt ends
             with padding (pad on the left), or the prompt plus ``max_new_tokens`` exceeds the decoder's
-            ``max_position_embeddings`` (the cache does not slide a window over a longer context).
+            ``max_position_embeddings`` (the cache does not slide a window over a longer context), or a beam
+            argument is out of range or comes with sampling (`check_beams`).
         TypeError: If ``input_ids`` or ``attention_mask`` is not an integer (or bool) tensor.
 
     Examples:
@@ -136,6 +149,9 @@ def generate(
     """
     settings = check_generation("generate", decoder, input_ids, max_new_tokens, temperature, top_k, top_p,
                                 eos_token_id, pad_token_id, attention_mask)
+    beams = check_beams("generate", settings, num_beams, length_penalty, early_stopping, num_return_sequences)
+    if beams is not None:  # num_beams > 1: its own loop (lightning_peft.nn.beam_search)
+        return beam_search(decoder, input_ids, settings, beams, use_cache)
     return run_generation(decoder, input_ids, settings, generator, use_cache)
 
 

@@ -12,7 +12,8 @@ computed once and reused:
 
 Shapes: one buffer pair per layer, ``keys`` and ``values`` ``(B, Hkv, max_length, D)``, preallocated on the layer's
 first call in the dtype and on the device of its keys (one allocation per generation, no copy of the past per
-step); ``update`` returns the filled prefix ``(B, Hkv, length, D)``, a view.
+step); ``update`` returns the filled prefix ``(B, Hkv, length, D)``, a view. ``reorder`` picks rows of the batch
+(beam search: each beam continues from its parent, `lightning_peft.nn.beam_search`).
 
 The cache is for inference: a forward that would need gradients through it is refused (the buffers are written in
 place, which autograd cannot differentiate through once a later step overwrites them).
@@ -70,6 +71,18 @@ class LayerKVCache:
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
+    def reorder(self, indices: Tensor) -> None:
+        """Keep the cached sequences ``indices`` ``(N,)`` (long, on the buffers' device), in that order: row ``i``
+        becomes old row ``indices[i]`` (beam search: each beam continues from its parent; ``N`` may differ from the
+        batch, to expand each prompt to its beams)."""
+        if self.keys is None:
+            return
+        if indices.shape[0] == self.keys.shape[0]:  # in place: the same buffers, only the filled prefix copied
+            self.keys[:, :, : self.length] = self.keys[:, :, : self.length].index_select(0, indices)
+            self.values[:, :, : self.length] = self.values[:, :, : self.length].index_select(0, indices)
+        else:
+            self.keys, self.values = self.keys.index_select(0, indices), self.values.index_select(0, indices)
+
 
 class KVCache:
     """Keys and values of every attention layer of a decoder, for incremental decoding.
@@ -109,6 +122,12 @@ class KVCache:
         while len(self.layers) <= index:
             self.layers.append(LayerKVCache(self.max_length, len(self.layers)))
         return self.layers[index]
+
+    def reorder(self, indices: Tensor) -> None:
+        """Every layer's cached sequences ``indices`` ``(N,)``, in that order (`LayerKVCache.reorder`); one
+        ``index_select`` on the batch dimension per buffer, as transformers' ``Cache.reorder_cache`` for beams."""
+        for layer in self.layers:
+            layer.reorder(indices)
 
     def __repr__(self) -> str:
         return f"KVCache(max_length={self.max_length}, length={self.length}, layers={len(self.layers)})"
