@@ -157,21 +157,18 @@ class RoutedPath:
         if order is None:  # every token uses one adapter here
             return self._single(x, result, names[0])
         if self.token_features is None:
-            raise ValueError(
-                f"route_adapters(cu_seqlens=...): the packed rows go to adapters {names} at {type(self).__name__} "
-                f"({self.base_layer}), whose input is not one entry per token (a convolution mixes neighbouring "
-                "positions, across row boundaries too), so it cannot take an adapter per token. Route the packed batch "
-                "to one adapter here, leave convolutions out of the adapters' target_modules, or route padded batches "
-                "(one adapter per sample, without cu_seqlens)."
-            )
+            raise ValueError(f"route_adapters(cu_seqlens=...): the packed rows go to adapters {names} at "
+                             f"{type(self).__name__} ({self.base_layer}), whose input is not one entry per token (a "
+                             "convolution mixes neighbouring positions, across rows too). Route the packed batch to one "
+                             "adapter here, leave convolutions out of the adapters' target_modules, or route padded "
+                             "batches (one adapter per sample, without cu_seqlens).")
         tokens = routing.cu_seqlens[-1]
         x2, r2 = x.reshape(tokens, *x.shape[lead:]), result.reshape(tokens, *result.shape[lead:])  # (T, ...)
         xs = x2.index_select(0, order)  # (T_used, ...), sorted by adapter
         updates = torch.cat([self._single(xk, r2.new_zeros(len(xk), *r2.shape[1:]), n)
                              for n, xk in zip(names, xs.split(counts))])
-        if self._may_overwrite(result):
-            return r2.index_add_(0, order, updates).view(result.shape)
-        return r2.index_add(0, order, updates).view(result.shape)
+        add = r2.index_add_ if self._may_overwrite(result) else r2.index_add
+        return add(0, order, updates).view(result.shape)
 
     def _routed(self, x: Tensor, result: Tensor, names: list[str], slots: Tensor, host: list[int]) -> Tensor:
         """The update for a mixed batch; default: one segment per adapter (subclasses batch it). ``slots`` (B,)
