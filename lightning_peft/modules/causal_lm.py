@@ -138,6 +138,9 @@ class TokenLoss(Metric):
         return mean.exp() if self.exponentiate else mean
 
 
+SCRATCH_VOCAB = 30522  # CausalLM's vocabulary without a checkpoint or vocab_size: the MiniLM tokenizer's
+
+
 class CausalLM(LightningModule):
     """Next-token language modelling with `TransformerDecoder`.
 
@@ -149,7 +152,8 @@ class CausalLM(LightningModule):
     (over the whole split, see the module docstring).
 
     Args:
-        vocab_size: Vocabulary size (the tokenizer's); with ``pretrained`` it must equal the checkpoint's.
+        vocab_size: Vocabulary size (the tokenizer's). None (the default): the checkpoint's with ``pretrained``,
+            else 30522 (the MiniLM tokenizer's); given with ``pretrained``, it must equal the checkpoint's.
         decoder: Keyword arguments of `TransformerDecoder` (``hidden_size``, ``num_layers``, ``num_heads``,
             ...); with ``pretrained``, overrides that keep the architecture (``dropout``, ``backend``).
         pretrained: A Llama 2/3.x, Qwen2/2.5, Mistral or Gemma checkpoint directory (see
@@ -176,7 +180,7 @@ class CausalLM(LightningModule):
 
     def __init__(
         self,
-        vocab_size: int = 30522,
+        vocab_size: int | None = None,
         decoder: dict[str, Any] | None = None,
         pretrained: str | None = None,
         learning_rate: float = 1e-3,
@@ -196,7 +200,8 @@ class CausalLM(LightningModule):
                 "inside decoder."
             )
         self.save_hyperparameters()
-        options["vocab_size"] = vocab_size
+        if vocab_size is not None or pretrained is None:
+            options["vocab_size"] = SCRATCH_VOCAB if vocab_size is None else vocab_size
         if pretrained is None:
             self.decoder = TransformerDecoder(**options)
         else:
@@ -216,9 +221,10 @@ class CausalLM(LightningModule):
         """
         datamodule = self.trainer.datamodule  # set up already: Lightning sets the datamodule up first
         tokens = getattr(datamodule, "vocab_size", None)
-        if tokens is not None and tokens > self.hparams.vocab_size:
+        vocab = self.decoder.embed_tokens.num_embeddings  # vocab_size, or the checkpoint's
+        if tokens is not None and tokens > vocab:
             raise ValueError(
-                f"CausalLM(vocab_size={self.hparams.vocab_size}) is smaller than the tokenizer of "
+                f"CausalLM(vocab_size={vocab}) is smaller than the tokenizer of "
                 f"{type(datamodule).__name__}, which has {tokens} tokens; set model.init_args.vocab_size to "
                 f"{tokens}."
             )

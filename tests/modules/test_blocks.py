@@ -386,6 +386,10 @@ def test_pretrained_decoder_is_loaded(tmp_path: Path) -> None:
         torch.testing.assert_close(module(ids), TransformerDecoder.from_pretrained(str(tmp_path))(ids))
     with pytest.raises(ValueError, match=r"weight' has shape \(50, 16\) but the model expects \(60, 16\)"):
         CausalLM(60, pretrained=str(tmp_path))
+    # Without vocab_size the checkpoint's is taken (it used to default to 30522 and refuse every other checkpoint).
+    with torch.no_grad():
+        torch.testing.assert_close(CausalLM(pretrained=str(tmp_path))(ids), module(ids))
+    assert CausalLM(decoder={"hidden_size": 16, "num_layers": 1, "num_heads": 2}).decoder.lm_head.out_features == 30522
 
 
 @pytest.mark.slow
