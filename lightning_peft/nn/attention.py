@@ -200,6 +200,7 @@ class FlashAttention(nn.Module):
         cu_seqlens: Tensor | None = None,
         need_importance: bool | str = False,
         kv_cache: LayerKVCache | None = None,
+        rotary_tables: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend ``x`` (B, L, hidden) to itself (and to the tokens in ``kv_cache``).
 
@@ -214,6 +215,9 @@ class FlashAttention(nn.Module):
             kv_cache: This layer's `lightning_peft.nn.KVCache` slot: ``x`` holds the tokens after the cached ones;
                 their keys and values are appended, the queries attend over all (causal: bottom-right aligned), the
                 mask covers the cached and the new tokens (B, cached + L) and positions default to cached + 0..L-1.
+            rotary_tables: ``(cos, sin)`` float32 (B, 1, L, D), this layer's ``rotary(position_ids)`` computed by
+                the caller (a decoder computes them once per forward for all its layers with the same rotary, as
+                transformers does); None computes them here.
 
         Returns:
             (B, L, hidden_size), or ``(output, importance)`` with importance (B, L) float32 (no gradient).
@@ -228,10 +232,8 @@ class FlashAttention(nn.Module):
         if self.q_norm is not None:  # over each head's D, before rotary (Qwen3, Gemma 3)
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
-            positions = self._positions(batch, length, bounds, x.device) if position_ids is None else position_ids
-            if position_ids is None and past:
-                positions = positions + past  # after the cached tokens
-            cos, sin = self.rotary(positions, q.dtype)  # (B, 1, L, D)
+            cos, sin = (self._rotary_tables(batch, length, bounds, past, position_ids, x.device, q.dtype)
+                        if rotary_tables is None else (t.to(q.dtype) for t in rotary_tables))  # (B, 1, L, D)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)  # (B, Hkv, past + L, D)
@@ -279,6 +281,15 @@ class FlashAttention(nn.Module):
             raise ValueError(f"FlashAttention(softcap={self.softcap}): need_importance computes the attention "
                              "without soft-capping; token pruning needs softcap=None.")
         return batch, length
+
+    def _rotary_tables(self, batch: int, length: int, bounds: list[int] | None, past: int,
+                       position_ids: Tensor | None, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``(cos, sin)`` (B, 1, L, D) in ``dtype`` at ``position_ids``, by default 0..L-1 (per packed sequence)
+        after the ``past`` cached tokens."""
+        positions = self._positions(batch, length, bounds, device) if position_ids is None else position_ids
+        if position_ids is None and past:
+            positions = positions + past  # after the cached tokens
+        return self.rotary(positions, dtype)
 
     @staticmethod
     def _positions(batch: int, length: int, bounds: list[int] | None, device: torch.device) -> Tensor:

@@ -130,7 +130,8 @@ class TransformerBlock(nn.Module):
         """``(F(x), importance)``: the attention branch without its residual (pre-norm: ``attn(norm_1(x))``).
 
         The arguments after ``x`` are `FlashAttention.forward`'s (``key_padding_mask``, ``position_ids``,
-        ``cu_seqlens``, ``need_importance``, ``kv_cache``), passed on as given; ``importance`` is None unless asked.
+        ``cu_seqlens``, ``need_importance``, ``kv_cache``, ``rotary_tables``), passed on as given; ``importance``
+        is None unless asked.
         """
         out = self.attn(self.attn_norm(x) if self.norm_first else x, *args, **kwargs)
         out, importance = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
@@ -164,13 +165,14 @@ class TransformerBlock(nn.Module):
         between: Callable[[Tensor, Tensor | None], Tensor] | None = None,
         need_importance: bool | str = False,
         kv_cache: LayerKVCache | None = None,
+        rotary_tables: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """Both residual sublayers; ``between(x, importance) -> x`` runs between them (token pruning selects the
         tokens there), so the whole block is one call of the module: the hooks that gather its parameters (FSDP2)
-        or move its inputs (a device map) see all of it. ``kv_cache`` (incremental decoding) goes to
-        `FlashAttention.forward`."""
+        or move its inputs (a device map) see all of it. ``kv_cache`` (incremental decoding) and ``rotary_tables``
+        (the rotary ``cos``, ``sin`` a decoder computed once for all its layers) go to `FlashAttention.forward`."""
         x, importance = self.attention_sublayer(x, key_padding_mask, position_ids, cu_seqlens, need_importance,
-                                                kv_cache=kv_cache)
+                                                kv_cache=kv_cache, rotary_tables=rotary_tables)
         if between is not None:
             x = between(x, importance)
         return self.feed_forward_sublayer(x)

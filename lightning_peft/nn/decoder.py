@@ -299,18 +299,44 @@ class TransformerDecoder(nn.Module):
             )
         mask = key_padding_mask(attention_mask, input_ids, "TransformerDecoder", past)
         x = self.embed_tokens(input_ids)
+        tables = self._rotary_tables(input_ids, position_ids, past)
         if not self.reversible:
             for index, layer in enumerate(self.layers):
-                x = layer(x, key_padding_mask=mask, position_ids=position_ids, kv_cache=kv_cache.layer(index))
+                x = layer(x, key_padding_mask=mask, position_ids=position_ids, kv_cache=kv_cache.layer(index),
+                          rotary_tables=tables[index])
             return self.norm(x)
         # The reversible couplings y1 = x1 + F(x2), y2 = x2 + G(y1) of `run_reversible`, run plainly: the cache is
         # inference-only, so there is no backward to save memory for, and each F needs its own layer's cache.
         x1 = x2 = x
         for index, layer in enumerate(self.layers):
-            delta = layer.attention_branch(x2, mask, position_ids, kv_cache=kv_cache.layer(index))[0]
+            delta = layer.attention_branch(x2, mask, position_ids, kv_cache=kv_cache.layer(index),
+                                           rotary_tables=tables[index])[0]
             x1 = x1 + layer.dropout(delta)
             x2 = x2 + layer.dropout(layer.feed_forward_branch(x1))
         return self.norm((x1 + x2) / 2)
+
+    def _rotary_tables(self, input_ids: Tensor, position_ids: Tensor | None,
+                       past: int) -> list[tuple[Tensor, Tensor] | None]:
+        """Each layer's rotary ``(cos, sin)`` float32 (B, 1, L, D), computed once per distinct rotary (base,
+        scaling; Gemma 3 has two) rather than in every layer: what transformers computes once per forward. The
+        positions default to ``past + 0..L-1``, as `FlashAttention` would take them."""
+        batch, length = input_ids.shape
+        if position_ids is not None and tuple(position_ids.shape) != (batch, length):
+            return [None] * len(self.layers)  # each attention refuses the shape, naming it
+        positions = position_ids if position_ids is not None else (
+            torch.arange(past, past + length, device=input_ids.device).expand(batch, length))
+        tables: dict[tuple, tuple[Tensor, Tensor]] = {}
+        layers: list[tuple[Tensor, Tensor] | None] = []
+        for layer in self.layers:
+            rotary = layer.attn.rotary
+            if rotary is None:
+                layers.append(None)
+                continue
+            key = (rotary.head_dim, rotary.base, repr(rotary.scaling))
+            if key not in tables:
+                tables[key] = rotary(positions, torch.float32)
+            layers.append(tables[key])
+        return layers
 
     @classmethod
     def from_pretrained(cls, path: str, **overrides: Any) -> TransformerDecoder:

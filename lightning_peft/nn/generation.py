@@ -232,33 +232,44 @@ def _check_mask(who: str, attention_mask: Tensor | None, batch: int, length: int
 @torch.no_grad()
 def run_generation(decoder: TransformerDecoder, input_ids: Tensor, settings: _Settings,
                    generator: torch.Generator | None, use_cache: bool) -> Tensor:
-    """The decoding loop of `generate` on checked settings (the rule: module docstring)."""
+    """The decoding loop of `generate` on checked settings (the rule: module docstring).
+
+    The tokens, positions and mask of the whole generation are allocated once, ``(B, L + max_new_tokens)``, and each
+    step reads views of them: no per-step concatenation of the growing sequences.
+    """
     batch, length = input_ids.shape
-    mask = settings.mask
-    positions = (torch.arange(length, device=input_ids.device).expand(batch, length) if mask is None
-                 else (mask.long().cumsum(-1) - 1).clamp(min=0))  # (B, L); padding's positions are never read
-    cache = KVCache(length + settings.max_new_tokens) if use_cache and settings.max_new_tokens else None
+    total = length + settings.max_new_tokens
+    tokens = input_ids.new_empty(batch, total)
+    tokens[:, :length] = input_ids
+    positions, mask = _positions_and_mask(settings.mask, batch, length, settings.max_new_tokens, input_ids.device)
+    cache = KVCache(total) if use_cache and settings.max_new_tokens else None
     unfinished = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
-    tokens, step_ids, step_positions = input_ids, input_ids, positions
+    end = length  # tokens[:, :end] are filled
     for _ in range(settings.max_new_tokens):
-        if cache is None:
-            hidden = decoder.hidden_states(tokens, mask, positions)
-        else:
-            hidden = decoder.hidden_states(step_ids, mask, step_positions, kv_cache=cache)
+        start = 0 if cache is None or end == length else end - 1  # the cache holds tokens[:, :end - 1]
+        hidden = decoder.hidden_states(tokens[:, start:end], None if mask is None else mask[:, :end],
+                                       positions[:, start:end], kv_cache=cache)
         logits = decoder.cap_logits(decoder.lm_head(hidden[:, -1:]))[:, -1].float()  # (B, V): the head on the last position only
         new = _next_tokens(logits, settings, generator)  # (B,)
         if settings.stops is not None:
             new = torch.where(unfinished, new, settings.pad)
             unfinished &= ~torch.isin(new, settings.stops)
-        step_ids = new[:, None].to(input_ids.dtype)  # (B, 1)
-        step_positions = step_positions[:, -1:] + 1  # (B, 1)
-        tokens = torch.cat([tokens, step_ids], dim=1)
-        positions = torch.cat([positions, step_positions], dim=1)
-        if mask is not None:
-            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+        tokens[:, end] = new
+        end += 1
         if settings.stops is not None and not bool(unfinished.any()):
             break
-    return tokens
+    return tokens if end == total else tokens[:, :end].clone()
+
+
+def _positions_and_mask(mask: Tensor | None, batch: int, length: int, new: int,
+                        device: torch.device) -> tuple[Tensor, Tensor | None]:
+    """Positions ``(B, L + new)`` (the prompt's, then one more per new token) and the mask ``(B, L + new)`` (new
+    tokens real), or None when every prompt token is real."""
+    if mask is None:
+        return torch.arange(length + new, device=device).expand(batch, length + new), None
+    prompt = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L); padding's positions are never read
+    later = prompt[:, -1:] + torch.arange(1, new + 1, device=device)  # (B, new)
+    return torch.cat([prompt, later], dim=1), torch.cat([mask, mask.new_ones(batch, new)], dim=1)
 
 
 def _next_tokens(logits: Tensor, settings: _Settings, generator: torch.Generator | None) -> Tensor:

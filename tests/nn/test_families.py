@@ -262,3 +262,28 @@ def test_lora_on_a_loaded_qwen2_and_causal_lm(tmp_path):
     lm = CausalLM(vocab_size=VOCAB, pretrained=str(directory)).double().eval()
     with torch.no_grad():
         torch.testing.assert_close(lm(ids, mask)[mask.bool()], base[mask.bool()], rtol=0, atol=1e-12)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads the process's memory map (Linux)")
+def test_from_pretrained_keeps_the_checkpoint_s_mapped_tensors_and_training_leaves_the_file_alone(tmp_path):
+    from safetensors.torch import load_file
+
+    directory = _save(tmp_path, "llama", tie_word_embeddings=True)
+    before = load_file(str(directory / "model.safetensors"))
+    ours = TransformerDecoder.from_pretrained(str(directory))
+    assert ours.lm_head.weight is ours.embed_tokens.weight  # still tied after the parameters were replaced
+    maps = [line.split() for line in Path("/proc/self/maps").read_text().splitlines()]
+    file = str((directory / "model.safetensors").resolve())
+    for name, param in ours.named_parameters():  # each weight in the file's mapping, not a copy
+        ptr = param.data_ptr()
+        assert any(int(m[0].split("-")[0], 16) <= ptr < int(m[0].split("-")[1], 16) and m[-1] == file
+                   for m in maps if len(m) >= 6), name
+    ours(torch.tensor([[1, 2, 3]])).sum().backward()
+    with torch.no_grad():
+        for param in ours.parameters():
+            param -= 0.1 * param.grad  # written in place: a private copy of the page, never the file
+    after = load_file(str(directory / "model.safetensors"))
+    assert all(torch.equal(before[key], after[key]) for key in before)
+    again = TransformerDecoder.from_pretrained(str(directory))
+    assert torch.equal(again.embed_tokens.weight, before["model.embed_tokens.weight"])
+    assert not torch.equal(ours.embed_tokens.weight, before["model.embed_tokens.weight"])

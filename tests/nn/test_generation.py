@@ -246,6 +246,10 @@ def test_cache_refusals() -> None:
     ("qwen3", {"head_dim": 16}),  # q/k norms before the cache
     ("gemma2", {"head_dim": 16, "sliding_window": 4, "query_pre_attn_scalar": 12, "attn_logit_softcapping": 2.0,
                 "final_logit_softcapping": 3.0}),  # soft-capped scores and logits, on the math backend
+    ("gemma3_text", {"head_dim": 16, "sliding_window": 4, "query_pre_attn_scalar": 12, "sliding_window_pattern": 2,
+                     "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}}),
+    # two rotary tables (a base per layer type), each computed once per step and given to its own layers
 ])
 def test_cached_greedy_on_other_families_equals_transformers(tmp_path: Path, family: str, config: dict) -> None:
     from tests.nn.test_families import _save
