@@ -347,6 +347,12 @@ class TransformerDecoder(nn.Module):
             path: A directory with ``config.json`` and weights (sharded or not), or an installed model package.
             **overrides: Constructor arguments that do not change the architecture (``dropout``, ``backend``).
 
+        The weights stay in the checkpoint file's private mapping where their dtype is the model's, as
+        transformers keeps them (faster decoding: 2 MB pages; writes go to private copies, never to the file). So
+        do not overwrite the checkpoint's weight files in place while the model is alive: a rewrite would show
+        through pages not yet written, a truncation would crash on them. This package's own exports write a new
+        file and rename it, which leaves the mapping alone.
+
         Raises:
             ValueError: If the directory or its config is missing, the model type is not one of the families, the
                 config asks for something this decoder does not implement (a rotary scaling type, an activation, a
