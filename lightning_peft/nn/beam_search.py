@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from lightning_peft._checks import integer, real
+from lightning_peft.nn._decode import last_logits, positions_and_mask
 from lightning_peft.nn.decoder import TransformerDecoder
 from lightning_peft.nn.kv_cache import KVCache
 
@@ -131,26 +132,24 @@ def beam_search(decoder: TransformerDecoder, input_ids: Tensor, settings: _Setti
     if settings.max_new_tokens == 0:
         return input_ids.repeat_interleave(repeat, dim=0)
     device, total = input_ids.device, length + settings.max_new_tokens
-    mask = settings.mask
-    positions = (torch.arange(length, device=device).expand(batch, length) if mask is None
-                 else (mask.long().cumsum(-1) - 1).clamp(min=0))  # (B, L); padding's positions are never read
+    positions, mask = positions_and_mask(settings.mask, batch, length, settings.max_new_tokens, device)  # (B, total)
     cache = KVCache(total) if use_cache else None
-    logits = _logits(decoder, input_ids, mask, positions, cache)  # (B, V): the prompts once
+    logits = last_logits(decoder, input_ids, None if mask is None else mask[:, :length], positions[:, :length],
+                         cache)  # (B, V): the prompts once
     rows = torch.arange(batch, device=device).repeat_interleave(k)  # (B * k,): each prompt's row, k times
     if cache is not None:
         cache.reorder(rows)
-    mask = None if mask is None else mask[rows]  # (B * k, L)
-    positions = positions[rows]  # (B * k, L)
+    mask = None if mask is None else mask[rows]  # (B * k, total)
+    positions = positions[rows]  # (B * k, total)
     state = _start(input_ids, k, total, settings.pad)
     with _routed_beams(decoder, batch, k):
         for step in range(settings.max_new_tokens):
             if step:
-                new = state.running[:, :, length + step - 1].reshape(-1, 1)  # (B * k, 1): the beams' last tokens
-                positions = torch.cat([positions, positions[:, -1:] + 1], dim=1)
-                if mask is not None:
-                    mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-                ids = new if cache is not None else state.running[:, :, : length + step].reshape(batch * k, -1)
-                logits = _logits(decoder, ids, mask, positions if cache is None else positions[:, -1:], cache)
+                end = length + step  # tokens so far
+                start = 0 if cache is None else end - 1  # the cache holds all but the beams' last tokens
+                ids = state.running[:, :, start:end].reshape(batch * k, -1)  # (B * k, end - start)
+                logits = last_logits(decoder, ids, None if mask is None else mask[:, :end], positions[:, start:end],
+                                     cache)
             else:
                 logits = logits[rows]
             parents, stop = _step(state, logits, settings, beams, length, length + step, total)
@@ -159,13 +158,6 @@ def beam_search(decoder: TransformerDecoder, input_ids: Tensor, settings: _Setti
             if cache is not None:
                 cache.reorder(parents)  # each beam's row now holds its parent's keys and values
     return _best(state, repeat, length)
-
-
-def _logits(decoder: TransformerDecoder, ids: Tensor, mask: Tensor | None, positions: Tensor,
-            cache: KVCache | None) -> Tensor:
-    """The float32 logits ``(N, V)`` of each row's last position (the head on that position only)."""
-    hidden = decoder.hidden_states(ids, mask, positions, kv_cache=cache)
-    return decoder.cap_logits(decoder.lm_head(hidden[:, -1:]))[:, -1].float()
 
 
 def _start(input_ids: Tensor, k: int, total: int, pad: int | None) -> _State:

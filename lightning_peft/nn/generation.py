@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from lightning_peft._checks import fraction, integer, real
+from lightning_peft.nn._decode import last_logits, positions_and_mask
 from lightning_peft.nn.beam_search import beam_search, check_beams
 from lightning_peft.nn.decoder import TransformerDecoder
 from lightning_peft.nn.kv_cache import KVCache
@@ -241,15 +242,14 @@ def run_generation(decoder: TransformerDecoder, input_ids: Tensor, settings: _Se
     total = length + settings.max_new_tokens
     tokens = input_ids.new_empty(batch, total)
     tokens[:, :length] = input_ids
-    positions, mask = _positions_and_mask(settings.mask, batch, length, settings.max_new_tokens, input_ids.device)
+    positions, mask = positions_and_mask(settings.mask, batch, length, settings.max_new_tokens, input_ids.device)
     cache = KVCache(total) if use_cache and settings.max_new_tokens else None
     unfinished = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
     end = length  # tokens[:, :end] are filled
     for _ in range(settings.max_new_tokens):
         start = 0 if cache is None or end == length else end - 1  # the cache holds tokens[:, :end - 1]
-        hidden = decoder.hidden_states(tokens[:, start:end], None if mask is None else mask[:, :end],
-                                       positions[:, start:end], kv_cache=cache)
-        logits = decoder.cap_logits(decoder.lm_head(hidden[:, -1:]))[:, -1].float()  # (B, V): the head on the last position only
+        logits = last_logits(decoder, tokens[:, start:end], None if mask is None else mask[:, :end],
+                             positions[:, start:end], cache)  # (B, V)
         new = _next_tokens(logits, settings, generator)  # (B,)
         if settings.stops is not None:
             new = torch.where(unfinished, new, settings.pad)
@@ -259,17 +259,6 @@ def run_generation(decoder: TransformerDecoder, input_ids: Tensor, settings: _Se
         if settings.stops is not None and not bool(unfinished.any()):
             break
     return tokens if end == total else tokens[:, :end].clone()
-
-
-def _positions_and_mask(mask: Tensor | None, batch: int, length: int, new: int,
-                        device: torch.device) -> tuple[Tensor, Tensor | None]:
-    """Positions ``(B, L + new)`` (the prompt's, then one more per new token) and the mask ``(B, L + new)`` (new
-    tokens real), or None when every prompt token is real."""
-    if mask is None:
-        return torch.arange(length + new, device=device).expand(batch, length + new), None
-    prompt = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L); padding's positions are never read
-    later = prompt[:, -1:] + torch.arange(1, new + 1, device=device)  # (B, new)
-    return torch.cat([prompt, later], dim=1), torch.cat([mask, mask.new_ones(batch, new)], dim=1)
 
 
 def _next_tokens(logits: Tensor, settings: _Settings, generator: torch.Generator | None) -> Tensor:
